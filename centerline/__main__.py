@@ -1,0 +1,5 @@
+import sys
+
+from centerline.cli import main
+
+sys.exit(main())

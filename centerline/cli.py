@@ -1,0 +1,54 @@
+"""The `centerline` console script: one subcommand per service or tool.
+
+Each entry names the module that implements it; the module is imported only after the
+subcommand is chosen, so `centerline --help` stays instant and a service never pays for
+another's imports (torch, transformers). Every target is `main(argv: list[str]) -> int`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module:function, one-line help). Only implemented commands are listed.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("centerline.bench:main", "run a benchmark and print one JSON object"),
+    "config": ("shared.config:main", "print the resolved configuration as TOML"),
+}
+
+# bench target -> (module:function, one-line help); each prints one JSON object with --json.
+BENCHES: dict[str, tuple[str, str]] = {
+    "wire": ("shared.bench:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
+    "contract": ("shared.bench:bench_contract", "completeness-contract check cost per batch"),
+}
+
+
+def resolve(target: str):
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def usage(table: dict[str, tuple[str, str]], prog: str) -> str:
+    width = max(len(name) for name in table)
+    lines = [f"usage: {prog} <command> [flags]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in sorted(table.items())]
+    return "\n".join(lines)
+
+
+def dispatch(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(table, prog))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}\n\n{usage(table, prog)}", file=sys.stderr)
+        return 2
+    return int(resolve(table[name][0])(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dispatch(COMMANDS, "centerline", sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

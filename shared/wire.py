@@ -1,0 +1,297 @@
+"""Wire format v1 for `rollouts.batches` (DESIGN section 4).
+
+A batch is one msgpack map. Arrays are maps ``{"dtype", "shape", "data"}`` whose ``data``
+is little-endian C-order bytes; per-token arrays of all samples are concatenated and
+``offsets[i]:offsets[i+1]`` selects sample ``i``.
+
+Decoding is done by a small strict msgpack reader instead of ``msgpack.unpackb`` for two
+reasons: array payloads are wrapped as read-only numpy views of the message bytes (no
+copy), and every declared length is checked against the bytes that are actually left
+before anything is allocated, so hostile input costs at most a few times its own size.
+Encoding uses ``msgpack.packb``, which writes the same subset.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field, fields
+
+import msgpack
+import numpy as np
+
+WIRE_VERSION = 1
+MODES = ("selected", "support")
+DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4"), "uint8": np.dtype("u1"), "int64": np.dtype("<i8")}
+
+# Array fields and the dtype each must carry on the wire.
+ARRAY_FIELDS = {
+    "rewards": "float32",
+    "advantages": "float32",
+    "offsets": "int64",
+    "prompt_offsets": "int64",
+    "prompt_ids": "int32",
+    "response_ids": "int32",
+    "sampled_logprobs": "float32",
+    "loss_mask": "uint8",
+    "cand_ids": "int32",
+    "cand_logprobs": "float32",
+}
+SCALAR_FIELDS = {
+    "batch_id": str,
+    "producer": str,
+    "weight_version": int,
+    "mode": str,
+    "k": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+}
+LIST_FIELDS = ("sample_ids", "group_ids")
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid v1 batch. The message names the field and what was found."""
+
+
+@dataclass(slots=True)
+class Batch:
+    """One candidate batch: B samples, N response tokens in all, K candidates per token.
+
+    Array fields are numpy arrays (read-only views of the message bytes after decoding).
+    """
+
+    batch_id: str
+    producer: str
+    weight_version: int
+    mode: str  # "selected": unfiltered sampling, top-K head; "support": full realized support
+    k: int
+    temperature: float
+    top_p: float
+    top_k: int  # -1 = no top-k filter
+    sample_ids: list[str]
+    group_ids: list[str]
+    rewards: np.ndarray  # float32 [B]
+    advantages: np.ndarray  # float32 [B]
+    offsets: np.ndarray  # int64 [B+1], offsets into the per-token arrays
+    prompt_offsets: np.ndarray  # int64 [B+1], offsets into prompt_ids
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [N], sampled tokens
+    sampled_logprobs: np.ndarray  # float32 [N], sampler log-prob of each sampled token
+    loss_mask: np.ndarray  # uint8 [N], 1 = trained position
+    cand_ids: np.ndarray  # int32 [N, K], -1 = empty slot
+    cand_logprobs: np.ndarray  # float32 [N, K], -inf = empty slot
+    v: int = WIRE_VERSION
+    extra: dict = field(default_factory=dict)  # unknown top-level keys, kept for tooling
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    def sample_slice(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name in ARRAY_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class WireLimits:
+    """Upper bounds applied while decoding untrusted bytes."""
+
+    max_message_bytes: int = 256 << 20
+    max_depth: int = 4  # batch map -> array map -> shape list -> int
+    max_map_len: int = 64
+    max_list_len: int = 1 << 20  # sample ids, group ids, shape dims
+    max_str_len: int = 4096
+    max_ndim: int = 2
+
+
+def encode_batch(batch: Batch) -> bytes:
+    """Serialise ``batch`` to wire format v1. Arrays are converted to their wire dtype."""
+    doc: dict = {"v": WIRE_VERSION}
+    for name in SCALAR_FIELDS:
+        doc[name] = getattr(batch, name)
+    doc["temperature"] = float(batch.temperature)
+    doc["top_p"] = float(batch.top_p)
+    for name in LIST_FIELDS:
+        doc[name] = list(getattr(batch, name))
+    for name, dtype in ARRAY_FIELDS.items():
+        arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
+        doc[name] = {"dtype": dtype, "shape": list(arr.shape), "data": memoryview(arr).cast("B")}
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def decode_batch(data: bytes | bytearray | memoryview, *, limits: WireLimits = WireLimits()) -> Batch:
+    """Parse wire format v1. Raises ``WireError`` for anything malformed.
+
+    Array fields of the result are read-only numpy views of ``data``: keep ``data`` alive
+    and unchanged while the batch is in use.
+    """
+    buf = memoryview(data).cast("B")
+    if len(buf) > limits.max_message_bytes:
+        raise WireError(
+            f"message is {len(buf)} bytes, above the decoder limit max_message_bytes="
+            f"{limits.max_message_bytes}; raise WireLimits.max_message_bytes if this is intended"
+        )
+    reader = _Reader(buf, limits)
+    doc = reader.read(0)
+    if reader.pos != len(buf):
+        raise WireError(f"{len(buf) - reader.pos} trailing bytes after the batch map")
+    if not isinstance(doc, dict):
+        raise WireError(f"top level is {type(doc).__name__}, expected a map")
+    return _batch_from_doc(doc)
+
+
+def _batch_from_doc(doc: dict) -> Batch:
+    version = doc.get("v")
+    if version != WIRE_VERSION:
+        raise WireError(f"wire format version {version!r} is not supported; this decoder reads version {WIRE_VERSION}")
+    values: dict = {}
+    for name, kind in SCALAR_FIELDS.items():
+        value = _require(doc, name)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise WireError(f"field {name!r} is {type(value).__name__}, expected {kind.__name__}")
+        values[name] = value
+    for name in LIST_FIELDS:
+        value = _require(doc, name)
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise WireError(f"field {name!r} must be a list of strings")
+        values[name] = value
+    for name, dtype in ARRAY_FIELDS.items():
+        values[name] = _array_from_doc(name, _require(doc, name), dtype)
+    extra = {key: value for key, value in doc.items() if key not in _KNOWN_KEYS}
+    return Batch(**values, extra=extra)
+
+
+_KNOWN_KEYS = {"v", *SCALAR_FIELDS, *LIST_FIELDS, *ARRAY_FIELDS}
+
+
+def _require(doc: dict, name: str):
+    try:
+        return doc[name]
+    except KeyError:
+        raise WireError(f"required field {name!r} is missing") from None
+
+
+def _array_from_doc(name: str, spec, expected_dtype: str) -> np.ndarray:
+    if not isinstance(spec, dict):
+        raise WireError(f"array field {name!r} is {type(spec).__name__}, expected a map with dtype, shape, data")
+    dtype, shape, data = spec.get("dtype"), spec.get("shape"), spec.get("data")
+    if dtype != expected_dtype:
+        raise WireError(f"array field {name!r} has dtype {dtype!r}, expected {expected_dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise WireError(f"array field {name!r} has shape {shape!r}, expected a list of non-negative ints")
+    if not isinstance(data, (bytes, memoryview)):
+        raise WireError(f"array field {name!r} has data of type {type(data).__name__}, expected bin")
+    np_dtype = DTYPES[dtype]
+    count = 1
+    for d in shape:
+        count *= d
+    if count * np_dtype.itemsize != len(data):
+        raise WireError(
+            f"array field {name!r}: shape {shape} of {dtype} needs {count * np_dtype.itemsize} bytes, data has {len(data)}"
+        )
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+
+
+class _Reader:
+    """Strict reader for the msgpack subset used by the wire format (no ext types)."""
+
+    __slots__ = ("buf", "pos", "limits")
+
+    def __init__(self, buf, limits: WireLimits):
+        self.buf = buf
+        self.pos = 0
+        self.limits = limits
+
+    def take(self, n: int):
+        end = self.pos + n
+        if end > len(self.buf):
+            raise WireError(f"truncated message: need {n} bytes at offset {self.pos}, {len(self.buf) - self.pos} left")
+        chunk = self.buf[self.pos : end]
+        self.pos = end
+        return chunk
+
+    def uint(self, n: int) -> int:
+        return int.from_bytes(self.take(n), "big")
+
+    def read(self, depth: int):
+        if depth > self.limits.max_depth:
+            raise WireError(f"nesting deeper than {self.limits.max_depth} levels")
+        if self.pos >= len(self.buf):
+            raise WireError(f"truncated message: expected a value at offset {self.pos}")
+        b = self.buf[self.pos]
+        self.pos += 1
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if 0x80 <= b <= 0x8F:
+            return self.map(b & 0x0F, depth)
+        if 0x90 <= b <= 0x9F:
+            return self.list(b & 0x0F, depth)
+        if 0xA0 <= b <= 0xBF:
+            return self.str(b & 0x1F)
+        if b == 0xC0:
+            return None
+        if b == 0xC2:
+            return False
+        if b == 0xC3:
+            return True
+        if b in (0xC4, 0xC5, 0xC6):
+            return self.take(self.uint(1 << (b - 0xC4)))  # a view of the message, not a copy
+        if b == 0xCA:
+            return struct.unpack(">f", self.take(4))[0]
+        if b == 0xCB:
+            return struct.unpack(">d", self.take(8))[0]
+        if 0xCC <= b <= 0xCF:
+            return self.uint(1 << (b - 0xCC))
+        if 0xD0 <= b <= 0xD3:
+            n = 1 << (b - 0xD0)
+            return int.from_bytes(self.take(n), "big", signed=True)
+        if b in (0xD9, 0xDA, 0xDB):
+            return self.str(self.uint(1 << (b - 0xD9)))
+        if b in (0xDC, 0xDD):
+            return self.list(self.uint(2 if b == 0xDC else 4), depth)
+        if b in (0xDE, 0xDF):
+            return self.map(self.uint(2 if b == 0xDE else 4), depth)
+        raise WireError(f"unsupported msgpack type byte 0x{b:02x} at offset {self.pos - 1}")
+
+    def str(self, n: int) -> str:
+        if n > self.limits.max_str_len:
+            raise WireError(f"string of {n} bytes at offset {self.pos}, above max_str_len={self.limits.max_str_len}")
+        raw = self.take(n)
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireError(f"invalid UTF-8 in string at offset {self.pos - n}: {exc.reason}") from None
+
+    def list(self, n: int, depth: int) -> list:
+        # Every element takes at least one byte, so a count above what is left is a lie.
+        if n > self.limits.max_list_len or n > len(self.buf) - self.pos:
+            raise WireError(f"list of {n} items at offset {self.pos} exceeds the limit or the bytes left")
+        return [self.read(depth + 1) for _ in range(n)]
+
+    def map(self, n: int, depth: int) -> dict:
+        if n > self.limits.max_map_len or 2 * n > len(self.buf) - self.pos:
+            raise WireError(f"map of {n} entries at offset {self.pos} exceeds max_map_len={self.limits.max_map_len} or the bytes left")
+        out = {}
+        for _ in range(n):
+            key = self.read(depth + 1)
+            if not isinstance(key, str):
+                raise WireError(f"map key {key!r} is not a string")
+            out[key] = self.read(depth + 1)
+        return out
+
+
+def replace_arrays(batch: Batch, **arrays) -> Batch:
+    """A copy of ``batch`` with some fields replaced (tests and tools build defects this way)."""
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    values.update(arrays)
+    return Batch(**values)
