@@ -1,0 +1,301 @@
+"""The completeness contract (DESIGN section 5): what a candidate batch must be to be trained on.
+
+Run by the worker before publishing, by the proxy on every response and by the trainer
+before a batch can reach a step. The first defect found raises ``ContractViolation``; the
+batch is then rejected whole. Nothing is padded or repaired.
+
+Every check is a numpy expression over whole ``[N]`` / ``[N, K]`` arrays (no Python loop
+over tokens or candidates), so the contract is cheap enough to run always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+import numpy as np
+
+from shared.wire import ARRAY_FIELDS, DTYPES, MODES, Batch
+
+# Probability-mass tolerance of the contract (DESIGN section 5). Log-probs may exceed 0 by
+# the same amount: log_softmax in float32 can round a near-certain token to a tiny positive.
+MASS_TOL = 1e-5
+LOGPROB_TOL = 1e-5
+
+RULES = {
+    "shape": "shapes, dtypes, offsets or header fields disagree with wire format v1",
+    "bad_token": "a sampled token id is outside [0, vocab)",
+    "bad_candidate": "a candidate id is outside [-1, vocab)",
+    "padding": "an empty slot (id -1) carries a log-prob other than -inf",
+    "non_finite": "a log-prob, reward or advantage is NaN or infinite",
+    "positive_logprob": "a log-prob is above 0",
+    "short_row": "a trained row holds fewer candidates than the contract requires",
+    "duplicate_candidate": "a row lists the same candidate id twice",
+    "row_mass": "a row's candidate probabilities sum to more than 1",
+    "support_mass": "a support-mode row's probabilities do not sum to 1",
+    "sampled_not_in_support": "a support-mode row does not contain the sampled token",
+    "sampled_mismatch": "the sampled token's candidate log-prob differs from sampled_logprobs",
+    "unknown_version": "weight_version is not a version the trainer has published",
+    "stale": "the batch is more than max_staleness versions old",
+    "duplicate_batch": "batch_id was already trained on",
+}
+
+
+class ContractViolation(ValueError):
+    """A batch or response that breaks the contract.
+
+    ``rule`` is a stable short name (a key of ``RULES``); ``sample`` and ``row`` locate the
+    defect (sample index in the batch, token position within that sample's response);
+    ``expected`` and ``found`` are the values compared, where there are any.
+    """
+
+    def __init__(self, rule: str, message: str, *, sample=None, row=None, expected=None, found=None):
+        super().__init__(message)
+        self.rule, self.sample, self.row, self.expected, self.found = rule, sample, row, expected, found
+
+    def to_dict(self) -> dict:
+        return {
+            "rule": self.rule,
+            "message": str(self),
+            "sample": self.sample,
+            "row": self.row,
+            "expected": self.expected,
+            "found": self.found,
+        }
+
+
+def check_batch(
+    batch: Batch,
+    *,
+    vocab_size: int,
+    current_version: int | None = None,
+    max_staleness: int | None = None,
+    seen: Container[str] | None = None,
+) -> None:
+    """Raise ``ContractViolation`` for the first defect of ``batch``; return None if it may be trained on.
+
+    ``current_version`` and ``max_staleness`` enable rule 7, ``seen`` (trained batch ids)
+    rule 8; the worker and the proxy leave them out.
+    """
+    check_shapes(batch)
+    if seen is not None and batch.batch_id in seen:
+        raise ContractViolation(
+            "duplicate_batch", f"batch {batch.batch_id!r} was already trained on; a redelivery is dropped", found=batch.batch_id
+        )
+    if current_version is not None:
+        _check_version(batch.weight_version, current_version, max_staleness)
+    for name in ("rewards", "advantages"):
+        bad = np.flatnonzero(~np.isfinite(getattr(batch, name)))
+        if bad.size:
+            i = int(bad[0])
+            raise ContractViolation(
+                "non_finite",
+                f"{name}[{i}] of sample {batch.sample_ids[i]!r} is {getattr(batch, name)[i]}; expected a finite value "
+                f"(a reward function returned NaN/inf, or a group's std normalisation divided by zero)",
+                sample=i,
+                found=float(getattr(batch, name)[i]),
+            )
+    check_rows(
+        batch.response_ids,
+        batch.sampled_logprobs,
+        batch.loss_mask.astype(bool, copy=False),
+        batch.cand_ids,
+        batch.cand_logprobs,
+        mode=batch.mode,
+        k=batch.k,
+        vocab_size=vocab_size,
+        offsets=batch.offsets,
+    )
+
+
+def check_shapes(batch: Batch) -> None:
+    """Rule 1: dtypes and shapes agree with section 4, offsets are monotone and end at N."""
+
+    def fail(message: str):
+        raise ContractViolation("shape", f"batch {batch.batch_id!r}: {message}")
+
+    for name, dtype in ARRAY_FIELDS.items():
+        arr = getattr(batch, name)
+        if not isinstance(arr, np.ndarray) or arr.dtype != DTYPES[dtype]:
+            fail(f"{name} must be a {dtype} array, found {getattr(arr, 'dtype', type(arr).__name__)}")
+    if batch.mode not in MODES:
+        fail(f"mode is {batch.mode!r}, expected one of {MODES}")
+    if batch.k <= 0:
+        fail(f"k is {batch.k}, expected a positive candidate width")
+    b, n = len(batch.sample_ids), batch.response_ids.shape[0] if batch.response_ids.ndim == 1 else -1
+    if b == 0:
+        fail("the batch holds no samples")
+    if len(batch.group_ids) != b:
+        fail(f"{len(batch.group_ids)} group_ids for {b} sample_ids")
+    expected = {
+        "rewards": (b,),
+        "advantages": (b,),
+        "offsets": (b + 1,),
+        "prompt_offsets": (b + 1,),
+        "response_ids": (n,),
+        "sampled_logprobs": (n,),
+        "loss_mask": (n,),
+        "cand_ids": (n, batch.k),
+        "cand_logprobs": (n, batch.k),
+    }
+    for name, shape in expected.items():
+        if getattr(batch, name).shape != shape:
+            fail(f"{name} has shape {list(getattr(batch, name).shape)}, expected {list(shape)} (B={b}, N={n}, K={batch.k})")
+    if batch.prompt_ids.ndim != 1:
+        fail(f"prompt_ids has shape {list(batch.prompt_ids.shape)}, expected one dimension")
+    for name, total in (("offsets", n), ("prompt_offsets", batch.prompt_ids.shape[0])):
+        offsets = getattr(batch, name)
+        if offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+            fail(f"{name} must rise monotonically from 0 to {total}, found {offsets[:8].tolist()}...{offsets[-1]}")
+    if np.any(batch.loss_mask > 1):
+        fail("loss_mask holds values other than 0 and 1")
+
+
+def _check_version(version: int, current: int, max_staleness: int | None) -> None:
+    if version < 0 or version > current:
+        raise ContractViolation(
+            "unknown_version",
+            f"weight_version {version} is not a published version (trainer is at {current}); "
+            f"the engine reports a version the trainer never sent, check --engine-urls",
+            expected=current,
+            found=version,
+        )
+    if max_staleness is not None and current - version > max_staleness:
+        raise ContractViolation(
+            "stale",
+            f"batch sampled by weights {version} is {current - version} versions old, above "
+            f"--max-staleness {max_staleness}; lower --max-inflight-steps or raise --max-staleness",
+            expected=max_staleness,
+            found=current - version,
+        )
+
+
+def check_rows(
+    response_ids: np.ndarray,
+    sampled_logprobs: np.ndarray,
+    loss_mask: np.ndarray,
+    cand_ids: np.ndarray,
+    cand_logprobs: np.ndarray,
+    *,
+    mode: str,
+    k: int,
+    vocab_size: int,
+    offsets: np.ndarray | None = None,
+) -> None:
+    """Rules 2-5 on the per-token arrays (``[N]``, ``[N, K]``; ``loss_mask`` bool).
+
+    ``offsets`` ([B+1]) only serves to report sample and row; without it ``row`` is the
+    global token index. Used by ``check_batch`` and, on parsed responses, by the proxy.
+    """
+    where = _Locator(offsets)
+    bad = (response_ids < 0) | (response_ids >= vocab_size)
+    if bad.any():
+        i = where.first(bad)
+        raise where.violation("bad_token", i, f"sampled token id {int(response_ids[i])} is outside [0, {vocab_size})", found=int(response_ids[i]))
+
+    empty = cand_ids == -1
+    bad = ((cand_ids < -1) | (cand_ids >= vocab_size)).any(axis=1)
+    if bad.any():
+        i = where.first(bad)
+        col = int(np.flatnonzero((cand_ids[i] < -1) | (cand_ids[i] >= vocab_size))[0])
+        raise where.violation(
+            "bad_candidate", i, f"candidate {col} has id {int(cand_ids[i, col])}, outside [-1, {vocab_size})", found=int(cand_ids[i, col])
+        )
+
+    finite = np.isfinite(cand_logprobs)
+    bad = (empty & (cand_logprobs != -np.inf)).any(axis=1)
+    if bad.any():
+        i = where.first(bad)
+        raise where.violation("padding", i, "an empty slot (id -1) carries a log-prob other than -inf")
+    bad = (~empty & ~finite).any(axis=1) | ~np.isfinite(sampled_logprobs)
+    if bad.any():
+        i = where.first(bad)
+        raise where.violation(
+            "non_finite",
+            i,
+            f"a log-prob is not finite (sampled {float(sampled_logprobs[i])}, candidates "
+            f"{cand_logprobs[i][~empty[i] & ~finite[i]][:4].tolist()}); the sampler or a router produced NaN/inf",
+        )
+    bad = (cand_logprobs > LOGPROB_TOL).any(axis=1) | (sampled_logprobs > LOGPROB_TOL)
+    if bad.any():
+        i = where.first(bad)
+        found = float(max(cand_logprobs[i].max(), sampled_logprobs[i]))
+        raise where.violation("positive_logprob", i, f"log-prob {found} is above 0: these are not log-probabilities", found=found)
+
+    counts = k - empty.sum(axis=1)
+    if mode == "selected":
+        need = min(k, vocab_size)
+        bad = loss_mask & (counts != need)
+        if bad.any():
+            i = where.first(bad)
+            raise where.violation(
+                "short_row", i, f"has {int(counts[i])} candidates, expected {need}" + _short_row_cause(int(counts[i]), need),
+                expected=need, found=int(counts[i]),
+            )  # fmt: skip
+
+    ordered = np.sort(cand_ids, axis=1)
+    bad = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)
+    if bad.any():
+        i = where.first(bad)
+        dup = ordered[i, 1:][(ordered[i, 1:] == ordered[i, :-1]) & (ordered[i, 1:] >= 0)][0]
+        raise where.violation("duplicate_candidate", i, f"candidate id {int(dup)} appears more than once", found=int(dup))
+
+    mass = np.exp(cand_logprobs).sum(axis=1)
+    bad = mass > 1 + MASS_TOL
+    if bad.any():
+        i = where.first(bad)
+        raise where.violation("row_mass", i, f"candidate probabilities sum to {float(mass[i]):.7f}, above 1 + {MASS_TOL}", expected=1.0, found=float(mass[i]))
+
+    match = cand_ids == response_ids[:, None]
+    in_row = match.any(axis=1)
+    if mode == "support":
+        bad = loss_mask & (np.abs(mass - 1) > MASS_TOL)
+        if bad.any():
+            i = where.first(bad)
+            raise where.violation(
+                "support_mass", i, f"support probabilities sum to {float(mass[i]):.7f}, expected 1 within {MASS_TOL}"
+                + (" (empty support: the router probably dropped sampling_logprobs_mode/return_sampling_mask; run `centerline probe`)" if counts[i] == 0 else ""),
+                expected=1.0, found=float(mass[i]),
+            )  # fmt: skip
+        bad = loss_mask & ~in_row
+        if bad.any():
+            i = where.first(bad)
+            raise where.violation("sampled_not_in_support", i, f"sampled token {int(response_ids[i])} is not in the recorded support", found=int(response_ids[i]))
+
+    sampled_cand = np.where(match, cand_logprobs, 0).sum(axis=1)
+    bad = in_row & (np.abs(sampled_cand - sampled_logprobs) > MASS_TOL)
+    if bad.any():
+        i = where.first(bad)
+        raise where.violation(
+            "sampled_mismatch",
+            i,
+            f"sampled token {int(response_ids[i])} has candidate log-prob {float(sampled_cand[i]):.7f} but sampled log-prob "
+            f"{float(sampled_logprobs[i]):.7f}; the two come from different distributions (temperature or filter applied to one only)",
+            expected=float(sampled_logprobs[i]),
+            found=float(sampled_cand[i]),
+        )
+
+
+def _short_row_cause(found: int, need: int) -> str:
+    if found == 0:
+        return ": the upstream returned no top-logprobs; the router probably dropped top_logprobs_num/return_logprob. Run `centerline probe`"
+    if found == 20 and need > 20:
+        return f": the router probably caps top_logprobs at 20; run `centerline probe --k {need}`"
+    return ": the upstream or a router truncated the candidate list; run `centerline probe`"
+
+
+class _Locator:
+    """Turns a global token index into (sample, row) for error reports."""
+
+    def __init__(self, offsets: np.ndarray | None):
+        self.offsets = offsets
+
+    @staticmethod
+    def first(mask: np.ndarray) -> int:
+        return int(np.argmax(mask))
+
+    def violation(self, rule: str, i: int, what: str, **values) -> ContractViolation:
+        if self.offsets is None:
+            return ContractViolation(rule, f"row {i} {what}", row=i, **values)
+        sample = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        row = i - int(self.offsets[sample])
+        return ContractViolation(rule, f"sample {sample} row {row} {what}", sample=sample, row=row, **values)
