@@ -121,7 +121,7 @@ def encode_batch(batch: Batch) -> bytes:
         doc[name] = list(getattr(batch, name))
     for name, dtype in ARRAY_FIELDS.items():
         arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
-        doc[name] = {"dtype": dtype, "shape": list(arr.shape), "data": memoryview(arr).cast("B")}
+        doc[name] = {"dtype": dtype, "shape": list(arr.shape), "data": memoryview(arr.reshape(-1).view(np.uint8))}
     return msgpack.packb(doc, use_bin_type=True)
 
 

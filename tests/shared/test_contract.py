@@ -1,0 +1,239 @@
+"""The completeness contract: each rule, violated alone, is reported by name with its sample and row."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.contract import RULES, ContractViolation, check_batch
+from shared.synth import make_batch
+from shared.wire import replace_arrays
+
+VOCAB = 64
+
+
+def selected(**kw):
+    return make_batch(samples=4, tokens_per_sample=8, k=8, vocab_size=VOCAB, mode="selected", **kw)
+
+
+def support(**kw):
+    return make_batch(samples=4, tokens_per_sample=8, k=8, vocab_size=VOCAB, mode="support", top_k=5, **kw)
+
+
+def violation(batch, **kw) -> ContractViolation:
+    with pytest.raises(ContractViolation) as info:
+        check_batch(batch, vocab_size=kw.pop("vocab_size", VOCAB), **kw)
+    return info.value
+
+
+def edit(batch, name, index, value):
+    arr = np.array(getattr(batch, name))
+    arr[index] = value
+    return replace_arrays(batch, **{name: arr})
+
+
+def row_of(sample, row, tokens_per_sample=8):
+    return sample * tokens_per_sample + row
+
+
+@pytest.mark.parametrize("make", [selected, support])
+def test_valid_batches_pass(make):
+    check_batch(make(), vocab_size=VOCAB, current_version=0, max_staleness=0, seen=set())
+
+
+def test_rows_with_fewer_than_k_candidates_pass_when_vocab_is_smaller_than_k():
+    batch = make_batch(samples=2, tokens_per_sample=5, k=128, vocab_size=40)
+    assert (batch.cand_ids >= 0).sum(axis=1).tolist() == [40] * 10
+    check_batch(batch, vocab_size=40)
+
+
+def test_truncated_row_in_selected_mode_is_short_row():
+    batch = make_batch(samples=4, tokens_per_sample=8, k=128, vocab_size=256)
+    i = row_of(2, 5)
+    ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
+    ids[i, 37:], lps[i, 37:] = -1, -np.inf
+    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps), vocab_size=256)
+    assert (err.rule, err.sample, err.row, err.expected, err.found) == ("short_row", 2, 5, 128, 37)
+    assert str(err).startswith("sample 2 row 5 has 37 candidates, expected 128: the upstream or a router truncated")
+
+
+def test_exactly_twenty_candidates_when_k_is_128_blames_the_router_cap():
+    batch = make_batch(samples=1, tokens_per_sample=3, k=128, vocab_size=256)
+    ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
+    ids[:, 20:], lps[:, 20:] = -1, -np.inf
+    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=np.array([0, 1, 1], np.uint8)), vocab_size=256)
+    assert (err.rule, err.sample, err.row, err.expected, err.found) == ("short_row", 0, 1, 128, 20)
+    assert "the router probably caps top_logprobs at 20; run `centerline probe --k 128`" in str(err)
+
+
+def test_empty_slots_are_allowed_in_untrained_rows():
+    batch = selected()
+    i = row_of(1, 3)
+    ids, lps, mask = np.array(batch.cand_ids), np.array(batch.cand_logprobs), np.array(batch.loss_mask)
+    ids[i, :], lps[i, :], mask[i] = -1, -np.inf, 0
+    check_batch(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=mask), vocab_size=VOCAB)
+
+
+def test_duplicate_candidate_is_named():
+    batch = selected()
+    i = row_of(3, 2)
+    ids = np.array(batch.cand_ids)
+    ids[i, 6] = ids[i, 1]
+    err = violation(replace_arrays(batch, cand_ids=ids))
+    assert (err.rule, err.sample, err.row, err.found) == ("duplicate_candidate", 3, 2, int(ids[i, 1]))
+
+
+@pytest.mark.parametrize(
+    "name, index, value",
+    [
+        ("sampled_logprobs", row_of(1, 4), np.nan),
+        ("cand_logprobs", (row_of(2, 0), 3), np.nan),
+        ("cand_logprobs", (row_of(0, 7), 0), np.inf),
+        ("cand_logprobs", (row_of(3, 1), 2), -np.inf),  # a real candidate with -inf
+    ],
+)
+def test_non_finite_logprob_is_named_with_its_row(name, index, value):
+    batch = edit(selected(), name, index, value)
+    i = index[0] if isinstance(index, tuple) else index
+    err = violation(batch)
+    assert (err.rule, err.sample, err.row) == ("non_finite", i // 8, i % 8)
+
+
+@pytest.mark.parametrize("name", ["rewards", "advantages"])
+def test_non_finite_reward_or_advantage_names_the_sample(name):
+    err = violation(edit(selected(), name, 2, np.nan))
+    assert (err.rule, err.sample, err.row) == ("non_finite", 2, None)
+    assert f"{name}[2]" in str(err)
+
+
+def test_padding_with_a_logprob_is_rejected():
+    batch = selected()
+    i = row_of(1, 1)
+    ids, mask = np.array(batch.cand_ids), np.array(batch.loss_mask)
+    ids[i, 7], mask[i] = -1, 0  # the slot claims to be empty but still carries a log-prob
+    err = violation(replace_arrays(batch, cand_ids=ids, loss_mask=mask))
+    assert (err.rule, err.sample, err.row) == ("padding", 1, 1)
+
+
+def test_positive_logprob_is_rejected():
+    err = violation(edit(selected(), "cand_logprobs", (row_of(2, 6), 4), 0.5))
+    assert (err.rule, err.sample, err.row, err.found) == ("positive_logprob", 2, 6, 0.5)
+
+
+def test_row_mass_above_one_is_rejected():
+    batch = selected()
+    i = row_of(0, 2)
+    lps = np.array(batch.cand_logprobs)
+    lps[i] = np.log(np.full(8, 0.2, np.float32))  # mass 1.6
+    lps[i, 0] = batch.sampled_logprobs[i] if batch.cand_ids[i, 0] == batch.response_ids[i] else lps[i, 0]
+    err = violation(replace_arrays(batch, cand_logprobs=lps))
+    assert (err.rule, err.sample, err.row, err.expected) == ("row_mass", 0, 2, 1.0)
+    assert err.found == pytest.approx(float(np.exp(lps[i]).sum()), rel=1e-6)
+
+
+def test_support_mass_not_one_is_rejected():
+    batch = support()
+    i = row_of(3, 3)
+    lps, slp = np.array(batch.cand_logprobs), np.array(batch.sampled_logprobs)
+    lps[i, :5] -= 0.01  # mass 0.990; keep sampled log-prob consistent so only the mass is wrong
+    slp[i] -= 0.01
+    err = violation(replace_arrays(batch, cand_logprobs=lps, sampled_logprobs=slp))
+    assert (err.rule, err.sample, err.row) == ("support_mass", 3, 3)
+    assert err.found == pytest.approx(np.exp(-0.01), abs=1e-6)
+
+
+def test_empty_support_blames_dropped_support_fields():
+    batch = support()
+    ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
+    ids[:], lps[:] = -1, -np.inf
+    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps))
+    assert (err.rule, err.sample, err.row, err.found) == ("support_mass", 0, 0, 0.0)
+    assert "dropped sampling_logprobs_mode/return_sampling_mask" in str(err)
+
+
+def test_sampled_token_outside_support_is_rejected():
+    batch = support()
+    i = row_of(2, 4)
+    outside = next(v for v in range(VOCAB) if v not in batch.cand_ids[i])
+    err = violation(edit(batch, "response_ids", i, outside))
+    assert (err.rule, err.sample, err.row, err.found) == ("sampled_not_in_support", 2, 4, outside)
+
+
+def test_sampled_token_outside_the_head_is_fine_in_selected_mode():
+    batch = selected()
+    i = row_of(1, 0)
+    outside = next(v for v in range(VOCAB) if v not in batch.cand_ids[i])
+    batch = edit(edit(batch, "response_ids", i, outside), "sampled_logprobs", i, -9.0)
+    check_batch(batch, vocab_size=VOCAB)
+
+
+def test_sampled_logprob_mismatch_is_rejected():
+    batch = selected()
+    i = row_of(2, 2)
+    err = violation(edit(batch, "sampled_logprobs", i, batch.sampled_logprobs[i] - 1e-3))
+    assert (err.rule, err.sample, err.row) == ("sampled_mismatch", 2, 2)
+    assert err.expected == pytest.approx(float(batch.sampled_logprobs[i]) - 1e-3, abs=1e-6)
+
+
+def test_sampled_logprob_within_tolerance_passes():
+    batch = selected()
+    i = row_of(2, 2)
+    check_batch(edit(batch, "sampled_logprobs", i, batch.sampled_logprobs[i] - 5e-6), vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    "name, index, value, rule",
+    [("response_ids", row_of(0, 3), VOCAB, "bad_token"), ("cand_ids", (row_of(1, 6), 2), VOCAB + 5, "bad_candidate"), ("cand_ids", (row_of(1, 6), 2), -7, "bad_candidate")],
+)
+def test_ids_outside_the_vocabulary_are_rejected(name, index, value, rule):
+    i = index[0] if isinstance(index, tuple) else index
+    err = violation(edit(selected(), name, index, value))
+    assert (err.rule, err.sample, err.row, err.found) == (rule, i // 8, i % 8, value)
+
+
+def test_stale_batch_is_rejected_with_the_age():
+    err = violation(selected(weight_version=3), current_version=6, max_staleness=2)
+    assert (err.rule, err.expected, err.found) == ("stale", 2, 3)
+    check_batch(selected(weight_version=4), vocab_size=VOCAB, current_version=6, max_staleness=2)
+
+
+@pytest.mark.parametrize("version", [-1, 7])
+def test_unknown_version_is_rejected(version):
+    err = violation(selected(weight_version=version), current_version=6, max_staleness=2)
+    assert (err.rule, err.found) == ("unknown_version", version)
+
+
+def test_duplicate_batch_is_rejected():
+    err = violation(selected(batch_id="b-17"), seen={"b-17"})
+    assert (err.rule, err.found) == ("duplicate_batch", "b-17")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: replace_arrays(b, offsets=np.array([0, 8, 4, 24, 32])), "offsets must rise monotonically"),
+        (lambda b: replace_arrays(b, offsets=np.array([0, 8, 16, 24, 31])), "offsets must rise monotonically from 0 to 32"),
+        (lambda b: replace_arrays(b, cand_ids=b.cand_ids[:, :7], cand_logprobs=b.cand_logprobs[:, :7]), "cand_ids has shape [32, 7], expected [32, 8]"),
+        (lambda b: replace_arrays(b, rewards=b.rewards[:3]), "rewards has shape [3], expected [4]"),
+        (lambda b: replace_arrays(b, cand_ids=b.cand_ids.astype(np.int64)), "cand_ids must be a int32 array, found int64"),
+        (lambda b: replace_arrays(b, mode="full"), "mode is 'full'"),
+        (lambda b: replace_arrays(b, group_ids=["g"]), "1 group_ids for 4 sample_ids"),
+        (lambda b: replace_arrays(b, loss_mask=np.full(32, 2, np.uint8)), "loss_mask holds values other than 0 and 1"),
+        (lambda b: replace_arrays(b, prompt_offsets=np.array([0, 3, 6, 9, 13])), "prompt_offsets must rise monotonically from 0 to 12"),
+    ],
+)
+def test_shape_defects_are_rule_shape(change, message):
+    err = violation(change(selected()))
+    assert err.rule == "shape"
+    assert message in str(err)
+
+
+def test_every_rule_is_documented():
+    assert set(RULES) >= {"shape", "short_row", "non_finite", "duplicate_candidate", "support_mass", "sampled_mismatch", "stale", "duplicate_batch"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(["selected", "support"]), st.integers(1, 40), st.integers(2, 300))
+def test_batches_from_real_distributions_pass(seed, mode, k, vocab):
+    top_k = min(k, vocab) if mode == "support" else -1
+    check_batch(make_batch(samples=3, tokens_per_sample=4, k=k, vocab_size=vocab, mode=mode, top_k=top_k, seed=seed), vocab_size=vocab)

@@ -1,0 +1,186 @@
+"""Wire format v1: exact round trips, zero-copy decoding, and a typed error for every malformed input."""
+
+import resource
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.synth import make_batch
+from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch
+
+
+def assert_same_batch(a: Batch, b: Batch) -> None:
+    for name in ("batch_id", "producer", "weight_version", "mode", "k", "temperature", "top_p", "top_k", "sample_ids", "group_ids", "v"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name, dtype in ARRAY_FIELDS.items():
+        x, y = getattr(a, name), getattr(b, name)
+        assert y.dtype == np.dtype(dtype).newbyteorder("<") and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), name  # bit for bit, NaN payloads and -0.0 included
+
+
+@st.composite
+def batches(draw):
+    samples = draw(st.integers(1, 5))
+    lengths = draw(st.lists(st.integers(0, 6), min_size=samples, max_size=samples))
+    prompt_lengths = draw(st.lists(st.integers(0, 4), min_size=samples, max_size=samples))
+    n, p, k = sum(lengths), sum(prompt_lengths), draw(st.integers(1, 6))
+    floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+    def arr(shape, dtype, elements):
+        count = int(np.prod(shape)) if shape else 1
+        return np.array(draw(st.lists(elements, min_size=count, max_size=count)), dtype=dtype).reshape(shape)
+
+    text = st.text(max_size=12)
+    return Batch(
+        batch_id=draw(text),
+        producer=draw(text),
+        weight_version=draw(st.integers(0, 2**40)),
+        mode=draw(st.sampled_from(["selected", "support"])),
+        k=k,
+        temperature=draw(st.floats(0.01, 10)),
+        top_p=draw(st.floats(0.01, 1)),
+        top_k=draw(st.integers(-1, 1000)),
+        sample_ids=draw(st.lists(text, min_size=samples, max_size=samples)),
+        group_ids=draw(st.lists(text, min_size=samples, max_size=samples)),
+        rewards=arr((samples,), np.float32, floats),
+        advantages=arr((samples,), np.float32, floats),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        prompt_offsets=np.concatenate([[0], np.cumsum(prompt_lengths)]).astype(np.int64),
+        prompt_ids=arr((p,), np.int32, st.integers(-(2**31), 2**31 - 1)),
+        response_ids=arr((n,), np.int32, st.integers(-(2**31), 2**31 - 1)),
+        sampled_logprobs=arr((n,), np.float32, floats),
+        loss_mask=arr((n,), np.uint8, st.integers(0, 1)),
+        cand_ids=arr((n, k), np.int32, st.integers(-1, 300)),
+        cand_logprobs=arr((n, k), np.float32, floats),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_random_batches_round_trip_bit_for_bit(batch):
+    assert_same_batch(batch, decode_batch(encode_batch(batch)))
+
+
+def test_decoded_arrays_are_read_only_views_of_the_message():
+    data = encode_batch(make_batch(samples=3, tokens_per_sample=5, k=4))
+    batch = decode_batch(data)
+    assert not batch.cand_logprobs.flags.writeable
+    assert not batch.cand_logprobs.flags.owndata
+    start = data.find(batch.cand_logprobs.tobytes())
+    assert batch.cand_logprobs.ctypes.data == np.frombuffer(data, np.uint8).ctypes.data + start
+
+
+def test_unknown_top_level_keys_are_ignored_and_kept():
+    doc = msgpack.unpackb(encode_batch(make_batch()))
+    doc["future_field"] = {"nested": [1, 2]}
+    batch = decode_batch(msgpack.packb(doc))
+    assert batch.extra == {"future_field": {"nested": [1, 2]}}
+    assert_same_batch(make_batch(), batch)
+
+
+def test_other_version_is_rejected_naming_both_versions():
+    doc = msgpack.unpackb(encode_batch(make_batch()))
+    doc["v"] = 2
+    with pytest.raises(WireError, match=r"version 2 is not supported; this decoder reads version 1"):
+        decode_batch(msgpack.packb(doc))
+
+
+def _doc():
+    return msgpack.unpackb(encode_batch(make_batch(samples=2, tokens_per_sample=3, k=4)))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.pop("cand_ids"), r"required field 'cand_ids' is missing"),
+        (lambda d: d.update(k="8"), r"field 'k' is str, expected int"),
+        (lambda d: d.update(k=True), r"field 'k' is bool, expected int"),
+        (lambda d: d.update(sample_ids=["a", 3]), r"'sample_ids' must be a list of strings"),
+        (lambda d: d["cand_ids"].update(dtype="float32"), r"'cand_ids' has dtype 'float32', expected 'int32'"),
+        (lambda d: d["cand_ids"].update(dtype="complex128"), r"'cand_ids' has dtype 'complex128'"),
+        (lambda d: d["offsets"].update(shape=[4]), r"'offsets': shape \[4\] of int64 needs 32 bytes, data has 24"),
+        (lambda d: d["offsets"].update(shape=[-3]), r"'offsets' has shape \[-3\]"),
+        (lambda d: d["rewards"].update(data=b"\0" * 7), r"'rewards': shape \[2\] of float32 needs 8 bytes, data has 7"),
+        (lambda d: d["rewards"].update(data="text"), r"'rewards' has data of type str, expected bin"),
+        (lambda d: d.update(rewards=[1.0, 2.0]), r"'rewards' is list, expected a map"),
+    ],
+)
+def test_malformed_fields_raise_wire_error_naming_the_field(mutate, message):
+    doc = _doc()
+    mutate(doc)
+    with pytest.raises(WireError, match=message):
+        decode_batch(msgpack.packb(doc, use_bin_type=True))
+
+
+def test_every_truncation_raises_wire_error():
+    data = encode_batch(make_batch(samples=2, tokens_per_sample=3, k=4))
+    for cut in range(len(data)):
+        with pytest.raises(WireError):
+            decode_batch(data[:cut])
+
+
+def test_trailing_bytes_are_rejected():
+    with pytest.raises(WireError, match="1 trailing bytes"):
+        decode_batch(encode_batch(make_batch()) + b"\xc0")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\xc6\xff\xff\xff\xf0", r"truncated message: need 4294967280 bytes"),  # bin32 claiming ~4 GiB
+        (b"\xdd\xff\xff\xff\xff", r"list of 4294967295 items"),
+        (b"\xdf\x7f\xff\xff\xff", r"map of 2147483647 entries"),
+        (b"\xdb\x00\x10\x00\x00" + b"a" * 10, r"string of 1048576 bytes"),
+        (b"\x91" * 64 + b"\xc0", r"nesting deeper than 4 levels"),
+        (b"\xc7\x01\x05\x00", r"unsupported msgpack type byte 0xc7"),  # ext type
+        (b"\x81\x01\x02", r"map key 1 is not a string"),
+        (b"\x81\xa1\xff\xc0", r"invalid UTF-8"),
+        (b"\x92\x01\x02", r"top level is list, expected a map"),
+        (b"", r"truncated message"),
+    ],
+)
+def test_hostile_headers_raise_wire_error(data, message):
+    with pytest.raises(WireError, match=message):
+        decode_batch(data)
+
+
+def test_message_above_size_limit_is_rejected_naming_the_limit():
+    data = encode_batch(make_batch())
+    with pytest.raises(WireError, match=r"max_message_bytes=100"):
+        decode_batch(data, limits=WireLimits(max_message_bytes=100))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_raise_only_wire_error(data):
+    try:
+        decode_batch(data)
+    except WireError:
+        pass  # the only acceptable failure
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_corrupted_valid_messages_raise_only_wire_error(data):
+    message = bytearray(encode_batch(make_batch(samples=2, tokens_per_sample=3, k=4)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        message[data.draw(st.integers(0, len(message) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        decode_batch(bytes(message))
+    except WireError:
+        pass  # corrupting array bytes can still leave a well-formed batch
+
+
+def test_hostile_declared_lengths_allocate_nothing_large():
+    # Every length field claims ~4 GiB; the decoder must notice before allocating.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for header in (b"\xc6", b"\xdb", b"\xdd", b"\xdf"):
+        for _ in range(200):
+            with pytest.raises(WireError):
+                decode_batch(header + struct.pack(">I", 0xFFFFFFF0) + b"\0" * 16)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 16 * 1024  # peak RSS grew by under 16 MiB (it would be GiBs if allocated)
