@@ -14,12 +14,15 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("centerline.bench:main", "run a benchmark and print one JSON object"),
     "config": ("shared.config:main", "print the resolved configuration as TOML"),
+    "init-model": ("engine.model_init:main", "write the default small byte-level model as an HF directory"),
+    "engine": ("engine.server:main", "serve a model with the SGLang HTTP protocol on the CPU"),
 }
 
 # bench target -> (module:function, one-line help); each prints one JSON object with --json.
 BENCHES: dict[str, tuple[str, str]] = {
     "wire": ("shared.bench:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
     "contract": ("shared.bench:bench_contract", "completeness-contract check cost per batch"),
+    "engine": ("engine.bench:bench_engine", "embedded engine tokens/s at concurrency 1 and 16 vs a plain loop"),
 }
 
 
