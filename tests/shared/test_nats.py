@@ -1,0 +1,306 @@
+"""NATS JetStream against a real nats-server: streams, publication, dedup, splitting, durability, work queue."""
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from shared import names
+from shared.contract import check_batch
+from shared.nats import (
+    HEADER_ROOM,
+    EmbeddedNats,
+    PayloadTooLargeError,
+    StreamConfigError,
+    StreamLimits,
+    connect,
+    ensure_streams,
+    publish_batch,
+    pull_consumer,
+    select_samples,
+    split_batch,
+)
+from shared.synth import make_batch
+from shared.wire import ARRAY_FIELDS, Batch, decode_batch, encode_batch
+
+VOCAB = 64
+STREAMS = [names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.DLQ_STREAM, names.WEIGHTS_STREAM, names.AUDIT_STREAM]
+
+
+def ragged_batch(lengths: list[int], *, k: int = 8, batch_id: str = "rb") -> Batch:
+    """A valid batch whose sample ``i`` has ``lengths[i]`` response tokens and ``i % 3 + 1`` prompt tokens."""
+    parts = [make_batch(samples=1, tokens_per_sample=n, k=k, vocab_size=VOCAB, seed=i, batch_id=f"{batch_id}-{i}",
+                        prompt_len=i % 3 + 1) for i, n in enumerate(lengths)]  # fmt: skip
+    cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in ARRAY_FIELDS if "offsets" not in name}
+    return dataclasses.replace(
+        parts[0],
+        batch_id=batch_id,
+        sample_ids=[f"{batch_id}:s{i}" for i in range(len(lengths))],
+        group_ids=[f"{batch_id}:g{i // 2}" for i in range(len(lengths))],
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        prompt_offsets=np.concatenate([[0], np.cumsum([i % 3 + 1 for i in range(len(lengths))])]).astype(np.int64),
+        **cat,
+    )
+
+
+def run(coro_fn, server: EmbeddedNats):
+    """Run ``coro_fn(nc, js)`` on a fresh connection with the streams ensured."""
+
+    async def main():
+        nc = await connect(server.url)
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js)
+            return await coro_fn(nc, js)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def sample_payloads(batch: Batch) -> dict[str, bytes]:
+    """Every sample of ``batch`` as bytes, keyed by sample id: equal for equal samples across splits."""
+    one = lambda i: encode_batch(dataclasses.replace(select_samples(batch, [i]), batch_id="x"))  # noqa: E731
+    return {sid: one(i) for i, sid in enumerate(batch.sample_ids)}
+
+
+# ---------------------------------------------------------------------------- select / split (no server)
+
+
+def test_select_samples_rebases_offsets_and_keeps_every_array_of_the_chosen_samples():
+    batch = ragged_batch([3, 0, 5, 2])
+    for picked in (slice(1, 3), [2, 0], slice(None, None, 2)):
+        sub = select_samples(batch, picked)
+        order = list(range(4))[picked] if isinstance(picked, slice) else picked
+        assert sub.sample_ids == [batch.sample_ids[i] for i in order]
+        assert sub.offsets[0] == 0 and sub.prompt_offsets[0] == 0
+        for j, i in enumerate(order):
+            assert np.array_equal(sub.cand_ids[sub.sample_slice(j)], batch.cand_ids[batch.sample_slice(i)])
+            assert np.array_equal(sub.response_ids[sub.sample_slice(j)], batch.response_ids[batch.sample_slice(i)])
+            got = sub.prompt_ids[sub.prompt_offsets[j] : sub.prompt_offsets[j + 1]]
+            assert np.array_equal(got, batch.prompt_ids[batch.prompt_offsets[i] : batch.prompt_offsets[i + 1]])
+            assert sub.rewards[j] == batch.rewards[i] and sub.advantages[j] == batch.advantages[i]
+        check_batch(decode_batch(encode_batch(sub)), vocab_size=VOCAB)
+
+
+def test_select_samples_of_nothing_is_an_empty_valid_batch():
+    sub = select_samples(ragged_batch([2, 3]), slice(1, 1))
+    assert sub.num_samples == 0 and sub.num_tokens == 0 and sub.offsets.tolist() == [0]
+    assert decode_batch(encode_batch(sub)).num_samples == 0
+
+
+def test_a_batch_that_fits_is_one_part_with_its_own_batch_id():
+    batch = ragged_batch([4, 4])
+    parts = split_batch(batch, 1 << 20)
+    assert [(p.batch_id, p.data) for p in parts] == [("rb", encode_batch(batch))]
+
+
+def test_a_batch_over_the_limit_is_split_by_sample_into_parts_that_fit_with_every_sample_once():
+    batch = ragged_batch([30, 5, 17, 0, 44, 9, 23, 12, 1, 38], k=16)
+    whole = len(encode_batch(batch))
+    limit = whole // 3
+    parts = split_batch(batch, limit)
+    assert len(parts) >= 3
+    assert all(len(p.data) <= limit for p in parts)
+    decoded = [decode_batch(p.data) for p in parts]
+    assert [d.batch_id for d in decoded] == [p.batch_id for p in parts]
+    assert [p.batch_id.split("/")[0] for p in parts] == ["rb"] * len(parts)
+    assert sum((d.sample_ids for d in decoded), []) == batch.sample_ids  # each once, in order
+    got = {}
+    for d in decoded:
+        check_batch(d, vocab_size=VOCAB)
+        got.update(sample_payloads(d))
+    assert got == sample_payloads(batch)
+    assert split_batch(batch, limit) == parts  # deterministic, so a re-publish deduplicates
+
+
+def test_a_single_sample_over_the_limit_raises_naming_max_payload():
+    batch = ragged_batch([2, 200, 3], k=16)
+    with pytest.raises(PayloadTooLargeError, match=r"max_payload") as err:
+        split_batch(batch, 8000)
+    assert "rb:s1" in str(err.value) and "8000" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- real server
+
+
+@pytest.mark.integration
+def test_a_published_batch_is_fetched_decoded_checked_and_acked_leaving_nothing_pending(nats_server):
+    batch = make_batch(samples=4, tokens_per_sample=8, k=8, vocab_size=VOCAB, batch_id="b-1")
+
+    async def body(nc, js):
+        [ack] = await publish_batch(js, batch, max_payload=nc.max_payload)
+        assert (ack.stream, ack.seq, ack.duplicate) == (names.ROLLOUTS_STREAM, 1, None)
+        consumer = await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
+        [msg] = await consumer.fetch(1, timeout=5)
+        assert msg.headers[names.MSG_ID_HEADER] == "b-1"
+        got = decode_batch(msg.data)
+        check_batch(got, vocab_size=VOCAB)
+        assert msg.data == encode_batch(batch)
+        await consumer.ack(msg)
+        info = await js.consumer_info(names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
+        assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
+        assert await consumer.fetch(1, timeout=0.2) == []
+
+    run(body, nats_server)
+
+
+@pytest.mark.integration
+def test_the_server_advertises_the_configured_max_payload(tmp_path):
+    with EmbeddedNats(tmp_path, max_payload=3 << 20) as server:
+        assert run(lambda nc, js: asyncio.sleep(0, nc.max_payload), server) == 3 << 20
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
+def test_acked_batches_survive_a_server_restart_byte_for_byte(nats_server, crash):
+    batches = [make_batch(samples=2, tokens_per_sample=5, k=8, vocab_size=VOCAB, seed=i, batch_id=f"r-{i}") for i in range(5)]
+
+    async def publish(nc, js):
+        await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
+        for b in batches:
+            await publish_batch(js, b, max_payload=nc.max_payload)
+
+    run(publish, nats_server)
+    port = nats_server.port
+    nats_server.kill() if crash else nats_server.stop()
+    nats_server.start()
+    assert nats_server.port == port
+
+    async def fetch(nc, js):
+        assert set((await ensure_streams(js)).values()) == {"unchanged"}  # the restarted deployment is the same
+        consumer = await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
+        got = []
+        while len(got) < len(batches) and (msgs := await consumer.fetch(len(batches), timeout=5)):
+            for msg in msgs:
+                got.append(msg.data)
+                await consumer.ack(msg)
+        return got
+
+    assert run(fetch, nats_server) == [encode_batch(b) for b in batches]
+
+
+@pytest.mark.integration
+def test_the_same_batch_id_published_twice_is_stored_once_and_reported_duplicate(nats_server):
+    batch = make_batch(samples=2, tokens_per_sample=4, k=8, vocab_size=VOCAB, batch_id="dup")
+
+    async def body(nc, js):
+        [first] = await publish_batch(js, batch, max_payload=nc.max_payload)
+        [again] = await publish_batch(js, encode_batch(batch), max_payload=nc.max_payload, batch_id="dup")
+        assert (first.seq, first.duplicate) == (1, None)
+        assert (again.seq, again.duplicate) == (1, True)
+        return (await js.stream_info(names.ROLLOUTS_STREAM)).state.messages
+
+    assert run(body, nats_server) == 1
+
+
+@pytest.mark.integration
+def test_a_batch_over_max_payload_is_published_in_parts_and_a_republish_deduplicates_each(tmp_path):
+    batch = ragged_batch([300, 120, 260, 80, 310, 40], k=32)
+    max_payload = len(encode_batch(batch)) // 2
+    with EmbeddedNats(tmp_path, max_payload=max_payload) as server:
+
+        async def body(nc, js):
+            assert nc.max_payload == max_payload
+            acks = await publish_batch(js, batch, max_payload=nc.max_payload)
+            again = await publish_batch(js, batch, max_payload=nc.max_payload)
+            assert len(acks) >= 2 and all(a.duplicate for a in again)
+            consumer = await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
+            msgs = await consumer.fetch(len(acks) + 1, timeout=2)
+            for msg in msgs:
+                await consumer.ack(msg)
+            return [decode_batch(m.data) for m in msgs], [len(m.data) for m in msgs]
+
+        parts, sizes = run(body, server)
+    assert max(sizes) <= max_payload - HEADER_ROOM
+    assert sum((p.sample_ids for p in parts), []) == batch.sample_ids
+
+
+@pytest.mark.integration
+def test_ensuring_the_streams_twice_changes_nothing(nats_server):
+    async def body(nc, js):
+        before = {n: await js.stream_info(n) for n in STREAMS}
+        again = await ensure_streams(js)
+        after = {n: await js.stream_info(n) for n in STREAMS}
+        return before, again, after
+
+    before, again, after = run(body, nats_server)
+    assert again == {n: "unchanged" for n in STREAMS}
+    for n in STREAMS:
+        assert after[n].config == before[n].config
+        assert after[n].created == before[n].created is not None
+
+
+
+@pytest.mark.integration
+def test_the_first_ensure_creates_every_stream_of_the_design(nats_server):
+    async def body(nc, js):
+        return {n: (await js.stream_info(n)).config for n in STREAMS}
+
+    configs = run(body, nats_server)
+    assert configs[names.PROMPTS_STREAM].retention == "workqueue"
+    assert configs[names.ROLLOUTS_STREAM].subjects == [names.ROLLOUTS_SUBJECT]
+    assert configs[names.ROLLOUTS_STREAM].storage == "file"
+    assert configs[names.ROLLOUTS_STREAM].duplicate_window == StreamLimits().duplicate_window
+    assert configs[names.WEIGHTS_STREAM].max_msgs_per_subject == 1
+    assert {c.retention for n, c in configs.items() if n != names.PROMPTS_STREAM} == {"limits"}
+
+
+@pytest.mark.integration
+def test_a_changed_limit_updates_the_stream_in_place_keeping_its_messages(nats_server):
+    async def body(nc, js):
+        await publish_batch(js, make_batch(batch_id="keep"), max_payload=nc.max_payload)
+        changed = await ensure_streams(js, StreamLimits(rollouts_max_age=3600.0, duplicate_window=60.0))
+        info = await js.stream_info(names.ROLLOUTS_STREAM)
+        return changed, info
+
+    changed, info = run(body, nats_server)
+    assert changed[names.ROLLOUTS_STREAM] == "updated" and changed[names.PROMPTS_STREAM] == "updated"
+    assert (info.config.max_age, info.config.duplicate_window, info.state.messages) == (3600.0, 60.0, 1)
+
+
+@pytest.mark.integration
+def test_a_stream_with_another_retention_raises_naming_the_stream_and_field(nats_server):
+    async def body(nc, js):
+        await js.delete_stream(names.AUDIT_STREAM)
+        await js.add_stream(name=names.AUDIT_STREAM, subjects=[names.AUDIT_SUBJECT], retention="workqueue", storage="file")
+        with pytest.raises(StreamConfigError, match=r"stream AUDIT: retention is .*workqueue.*limits"):
+            await ensure_streams(js)
+
+    run(body, nats_server)
+
+
+@pytest.mark.integration
+def test_the_weights_stream_keeps_only_the_last_update(nats_server):
+    async def body(nc, js):
+        for v in range(3):
+            await js.publish(names.WEIGHTS_SUBJECT, b'{"version": %d}' % v)
+        info = await js.stream_info(names.WEIGHTS_STREAM)
+        last = await js.get_last_msg(names.WEIGHTS_STREAM, names.WEIGHTS_SUBJECT)
+        return info.state.messages, last.data
+
+    assert run(body, nats_server) == (1, b'{"version": 2}')
+
+
+@pytest.mark.integration
+def test_a_prompt_task_acked_is_removed_and_one_not_acked_is_redelivered_after_ack_wait(nats_server):
+    async def body(nc, js):
+        for task in (b"task-a", b"task-b"):
+            await js.publish(names.PROMPTS_SUBJECT, task)
+        worker = await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=1.0)
+        first = await worker.fetch(2, timeout=5)
+        assert sorted(m.data for m in first) == [b"task-a", b"task-b"]
+        done = next(m for m in first if m.data == b"task-a")
+        await worker.ack(done)
+        # task-b was not acked: it comes back once ack_wait (1 s) has passed, not before.
+        redelivered = []
+        while not redelivered:
+            redelivered = await worker.fetch(1, timeout=0.5)
+        [again] = redelivered
+        assert (again.data, again.metadata.num_delivered) == (b"task-b", 2)
+        await worker.ack(again)
+        assert await worker.fetch(1, timeout=1.5) == []
+        return (await js.stream_info(names.PROMPTS_STREAM)).state.messages
+
+    assert run(body, nats_server) == 0  # work queue: an acked task is deleted from the stream
