@@ -1,0 +1,1 @@
+"""Tests of trainer_service: loss against a dense oracle, golden figures, distributed step."""

@@ -1,0 +1,308 @@
+"""Score-centering loss and its two baselines (DESIGN section 6).
+
+For a trained position with sampled token ``a``, candidate set ``H`` (the non-empty slots,
+``cand_ids >= 0``), detached advantage ``A``, sampler probabilities ``q_v = exp(cand_logprobs)``,
+``q_a = exp(sampled_logprobs)`` and trainer log-probs ``log p = logits/T - logsumexp(logits/T)``:
+
+    l = -A * ( f(p_a/q_a) * log p_a - sum_{v in H} (q_v * f(p_v/q_v) - alpha * p_v) * log p_v )   (6.1)
+
+with every coefficient detached; ``f`` is 1 (``none``), ``min(r, c)`` (``tis``) or ``r`` on
+``[lo, hi]`` and 0 elsewhere (``mis``). ``selected`` mode models the vocabulary outside ``H``
+with a proportional tail: ``rho = max(1 - Q_H, eps) / max(1 - P_H, eps)``,
+``alpha = rho * f(1/rho)``. ``support`` mode renormalises ``p`` over ``H`` and has no tail.
+The loss is the sum of ``l`` over trained tokens divided by ``token_count``.
+
+Memory: every loss here is linear in trainer log-probs at a few ids per row, so its logit
+gradient is closed-form, ``sum_j c_j e_{id_j} - (sum_j c_j) * softmax``. ``_SparseScoreLoss``
+computes it chunk by chunk straight into the gradient buffer, so besides the logits and
+their gradient nothing of size [N, V] is ever held; REINFORCE and TIS use the same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6  # tail-mass floor of DESIGN section 6
+MODES = ("selected", "support")
+IS_MODES = ("none", "tis", "mis")
+_CHUNK_ELEMENTS = 1 << 22  # default chunk: ~16 MiB of float32 temporaries per chunk
+
+
+class NonFiniteInput(ValueError):
+    """A loss input holds NaN/inf at a trained position. The message names tensor and index."""
+
+
+def score_centering_loss(
+    logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask, *,
+    mode="selected", is_mode="none", temperature=1.0, tis_clip=2.0, mis_low=0.5, mis_high=5.0,
+    token_count=None, chunk_size=None,
+):
+    """Score-centering loss (6.1) and its metrics.
+
+    Shapes: ``logits`` [N, V] (float32/bfloat16/float64, requires grad), ``response_ids`` [N]
+    int, ``sampled_logprobs`` [N] float, ``cand_ids`` [N, K] int (-1 = empty slot),
+    ``cand_logprobs`` [N, K] float (-inf = empty slot), ``advantages`` [N] (per token),
+    ``loss_mask`` [N] bool. Rows with ``loss_mask`` False may hold anything (padding): they
+    contribute exactly 0 to the loss and the gradient. Computation is in float32 (float64
+    for float64 logits). ``token_count`` is the divisor (default: trained tokens here; the
+    trainer passes the global count). ``chunk_size`` is the number of rows per [rows, V]
+    pass (default: about 4M logits per chunk).
+
+    Returns ``(loss, metrics)``; metrics are plain floats, means over the trained tokens of
+    this call (0.0 when there are none):
+    ``sc_correction``: mean ``sum_{v in H} |q_v f(p_v/q_v) - alpha p_v|``, the L1 mass of the
+    centering coefficients (0 when trainer and sampler agree, at ``f = none``);
+    ``sc_train_head_mass``: mean ``P_H`` (in support mode the trainer's un-renormalised mass
+    on the support); ``sc_rollout_head_mass``: mean ``Q_H``; ``sc_tail_ratio``: mean ``rho``
+    (0.0 in support mode, which has no tail); ``sc_importance_weight``: mean ``f(p_a/q_a)``;
+    ``train_rollout_kl``: mean k3 ``r - 1 - log r`` with ``r = p_a/q_a``;
+    ``train_rollout_logprob_abs_diff``: mean ``|log p_a - log q_a|``.
+
+    Raises ``NonFiniteInput`` for a NaN/inf advantage, log-prob or logit of a trained row
+    (``-inf`` in an empty candidate slot is allowed) and ``ValueError`` for bad options,
+    shapes or ids (in support mode the sampled token must be in the support).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+    f = _weight_fn(is_mode, tis_clip, mis_low, mis_high)
+    rows = _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
+                    loss_mask, temperature, chunk_size, with_candidates=True)
+    mask, valid, lse = rows["mask"], rows["valid"], rows["lse"]
+    lq_a, lq_h, z_a, z_h = rows["lq_a"], rows["lq_h"], rows["z_a"], rows["z_h"]
+    q_h = lq_h.exp()  # 0 in empty slots
+
+    if mode == "selected":
+        norm = lse
+    else:
+        in_support = ((rows["cand_ids"] == rows["ids_a"][:, None]) & valid).any(1) | ~mask
+        if not bool(in_support.all()):
+            i = int((~in_support).nonzero()[0, 0])
+            raise ValueError(f"support mode: sampled token response_ids[{i}] = {int(rows['ids_a'][i])} is not "
+                             f"in the recorded support cand_ids[{i}]; the batch violates the support contract")
+        norm = torch.where(valid, z_h, -torch.inf).logsumexp(1)  # renormalise over H
+        norm = torch.where(mask, norm, 0.0)
+    logp_a = z_a - norm
+    logp_h = torch.where(valid, z_h - norm[:, None], -torch.inf)
+    p_h = logp_h.exp()
+    p_head = p_h.sum(1) if mode == "selected" else (norm - lse).exp()
+    q_head = q_h.sum(1)
+    w_a = f((logp_a - lq_a).exp())
+    qf_h = torch.where(valid, q_h * f((logp_h - lq_h).exp()), 0.0)
+    if mode == "selected":
+        rho = (1 - q_head).clamp_min(EPS) / (1 - p_h.sum(1)).clamp_min(EPS)
+        alpha = rho * f(1 / rho)
+        c_h = qf_h - alpha[:, None] * p_h
+    else:
+        rho = torch.zeros_like(q_head)
+        c_h = qf_h
+    c_h = torch.where(valid & mask[:, None], c_h, 0.0)
+    adv = rows["adv"]
+    count = _count(token_count, mask)
+    per_token = -adv * (w_a * logp_a - torch.where(valid, c_h * logp_h, 0.0).sum(1))
+    loss_value = torch.where(mask, per_token, 0.0).sum() / count
+    # d loss / d log p at each id; for support mode the renormaliser's softmax lives on H.
+    coef_a = torch.where(mask, -adv * w_a / count, 0.0)
+    coef_h = adv[:, None] * c_h / count
+    total = coef_a + coef_h.sum(1)
+    if mode == "selected":
+        dense = -total
+    else:
+        dense = torch.zeros_like(total)
+        coef_h = coef_h - total[:, None] * p_h
+    loss = _SparseScoreLoss.apply(logits, loss_value, lse, rows["ids_a"], coef_a, rows["cand_ids"], coef_h,
+                                  dense, mask, float(temperature), rows["chunk"])
+    metrics = _sampled_metrics(logp_a, lq_a, w_a, mask)
+    metrics.update(_mean(c_h.abs().sum(1), mask, "sc_correction"))
+    metrics.update(_mean(p_head, mask, "sc_train_head_mass"))
+    metrics.update(_mean(q_head, mask, "sc_rollout_head_mass"))
+    metrics.update(_mean(rho, mask, "sc_tail_ratio"))
+    return loss, metrics
+
+
+def reinforce_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask, *,
+                   mode="selected", is_mode="none", temperature=1.0, tis_clip=2.0, mis_low=0.5, mis_high=5.0,
+                   token_count=None, chunk_size=None):
+    """Plain policy gradient ``l = -A * log p_a``, same signature, checks and reduction as
+    ``score_centering_loss``; ``mode``/``is_mode`` and candidates are accepted and unused
+    (candidates are still checked). Metrics: the sampled-token ones
+    (``sc_importance_weight`` is 1.0)."""
+    return _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
+                               loss_mask, _weight_fn("none", tis_clip, mis_low, mis_high), temperature,
+                               token_count, chunk_size)
+
+
+def tis_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask, *,
+             mode="selected", is_mode="tis", temperature=1.0, tis_clip=2.0, mis_low=0.5, mis_high=5.0,
+             token_count=None, chunk_size=None):
+    """REINFORCE with a truncated importance weight: ``l = -A * min(p_a/q_a, tis_clip) * log p_a``
+    (weight detached). Same signature, checks and reduction as ``score_centering_loss``."""
+    return _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
+                               loss_mask, _weight_fn("tis", tis_clip, mis_low, mis_high), temperature,
+                               token_count, chunk_size)
+
+
+def _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
+                        f, temperature, token_count, chunk_size):
+    rows = _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
+                    temperature, chunk_size, with_candidates=False)
+    mask, adv = rows["mask"], rows["adv"]
+    logp_a = rows["z_a"] - rows["lse"]
+    w_a = f((logp_a - rows["lq_a"]).exp())
+    count = _count(token_count, mask)
+    loss_value = torch.where(mask, -adv * w_a * logp_a, 0.0).sum() / count
+    coef_a = torch.where(mask, -adv * w_a / count, 0.0)
+    loss = _SparseScoreLoss.apply(logits, loss_value, rows["lse"], rows["ids_a"], coef_a, None, None, -coef_a,
+                                  mask, float(temperature), rows["chunk"])
+    return loss, _sampled_metrics(logp_a, rows["lq_a"], w_a, mask)
+
+
+def _weight_fn(is_mode, tis_clip, mis_low, mis_high):
+    """``f`` of (6.1) on a detached ratio tensor."""
+    if is_mode == "none":
+        return torch.ones_like
+    if is_mode == "tis":
+        if not tis_clip > 0:
+            raise ValueError(f"tis_clip={tis_clip}; it must be > 0 (--score-centering-tis-clip)")
+        return lambda r: r.clamp_max(tis_clip)
+    if is_mode == "mis":
+        if not 0 <= mis_low <= mis_high:
+            raise ValueError(f"mis_low={mis_low}, mis_high={mis_high}; need 0 <= low <= high "
+                             "(--score-centering-mis-low/-high)")
+        return lambda r: torch.where((r >= mis_low) & (r <= mis_high), r, 0.0)
+    raise ValueError(f"is_mode={is_mode!r}; expected one of {IS_MODES} (--score-centering-is)")
+
+
+def _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
+             temperature, chunk_size, *, with_candidates):
+    """Validate inputs and gather everything (6.1) needs, detached, in the compute dtype."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [N, V]")
+    n, vocab = logits.shape
+    k = cand_ids.shape[1] if cand_ids.dim() == 2 else -1
+    for name, t, shape in (("response_ids", response_ids, (n,)), ("sampled_logprobs", sampled_logprobs, (n,)),
+                           ("advantages", advantages, (n,)), ("loss_mask", loss_mask, (n,)),
+                           ("cand_ids", cand_ids, (n, k)), ("cand_logprobs", cand_logprobs, (n, k))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} for logits of shape {(n, vocab)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}; it must be > 0 (--rollout-temperature)")
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    mask = loss_mask.to(torch.bool)
+    ids = response_ids.to(torch.int64)
+    _raise_first("response_ids", mask & ((ids < 0) | (ids >= vocab)), ids, f"a token id in [0, {vocab})", ValueError)
+    _raise_first("advantages", mask & ~torch.isfinite(advantages), advantages)
+    _raise_first("sampled_logprobs", mask & ~torch.isfinite(sampled_logprobs), sampled_logprobs)
+    valid = cand_ids >= 0
+    empty_ok = ~valid & (cand_logprobs == -torch.inf)
+    _raise_first("cand_logprobs", mask[:, None] & ~torch.isfinite(cand_logprobs) & ~empty_ok, cand_logprobs,
+                 "finite (-inf only in empty slots, cand_ids == -1)")
+    if with_candidates:
+        _raise_first("cand_ids", mask[:, None] & (cand_ids >= vocab), cand_ids, f"-1 or a token id < {vocab}", ValueError)
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    ids_a = torch.where(mask, ids, 0)
+    inv_t = 1.0 / float(temperature)
+    with torch.no_grad():
+        lse = torch.empty(n, dtype=dtype, device=logits.device)
+        for s in range(0, n, chunk_size):
+            lse[s:s + chunk_size] = torch.logsumexp(_scaled(logits[s:s + chunk_size], dtype, inv_t), 1)
+        _check_logits(logits, lse, mask)
+        z_a = logits.detach().gather(1, ids_a[:, None]).squeeze(1).to(dtype) * inv_t
+        _raise_first("logits", mask & ~torch.isfinite(z_a), z_a, "finite at the sampled token")
+        out = {"mask": mask, "ids_a": ids_a, "lse": torch.where(mask, lse, 0.0), "z_a": z_a, "chunk": chunk_size,
+               "adv": torch.where(mask, advantages.to(dtype), 0.0),
+               "lq_a": torch.where(mask, sampled_logprobs.to(dtype), 0.0)}
+        if with_candidates:
+            valid = valid & mask[:, None]
+            z_h = logits.detach().gather(1, cand_ids.clamp_min(0).to(torch.int64)).to(dtype) * inv_t
+            _raise_first("logits", valid & ~torch.isfinite(z_h), z_h, "finite at every candidate")
+            out.update(valid=valid, cand_ids=cand_ids, z_h=torch.where(valid, z_h, 0.0),
+                       lq_h=torch.where(valid, cand_logprobs.to(dtype), -torch.inf))
+    return out
+
+
+def _scaled(block, dtype, inv_t):
+    block = block.detach().to(dtype)
+    return block if inv_t == 1.0 else block * inv_t
+
+
+def _check_logits(logits, lse, mask):
+    """A NaN or +inf logit (or an all -inf row) makes its row's logsumexp non-finite."""
+    bad = mask & ~torch.isfinite(lse)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        row = logits[i].detach()
+        j = int((~torch.isfinite(row)).nonzero()[0, 0]) if not bool(torch.isfinite(row).all()) else 0
+        raise NonFiniteInput(f"logits[{i}, {j}] is {float(row[j])} at a trained position (loss_mask[{i}] is True); "
+                             "the trainer model produced a non-finite logit")
+
+
+def _raise_first(name, bad, values, expected="finite", exc=NonFiniteInput):
+    """Raise ``exc`` naming ``name`` and the first index where ``bad`` holds."""
+    if bool(bad.any()):
+        index = tuple(int(x) for x in bad.nonzero()[0])
+        raise exc(f"{name}[{', '.join(map(str, index))}] is {values[index].item()} at a trained position "
+                  f"(loss_mask[{index[0]}] is True); expected {expected}")
+
+
+def _count(token_count, mask):
+    count = int(mask.sum()) if token_count is None else int(token_count)
+    if count < 0:
+        raise ValueError(f"token_count={token_count}; it must be >= 0")
+    return max(count, 1)
+
+
+def _mean(values, mask, name):
+    n = int(mask.sum())
+    return {name: float(torch.where(mask, values, 0.0).sum()) / n if n else 0.0}
+
+
+def _sampled_metrics(logp_a, lq_a, w_a, mask):
+    r = (logp_a - lq_a).exp()
+    out = _mean(w_a, mask, "sc_importance_weight")
+    out.update(_mean(r - 1 - (logp_a - lq_a), mask, "train_rollout_kl"))
+    out.update(_mean((logp_a - lq_a).abs(), mask, "train_rollout_logprob_abs_diff"))
+    return out
+
+
+class _SparseScoreLoss(torch.autograd.Function):
+    """Returns the precomputed detached ``loss_value``; its gradient w.r.t. ``logits`` is
+
+        (1/T) * [ sum_j coef_j e_{id_j} + dense * softmax(logits/T) ]   per row,
+
+    written chunk by chunk into the gradient buffer (the only [N, V] allocation)."""
+
+    @staticmethod
+    def forward(ctx, logits, loss_value, lse, ids_a, coef_a, cand_ids, coef_h, dense, mask, temperature, chunk):
+        ctx.save_for_backward(logits, lse, ids_a, coef_a, dense, mask,
+                              *(() if cand_ids is None else (cand_ids, coef_h)))
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return loss_value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, lse, ids_a, coef_a, dense, mask, *cand = ctx.saved_tensors
+        dtype, inv_t = lse.dtype, 1.0 / ctx.temperature
+        scale = grad_out.to(dtype) * inv_t
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        dense_any = bool((dense != 0).any())
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, logits.shape[0])
+            # Work in place in the gradient buffer when the dtypes agree, else in a chunk.
+            part = grad[s:e] if logits.dtype == dtype else torch.empty((e - s, logits.shape[1]), dtype=dtype)
+            if dense_any:
+                if inv_t == 1.0:
+                    part.copy_(logits[s:e])
+                else:
+                    torch.mul(logits[s:e].to(dtype), inv_t, out=part)
+                part.sub_(lse[s:e, None]).exp_().mul_((dense[s:e] * scale)[:, None])
+                part.masked_fill_(~mask[s:e, None], 0.0)  # padded rows may hold inf/NaN logits
+            else:
+                part.zero_()
+            part.scatter_add_(1, ids_a[s:e, None], (coef_a[s:e] * scale)[:, None])
+            if cand:
+                cand_ids, coef_h = cand
+                part.scatter_add_(1, cand_ids[s:e].clamp_min(0).to(torch.int64), coef_h[s:e] * scale)
+            if part.data_ptr() != grad[s:e].data_ptr():
+                grad[s:e].copy_(part)
+        return grad, None, None, None, None, None, None, None, None, None, None
