@@ -6,8 +6,8 @@
 - ``ensure_streams`` creates the streams of DESIGN section 3; on an existing deployment with
   the same settings it changes nothing.
 - ``publish_batch`` publishes a wire-format batch with ``Nats-Msg-Id = batch_id`` (JetStream
-  drops a re-publish inside the duplicate window), splitting by sample when the encoded
-  batch exceeds the server's ``max_payload``.
+  drops a re-publish inside the duplicate window), split by sample (``shared/split.py``)
+  when the encoded batch exceeds the server's ``max_payload``.
 - ``pull_consumer`` binds a durable pull consumer with explicit acks.
 
 Not here: the batch format (``shared/wire.py``) and the checks (``shared/contract.py``).
@@ -29,10 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import nats
-import numpy as np
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -46,14 +44,11 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError
 
 from shared import names
-from shared.wire import Batch, decode_batch, encode_batch
+from shared.split import Part, split_batch
+from shared.wire import Batch, decode_batch
 
 # Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
 HEADER_ROOM = 4096
-
-
-class PayloadTooLargeError(ValueError):
-    """A single sample cannot fit in one message; the message names ``max_payload``."""
 
 
 class StreamConfigError(RuntimeError):
@@ -61,7 +56,7 @@ class StreamConfigError(RuntimeError):
 
 
 class PublishError(RuntimeError):
-    """JetStream did not store a published message where expected."""
+    """JetStream did not confirm a published message."""
 
 
 # ---------------------------------------------------------------------------- embedded server
@@ -295,7 +290,8 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
 
 
 def _diff_message(stream: str, diffs: dict) -> str:
-    parts = ", ".join(f"{f} is {have!r}, centerline wants {want!r}" for f, (have, want) in diffs.items())
+    show = lambda v: repr(getattr(v, "value", v))  # noqa: E731  (enums by their JetStream spelling)
+    parts = ", ".join(f"{f} is {show(have)}, centerline wants {show(want)}" for f, (have, want) in diffs.items())
     return f"stream {stream}: {parts}"
 
 
@@ -309,132 +305,44 @@ async def connect(url: str, *, name: str | None = None, **options) -> nats.NATS:
 # ---------------------------------------------------------------------------- batches
 
 
-def select_samples(batch: Batch, indices: slice | list[int] | np.ndarray) -> Batch:
-    """The samples ``indices`` of ``batch`` as a new batch, offsets rebased to start at 0.
-
-    A step-1 slice returns views of ``batch``'s per-token arrays; other selections copy.
-    Batch-level fields (``batch_id`` included) are unchanged.
-    """
-    count = batch.num_samples
-    if isinstance(indices, slice) and indices.step in (None, 1):
-        start, stop, _ = indices.indices(count)
-        idx = np.arange(start, max(start, stop))
-        offsets = np.asarray(batch.offsets[start : start + len(idx) + 1], dtype=np.int64)
-        prompt_offsets = np.asarray(batch.prompt_offsets[start : start + len(idx) + 1], dtype=np.int64)
-        tok, prm = slice(int(offsets[0]), int(offsets[-1])), slice(int(prompt_offsets[0]), int(prompt_offsets[-1]))
-        offsets, prompt_offsets = offsets - offsets[0], prompt_offsets - prompt_offsets[0]
-    else:
-        idx = np.arange(count)[indices] if isinstance(indices, slice) else np.asarray(indices, dtype=np.int64)
-        tok, offsets = _gather(np.asarray(batch.offsets, dtype=np.int64), idx)
-        prm, prompt_offsets = _gather(np.asarray(batch.prompt_offsets, dtype=np.int64), idx)
-    return replace(
-        batch,
-        sample_ids=[batch.sample_ids[i] for i in idx.tolist()],
-        group_ids=[batch.group_ids[i] for i in idx.tolist()],
-        rewards=batch.rewards[idx],
-        advantages=batch.advantages[idx],
-        offsets=offsets,
-        prompt_offsets=prompt_offsets,
-        prompt_ids=batch.prompt_ids[prm],
-        response_ids=batch.response_ids[tok],
-        sampled_logprobs=batch.sampled_logprobs[tok],
-        loss_mask=batch.loss_mask[tok],
-        cand_ids=batch.cand_ids[tok],
-        cand_logprobs=batch.cand_logprobs[tok],
-        extra=dict(batch.extra),
-    )
-
-
-def _gather(offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat element indices of the segments ``idx`` of ``offsets``, and the rebased offsets."""
-    starts, lengths = offsets[idx], offsets[idx + 1] - offsets[idx]
-    new_offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=new_offsets[1:])
-    flat = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1], dtype=np.int64)
-    return flat, new_offsets
-
-
-class Part(NamedTuple):
-    batch_id: str  # the Nats-Msg-Id of this message
-    data: bytes  # wire format v1
-
-
-def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
-    """Encode ``batch`` as messages of at most ``max_bytes`` each, splitting by sample.
-
-    A batch that fits is one part with its own ``batch_id``. Otherwise consecutive samples
-    are packed greedily and part ``[a, b)`` gets ``batch_id = f"{batch_id}/{a}-{b}"``: the
-    same batch always splits the same way, so a re-publish deduplicates part by part.
-    Raises ``PayloadTooLargeError`` when a single sample cannot fit.
-    """
-    whole = encode_batch(batch)
-    if len(whole) <= max_bytes:
-        return [Part(batch.batch_id, whole)]
-    cost = _sample_bytes(batch)
-    # Upper bound of what the empty batch's headers can grow by: 10 arrays x (bin header + 2 shape ints) + 2 lists.
-    fixed = len(encode_batch(select_samples(batch, slice(0, 0)))) + 10 * (3 + 2 * 9) + 2 * 4
-    parts, start, size = [], 0, fixed
-    for i, c in enumerate(cost.tolist()):
-        if fixed + c > max_bytes:
-            raise PayloadTooLargeError(
-                f"sample {batch.sample_ids[i]!r} (index {i} of batch {batch.batch_id!r}) needs about {fixed + c} bytes "
-                f"in one message, above the limit of {max_bytes} bytes (the server's max_payload minus "
-                f"{HEADER_ROOM} bytes of headers); raise max_payload in the nats-server config (at most 64MB) "
-                "or send shorter responses or a smaller K"
-            )
-        if size + c > max_bytes:
-            parts.append((start, i))
-            start, size = i, fixed
-        size += c
-    parts.append((start, len(cost)))
-    out = []
-    for a, b in parts:
-        data = encode_batch(replace(select_samples(batch, slice(a, b)), batch_id=f"{batch.batch_id}/{a}-{b}"))
-        assert len(data) <= max_bytes, (a, b, len(data), max_bytes)  # the bound above is an upper bound
-        out.append(Part(f"{batch.batch_id}/{a}-{b}", data))
-    return out
-
-
-def _sample_bytes(batch: Batch) -> np.ndarray:
-    """Encoded bytes each sample adds to a batch (exact for arrays, an upper bound for strings)."""
-    tokens = np.diff(np.asarray(batch.offsets, dtype=np.int64))
-    prompt = np.diff(np.asarray(batch.prompt_offsets, dtype=np.int64))
-    k = batch.cand_ids.shape[1] if batch.cand_ids.ndim == 2 else 0
-    strings = np.array([len(s.encode()) + len(g.encode()) + 10 for s, g in zip(batch.sample_ids, batch.group_ids)])
-    # rewards, advantages (4+4), two offsets (8+8); per token: id, logprob, mask, K ids, K logprobs
-    return 24 + 4 * prompt + tokens * (9 + 8 * k) + strings.astype(np.int64)
-
-
 async def publish_batch(
     js: JetStreamContext,
     batch: Batch | bytes,
     *,
     max_payload: int,
     subject: str = names.ROLLOUTS_SUBJECT,
-    batch_id: str | None = None,
+    batch_id: str | None = None,  # only for bytes
     timeout: float = 10.0,
+    attempts: int = 3,
 ) -> list[PubAck]:
     """Publish a batch with ``Nats-Msg-Id = batch_id`` and wait for each PubAck (acked = fsynced).
 
     ``max_payload`` is the server's (``nc.max_payload``); a larger batch is split by sample
-    (``split_batch``). Bytes are published as they are when they fit and need ``batch_id``.
-    Returns one PubAck per message; ``ack.duplicate`` is True where JetStream already held
-    that id, which is a successful publish, not an error.
+    (``split_batch``). Bytes that fit are published unchanged; their ``batch_id`` is read
+    from them unless given.
+    A publish without PubAck within ``timeout`` is repeated with the same id, ``attempts``
+    times in all, then raises ``PublishError``. Returns one PubAck per message;
+    ``ack.duplicate`` is True where JetStream already held that id, which is a successful
+    publish, not an error.
     """
     limit = max_payload - HEADER_ROOM
     if isinstance(batch, Batch):
         parts = split_batch(batch, limit)
     elif len(batch) <= limit:
-        if batch_id is None:
-            raise ValueError("publish_batch of bytes needs batch_id= (the Nats-Msg-Id)")
-        parts = [Part(batch_id, bytes(batch))]
+        parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
     else:
         parts = split_batch(decode_batch(batch), limit)
     acks = []
     for part in parts:
-        ack = await js.publish(subject, part.data, timeout=timeout, headers={names.MSG_ID_HEADER: part.batch_id})
-        if ack.stream is None or ack.seq is None:
-            raise PublishError(f"no stream stored batch {part.batch_id!r} on {subject!r}: {ack}")
+        for attempt in range(1, attempts + 1):
+            try:
+                ack = await js.publish(subject, part.data, timeout=timeout, headers={names.MSG_ID_HEADER: part.batch_id})
+                break
+            except nats.errors.TimeoutError:
+                # Lost in a reconnect, or stored with the PubAck lost: the same id again is safe either way.
+                if attempt == attempts:
+                    raise PublishError(f"no PubAck for batch {part.batch_id!r} on {subject!r} after {attempts} "
+                                       f"attempts of {timeout}s: is the NATS server reachable?") from None  # fmt: skip
         acks.append(ack)
     return acks
 

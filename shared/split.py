@@ -1,0 +1,116 @@
+"""Splitting a candidate batch by sample, so that each message fits the NATS ``max_payload``.
+
+DESIGN section 3: a message never exceeds the server's ``max_payload``; a producer splits a
+group across messages by sample, and a single sample too large for one message is an error
+that names the setting to raise. The split is deterministic, so a re-published batch
+produces the same message ids and JetStream deduplicates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import numpy as np
+
+from shared.wire import Batch, encode_batch
+
+
+class PayloadTooLargeError(ValueError):
+    """A single sample cannot fit in one message; the message names ``max_payload``."""
+
+
+def select_samples(batch: Batch, indices: slice | list[int] | np.ndarray) -> Batch:
+    """The samples ``indices`` of ``batch`` as a new batch, offsets rebased to start at 0.
+
+    A step-1 slice returns views of ``batch``'s per-token arrays; other selections copy.
+    Batch-level fields (``batch_id`` included) are unchanged.
+    """
+    count = batch.num_samples
+    if isinstance(indices, slice) and indices.step in (None, 1):
+        start, stop, _ = indices.indices(count)
+        idx = np.arange(start, max(start, stop))
+        offsets = np.asarray(batch.offsets[start : start + len(idx) + 1], dtype=np.int64)
+        prompt_offsets = np.asarray(batch.prompt_offsets[start : start + len(idx) + 1], dtype=np.int64)
+        tok, prm = slice(int(offsets[0]), int(offsets[-1])), slice(int(prompt_offsets[0]), int(prompt_offsets[-1]))
+        offsets, prompt_offsets = offsets - offsets[0], prompt_offsets - prompt_offsets[0]
+    else:
+        idx = np.arange(count)[indices] if isinstance(indices, slice) else np.asarray(indices, dtype=np.int64)
+        tok, offsets = _gather(np.asarray(batch.offsets, dtype=np.int64), idx)
+        prm, prompt_offsets = _gather(np.asarray(batch.prompt_offsets, dtype=np.int64), idx)
+    return replace(
+        batch,
+        sample_ids=[batch.sample_ids[i] for i in idx.tolist()],
+        group_ids=[batch.group_ids[i] for i in idx.tolist()],
+        rewards=batch.rewards[idx],
+        advantages=batch.advantages[idx],
+        offsets=offsets,
+        prompt_offsets=prompt_offsets,
+        prompt_ids=batch.prompt_ids[prm],
+        response_ids=batch.response_ids[tok],
+        sampled_logprobs=batch.sampled_logprobs[tok],
+        loss_mask=batch.loss_mask[tok],
+        cand_ids=batch.cand_ids[tok],
+        cand_logprobs=batch.cand_logprobs[tok],
+        extra=dict(batch.extra),
+    )
+
+
+def _gather(offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat element indices of the segments ``idx`` of ``offsets``, and the rebased offsets."""
+    starts, lengths = offsets[idx], offsets[idx + 1] - offsets[idx]
+    new_offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    flat = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1], dtype=np.int64)
+    return flat, new_offsets
+
+
+class Part(NamedTuple):
+    batch_id: str  # the Nats-Msg-Id of this message
+    data: bytes  # wire format v1
+
+
+def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
+    """Encode ``batch`` as messages of at most ``max_bytes`` each, splitting by sample.
+
+    A batch that fits is one part with its own ``batch_id``. Otherwise consecutive samples
+    are packed greedily and part ``[a, b)`` gets ``batch_id = f"{batch_id}/{a}-{b}"``: the
+    same batch always splits the same way, so a re-publish deduplicates part by part.
+    Raises ``PayloadTooLargeError`` when a single sample cannot fit.
+    """
+    whole = encode_batch(batch)
+    if len(whole) <= max_bytes:
+        return [Part(batch.batch_id, whole)]
+    cost = _sample_bytes(batch)
+    # Upper bound of what the empty batch's headers can grow by: 10 arrays x (bin header + 2 shape ints) + 2 lists.
+    fixed = len(encode_batch(select_samples(batch, slice(0, 0)))) + 10 * (3 + 2 * 9) + 2 * 4
+    parts, start, size = [], 0, fixed
+    for i, c in enumerate(cost.tolist()):
+        if fixed + c > max_bytes:
+            raise PayloadTooLargeError(
+                f"sample {batch.sample_ids[i]!r} (index {i} of batch {batch.batch_id!r}) needs about {fixed + c} bytes "
+                f"in one message, above the limit of {max_bytes} bytes per message (the NATS server's max_payload "
+                "less room for headers); raise max_payload in the nats-server config (`centerline nats "
+                "--max-payload`, at most 64MB) or send shorter responses or a smaller K"
+            )
+        if size + c > max_bytes:
+            parts.append((start, i))
+            start, size = i, fixed
+        size += c
+    parts.append((start, len(cost)))
+    out = []
+    for a, b in parts:
+        data = encode_batch(replace(select_samples(batch, slice(a, b)), batch_id=f"{batch.batch_id}/{a}-{b}"))
+        assert len(data) <= max_bytes, (a, b, len(data), max_bytes)  # the bound above is an upper bound
+        out.append(Part(f"{batch.batch_id}/{a}-{b}", data))
+    return out
+
+
+def _sample_bytes(batch: Batch) -> np.ndarray:
+    """Encoded bytes each sample adds to a batch (exact for arrays, an upper bound for strings)."""
+    tokens = np.diff(np.asarray(batch.offsets, dtype=np.int64))
+    prompt = np.diff(np.asarray(batch.prompt_offsets, dtype=np.int64))
+    k = batch.cand_ids.shape[1] if batch.cand_ids.ndim == 2 else 0
+    strings = np.array([len(s.encode()) + len(g.encode()) + 10 for s, g in zip(batch.sample_ids, batch.group_ids)])
+    # rewards, advantages (4+4), two offsets (8+8); per token: id, logprob, mask, K ids, K logprobs
+    return 24 + 4 * prompt + tokens * (9 + 8 * k) + strings.astype(np.int64)
