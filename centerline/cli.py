@@ -17,12 +17,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "nats": ("shared.nats:main", "run the embedded NATS server with JetStream"),
     "init-model": ("engine.model_init:main", "write the default small byte-level model as an HF directory"),
     "engine": ("engine.server:main", "serve a model with the SGLang HTTP protocol on the CPU"),
+    "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
+    "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
 }
 
 # bench target -> (module:function, one-line help); each prints one JSON object with --json.
 BENCHES: dict[str, tuple[str, str]] = {
     "wire": ("shared.bench:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
     "contract": ("shared.bench:bench_contract", "completeness-contract check cost per batch"),
+    "proxy": ("router_proxy.bench:bench_proxy", "proxy req/s and added latency vs direct, audit cost vs orjson parse"),
+    "loss": ("trainer_service.bench:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
     "engine": ("engine.bench:bench_engine", "embedded engine tokens/s at concurrency 1 and 16 vs a plain loop"),
 }
 

@@ -1,0 +1,198 @@
+"""Capability probe: does the upstream return complete candidate sets for the contract?
+
+A canary training request (rewritten exactly as the proxy rewrites real ones) goes through
+the upstream for the configured endpoint and mode at the configured K, and its response is
+audited with the same code as every proxied response. Each step is a named check; the first
+failing one is the cause ("router rejects top_logprobs above 20", "drops
+sampling_logprobs_mode/return_sampling_mask", "truncates candidate rows to 20", ...).
+
+    centerline probe --upstream http://127.0.0.1:30001 --k 128 --endpoint generate --mode selected [--json]
+
+exits 0 when compatible, 1 when not (the cause printed), 2 on bad flags. The proxy runs the
+same ``probe`` at start-up and on GET /capabilities, and is ready only when it passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+import orjson
+
+from router_proxy.audit import audit_body, chat_metas, native_metas
+from router_proxy.rewrite import Contract, rewrite_body
+from shared.contract import ContractViolation
+
+CANARY_TOKENS = 8
+CHAT_TOP_LOGPROBS_CAP = 20  # the PyPI sglang-router rejects chat top_logprobs above this
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class ProbeReport:
+    upstream: str
+    endpoint: str
+    mode: str
+    k: int
+    vocab_size: int | None = None
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def compatible(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def cause(self) -> str | None:
+        return next((c.detail for c in self.checks if not c.ok), None)
+
+    def add(self, name: str, ok: bool, detail: str) -> bool:
+        self.checks.append(Check(name, ok, detail))
+        return ok
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "compatible": self.compatible, "cause": self.cause}
+
+    def table(self) -> str:
+        width = max(len(c.name) for c in self.checks)
+        head = f"upstream {self.upstream}  endpoint {self.endpoint}  mode {self.mode}  K {self.k}  vocab {self.vocab_size}"
+        rows = [f"  {'PASS' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}" for c in self.checks]
+        verdict = "COMPATIBLE" if self.compatible else f"INCOMPATIBLE: {self.cause}"
+        return "\n".join([head, *rows, verdict])
+
+
+async def learn_vocab_size(session: aiohttp.ClientSession, upstream: str) -> int | None:
+    """``vocab_size`` from /model_info or /get_model_info (top level or an hf_config), else None."""
+    for path in ("/model_info", "/get_model_info"):
+        try:
+            async with session.get(upstream + path) as resp:
+                if resp.status != 200:
+                    continue
+                info = orjson.loads(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+            continue
+        for where in (info, info.get("hf_config"), info.get("config")) if isinstance(info, dict) else ():
+            value = where.get("vocab_size") if isinstance(where, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def canary_body(contract: Contract) -> bytes:
+    """A small training request, rewritten to the contract like any proxied one."""
+    if contract.endpoint == "chat":
+        body = {"model": "default", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": CANARY_TOKENS, "ignore_eos": True}
+        return rewrite_body(orjson.dumps(body), "chat", contract)
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": CANARY_TOKENS, "ignore_eos": True}}
+    return rewrite_body(orjson.dumps(body), "generate", contract)
+
+
+async def probe(session: aiohttp.ClientSession, upstream: str, contract: Contract, *, vocab_size: int | None = None) -> ProbeReport:
+    """Run the canary through ``upstream`` and report each check; stops at the first failure."""
+    report = ProbeReport(upstream, contract.endpoint, contract.mode, contract.k)
+    path = "/v1/chat/completions" if contract.endpoint == "chat" else "/generate"
+    try:
+        async with session.post(upstream + path, data=canary_body(contract), headers={"Content-Type": "application/json"}) as resp:
+            status, body = resp.status, await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        report.add("upstream reachable", False, f"cannot reach {upstream}{path}: {exc!r}")
+        return report
+    report.add("upstream reachable", True, f"POST {path} answered {status}")
+
+    report.vocab_size = vocab_size or await learn_vocab_size(session, upstream)
+    if not report.add("vocab size known", report.vocab_size is not None,
+                      f"{report.vocab_size}" if report.vocab_size else "the upstream reports no vocab_size in /model_info or /get_model_info; pass --vocab-size"):  # fmt: skip
+        return report
+
+    if status != 200:
+        text = body[:300].decode(errors="replace")
+        if contract.endpoint == "chat" and contract.k > CHAT_TOP_LOGPROBS_CAP and status in (400, 422):
+            detail = f"router rejects top_logprobs above {CHAT_TOP_LOGPROBS_CAP} (chat top_logprobs={contract.k} answered {status}: {text}); use --rollout-endpoint generate or K <= {CHAT_TOP_LOGPROBS_CAP}"
+        else:
+            detail = f"the canary request was answered {status}: {text}"
+        report.add("request accepted", False, detail)
+        return report
+    report.add("request accepted", True, "200")
+
+    try:
+        doc = orjson.loads(body)
+        metas = chat_metas(doc) if contract.endpoint == "chat" else native_metas(doc)
+    except orjson.JSONDecodeError as exc:
+        report.add("response readable", False, f"the response is not JSON ({exc})")
+        return report
+    except ContractViolation as exc:
+        if exc.rule == "missing_token_ids":
+            report.add("token ids returned", False, "drops token ids on chat: no choices[].meta_info (return_meta_info was dropped), and chat logprobs name tokens by text only")
+        else:
+            report.add("response readable", False, f"{exc.rule}: {exc}")
+        return report
+    report.add("token ids returned", True, "meta_info present" + (" (return_meta_info kept)" if contract.endpoint == "chat" else ""))
+
+    meta = metas[0]
+    if contract.mode == "support":
+        kept = isinstance(meta.get("output_token_sampling_mask"), list) and isinstance(meta.get("output_token_sampling_logprobs"), list)
+        detail = "output_token_sampling_mask and output_token_sampling_logprobs present" if kept else (
+            "drops sampling_logprobs_mode/return_sampling_mask: the response has no output_token_sampling_mask/"
+            "output_token_sampling_logprobs, so filtered rollouts would carry no support")
+    else:
+        kept = isinstance(meta.get("output_top_logprobs"), list)
+        detail = "output_top_logprobs present" if kept else "drops top_logprobs_num/return_logprob: the response has no output_top_logprobs"
+    if not report.add("candidate fields returned", kept, detail):
+        return report
+
+    tokens = len(meta.get("output_token_logprobs") or [])
+    if not report.add("tokens generated", tokens > 0, f"{tokens} tokens" if tokens else "the canary generated no tokens, nothing to check"):
+        return report
+
+    try:
+        result = audit_body(body, endpoint=contract.endpoint, mode=contract.mode, k=contract.k, vocab_size=report.vocab_size)
+    except ContractViolation as exc:
+        report.add("complete candidate sets", False, _cause(exc))
+        return report
+    width = min(contract.k, report.vocab_size) if contract.mode == "selected" else f"<= {contract.k}"
+    report.add("complete candidate sets", True, f"{result.tokens} rows of {width} candidates pass the contract")
+    return report
+
+
+def _cause(exc: ContractViolation) -> str:
+    if exc.rule == "short_row":
+        return f"truncates candidate rows to {exc.found} (expected {exc.expected}): {exc}"
+    if exc.rule == "non_finite":
+        return f"returns non-finite log-probs: {exc}"
+    return f"{exc.rule}: {exc}"
+
+
+def main(argv: list[str]) -> int:
+    """`centerline probe`: check an SGLang server or router against the candidate contract."""
+    parser = argparse.ArgumentParser(prog="centerline probe", description=main.__doc__)
+    parser.add_argument("--upstream", required=True, help="SGLang router or server URL, e.g. http://127.0.0.1:30001")
+    parser.add_argument("--k", type=int, default=128, help="candidates per token (--rollout-top-logprobs-num)")
+    parser.add_argument("--endpoint", choices=("generate", "chat"), default="generate")
+    parser.add_argument("--mode", choices=("selected", "support"), default="selected")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None, help="top-k filter; support mode defaults to K")
+    parser.add_argument("--vocab-size", type=int, default=None, help="when the upstream does not report it")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the canary request")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    args = parser.parse_args(argv)
+    if args.k <= 0:
+        parser.error("--k must be positive")
+    top_k = args.top_k if args.top_k is not None else (args.k if args.mode == "support" else -1)
+    contract = Contract(args.k, args.temperature, args.top_p, top_k, args.mode, args.endpoint)
+    report = asyncio.run(_probe_once(args.upstream.rstrip("/"), contract, args.vocab_size, args.timeout))
+    print(orjson.dumps(report.to_dict()).decode() if args.json else report.table())
+    return 0 if report.compatible else 1
+
+
+async def _probe_once(upstream: str, contract: Contract, vocab_size: int | None, timeout: float) -> ProbeReport:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        return await probe(session, upstream, contract, vocab_size=vocab_size)

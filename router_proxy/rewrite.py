@@ -1,0 +1,157 @@
+"""Training requests rewritten to the candidate contract (DESIGN section 7).
+
+The proxy owns the log-prob fields of a training request: whatever the client sent for them
+is replaced by what the configured contract needs. Sampling settings that would change the
+distribution the trainer assumes (another temperature, min-p, penalties, constrained
+decoding, streaming that cannot be audited) are refused with ``RequestRejected``, which
+names the field; the server turns it into HTTP 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from shared.config import Config
+
+SGLANG_TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter" default
+
+# The log-prob fields the proxy sets or removes; a client's value for them never reaches the upstream.
+NATIVE_OWNED = ("return_logprob", "top_logprobs_num", "return_sampling_mask", "sampling_logprobs_mode")
+CHAT_OWNED = ("logprobs", "top_logprobs", "return_meta_info", "return_sampling_mask", "sampling_logprobs_mode")
+
+
+class RequestRejected(ValueError):
+    """A training request the contract cannot honour; ``field`` is its dotted path in the body."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+    def to_dict(self) -> dict:
+        return {"error": {"rule": "request_rejected", "field": self.field, "message": str(self)}}
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What every training request samples with and what every response must carry."""
+
+    k: int
+    temperature: float
+    top_p: float
+    top_k: int  # -1 = no top-k filter
+    mode: str  # "selected" | "support"
+    endpoint: str  # "generate" | "chat": the endpoint the probe checks
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Contract":
+        return cls(
+            k=cfg.rollout_top_logprobs_num,
+            temperature=cfg.rollout_temperature,
+            top_p=cfg.rollout_top_p,
+            top_k=cfg.rollout_top_k,
+            mode=cfg.rollout_logprobs_mode,
+            endpoint=cfg.rollout_endpoint,
+        )
+
+
+def rewrite_body(raw: bytes, endpoint: str, contract: Contract) -> bytes:
+    """The request body ``raw`` for ``endpoint`` ("generate" | "chat") rewritten to ``contract``."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestRejected("body", f"not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise RequestRejected("body", f"expected a JSON object, found {type(body).__name__}")
+    if endpoint == "generate":
+        rewrite_generate(body, contract)
+    else:
+        rewrite_chat(body, contract)
+    return orjson.dumps(body)
+
+
+def rewrite_generate(body: dict, c: Contract) -> None:
+    """Native /generate, in place: ``return_logprob`` plus top-K or the support fields."""
+    if body.get("stream"):
+        raise RequestRejected("stream", "a streamed response cannot be audited before it reaches the client; send stream=false")
+    if body.get("custom_logit_processor"):
+        raise RequestRejected("custom_logit_processor", "a custom logit processor changes the sampling distribution the trainer assumes")
+    params = body.get("sampling_params")
+    if params is None:
+        params = body["sampling_params"] = {}
+    if not isinstance(params, dict):
+        raise RequestRejected("sampling_params", "expected one JSON object (the same sampling for every prompt)")
+    _check_sampling(params, c, prefix="sampling_params.")
+    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if params.get(name) is not None:
+            raise RequestRejected(f"sampling_params.{name}", "constrained decoding samples from a masked distribution the candidates do not describe")
+    _set_sampling(params, c)
+    for name in NATIVE_OWNED:
+        body.pop(name, None)
+    body["return_logprob"] = True
+    if c.mode == "selected":
+        body["top_logprobs_num"] = c.k
+    else:
+        body["return_sampling_mask"] = True
+        body["sampling_logprobs_mode"] = "support"
+
+
+def rewrite_chat(body: dict, c: Contract) -> None:
+    """/v1/chat/completions, in place: ``logprobs``, top-K or the support fields, and ``return_meta_info`` for token ids."""
+    if body.get("stream"):
+        raise RequestRejected("stream", "a streamed response cannot be audited before it reaches the client; send stream=false")
+    _check_sampling(body, c, prefix="")
+    for name in ("regex", "ebnf", "json_schema"):
+        if body.get(name) is not None:
+            raise RequestRejected(name, "constrained decoding samples from a masked distribution the candidates do not describe")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise RequestRejected("response_format", "structured output is constrained decoding; only {\"type\": \"text\"} is allowed")
+    _set_sampling(body, c)
+    for name in CHAT_OWNED:
+        body.pop(name, None)
+    body["logprobs"] = True
+    body["return_meta_info"] = True  # the native meta_info carries the token ids chat output lacks
+    if c.mode == "selected":
+        body["top_logprobs"] = c.k
+    else:
+        body["return_sampling_mask"] = True
+        body["sampling_logprobs_mode"] = "support"
+
+
+def _check_sampling(params: dict, c: Contract, *, prefix: str) -> None:
+    """Refuse any setting that changes the sampled distribution away from the contract's."""
+
+    def number(name: str):
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RequestRejected(prefix + name, f"expected a number, found {value!r}")
+        return value
+
+    t = number("temperature")
+    if t is not None and abs(t - c.temperature) > 1e-9:
+        raise RequestRejected(prefix + "temperature", f"is {t}, the contract samples at {c.temperature} (--rollout-temperature); the trainer divides its logits by that value")
+    p = number("top_p")
+    if p is not None and abs(p - c.top_p) > 1e-9:
+        raise RequestRejected(prefix + "top_p", f"is {p}, the contract samples with top_p {c.top_p} (--rollout-top-p)")
+    k = number("top_k")
+    off = (-1, SGLANG_TOP_K_ALL)
+    if k is not None and not (k == c.top_k or (c.top_k == -1 and k in off)):
+        raise RequestRejected(prefix + "top_k", f"is {k}, the contract samples with top_k {c.top_k} (--rollout-top-k)")
+    if number("min_p") not in (None, 0):
+        raise RequestRejected(prefix + "min_p", f"is {params['min_p']}; min-p filtering is not supported by the contract (its support is not recorded)")
+    for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)):
+        if number(name) not in (None, neutral):
+            raise RequestRejected(prefix + name, f"is {params[name]}; penalties change the sampled distribution, only {neutral} is allowed")
+    if params.get("logit_bias"):
+        raise RequestRejected(prefix + "logit_bias", "a logit bias changes the sampled distribution the candidates describe")
+
+
+def _set_sampling(params: dict, c: Contract) -> None:
+    params["temperature"] = c.temperature
+    params["top_p"] = c.top_p
+    if c.top_k > 0:
+        params["top_k"] = c.top_k
+    else:
+        params.pop("top_k", None)
