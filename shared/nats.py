@@ -427,7 +427,7 @@ def main(argv: list[str]) -> int:
     with server:
         print(json.dumps({"url": server.url, "streams": asyncio.run(_ensure(server.url))}), flush=True)
         try:
-            return server.proc.wait() and 1
+            return 0 if server.proc.wait() == 0 else 1  # the server stopped on its own
         except KeyboardInterrupt:
             return 0
 
