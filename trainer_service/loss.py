@@ -67,24 +67,21 @@ def score_centering_loss(
     f = _weight_fn(is_mode, tis_clip, mis_low, mis_high)
     rows = _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
                     loss_mask, temperature, chunk_size, with_candidates=True)
-    mask, valid, lse = rows["mask"], rows["valid"], rows["lse"]
-    lq_a, lq_h, z_a, z_h = rows["lq_a"], rows["lq_h"], rows["z_a"], rows["z_h"]
+    mask, valid = rows["mask"], rows["valid"]
+    lq_a, lq_h, logp_a, logp_h = rows["lq_a"], rows["lq_h"], rows["logp_a"], rows["logp_h"]
     q_h = lq_h.exp()  # 0 in empty slots
 
-    if mode == "selected":
-        norm = lse
-    else:
+    if mode == "support":
         in_support = ((rows["cand_ids"] == rows["ids_a"][:, None]) & valid).any(1) | ~mask
         if not bool(in_support.all()):
             i = int((~in_support).nonzero()[0, 0])
             raise ValueError(f"support mode: sampled token response_ids[{i}] = {int(rows['ids_a'][i])} is not "
                              f"in the recorded support cand_ids[{i}]; the batch violates the support contract")
-        norm = torch.where(valid, z_h, -torch.inf).logsumexp(1)  # renormalise over H
-        norm = torch.where(mask, norm, 0.0)
-    logp_a = z_a - norm
-    logp_h = torch.where(valid, z_h - norm[:, None], -torch.inf)
+        log_head = torch.where(mask, logp_h.logsumexp(1), 0.0)  # log P_H; renormalise over H
+        logp_a = logp_a - log_head
+        logp_h = logp_h - log_head[:, None]
     p_h = logp_h.exp()
-    p_head = p_h.sum(1) if mode == "selected" else (norm - lse).exp()
+    p_head = p_h.sum(1) if mode == "selected" else log_head.exp()
     q_head = q_h.sum(1)
     w_a = f((logp_a - lq_a).exp())
     qf_h = torch.where(valid, q_h * f((logp_h - lq_h).exp()), 0.0)
@@ -109,7 +106,7 @@ def score_centering_loss(
     else:
         dense = torch.zeros_like(total)
         coef_h = coef_h - total[:, None] * p_h
-    loss = _SparseScoreLoss.apply(logits, loss_value, lse, rows["ids_a"], coef_a, rows["cand_ids"], coef_h,
+    loss = _SparseScoreLoss.apply(logits, loss_value, rows["ids_a"], coef_a, rows["cand_ids"], coef_h,
                                   dense, mask, float(temperature), rows["chunk"])
     metrics = _sampled_metrics(logp_a, lq_a, w_a, mask)
     metrics.update(_mean(c_h.abs().sum(1), mask, "sc_correction"))
@@ -146,12 +143,12 @@ def _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_l
     rows = _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
                     temperature, chunk_size, with_candidates=False)
     mask, adv = rows["mask"], rows["adv"]
-    logp_a = rows["z_a"] - rows["lse"]
+    logp_a = rows["logp_a"]
     w_a = f((logp_a - rows["lq_a"]).exp())
     count = _count(token_count, mask)
     loss_value = torch.where(mask, -adv * w_a * logp_a, 0.0).sum() / count
     coef_a = torch.where(mask, -adv * w_a / count, 0.0)
-    loss = _SparseScoreLoss.apply(logits, loss_value, rows["lse"], rows["ids_a"], coef_a, None, None, -coef_a,
+    loss = _SparseScoreLoss.apply(logits, loss_value, rows["ids_a"], coef_a, None, None, -coef_a,
                                   mask, float(temperature), rows["chunk"])
     return loss, _sampled_metrics(logp_a, rows["lq_a"], w_a, mask)
 
@@ -201,40 +198,53 @@ def _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, ad
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
     ids_a = torch.where(mask, ids, 0)
+    ids_h = cand_ids.clamp_min(0).to(torch.int64) if with_candidates else None
     inv_t = 1.0 / float(temperature)
+    logp_a = torch.empty(n, dtype=dtype, device=logits.device)
+    logp_h = torch.empty(ids_h.shape, dtype=dtype, device=logits.device) if with_candidates else None
     with torch.no_grad():
-        lse = torch.empty(n, dtype=dtype, device=logits.device)
+        buf = None
         for s in range(0, n, chunk_size):
-            lse[s:s + chunk_size] = torch.logsumexp(_scaled(logits[s:s + chunk_size], dtype, inv_t), 1)
-        _check_logits(logits, lse, mask)
-        z_a = logits.detach().gather(1, ids_a[:, None]).squeeze(1).to(dtype) * inv_t
-        _raise_first("logits", mask & ~torch.isfinite(z_a), z_a, "finite at the sampled token")
-        out = {"mask": mask, "ids_a": ids_a, "lse": torch.where(mask, lse, 0.0), "z_a": z_a, "chunk": chunk_size,
+            block = logits[s:s + chunk_size].detach()
+            buf = _log_softmax_rows(block, dtype, inv_t, buf)
+            logp_a[s:s + chunk_size] = buf.gather(1, ids_a[s:s + chunk_size, None]).squeeze(1)
+            if with_candidates:
+                logp_h[s:s + chunk_size] = buf.gather(1, ids_h[s:s + chunk_size])
+        del buf
+        _check_logits(logits, "the sampled token", logp_a, mask, ids_a[:, None])
+        out = {"mask": mask, "ids_a": ids_a, "chunk": chunk_size,
+               "logp_a": torch.where(mask, logp_a, 0.0),
                "adv": torch.where(mask, advantages.to(dtype), 0.0),
                "lq_a": torch.where(mask, sampled_logprobs.to(dtype), 0.0)}
         if with_candidates:
             valid = valid & mask[:, None]
-            z_h = logits.detach().gather(1, cand_ids.clamp_min(0).to(torch.int64)).to(dtype) * inv_t
-            _raise_first("logits", valid & ~torch.isfinite(z_h), z_h, "finite at every candidate")
-            out.update(valid=valid, cand_ids=cand_ids, z_h=torch.where(valid, z_h, 0.0),
+            _check_logits(logits, "every candidate", torch.where(valid, logp_h, 0.0), mask, ids_h)
+            out.update(valid=valid, cand_ids=cand_ids, logp_h=torch.where(valid, logp_h, -torch.inf),
                        lq_h=torch.where(valid, cand_logprobs.to(dtype), -torch.inf))
     return out
 
 
-def _scaled(block, dtype, inv_t):
-    block = block.detach().to(dtype)
-    return block if inv_t == 1.0 else block * inv_t
+def _log_softmax_rows(block, dtype, inv_t, buf):
+    """log_softmax(block / T) in ``dtype``, written into ``buf`` (reused across chunks)."""
+    if buf is None or buf.shape != block.shape:
+        buf = torch.empty(block.shape, dtype=dtype, device=block.device)
+    if inv_t == 1.0 and block.dtype == dtype:
+        return torch.ops.aten._log_softmax.out(block, 1, False, out=buf)
+    torch.mul(block.to(dtype), inv_t, out=buf)
+    # In place is safe: the kernel reduces a row (max, sum) before writing any of it.
+    return torch.ops.aten._log_softmax.out(buf, 1, False, out=buf)
 
 
-def _check_logits(logits, lse, mask):
-    """A NaN or +inf logit (or an all -inf row) makes its row's logsumexp non-finite."""
-    bad = mask & ~torch.isfinite(lse)
+def _check_logits(logits, where, gathered, mask, columns):
+    """A NaN/+inf logit makes its row's log-softmax NaN; a -inf logit gives -inf at its column."""
+    bad = mask[:, None] & ~torch.isfinite(gathered.reshape(mask.shape[0], -1))
     if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
+        i, slot = (int(x) for x in bad.nonzero()[0])
         row = logits[i].detach()
-        j = int((~torch.isfinite(row)).nonzero()[0, 0]) if not bool(torch.isfinite(row).all()) else 0
+        nan_or_inf = torch.isnan(row) | (row == torch.inf)
+        j = int(nan_or_inf.nonzero()[0, 0]) if bool(nan_or_inf.any()) else int(columns[i, slot])
         raise NonFiniteInput(f"logits[{i}, {j}] is {float(row[j])} at a trained position (loss_mask[{i}] is True); "
-                             "the trainer model produced a non-finite logit")
+                             f"the trainer's log-probs must be finite at {where}")
 
 
 def _raise_first(name, bad, values, expected="finite", exc=NonFiniteInput):
@@ -273,30 +283,36 @@ class _SparseScoreLoss(torch.autograd.Function):
     written chunk by chunk into the gradient buffer (the only [N, V] allocation)."""
 
     @staticmethod
-    def forward(ctx, logits, loss_value, lse, ids_a, coef_a, cand_ids, coef_h, dense, mask, temperature, chunk):
-        ctx.save_for_backward(logits, lse, ids_a, coef_a, dense, mask,
-                              *(() if cand_ids is None else (cand_ids, coef_h)))
+    def forward(ctx, logits, loss_value, ids_a, coef_a, cand_ids, coef_h, dense, mask, temperature, chunk):
+        ctx.save_for_backward(logits, ids_a, coef_a, dense, mask, *(() if cand_ids is None else (cand_ids, coef_h)))
         ctx.temperature, ctx.chunk = temperature, chunk
         return loss_value.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        logits, lse, ids_a, coef_a, dense, mask, *cand = ctx.saved_tensors
-        dtype, inv_t = lse.dtype, 1.0 / ctx.temperature
+        logits, ids_a, coef_a, dense, mask, *cand = ctx.saved_tensors
+        dtype, inv_t = coef_a.dtype, 1.0 / ctx.temperature
         scale = grad_out.to(dtype) * inv_t
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         dense_any = bool((dense != 0).any())
+        buf = None
         for s in range(0, logits.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, logits.shape[0])
-            # Work in place in the gradient buffer when the dtypes agree, else in a chunk.
-            part = grad[s:e] if logits.dtype == dtype else torch.empty((e - s, logits.shape[1]), dtype=dtype)
+            # Work in place in the gradient buffer when the dtypes agree, else in a reused chunk buffer.
+            if logits.dtype == dtype:
+                part = grad[s:e]
+            else:
+                buf = part = buf if buf is not None and buf.shape[0] == e - s else torch.empty(
+                    (e - s, logits.shape[1]), dtype=dtype, device=logits.device)
             if dense_any:
-                if inv_t == 1.0:
-                    part.copy_(logits[s:e])
+                if inv_t == 1.0 and logits.dtype == dtype:
+                    torch.ops.aten._softmax.out(logits[s:e].detach(), 1, False, out=part)
                 else:
-                    torch.mul(logits[s:e].to(dtype), inv_t, out=part)
-                part.sub_(lse[s:e, None]).exp_().mul_((dense[s:e] * scale)[:, None])
-                part.masked_fill_(~mask[s:e, None], 0.0)  # padded rows may hold inf/NaN logits
+                    torch.mul(logits[s:e].detach().to(dtype), inv_t, out=part)
+                    torch.ops.aten._softmax.out(part, 1, False, out=part)
+                part.mul_((dense[s:e] * scale)[:, None])
+                if not bool(mask[s:e].all()):
+                    part.masked_fill_(~mask[s:e, None], 0.0)  # padded rows may hold inf/NaN logits
             else:
                 part.zero_()
             part.scatter_add_(1, ids_a[s:e, None], (coef_a[s:e] * scale)[:, None])
@@ -305,4 +321,4 @@ class _SparseScoreLoss(torch.autograd.Function):
                 part.scatter_add_(1, cand_ids[s:e].clamp_min(0).to(torch.int64), coef_h[s:e] * scale)
             if part.data_ptr() != grad[s:e].data_ptr():
                 grad[s:e].copy_(part)
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None

@@ -81,4 +81,4 @@ def oracle(case, *, loss="score_centering", mode="selected", is_mode="none", tem
     if loss != "score_centering":
         metrics = {key: metrics[key] for key in ("sc_importance_weight", "train_rollout_kl",
                                                  "train_rollout_logprob_abs_diff")}
-    return float(value), grad, metrics
+    return float(value.detach()), grad, metrics

@@ -204,7 +204,7 @@ def test_non_finite_logit_at_a_candidate_raises():
     col = int(case["cand_ids"][2, 3])
     with torch.no_grad():
         case["logits"][2, col] = -math.inf  # logsumexp stays finite, log p at the candidate does not
-    with pytest.raises(NonFiniteInput, match=rf"logits\[2, 3\] is -inf .*every candidate"):
+    with pytest.raises(NonFiniteInput, match=rf"logits\[2, {col}\] is -inf .*every candidate"):
         score_centering_loss(**case)
 
 
