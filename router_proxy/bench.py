@@ -1,0 +1,237 @@
+"""`centerline bench proxy [--json]`: what the proxy costs on the wire and per audit.
+
+Three processes share the machine's cores as they would in production: a trivial upstream
+(raw asyncio on uvloop answering every POST /generate with one fixed, valid native response
+of ``--tokens`` tokens x ``--k`` candidates), the proxy (``centerline proxy``, its own
+process), and this process as the load generator (raw keep-alive HTTP/1.1 on uvloop, one
+connection per concurrent client). Each concurrency runs direct (load -> upstream) and
+through the proxy (load -> proxy -> upstream) for ``--seconds``.
+
+Audit cost: ``audit_body`` of a native response with N=1024 tokens and K=128 candidates
+(the proxy's whole per-response work: parse, convert, check) next to ``orjson.loads`` of the
+same bytes; median of ``--repeats``.
+
+Left out: streaming, chat, and TLS; the upstream is deliberately faster than any engine so
+that the proxy's own cost shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+import orjson
+
+from router_proxy.audit import audit_body
+
+
+def native_response(tokens: int, k: int, vocab_size: int, seed: int = 0) -> bytes:
+    """A valid native /generate response: each row is the top-``k`` of a random softmax, the sampled token its head."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((tokens, vocab_size)) * 3
+    logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    top = np.argsort(-logp, axis=1)[:, :k]
+    rows = [[[float(logp[i, v]), int(v), None] for v in top[i]] for i in range(tokens)]
+    sampled = [[rows[i][0][0], rows[i][0][1], None] for i in range(tokens)]
+    meta = {"id": "bench", "finish_reason": {"type": "length", "length": tokens}, "prompt_tokens": 3, "completion_tokens": tokens,
+            "cached_tokens": 0, "weight_version": "default", "output_token_logprobs": sampled, "output_top_logprobs": rows}  # fmt: skip
+    return orjson.dumps({"text": "x" * tokens, "output_ids": [s[1] for s in sampled], "meta_info": meta})
+
+
+# ---------------------------------------------------------------------------- the trivial upstream
+
+
+def serve_aiohttp(port: int, generate_body: bytes, vocab_size: int) -> None:
+    """The default upstream: an aiohttp.web server answering POST /generate with ``generate_body``."""
+    import uvloop
+    from aiohttp import web
+
+    info = orjson.dumps({"vocab_size": vocab_size})
+
+    async def generate(request):
+        await request.read()
+        return web.Response(body=generate_body, content_type="application/json")
+
+    async def model_info(_request):
+        return web.Response(body=info, content_type="application/json")
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", generate), web.get("/model_info", model_info)])
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def serve_fixed(port: int, generate_body: bytes, vocab_size: int) -> None:
+    """``--upstream raw``: answer POST /generate with ``generate_body`` from a bare asyncio protocol, as fast as Python can."""
+    import uvloop
+
+    def reply(body: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+    replies = {b"/generate": reply(generate_body), b"/model_info": reply(orjson.dumps({"vocab_size": vocab_size}))}
+    missing = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+
+    class Fixed(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport, self.buf = transport, b""
+
+        def data_received(self, data):
+            self.buf += data
+            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+                head = self.buf[:end].lower()
+                at = head.find(b"content-length:")
+                length = int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None]) if at >= 0 else 0
+                if len(self.buf) < end + 4 + length:
+                    return
+                self.buf = self.buf[end + 4 + length :]
+                self.transport.write(replies.get(head.split(b" ", 2)[1], missing))
+
+    async def run():
+        server = await asyncio.get_running_loop().create_server(Fixed, "127.0.0.1", port, backlog=1024)
+        await server.serve_forever()
+
+    uvloop.run(run())
+
+
+# ---------------------------------------------------------------------------- the load generator
+
+
+async def _client(port: int, request: bytes, deadline: float, warm_until: float, latencies: list, errors: list) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while (now := time.perf_counter()) < deadline:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            at = head.lower().find(b"content-length:")
+            await reader.readexactly(int(head[at + 15 : head.find(b"\r\n", at)]))
+            if not head.startswith(b"HTTP/1.1 200"):
+                errors.append(head.split(b"\r\n", 1)[0].decode())
+            if now >= warm_until:
+                latencies.append(time.perf_counter() - now)
+    finally:
+        writer.close()
+
+
+def load(port: int, concurrency: int, seconds: float, warmup: float = 0.5) -> dict:
+    """Closed-loop load: ``concurrency`` keep-alive clients, each sending the next request on the last reply."""
+    import uvloop
+
+    body = b'{"text":"The capital of France is","sampling_params":{"max_new_tokens":4}}'
+    request = b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    latencies: list[float] = []
+    errors: list[str] = []
+
+    async def run():
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(port, request, start + warmup + seconds, start + warmup, latencies, errors) for _ in range(concurrency)))
+
+    uvloop.run(run())
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests to port {port} failed, first: {errors[0]}")
+    ms = np.array(latencies) * 1e3
+    return {"rps": round(len(latencies) / seconds, 1), "p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{open(log_path).read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout}s:\n{open(log_path).read()[-2000:]}")
+        time.sleep(0.05)
+
+
+def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int = 32768) -> dict:
+    body = native_response(tokens, k, vocab_size)
+
+    parse_fn = lambda: orjson.loads(body)  # noqa: E731
+    audit_fn = lambda: audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size)  # noqa: E731
+    times: dict = {parse_fn: [], audit_fn: []}
+    for i in range(repeats + 1):  # interleaved, so a busy neighbour slows both alike; the first round warms up
+        for fn in (parse_fn, audit_fn):
+            t = time.perf_counter()
+            fn()
+            if i:
+                times[fn].append(time.perf_counter() - t)
+    parse, audit = statistics.median(times[parse_fn]) * 1e3, statistics.median(times[audit_fn]) * 1e3
+    return {"audit_tokens": tokens, "audit_k": k, "audit_body_bytes": len(body), "audit_ms": round(audit, 3),
+            "parse_ms": round(parse, 3), "audit_to_parse_ratio": round(audit / parse, 3)}  # fmt: skip
+
+
+def bench_proxy(argv: list[str]) -> int:
+    """Proxy throughput and added latency vs direct, and audit cost vs orjson parse; one JSON object."""
+    parser = argparse.ArgumentParser(prog="centerline bench proxy", description=bench_proxy.__doc__)
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens in the fixed upstream response")
+    parser.add_argument("--k", type=int, default=8, help="candidates per token in the fixed response (the proxy's K)")
+    parser.add_argument("--upstream", choices=("aiohttp", "raw"), default="aiohttp",
+                        help="aiohttp: an aiohttp.web server (~the 8k req/s upstream the reference figures used); raw: a bare asyncio protocol")
+    parser.add_argument("--repeats", type=int, default=15, help="audit-cost repetitions (median)")
+    args = parser.parse_args(argv)
+    vocab = 64
+    result: dict = {"upstream": f"{args.upstream} on uvloop, fixed valid native response", "proxy": "centerline proxy (FastAPI/uvicorn+uvloop+httptools, aiohttp pool)",
+                    "load_generator": "raw keep-alive HTTP/1.1 on uvloop, closed loop", "processes": 3, "cpus": os.cpu_count(),
+                    "response_tokens": args.tokens, "response_k": args.k}  # fmt: skip
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            up_port, proxy_port = _free_port(), _free_port()
+            body_path = os.path.join(tmp, "body.json")
+            with open(body_path, "wb") as f:
+                f.write(native_response(args.tokens, args.k, vocab))
+            result["response_bytes"] = os.path.getsize(body_path)
+            up_log, proxy_log = os.path.join(tmp, "upstream.log"), os.path.join(tmp, "proxy.log")
+            procs.append(subprocess.Popen([sys.executable, "-m", "router_proxy.bench", "upstream", args.upstream, str(up_port), body_path, str(vocab)],
+                                          stdout=open(up_log, "wb"), stderr=subprocess.STDOUT))  # fmt: skip
+            _wait_http(f"http://127.0.0.1:{up_port}/model_info", procs[0], 30, up_log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "centerline.cli", "proxy", "--upstream", f"http://127.0.0.1:{up_port}",
+                                           "--port", str(proxy_port), "--rollout-top-logprobs-num", str(args.k)],
+                                          stdout=open(proxy_log, "wb"), stderr=subprocess.STDOUT))  # fmt: skip
+            _wait_http(f"http://127.0.0.1:{proxy_port}/ready", procs[1], 60, proxy_log)
+            for c in (1, 32):
+                for name, port in (("direct", up_port), ("proxy", proxy_port)):
+                    for key, value in load(port, c, args.seconds).items():
+                        result[f"{name}_c{c}_{key}"] = value
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
+    result["throughput_ratio_c32"] = round(result["proxy_c32_rps"] / result["direct_c32_rps"], 3)
+    result["added_p50_ms_c1"] = round(result["proxy_c1_p50_ms"] - result["direct_c1_p50_ms"], 3)
+    result.update(audit_cost(args.repeats))
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":  # the upstream process: python -m router_proxy.bench upstream KIND PORT BODY_FILE VOCAB
+    if sys.argv[1:2] == ["upstream"]:
+        serve = serve_fixed if sys.argv[2] == "raw" else serve_aiohttp
+        serve(int(sys.argv[3]), open(sys.argv[4], "rb").read(), int(sys.argv[5]))
