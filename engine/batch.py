@@ -37,7 +37,7 @@ class DecodeBatch:
         self.last = torch.tensor(tokens, dtype=torch.long)
 
     def step(self, model) -> torch.Tensor:
-        """One decode forward over all rows; returns next-token logits [B, V] (float32)."""
+        """One decode forward over all rows; returns next-token logits [B, V] (model dtype)."""
         mask = torch.cat([self.mask, torch.ones(self.size, 1, dtype=torch.long)], dim=1)
         out = model(
             input_ids=self.last.view(-1, 1),
@@ -48,7 +48,7 @@ class DecodeBatch:
         )
         self.cache, self.mask = out[CACHE], mask
         self.positions = self.positions + 1
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -1, :]
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order), then trim columns that are padding everywhere."""
@@ -82,7 +82,7 @@ class DecodeBatch:
 
 
 def prefill(model, prompt_ids: list[int], all_logits: bool) -> tuple[DecodeBatch, torch.Tensor]:
-    """Run one prompt alone; returns its one-row batch and logits [P or 1, V] (float32)."""
+    """Run one prompt alone; returns its one-row batch and logits [P or 1, V] (model dtype)."""
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1)
     n = len(prompt_ids)
@@ -92,4 +92,4 @@ def prefill(model, prompt_ids: list[int], all_logits: bool) -> tuple[DecodeBatch
         torch.tensor([n], dtype=torch.long),
         torch.zeros(1, dtype=torch.long),
     )
-    return batch, out.logits[0].float()
+    return batch, out.logits[0]

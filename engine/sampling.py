@@ -77,7 +77,7 @@ def filter_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 def sample_rows(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[RowResult]:
-    """Sample one token for each row of `logits` [R, V] (float32) with its spec."""
+    """Sample one token for each row of `logits` [R, V] with its spec."""
     temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype)
     logprobs = torch.log_softmax(logits / temps.view(-1, 1), dim=-1)
     probs = torch.softmax(logits / temps.view(-1, 1), dim=-1)

@@ -144,7 +144,7 @@ class Scheduler:
         rows = self.running + [seq for seq, _ in joined]
         if not rows:
             return
-        results = sample_rows(torch.cat(logits).float(), [s.spec for s in rows])
+        results = sample_rows(torch.cat(logits), [s.spec for s in rows])
         alive = [self._advance(seq, row) for seq, row in zip(rows, results)]
         tokens = [row.token for row in results]
 
