@@ -1,0 +1,198 @@
+"""One training step on one global batch, on 1 process or many under `torchrun`.
+
+Every rank is given the same global ``shared.wire.Batch``; rank r trains on a contiguous
+block of its samples (``shard``). Each sample is one micro-batch: the model runs on
+prompt + response, the logits at the positions that predict response tokens go to the
+loss, and the loss is divided by the GLOBAL trained-token count (an all_reduce), so the
+summed gradient is the same as one process on the whole batch. DDP and FSDP2 average
+gradients over ranks; the backward pass multiplies by the world size to undo that.
+Gradients are synchronised on the last micro-batch only.
+
+    torchrun --nproc-per-node 2 -m trainer_service.step --model DIR --batch batch.bin --out DIR2
+
+Left out on purpose: packing several samples per forward (one sample per micro-batch keeps
+activations small and the numerics independent of the sharding), checkpoints of the
+optimizer state, and the batch gate (the trainer runs the contract before a batch gets here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
+from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
+
+LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
+METRICS = ("sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio", "sc_importance_weight",
+           "train_rollout_kl", "train_rollout_logprob_abs_diff")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Loss choice and its options; ``mode`` and ``temperature`` come from the batch itself."""
+
+    loss: str = "score_centering"  # score_centering | reinforce | tis
+    is_mode: str = "none"  # --score-centering-is
+    tis_clip: float = 2.0  # --score-centering-tis-clip
+    mis_low: float = 0.5  # --score-centering-mis-low
+    mis_high: float = 5.0  # --score-centering-mis-high
+    chunk_size: int | None = None  # rows per [rows, V] pass in the loss; None = automatic
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard(num_samples: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous block of samples; block sizes differ by at most one."""
+    if num_samples < world:
+        raise ValueError(f"the batch has {num_samples} samples for {world} ranks; every rank needs at least one "
+                         "(raise the rollout batch size or run fewer ranks)")
+    bounds = np.linspace(0, num_samples, world + 1).round().astype(int)
+    return range(int(bounds[rank]), int(bounds[rank + 1]))
+
+
+def sample_inputs(batch, i: int, device) -> dict:
+    """Sample ``i``'s token ids and the loss inputs of its response tokens (advantage broadcast)."""
+    rows = batch.sample_slice(i)
+    prompt = batch.prompt_ids[int(batch.prompt_offsets[i]):int(batch.prompt_offsets[i + 1])]
+    if len(prompt) == 0:
+        raise ValueError(f"sample {batch.sample_ids[i]!r} has an empty prompt; the first response token has no "
+                         "position predicting it")
+    response = batch.response_ids[rows]
+    as_tensor = lambda a, dtype: torch.as_tensor(np.array(a), dtype=dtype, device=device)  # noqa: E731 (copies a read-only view)
+    return {
+        "input_ids": as_tensor(np.concatenate([prompt, response]), torch.int64)[None],
+        "prompt_len": len(prompt),
+        "response_ids": as_tensor(response, torch.int64),
+        "sampled_logprobs": as_tensor(batch.sampled_logprobs[rows], torch.float32),
+        "cand_ids": as_tensor(batch.cand_ids[rows], torch.int32),
+        "cand_logprobs": as_tensor(batch.cand_logprobs[rows], torch.float32),
+        "advantages": torch.full((len(response),), float(batch.advantages[i]), dtype=torch.float32, device=device),
+        "loss_mask": as_tensor(batch.loss_mask[rows], torch.bool),
+    }
+
+
+def response_logits(model, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits [R, V] at the positions predicting each of the R response tokens."""
+    n_response = input_ids.shape[1] - prompt_len
+    # logits_to_keep skips the LM head on prompt positions that predict nothing we train on.
+    logits = model(input_ids=input_ids, logits_to_keep=n_response + 1).logits[0]
+    return logits[:-1]
+
+
+def _sync_context(model, sync: bool):
+    """Gradient synchronisation on (last micro-batch) or off, for DDP, FSDP2 or a bare model."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(), *, max_grad_norm: float | None = 1.0):
+    """One optimizer step on the global ``batch``; returns metrics identical on every rank.
+
+    Metrics: ``loss`` (global sum / global trained tokens), ``grad_norm`` (before clipping),
+    ``trained_tokens``, ``samples``, ``reward_mean`` and the loss's ``sc_*``/``train_rollout_*``
+    metrics as means over the global trained tokens.
+    """
+    rank, world = rank_and_world()
+    device = next(model.parameters()).device
+    loss_fn = LOSSES[settings.loss]
+    mine = shard(batch.num_samples, rank, world)
+    inputs = [sample_inputs(batch, i, device) for i in mine]
+    counts = torch.tensor([float(sum(int(x["loss_mask"].sum()) for x in inputs))], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(counts)
+    global_count = int(counts.item())
+    # sums[0]: loss; sums[1:]: metric * trained tokens, so the all_reduce yields global means.
+    sums = torch.zeros(1 + len(METRICS), dtype=torch.float64)
+    for j, x in enumerate(inputs):
+        with _sync_context(model, sync=j == len(inputs) - 1):
+            logits = response_logits(model, x["input_ids"], x["prompt_len"])
+            loss, metrics = loss_fn(
+                logits, x["response_ids"], x["sampled_logprobs"], x["cand_ids"], x["cand_logprobs"], x["advantages"],
+                x["loss_mask"], mode=batch.mode, is_mode=settings.is_mode, temperature=batch.temperature,
+                tis_clip=settings.tis_clip, mis_low=settings.mis_low, mis_high=settings.mis_high,
+                token_count=global_count, chunk_size=settings.chunk_size)
+            (loss * world).backward()  # DDP/FSDP2 divide the summed gradient by world
+        n = int(x["loss_mask"].sum())
+        sums[0] += float(loss.detach())
+        sums[1:] += torch.tensor([metrics.get(name, 0.0) * n for name in METRICS], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(sums)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns a DTensor
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {"loss": float(sums[0]), "grad_norm": float(grad_norm), "trained_tokens": global_count,
+           "samples": batch.num_samples, "reward_mean": float(np.mean(batch.rewards)) if batch.num_samples else 0.0}
+    for k, name in enumerate(METRICS):
+        if settings.loss == "score_centering" or not name.startswith("sc_") or name == "sc_importance_weight":
+            out[name] = float(sums[1 + k]) / global_count if global_count else 0.0
+    return out
+
+
+def make_optimizer(model, name: str = "adamw", lr: float = 1e-5):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    raise ValueError(f"optimizer={name!r}; expected adamw or sgd")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One step from a wire-format batch file: load, step, save the updated model."""
+    parser = argparse.ArgumentParser(prog="python -m trainer_service.step", description=main.__doc__)
+    parser.add_argument("--model", required=True, help="HF-format model directory to start from")
+    parser.add_argument("--batch", required=True, help="a wire format v1 batch (encode_batch bytes)")
+    parser.add_argument("--out", required=True, help="directory for the updated model")
+    parser.add_argument("--metrics", help="write the step metrics here as JSON (rank 0)")
+    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES)
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    parser.add_argument("--loss", default="score_centering", choices=tuple(LOSSES))
+    parser.add_argument("--score-centering-is", dest="is_mode", default="none", choices=("none", "tis", "mis"))
+    parser.add_argument("--score-centering-tis-clip", dest="tis_clip", type=float, default=2.0)
+    parser.add_argument("--score-centering-mis-low", dest="mis_low", type=float, default=0.5)
+    parser.add_argument("--score-centering-mis-high", dest="mis_high", type=float, default=5.0)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from shared.wire import decode_batch
+
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    try:
+        with open(args.batch, "rb") as fh:
+            batch = decode_batch(fh.read())
+        model = wrap_model(load_model(args.model, device=device), args.strategy)
+        optimizer = make_optimizer(model, args.optimizer, args.lr)
+        settings = LossSettings(args.loss, args.is_mode, args.tis_clip, args.mis_low, args.mis_high)
+        metrics = train_step(model, optimizer, batch, settings, max_grad_norm=args.max_grad_norm or None)
+        save_model(model, args.out)
+        if args.metrics and rank_and_world()[0] == 0:
+            with open(args.metrics, "w") as fh:
+                json.dump(metrics, fh)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
