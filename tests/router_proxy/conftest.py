@@ -1,0 +1,125 @@
+"""Processes for the proxy tests: the upstream double, the real engine, sglang-router 0.3.2, the proxy.
+
+Every server is a real process on a free loopback port, ready when polled endpoints answer
+(never a fixed sleep); all are stopped at the end of their fixture's scope.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("engine_conftest_helpers", REPO / "tests" / "engine" / "conftest.py")
+helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(helpers)  # free_port, http, wait_until, EngineProcess, init_model, ENV
+http, free_port, wait_until, ENV = helpers.http, helpers.free_port, helpers.wait_until, helpers.ENV
+
+
+class Process:
+    """A child process with its log, stopped with SIGTERM (SIGKILL after 15 s)."""
+
+    def __init__(self, cmd: list[str], log_path: Path):
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Double(Process):
+    def __init__(self, log_path: Path, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([sys.executable, str(REPO / "tests/router_proxy/upstream_double.py"), "--port", str(self.port), *flags], log_path)
+        wait_until(lambda: http("GET", self.url + "/health", timeout=2)[0] == 200, 30, "upstream double", self.proc)
+
+    def next(self, body: str, status: int = 200) -> None:
+        assert http("POST", self.url + "/_next", {"body": body, "status": status})[0] == 200
+
+    def last(self):
+        return http("GET", self.url + "/_last")[1]
+
+
+class ProxyProcess(Process):
+    def __init__(self, log_path: Path, upstream: str, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", upstream, "--port", str(self.port), *flags]
+        super().__init__(cmd, log_path)
+        try:
+            wait_until(lambda: http("GET", self.url + "/liveness", timeout=2)[0] == 200, 60, "proxy", self.proc)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"proxy failed to start:\n{self.log()}") from None
+
+    def wait_probed(self, deadline: float = 60.0) -> tuple[int, dict]:
+        """/ready once the first capability probe has finished (ready or not, with its cause)."""
+        def probed():
+            status, body = http("GET", self.url + "/ready", timeout=5)
+            return (status, body) if body.get("cause") != "capability probe not finished" else None
+        return wait_until(probed, deadline, "first capability probe", self.proc)
+
+
+class Router(Process):
+    """The real sglang-router 0.3.2 (`smg launch`) in front of the given workers."""
+
+    def __init__(self, log_path: Path, workers: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls", *workers, "--host", "127.0.0.1",
+               "--port", str(self.port), "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]  # fmt: skip
+        super().__init__(cmd, log_path)
+
+        def routes():  # ready once a worker is registered and a request is routed to it
+            return http("POST", self.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}, timeout=5)[0] == 200
+        try:
+            wait_until(routes, 120, "sglang-router", self.proc)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"router failed to start:\n{self.log()}") from None
+
+
+@pytest.fixture
+def start(tmp_path):
+    """``start(Kind, *args)``: a process of that kind, stopped after the test."""
+    started: list[Process] = []
+
+    def run(kind, *args):
+        proc = kind(tmp_path / f"{kind.__name__.lower()}{len(started)}.log", *args)
+        started.append(proc)
+        return proc
+
+    yield run
+    for proc in reversed(started):
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_stack(tmp_path_factory):
+    """The embedded engine and sglang-router 0.3.2 in front of it, shared by the integration tests."""
+    model = helpers.init_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    engine = helpers.EngineProcess(model, tmp_path_factory.mktemp("engine") / "engine.log")
+    try:
+        router = Router(tmp_path_factory.mktemp("router") / "router.log", [engine.url])
+    except Exception:
+        engine.stop()
+        raise
+    yield type("Stack", (), {"engine": engine.url, "router": router.url, "vocab": vocab})
+    router.stop()
+    engine.stop()

@@ -1,0 +1,78 @@
+"""Training requests rewritten to the contract; method-breaking settings refused by field."""
+
+import orjson
+import pytest
+
+from router_proxy.rewrite import Contract, RequestRejected, rewrite_body
+
+SELECTED = Contract(k=128, temperature=1.0, top_p=1.0, top_k=-1, mode="selected", endpoint="generate")
+SUPPORT = Contract(k=128, temperature=0.7, top_p=0.9, top_k=50, mode="support", endpoint="generate")
+
+
+def rewrite(body: dict, endpoint: str = "generate", contract: Contract = SELECTED) -> dict:
+    return orjson.loads(rewrite_body(orjson.dumps(body), endpoint, contract))
+
+
+def test_generate_selected_overrides_client_logprob_fields():
+    sent = rewrite({"text": "hi", "return_logprob": False, "top_logprobs_num": 20, "return_sampling_mask": True,
+                    "sampling_logprobs_mode": "selected", "sampling_params": {"max_new_tokens": 5}})  # fmt: skip
+    assert sent == {"text": "hi", "return_logprob": True, "top_logprobs_num": 128,
+                    "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0}}  # fmt: skip
+
+
+def test_generate_support_sets_support_fields_and_drops_top_logprobs():
+    sent = rewrite({"input_ids": [1, 2], "top_logprobs_num": 5, "sampling_params": {"temperature": 0.7}}, contract=SUPPORT)
+    assert sent == {"input_ids": [1, 2], "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support",
+                    "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50}}  # fmt: skip
+
+
+def test_chat_selected_overrides_client_logprob_fields():
+    sent = rewrite({"messages": [], "logprobs": False, "top_logprobs": 3, "return_meta_info": False}, "chat")
+    assert sent == {"messages": [], "logprobs": True, "top_logprobs": 128, "return_meta_info": True, "temperature": 1.0, "top_p": 1.0}
+
+
+def test_chat_support_sets_support_fields_without_top_logprobs():
+    sent = rewrite({"messages": [], "top_logprobs": 3}, "chat", SUPPORT)
+    assert sent == {"messages": [], "logprobs": True, "return_meta_info": True, "return_sampling_mask": True,
+                    "sampling_logprobs_mode": "support", "temperature": 0.7, "top_p": 0.9, "top_k": 50}  # fmt: skip
+
+
+def test_matching_sampling_settings_are_accepted():
+    sent = rewrite({"text": "a", "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0, "repetition_penalty": 1.0}})
+    assert sent["sampling_params"] == {"temperature": 1.0, "top_p": 1.0, "min_p": 0, "repetition_penalty": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "field"),
+    [
+        ({"text": "a", "sampling_params": {"temperature": 0.5}}, "generate", "sampling_params.temperature"),
+        ({"text": "a", "sampling_params": {"top_p": 0.9}}, "generate", "sampling_params.top_p"),
+        ({"text": "a", "sampling_params": {"top_k": 20}}, "generate", "sampling_params.top_k"),
+        ({"text": "a", "sampling_params": {"min_p": 0.1}}, "generate", "sampling_params.min_p"),
+        ({"text": "a", "sampling_params": {"frequency_penalty": 0.5}}, "generate", "sampling_params.frequency_penalty"),
+        ({"text": "a", "sampling_params": {"presence_penalty": 0.5}}, "generate", "sampling_params.presence_penalty"),
+        ({"text": "a", "sampling_params": {"repetition_penalty": 1.1}}, "generate", "sampling_params.repetition_penalty"),
+        ({"text": "a", "sampling_params": {"regex": "a+"}}, "generate", "sampling_params.regex"),
+        ({"text": "a", "sampling_params": {"json_schema": "{}"}}, "generate", "sampling_params.json_schema"),
+        ({"text": "a", "sampling_params": {"logit_bias": {"1": 2.0}}}, "generate", "sampling_params.logit_bias"),
+        ({"text": "a", "sampling_params": {"temperature": "1.0"}}, "generate", "sampling_params.temperature"),
+        ({"text": "a", "stream": True}, "generate", "stream"),
+        ({"messages": [], "temperature": 0.2}, "chat", "temperature"),
+        ({"messages": [], "min_p": 0.05}, "chat", "min_p"),
+        ({"messages": [], "presence_penalty": 1.0}, "chat", "presence_penalty"),
+        ({"messages": [], "response_format": {"type": "json_object"}}, "chat", "response_format"),
+        ({"messages": [], "regex": "a"}, "chat", "regex"),
+        ({"messages": [], "stream": True}, "chat", "stream"),
+    ],
+)
+def test_method_breaking_setting_is_rejected_naming_the_field(body, endpoint, field):
+    with pytest.raises(RequestRejected) as info:
+        rewrite(body, endpoint)
+    assert info.value.field == field
+    assert info.value.to_dict()["error"]["field"] == field
+
+
+def test_non_object_body_is_rejected():
+    with pytest.raises(RequestRejected) as info:
+        rewrite_body(b"[1, 2]", "generate", SELECTED)
+    assert info.value.field == "body"
