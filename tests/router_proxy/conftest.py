@@ -123,3 +123,11 @@ def engine_stack(tmp_path_factory):
     yield type("Stack", (), {"engine": engine.url, "router": router.url, "vocab": vocab})
     router.stop()
     engine.stop()
+
+
+@pytest.fixture(scope="session")
+def kinds():
+    """The process kinds and helpers, for test modules (conftest is not importable in importlib mode)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(Double=Double, ProxyProcess=ProxyProcess, Router=Router, http=http, wait_until=wait_until)

@@ -1,6 +1,6 @@
 """A stand-in SGLang upstream for the proxy tests, run as its own process:
 
-    python tests/router_proxy/upstream_double.py --port P [--truncate 20] [--vocab-size 64] [--no-vocab]
+    python tests/router_proxy/upstream_double.py --port P [--truncate 20] [--vocab-size 300] [--no-vocab]
 
 POST /generate and /v1/chat/completions answer valid SGLang-shaped responses for whatever
 the request asked (top_logprobs_num / top_logprobs, support mode, max_new_tokens, n);
@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--truncate", type=int, default=1 << 30)
-    parser.add_argument("--vocab-size", type=int, default=64)
+    parser.add_argument("--vocab-size", type=int, default=300)
     parser.add_argument("--no-vocab", action="store_true", help="report no vocab_size in /model_info")
     args = parser.parse_args()
     state = {"next": [], "last": None}
