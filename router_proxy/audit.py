@@ -148,7 +148,25 @@ def to_arrays(metas: list[dict], *, mode: str, k: int):
         filled = np.arange(k) < counts[:, None]
         cand_ids[filled] = cand_id
         cand_logprobs[filled] = cand_lp
+    if mode == "support":
+        logprobs = _support_sampled_logprobs(ids, logprobs, cand_ids, cand_logprobs)
     return ids, logprobs, np.ones(n, bool), cand_ids, cand_logprobs, offsets
+
+
+def _support_sampled_logprobs(ids, logprobs, cand_ids, cand_logprobs) -> np.ndarray:
+    """In support mode the sampled token's log-prob is its support (renormalised) one.
+
+    SGLang's ``output_token_logprobs`` is log_softmax(logits / T) before the top-k/top-p
+    filter (not renormalised), while the support row is the filtered, renormalised
+    distribution that was actually sampled; comparing the two would fail every filtered row.
+    The unfiltered value must still be a finite log-prob.
+    """
+    bad = ~np.isfinite(logprobs)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ContractViolation("non_finite", f"row {i} sampled log-prob is {logprobs[i]}; the sampler produced NaN/inf", row=i)
+    match = cand_ids == ids[:, None]
+    return np.where(match.any(axis=1), np.where(match, cand_logprobs, 0.0).sum(axis=1), logprobs)
 
 
 def _field(meta: dict, name: str, sample: int, *, required: bool):
