@@ -215,7 +215,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default="float64",
                         help="compute dtype; float64 makes cached decoding match a full forward to ~1e-12")  # fmt: skip
     parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096, help="as SGLang's flag of that name")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch intra-op threads")
+    # One intra-op thread: a model this small gains nothing from more, and on a busy 2-core
+    # machine OpenMP spin-waiting made a 16-row decode step 10x slower; the other core
+    # serves HTTP.
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
 
     import torch
@@ -223,6 +226,7 @@ def main(argv: list[str]) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = build_app(
         args.model, args.weight_version, args.max_batch_size, args.seed, args.dtype,
