@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import os
 import random
