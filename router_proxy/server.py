@@ -277,7 +277,8 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     config = uvicorn.Config(build_app(proxy), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                            log_level="warning", access_log=False, lifespan="on")  # fmt: skip
+                            log_level="warning", access_log=False, lifespan="on", proxy_headers=False, server_header=False,
+                            date_header=False)  # fmt: skip
     log.warning("proxy on http://%s:%d -> %s (%s)", args.host, args.port, proxy.upstream, proxy.contract)
     uvicorn.Server(config).run()
     return 0
