@@ -101,6 +101,16 @@ def _sync_context(model, sync: bool):
     return contextlib.nullcontext()
 
 
+def _micro_batch_count(model, local: int, world: int) -> int:
+    """FSDP2 all-gathers parameters in every forward and backward, so all ranks must run the
+    same number of micro-batches: the largest shard's. DDP communicates once, at the sync."""
+    if world == 1 or not hasattr(model, "set_requires_gradient_sync"):
+        return local
+    count = torch.tensor([local])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(), *, max_grad_norm: float | None = 1.0):
     """One optimizer step on the global ``batch``; returns metrics identical on every rank.
 
@@ -119,8 +129,13 @@ def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(),
     global_count = int(counts.item())
     # sums[0]: loss; sums[1:]: metric * trained tokens, so the all_reduce yields global means.
     sums = torch.zeros(1 + len(METRICS), dtype=torch.float64)
-    for j, x in enumerate(inputs):
-        with _sync_context(model, sync=j == len(inputs) - 1):
+    steps = _micro_batch_count(model, len(inputs), world)
+    for j in range(steps):
+        with _sync_context(model, sync=j == steps - 1):
+            if j >= len(inputs):  # FSDP2 padding step: same collectives, zero gradient
+                (response_logits(model, inputs[0]["input_ids"], inputs[0]["prompt_len"]).sum() * 0.0).backward()
+                continue
+            x = inputs[j]
             logits = response_logits(model, x["input_ids"], x["prompt_len"])
             loss, metrics = loss_fn(
                 logits, x["response_ids"], x["sampled_logprobs"], x["cand_ids"], x["cand_logprobs"], x["advantages"],
@@ -128,7 +143,7 @@ def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(),
                 tis_clip=settings.tis_clip, mis_low=settings.mis_low, mis_high=settings.mis_high,
                 token_count=global_count, chunk_size=settings.chunk_size)
             (loss * world).backward()  # DDP/FSDP2 divide the summed gradient by world
-        n = int(x["loss_mask"].sum())
+        n = int(inputs[j]["loss_mask"].sum())
         sums[0] += float(loss.detach())
         sums[1:] += torch.tensor([metrics.get(name, 0.0) * n for name in METRICS], dtype=torch.float64)
     if world > 1:

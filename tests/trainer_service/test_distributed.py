@@ -1,0 +1,81 @@
+"""The same global batch on 1 process and on 2 gloo processes under torchrun gives the same
+update. Runs `python -m trainer_service.step` for real; each launch takes a few seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from shared.wire import encode_batch
+from tests.trainer_service.conftest import global_batch
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_step(tmp: Path, model_dir: str, batch_file: Path, nproc: int, *extra: str) -> tuple[dict, dict]:
+    out = tmp / f"out-{nproc}-{'-'.join(extra) or 'ddp'}"
+    metrics = out.with_suffix(".json")
+    cmd = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+           str(free_port()), "-m", "trainer_service.step", "--model", model_dir, "--batch", str(batch_file),
+           "--out", str(out), "--metrics", str(metrics), "--lr", "1e-3", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))  # same thread count on 1 and 2 ranks
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return load_file(out / "model.safetensors"), json.loads(metrics.read_text())
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("dist")
+    batch_file = tmp / "batch.bin"
+    batch_file.write_bytes(encode_batch(global_batch(samples=5)))
+    return tmp, tiny_model_dir, batch_file, load_file(Path(tiny_model_dir) / "model.safetensors")
+
+
+def assert_same_update(before, one, two):
+    assert one.keys() == two.keys() == before.keys()
+    worst = max(float((one[k] - two[k]).abs().max()) for k in one)
+    moved = max(float((one[k] - before[k]).abs().max()) for k in one)
+    assert moved > 1e-4  # the step did change the parameters (AdamW lr 1e-3)
+    assert worst <= 1e-6, worst
+
+
+def assert_same_metrics(one, two):
+    assert one.keys() == two.keys()
+    for key in one:
+        # float32 partial sums combined in another order across ranks: ~1e-7 relative.
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-8), key
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("optimizer", ("adamw", "sgd"))
+def test_two_gloo_ranks_update_like_one_process(setup, optimizer):
+    tmp, model_dir, batch_file, before = setup
+    one, m1 = run_step(tmp, model_dir, batch_file, 1, "--optimizer", optimizer)
+    two, m2 = run_step(tmp, model_dir, batch_file, 2, "--optimizer", optimizer)
+    assert_same_update(before, one, two)
+    assert_same_metrics(m1, m2)
+    assert m1["trained_tokens"] == 25 and m1["samples"] == 5
+
+
+@pytest.mark.integration
+def test_fsdp2_on_two_gloo_ranks_updates_like_one_process(setup):
+    tmp, model_dir, batch_file, before = setup
+    one, m1 = run_step(tmp, model_dir, batch_file, 1, "--strategy", "ddp", "--optimizer", "adamw")
+    two, m2 = run_step(tmp, model_dir, batch_file, 2, "--strategy", "fsdp2", "--optimizer", "adamw")
+    assert_same_update(before, one, two)
+    assert_same_metrics(m1, m2)
