@@ -111,36 +111,60 @@ class WireLimits:
 
 
 def encode_batch(batch: Batch) -> bytes:
-    """Serialise ``batch`` to wire format v1. Arrays are converted to their wire dtype."""
-    doc: dict = {"v": WIRE_VERSION}
+    """Serialise ``batch`` to wire format v1. Arrays are converted to their wire dtype.
+
+    The message is assembled as a list of msgpack fragments and raw array buffers joined
+    once, so each array byte is copied exactly once (``msgpack.packb`` on the whole map
+    regrows its buffer and copies the payload several times).
+    """
+    head: dict = {"v": WIRE_VERSION}
     for name in SCALAR_FIELDS:
-        doc[name] = getattr(batch, name)
-    doc["temperature"] = float(batch.temperature)
-    doc["top_p"] = float(batch.top_p)
+        head[name] = getattr(batch, name)
+    head["temperature"] = float(batch.temperature)
+    head["top_p"] = float(batch.top_p)
     for name in LIST_FIELDS:
-        doc[name] = list(getattr(batch, name))
+        head[name] = list(getattr(batch, name))
+    parts = [_map_header(len(head) + len(ARRAY_FIELDS)), msgpack.packb(head, use_bin_type=True)[_map_header_len(len(head)) :]]
     for name, dtype in ARRAY_FIELDS.items():
         arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
-        doc[name] = {"dtype": dtype, "shape": list(arr.shape), "data": memoryview(arr.reshape(-1).view(np.uint8))}
-    return msgpack.packb(doc, use_bin_type=True)
+        meta = msgpack.packb({"dtype": dtype, "shape": list(arr.shape)}, use_bin_type=True)
+        parts += [msgpack.packb(name), b"\x83", meta[1:], msgpack.packb("data"), _bin_header(arr.nbytes), arr.reshape(-1).view(np.uint8)]
+    return b"".join(parts)
+
+
+def _map_header(n: int) -> bytes:
+    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+
+
+def _map_header_len(n: int) -> int:
+    return 1 if n < 16 else 3
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def decode_batch(data: bytes | bytearray | memoryview, *, limits: WireLimits = WireLimits()) -> Batch:
     """Parse wire format v1. Raises ``WireError`` for anything malformed.
 
-    Array fields of the result are read-only numpy views of ``data``: keep ``data`` alive
-    and unchanged while the batch is in use.
+    For ``bytes`` input, array fields of the result are read-only numpy views of ``data``
+    (no copy); a ``bytearray`` or ``memoryview`` is copied once first, since it could change.
     """
-    buf = memoryview(data).cast("B")
-    if len(buf) > limits.max_message_bytes:
+    size = memoryview(data).nbytes
+    if size > limits.max_message_bytes:
         raise WireError(
-            f"message is {len(buf)} bytes, above the decoder limit max_message_bytes="
+            f"message is {size} bytes, above the decoder limit max_message_bytes="
             f"{limits.max_message_bytes}; raise WireLimits.max_message_bytes if this is intended"
         )
-    reader = _Reader(buf, limits)
+    # Arrays must not change under the batch: mutable buffers are copied once, bytes are wrapped.
+    reader = _Reader(data if type(data) is bytes else bytes(data), limits)
     doc = reader.read(0)
-    if reader.pos != len(buf):
-        raise WireError(f"{len(buf) - reader.pos} trailing bytes after the batch map")
+    if reader.pos != reader.end:
+        raise WireError(f"{reader.end - reader.pos} trailing bytes after the batch map")
     if not isinstance(doc, dict):
         raise WireError(f"top level is {type(doc).__name__}, expected a map")
     return _batch_from_doc(doc)
@@ -201,92 +225,101 @@ def _array_from_doc(name: str, spec, expected_dtype: str) -> np.ndarray:
 
 
 class _Reader:
-    """Strict reader for the msgpack subset used by the wire format (no ext types)."""
+    """Strict reader for the msgpack subset used by the wire format (no ext types).
 
-    __slots__ = ("buf", "pos", "limits")
+    Headers are read from ``raw`` (bytes indexing is the fastest path in CPython); bin
+    payloads are returned as slices of ``view`` so arrays wrap the message without a copy.
+    """
 
-    def __init__(self, buf, limits: WireLimits):
-        self.buf = buf
-        self.pos = 0
-        self.limits = limits
+    __slots__ = ("raw", "view", "pos", "end", "limits")
 
-    def take(self, n: int):
-        end = self.pos + n
-        if end > len(self.buf):
-            raise WireError(f"truncated message: need {n} bytes at offset {self.pos}, {len(self.buf) - self.pos} left")
-        chunk = self.buf[self.pos : end]
-        self.pos = end
-        return chunk
+    def __init__(self, raw: bytes, limits: WireLimits):
+        self.raw, self.view, self.pos, self.end, self.limits = raw, memoryview(raw), 0, len(raw), limits
+
+    def take(self, n: int) -> int:
+        """Advance past ``n`` bytes and return where they start."""
+        start = self.pos
+        if start + n > self.end:
+            raise WireError(f"truncated message: need {n} bytes at offset {start}, {self.end - start} left")
+        self.pos = start + n
+        return start
 
     def uint(self, n: int) -> int:
-        return int.from_bytes(self.take(n), "big")
+        start = self.take(n)
+        return int.from_bytes(self.raw[start : start + n], "big")
 
     def read(self, depth: int):
         if depth > self.limits.max_depth:
             raise WireError(f"nesting deeper than {self.limits.max_depth} levels")
-        if self.pos >= len(self.buf):
-            raise WireError(f"truncated message: expected a value at offset {self.pos}")
-        b = self.buf[self.pos]
-        self.pos += 1
+        pos = self.pos
+        if pos >= self.end:
+            raise WireError(f"truncated message: expected a value at offset {pos}")
+        b = self.raw[pos]
+        self.pos = pos + 1
         if b <= 0x7F:
             return b
-        if b >= 0xE0:
-            return b - 0x100
+        if 0xA0 <= b <= 0xBF:
+            return self.str(b & 0x1F)
         if 0x80 <= b <= 0x8F:
             return self.map(b & 0x0F, depth)
         if 0x90 <= b <= 0x9F:
             return self.list(b & 0x0F, depth)
-        if 0xA0 <= b <= 0xBF:
-            return self.str(b & 0x1F)
+        if b >= 0xE0:
+            return b - 0x100
+        if b in (0xC4, 0xC5, 0xC6):
+            n = self.uint(1 << (b - 0xC4))
+            start = self.take(n)
+            return self.view[start : start + n]  # a view of the message, not a copy
         if b == 0xC0:
             return None
         if b == 0xC2:
             return False
         if b == 0xC3:
             return True
-        if b in (0xC4, 0xC5, 0xC6):
-            return self.take(self.uint(1 << (b - 0xC4)))  # a view of the message, not a copy
         if b == 0xCA:
-            return struct.unpack(">f", self.take(4))[0]
+            return struct.unpack_from(">f", self.raw, self.take(4))[0]
         if b == 0xCB:
-            return struct.unpack(">d", self.take(8))[0]
+            return struct.unpack_from(">d", self.raw, self.take(8))[0]
         if 0xCC <= b <= 0xCF:
             return self.uint(1 << (b - 0xCC))
         if 0xD0 <= b <= 0xD3:
             n = 1 << (b - 0xD0)
-            return int.from_bytes(self.take(n), "big", signed=True)
+            start = self.take(n)
+            return int.from_bytes(self.raw[start : start + n], "big", signed=True)
         if b in (0xD9, 0xDA, 0xDB):
             return self.str(self.uint(1 << (b - 0xD9)))
         if b in (0xDC, 0xDD):
             return self.list(self.uint(2 if b == 0xDC else 4), depth)
         if b in (0xDE, 0xDF):
             return self.map(self.uint(2 if b == 0xDE else 4), depth)
-        raise WireError(f"unsupported msgpack type byte 0x{b:02x} at offset {self.pos - 1}")
+        raise WireError(f"unsupported msgpack type byte 0x{b:02x} at offset {pos}")
 
     def str(self, n: int) -> str:
         if n > self.limits.max_str_len:
             raise WireError(f"string of {n} bytes at offset {self.pos}, above max_str_len={self.limits.max_str_len}")
-        raw = self.take(n)
+        start = self.take(n)
         try:
-            return bytes(raw).decode("utf-8")
+            return self.raw[start : start + n].decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise WireError(f"invalid UTF-8 in string at offset {self.pos - n}: {exc.reason}") from None
+            raise WireError(f"invalid UTF-8 in string at offset {start}: {exc.reason}") from None
 
     def list(self, n: int, depth: int) -> list:
         # Every element takes at least one byte, so a count above what is left is a lie.
-        if n > self.limits.max_list_len or n > len(self.buf) - self.pos:
+        if n > self.limits.max_list_len or n > self.end - self.pos:
             raise WireError(f"list of {n} items at offset {self.pos} exceeds the limit or the bytes left")
-        return [self.read(depth + 1) for _ in range(n)]
+        read = self.read
+        return [read(depth + 1) for _ in range(n)]
 
     def map(self, n: int, depth: int) -> dict:
-        if n > self.limits.max_map_len or 2 * n > len(self.buf) - self.pos:
+        if n > self.limits.max_map_len or 2 * n > self.end - self.pos:
             raise WireError(f"map of {n} entries at offset {self.pos} exceeds max_map_len={self.limits.max_map_len} or the bytes left")
         out = {}
+        read = self.read
         for _ in range(n):
-            key = self.read(depth + 1)
-            if not isinstance(key, str):
+            key = read(depth + 1)
+            if type(key) is not str:
                 raise WireError(f"map key {key!r} is not a string")
-            out[key] = self.read(depth + 1)
+            out[key] = read(depth + 1)
         return out
 
 
