@@ -1,0 +1,50 @@
+"""A prompt task on `prompts.tasks`: one prompt group, handed to exactly one rollout worker.
+
+JSON (orjson) rather than msgpack: tasks are small, and people read them in `nats` tools
+and in recorded segments. ``task_id`` is also the task's ``Nats-Msg-Id``, so the trainer
+re-publishing a task after a crash is deduplicated by JetStream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import orjson
+
+
+class TaskError(ValueError):
+    """A task message that is not a valid prompt task; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTask:
+    task_id: str  # unique; f"{run_id}/{step}/{index}" from the trainer's driver
+    group_id: str  # the GRPO group every sample of this task belongs to
+    prompt: str  # the text the policy continues (chat template already applied if any)
+    answer: str  # what the reward function compares against
+    reward: str  # reward function: a built-in name or "module:function"
+    n: int  # samples to draw for the group
+    step: int  # trainer step the task was published for (staleness accounting)
+    meta: dict = field(default_factory=dict)  # task-specific extras passed to the reward function
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PromptTask":
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise TaskError(f"task is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise TaskError(f"task is {type(doc).__name__}, expected an object")
+        kinds = {"task_id": str, "group_id": str, "prompt": str, "answer": str, "reward": str, "n": int, "step": int}
+        for name, kind in kinds.items():
+            if not isinstance(doc.get(name), kind) or isinstance(doc.get(name), bool):
+                raise TaskError(f"task field {name!r} is {doc.get(name)!r}, expected {kind.__name__}")
+        if doc["n"] < 1:
+            raise TaskError(f"task field 'n' is {doc['n']}, expected >= 1")
+        meta = doc.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TaskError(f"task field 'meta' is {type(meta).__name__}, expected an object")
+        return cls(**{name: doc[name] for name in kinds}, meta=meta)
