@@ -41,6 +41,7 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
     parser.add_argument("--samples", type=int, default=16, help="samples B the tokens are split into")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sizes", default="256,16384", help="extra token counts to report (bench wire), comma-separated; '' for none")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     return parser
 
@@ -68,7 +69,7 @@ def wire_figures(batch, repeats: int) -> dict:
         back = msgpack.unpackb(msgpack.packb(doc))
         return {name: np.asarray(value, dtype=getattr(batch, name).dtype) for name, value in back.items()}
 
-    naive = _median_seconds(nested, repeats=max(3, repeats // 5))
+    naive = _median_seconds(nested, repeats=3)
     return {
         "tokens": batch.num_tokens,
         "k": batch.k,
@@ -86,7 +87,8 @@ def bench_wire(argv: list[str]) -> int:
     """Encode+decode throughput of wire format v1 against memcpy and nested-list msgpack."""
     args = _parser("centerline bench wire", bench_wire.__doc__).parse_args(argv)
     result = {"bench": "wire", **wire_figures(_batch(args), args.repeats)}
-    result["sizes"] = [wire_figures(make_batch(samples=4, tokens_per_sample=n // 4, k=args.k, vocab_size=args.vocab), args.repeats) for n in (256, 16384)]
+    sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
+    result["sizes"] = [wire_figures(make_batch(samples=4, tokens_per_sample=n // 4, k=args.k, vocab_size=args.vocab), args.repeats) for n in sizes]
     print(json.dumps(result))
     return 0
 

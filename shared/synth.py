@@ -30,12 +30,18 @@ def make_batch(
     """
     rng = np.random.default_rng(seed)
     n = samples * tokens_per_sample
-    logits = rng.standard_normal((n, vocab_size)) * 2.0
-    logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
-    order = np.argsort(-logp, axis=1, kind="stable")
     width = min(k, vocab_size) if mode == "selected" else min(top_k if top_k > 0 else k, vocab_size)
-    head = order[:, :width]
-    head_lp = np.take_along_axis(logp, head, axis=1)
+    head = np.empty((n, width), np.int64)
+    head_lp = np.empty((n, width), np.float64)
+    for start in range(0, n, 256):  # chunks keep [rows, vocab] small for large vocabularies
+        logits = rng.standard_normal((min(256, n - start), vocab_size)) * 2.0
+        top_logit = logits.max(axis=1, keepdims=True)
+        logp = logits - (top_logit + np.log(np.exp(logits - top_logit).sum(axis=1, keepdims=True)))
+        top = np.argpartition(-logp, width - 1, axis=1)[:, :width] if width < vocab_size else np.tile(np.arange(vocab_size), (len(logp), 1))
+        top_lp = np.take_along_axis(logp, top, axis=1)
+        order = np.argsort(-top_lp, axis=1, kind="stable")
+        head[start : start + len(logp)] = np.take_along_axis(top, order, axis=1)
+        head_lp[start : start + len(logp)] = np.take_along_axis(top_lp, order, axis=1)
     if mode == "support":
         head_lp = head_lp - np.logaddexp.reduce(head_lp, axis=1, keepdims=True)
     # Sample from the head's renormalised distribution so the sampled token is a candidate.

@@ -1,0 +1,46 @@
+"""The console script: every listed command resolves, and the foundation benchmarks print one JSON object."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from centerline.cli import BENCHES, COMMANDS, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def centerline(*argv):
+    return subprocess.run([sys.executable, "-m", "centerline", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.parametrize("table", [COMMANDS, BENCHES])
+def test_every_listed_command_resolves_to_a_main(table):
+    for name, (target, _) in table.items():
+        assert callable(resolve(target)), name
+
+
+def test_help_lists_the_commands_and_unknown_ones_fail():
+    run = centerline("--help")
+    assert run.returncode == 0
+    assert all(f"  {name} " in run.stdout for name in COMMANDS)
+    bad = centerline("frobnicate")
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+
+
+def test_bench_wire_prints_one_json_object_with_its_baselines():
+    run = centerline("bench", "wire", "--json", "--tokens", "512", "--repeats", "3", "--sizes", "128")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["tokens"] == 512 and result["k"] == 128 and [s["tokens"] for s in result["sizes"]] == [128]
+    assert {"encode_decode_gbps", "memcpy_gbps", "ratio_to_memcpy", "nested_list_msgpack_gbps"} <= set(result)
+    assert result["encode_decode_gbps"] > result["nested_list_msgpack_gbps"] > 0
+
+
+def test_bench_contract_prints_one_json_object():
+    run = centerline("bench", "contract", "--json", "--tokens", "512", "--repeats", "3")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["tokens"] == 512 and {"rows_per_s", "ms_per_batch", "mb_per_s"} <= set(result)
