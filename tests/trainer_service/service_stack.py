@@ -1,0 +1,194 @@
+"""Real processes around `centerline trainer` for its integration tests: the embedded NATS
+server, an engine, the trainer under torchrun, and a stand-in rollout worker.
+
+`StandInWorker` plays the rollout worker in a thread of the test process: it pulls prompt
+tasks from `prompts.tasks`, reads the engine's weight version from GET /model_info (as a
+real worker reads it from the response), and publishes one synthetic contract-valid batch
+per task (ids in the model's vocabulary, one GRPO group). `inject` lets a test publish
+extra (faulty or duplicated) messages next to a task's batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared import names
+from shared.nats import connect, ensure_streams, free_port, publish_batch, pull_consumer
+from shared.synth import make_batch
+from shared.task import PromptTask
+from shared.wire import encode_batch, replace_arrays
+from tests.engine.conftest import ENV, REPO, http
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+K = 16  # candidates per token in these tests (--rollout-top-logprobs-num)
+TOKENS = 5  # response tokens per sample
+
+
+def write_dataset(path: Path, size: int = 16) -> Path:
+    lines = [f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}", "reward": "exact_match", "level": {a % 3}}}' for a in range(size)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def task_batch(task: PromptTask, version: int, vocab: int):
+    """A valid batch for ``task``: ``task.n`` samples of one group, GRPO advantages."""
+    batch = make_batch(samples=task.n, tokens_per_sample=TOKENS, k=K, vocab_size=vocab, seed=zlib.crc32(task.task_id.encode()),
+                       weight_version=version, batch_id=f"batch/{task.task_id}", prompt_len=4)  # fmt: skip
+    rewards = np.asarray(batch.rewards, np.float32)
+    batch.group_ids = [task.group_id] * task.n
+    return replace_arrays(batch, advantages=(rewards - rewards.mean()).astype(np.float32))
+
+
+@dataclass
+class StandInWorker:
+    nats_url: str
+    engine_url: str
+    vocab: int
+    inject: object = None  # callable(worker, task, batch) -> awaitable, run before the batch is published
+    blocked: object = None  # callable(task) -> bool: hold the task's batch back while it returns True
+    published: dict = field(default_factory=dict)  # batch_id -> bytes, valid batches
+    extra: dict = field(default_factory=dict)  # batch_id -> bytes, injected messages
+    error: BaseException | None = None
+
+    def start(self) -> "StandInWorker":
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def version(self) -> int:
+        return int(http("GET", self.engine_url + "/model_info", timeout=30)[1]["weight_version"])
+
+    async def _main(self) -> None:
+        try:
+            nc = await connect(self.nats_url, name="stand-in-worker")
+            self.js = nc.jetstream()
+            await ensure_streams(self.js)
+            tasks = await pull_consumer(self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT)
+            while not self._stop.is_set():
+                for msg in await tasks.fetch(1, timeout=0.5):
+                    task = PromptTask.from_bytes(msg.data)
+                    while self.blocked is not None and self.blocked(task) and not self._stop.is_set():
+                        await asyncio.sleep(0.05)  # polling for the test to release the task
+                    batch = task_batch(task, await asyncio.to_thread(self.version), self.vocab)
+                    if self.inject is not None:
+                        await self.inject(self, task, batch)
+                    data = encode_batch(batch)
+                    await publish_batch(self.js, data, max_payload=nc.max_payload)
+                    self.published[batch.batch_id] = data
+                    await tasks.ack(msg)
+            await nc.close()
+        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            self.error = exc
+
+    async def publish_raw(self, batch_id: str, data: bytes, msg_id: str) -> None:
+        """Publish ``data`` under its own Nats-Msg-Id, bypassing the duplicate window of ``batch_id``."""
+        await self.js.publish(names.ROLLOUTS_SUBJECT, data, headers={names.MSG_ID_HEADER: msg_id})
+        self.extra[msg_id] = data
+
+
+def fault(batch, kind: str, version: int | None = None):
+    """``batch`` with one defect of the completeness contract, under a fresh batch_id."""
+    cand_ids, cand_lp, adv = np.array(batch.cand_ids), np.array(batch.cand_logprobs), np.array(batch.advantages)
+    if kind == "short_row":
+        cand_ids[2, -1], cand_lp[2, -1] = -1, -np.inf
+    elif kind == "nan_advantage":
+        adv[1] = np.nan
+    elif kind == "duplicate_candidate":
+        cand_ids[3, 1] = cand_ids[3, 0]
+    out = replace_arrays(batch, cand_ids=cand_ids, cand_logprobs=cand_lp, advantages=adv)
+    out.batch_id = f"fault/{kind}/{batch.batch_id}"
+    if version is not None:
+        out.weight_version = version
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes of ``pid``, recursively (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *descendants(child)]
+    return out
+
+
+class Trainer:
+    """`centerline trainer` as a process group: under torchrun with ``nproc`` ranks, or plain.
+    ``Trainer.kill_all()`` ends every one still running (fixture teardown)."""
+
+    started: list["Trainer"] = []
+
+    def __init__(self, run_dir: Path, model: Path, dataset: Path, nats_url: str, engine_url: str, *flags: str, nproc: int = 2):
+        self.run_dir, self.log_path = run_dir, run_dir.with_suffix(f".{len(list(run_dir.parent.glob(run_dir.name + '.*log')))}.log")
+        launcher = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                    str(free_port()), "-m"] if nproc > 1 else [sys.executable, "-m"]  # fmt: skip
+        cmd = [*launcher, "centerline", "trainer", "--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir),
+               "--nats-url", nats_url, "--engine-urls", engine_url, "--rollout-top-logprobs-num", str(K), *flags]  # fmt: skip
+        env = dict(ENV, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        Trainer.started.append(self)
+
+    @classmethod
+    def kill_all(cls) -> None:
+        for trainer in cls.started:
+            trainer.kill()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"trainer still running after {timeout}s:\n{self.log()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and every rank at once, as a machine crash would. torchrun starts
+        each rank in a session of its own, so the ranks are found as the launcher's descendants."""
+        if self.proc.poll() is None:
+            for pid in [*descendants(self.proc.pid), self.proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+async def consumer_info(nats_url: str):
+    nc = await connect(nats_url)
+    try:
+        return await nc.jetstream().consumer_info(names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
+    finally:
+        await nc.close()
+
+
+async def dead_letters(nats_url: str) -> list:
+    """Every message in the DLQ stream as (headers, data)."""
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(names.DLQ_STREAM)
+        return [(m.headers or {}, m.data) for m in [await js.get_msg(names.DLQ_STREAM, s) for s in
+                                                   range(info.state.first_seq, info.state.last_seq + 1)]] if info.state.messages else []  # fmt: skip
+    finally:
+        await nc.close()

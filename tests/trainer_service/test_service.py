@@ -1,0 +1,161 @@
+"""`centerline trainer` end to end: embedded NATS, a real engine, the trainer under torchrun
+with 2 gloo ranks, and a stand-in rollout worker publishing synthetic valid batches.
+
+One run (`faulty_run`) carries the faults of the contract and two re-published batches;
+each test asserts one behaviour of it. `test_sigkill_*` runs the trainer twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import orjson
+import pytest
+
+from engine.tokenizer import VOCAB_SIZE
+from shared.nats import EmbeddedNats
+from shared.wire import encode_batch as encode
+from tests.engine.conftest import EngineProcess, http, init_model, wait_until
+from tests.trainer_service.service_stack import StandInWorker, Trainer, consumer_info, dead_letters, fault, write_dataset
+
+pytestmark = pytest.mark.integration
+
+STEPS = 4
+FLAGS = ("--prompts-per-step", "2", "--rollout-n", "4", "--max-staleness", "1", "--ack-wait", "3",
+         "--step-timeout", "60", "--learning-rate", "1e-3")  # fmt: skip
+EXPECTED_RULES = {"short_row": "short_row", "nan_advantage": "non_finite", "duplicate_candidate": "duplicate_candidate",
+                  "stale": "stale"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer-stack")
+    nats = EmbeddedNats(tmp / "nats").start()
+    model = init_model(tmp / "model", seed=0)
+    engine = EngineProcess(model, tmp / "engine.log")
+    yield tmp, nats, model, engine
+    Trainer.kill_all()
+    engine.stop()
+    nats.stop()
+
+
+def metrics_lines(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def final_state(run_dir) -> dict:
+    return orjson.loads((run_dir / "checkpoints" / f"step-{STEPS:06d}" / "state.json").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def faulty_run(stack):
+    """4 steps of 2 groups x 4 samples; faults and re-published batches on the side."""
+    tmp, nats, model, engine = stack
+    injected = {}  # batch_id -> expected rule
+
+    async def inject(worker, task, batch):
+        step, index = map(int, task.task_id.split("/")[1:])
+        if (step, index) == (0, 0):
+            for kind in ("short_row", "nan_advantage", "duplicate_candidate"):
+                bad = fault(batch, kind)
+                await worker.publish_raw(bad.batch_id, encode(bad), bad.batch_id)
+                injected[bad.batch_id] = EXPECTED_RULES[kind]
+        if (step, index) == (1, 1):  # step 1 holds batch (1, 0) and waits for this task's batch
+            held = "batch/" + task.task_id.replace("/1/1", "/1/0")
+            await worker.publish_raw(held, worker.published[held], held + "/again")
+            injected[held + "/again"] = "duplicate_batch"
+        if (step, index) == (2, 0):
+            assert batch.weight_version == 2  # trainer at version 2 with --max-staleness 1
+            bad = fault(batch, "stale", version=0)
+            await worker.publish_raw(bad.batch_id, encode(bad), bad.batch_id)
+            injected[bad.batch_id] = "stale"
+            first = "batch/" + task.task_id.replace("/2/0", "/0/0")  # trained in step 0: in the ledger now
+            await worker.publish_raw(first, worker.published[first], first + "/again")
+            injected[first + "/again"] = "duplicate_batch"
+
+    worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject).start()
+    run_dir = tmp / "run-faulty"
+    trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks.jsonl"), nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+    start = time.monotonic()
+    code = trainer.wait(240)
+    elapsed = time.monotonic() - start
+    worker.stop()
+    assert worker.error is None, worker.error
+    assert code == 0, trainer.log()
+    return run_dir, worker, injected, engine, nats, elapsed
+
+
+def test_steps_advance_engine_version_and_leave_nothing_unacked(faulty_run):
+    run_dir, worker, _, engine, nats, elapsed = faulty_run
+    lines = metrics_lines(run_dir)
+    assert [m["step"] for m in lines] == list(range(STEPS))
+    assert [m["version"] for m in lines] == list(range(1, STEPS + 1))
+    assert all(m["samples"] == 8 and m["trained_tokens"] == 8 * 5 for m in lines)
+    assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
+    info = asyncio.run(consumer_info(nats.url))
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+    print(f"\n{STEPS} steps in {elapsed:.1f}s; per step:", [{k: round(m[k], 3) for k in ("gather_s", "train_s", "save_s",
+          "weights_s", "step_s")} for m in lines])  # fmt: skip
+
+
+def test_faulty_batches_are_dead_lettered_by_rule_and_never_trained(faulty_run):
+    run_dir, worker, injected, _, nats, _ = faulty_run
+    letters = {headers["batch_id"] + ("/again" if headers["rule"] == "duplicate_batch" else ""): (headers, data)
+               for headers, data in asyncio.run(dead_letters(nats.url))}  # fmt: skip
+    assert {bid: h["rule"] for bid, (h, _) in letters.items()} == injected
+    for bid, (headers, data) in letters.items():
+        assert data == worker.extra[bid]  # the same bytes
+        assert headers["reason"]
+    trained = [bid for m in metrics_lines(run_dir) for bid in m["batch_ids"]]
+    assert sorted(trained) == sorted(worker.published)  # every valid batch, nothing else
+    assert set(final_state(run_dir)["ledger"]) == set(worker.published)
+    rejected = {}
+    for m in metrics_lines(run_dir):
+        for rule, n in m["gate_rejected"].items():
+            rejected[rule] = rejected.get(rule, 0) + n
+    assert rejected == {"short_row": 1, "non_finite": 1, "duplicate_candidate": 1, "stale": 1, "duplicate_batch": 2}
+
+
+def test_batch_published_twice_is_trained_once(faulty_run):
+    run_dir, worker, injected, _, _, _ = faulty_run
+    again = [bid.removesuffix("/again") for bid, rule in injected.items() if rule == "duplicate_batch"]
+    assert again
+    trained = [bid for m in metrics_lines(run_dir) for bid in m["batch_ids"]]
+    for bid in again:
+        assert trained.count(bid) == 1
+        assert final_state(run_dir)["ledger"][bid][1] == int(bid.split("/")[2])  # in its own step, not again later
+
+
+def test_sigkill_after_a_step_resumes_with_ledger_intact(stack):
+    tmp, nats, model, engine = stack
+    release = threading.Event()
+    # Step 2 gets its first group only, so the trainer is killed holding one unacked batch.
+    blocked = lambda task: task.task_id.endswith("/2/1") and not release.is_set()  # noqa: E731
+    worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked).start()
+    run_dir = tmp / "run-killed"
+    dataset = write_dataset(tmp / "tasks-killed.jsonl")
+    trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+
+    def holding_step_2_batch():
+        return len(metrics_lines(run_dir)) == 2 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
+
+    wait_until(holding_step_2_batch, 180, "step 2 holding its first batch", trainer.proc)
+    trainer.kill()
+    release.set()
+    again = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+    assert again.wait(240) == 0, again.log()
+    worker.stop()
+    assert worker.error is None, worker.error
+    assert [m["step"] for m in metrics_lines(run_dir)] == list(range(STEPS))  # the counter continued at 2
+    state = final_state(run_dir)
+    assert state["step"] == STEPS and state["version"] == STEPS
+    # No batch skipped, none trained twice: the ledger holds each published batch once, and
+    # every step trained exactly its two groups (step 2 the redelivered one among them).
+    assert set(state["ledger"]) == set(worker.published)
+    assert sorted(step for _, step in state["ledger"].values()) == [s for s in range(STEPS) for _ in range(2)]
+    assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
+    info = asyncio.run(consumer_info(nats.url))
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)

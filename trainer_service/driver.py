@@ -1,0 +1,99 @@
+"""Prompt tasks from a JSONL dataset, in a deterministic order, published ahead of training.
+
+A dataset line is ``{"prompt": str, "answer": str, "reward": str, ...}``; every other key
+goes into ``PromptTask.meta`` unchanged (the reward function sees it). Step ``s`` publishes
+``prompts_per_step`` tasks, the dataset positions ``s * prompts_per_step + j`` of an
+endless sequence of epochs, each epoch a permutation seeded by ``(seed, epoch)``. So the
+tasks of a step are a pure function of ``(dataset, seed, step)``: after a restart the
+driver re-publishes the same tasks with the same ``task_id`` (= ``Nats-Msg-Id``), which
+JetStream drops inside the PROMPTS duplicate window.
+
+The driver never runs more than ``max_inflight_steps`` steps ahead of training
+(``publish_until``), which bounds how stale a batch can be when it reaches a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from shared import names
+from shared.task import PromptTask
+
+REQUIRED = ("prompt", "answer", "reward")
+
+
+class DatasetError(ValueError):
+    """A dataset file or line that cannot become prompt tasks; the message names file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    prompt: str
+    answer: str
+    reward: str
+    meta: dict
+
+
+def load_dataset(path: str | Path) -> list[Example]:
+    """Every line of ``path`` as an ``Example``; blank lines are skipped."""
+    examples = []
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{number}: not JSON ({exc})") from None
+            if not isinstance(doc, dict):
+                raise DatasetError(f"{path}:{number}: a line must be a JSON object, found {type(doc).__name__}")
+            for key in REQUIRED:
+                if not isinstance(doc.get(key), str):
+                    raise DatasetError(f"{path}:{number}: field {key!r} is {doc.get(key)!r}, expected a string "
+                                       f"(a line needs {', '.join(REQUIRED)}; `centerline dataset` writes them)")
+            meta = {k: v for k, v in doc.items() if k not in REQUIRED}
+            examples.append(Example(doc["prompt"], doc["answer"], doc["reward"], meta))
+    if not examples:
+        raise DatasetError(f"{path}: the dataset holds no examples")
+    return examples
+
+
+class Driver:
+    """Turns steps into prompt tasks; ``next_step`` is the data cursor saved in checkpoints."""
+
+    def __init__(self, examples: list[Example], *, run_id: str, seed: int, prompts_per_step: int, n: int,
+                 next_step: int = 0):  # fmt: skip
+        self.examples, self.run_id, self.seed = examples, run_id, seed
+        self.prompts_per_step, self.n, self.next_step = prompts_per_step, n, next_step
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))}
+        return self._orders[epoch]
+
+    def tasks(self, step: int) -> list[PromptTask]:
+        out = []
+        for j in range(self.prompts_per_step):
+            position = step * self.prompts_per_step + j
+            epoch, index = divmod(position, len(self.examples))
+            ex = self.examples[int(self._order(epoch)[index])]
+            task_id = f"{self.run_id}/{step}/{j}"
+            out.append(PromptTask(task_id=task_id, group_id=task_id, prompt=ex.prompt, answer=ex.answer,
+                                  reward=ex.reward, n=self.n, step=step, meta=ex.meta))  # fmt: skip
+        return out
+
+    async def publish_until(self, js, trained_steps: int, inflight: int, last_step: int) -> int:
+        """Publish the tasks of every step before ``min(trained_steps + inflight, last_step)``
+        not yet published; returns how many tasks were sent."""
+        sent = 0
+        while self.next_step < min(trained_steps + inflight, last_step):
+            for task in self.tasks(self.next_step):
+                await js.publish(names.PROMPTS_SUBJECT, task.to_bytes(), headers={names.MSG_ID_HEADER: task.task_id})
+                sent += 1
+            self.next_step += 1
+        return sent

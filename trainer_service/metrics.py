@@ -1,0 +1,58 @@
+"""Per-step metrics: one JSON line on stdout, one line appended to ``<run_dir>/metrics.jsonl``,
+and Prometheus gauges/counters at ``/metrics`` when ``--metrics-port`` is given.
+
+The HTTP server is optional and can never stop training: a port that cannot be bound is
+logged and the trainer goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+log = logging.getLogger("centerline.trainer.metrics")
+
+# Step metrics exported as gauges (names as DESIGN section 6), prefixed centerline_trainer_.
+GAUGES = ("step", "version", "loss", "grad_norm", "trained_tokens", "samples", "reward_mean", "staleness_mean",
+          "staleness_max", "sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio",
+          "sc_importance_weight", "train_rollout_kl", "train_rollout_logprob_abs_diff", "step_s")  # fmt: skip
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, port: int | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        self.registry = CollectorRegistry()
+        self.gauges = {name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES}
+        self.accepted = Counter("centerline_trainer_gate_accepted", "batches accepted by the gate", registry=self.registry)
+        self.rejected = Counter("centerline_trainer_gate_rejected", "batches dead-lettered, by rule", ["rule"], registry=self.registry)
+        self.duplicate = Counter("centerline_trainer_gate_duplicate", "redeliveries of trained batches, acked", registry=self.registry)
+        self.weight_failures = Gauge("centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry)
+        if port is not None:
+            try:
+                start_http_server(port, registry=self.registry)
+            except OSError as exc:
+                log.error("metrics server not started on port %d (%s); training continues without it", port, exc)
+
+    def gate(self, counts) -> dict:
+        """Gate counts of one step as flat fields, and into the Prometheus counters."""
+        rejected = {key.split(":", 1)[1]: n for key, n in counts.items() if key.startswith("rejected:")}
+        self.accepted.inc(counts.get("accepted", 0))
+        self.duplicate.inc(counts.get("duplicate", 0))
+        for rule, n in rejected.items():
+            self.rejected.labels(rule).inc(n)
+        return {"gate_accepted": counts.get("accepted", 0), "gate_rejected": rejected, "gate_duplicate": counts.get("duplicate", 0)}
+
+    def step(self, record: dict) -> None:
+        """Log and store one step's record (a flat dict of JSON values)."""
+        line = orjson.dumps(record)
+        sys.stdout.buffer.write(line + b"\n")
+        sys.stdout.flush()
+        with open(self.path, "ab") as fh:
+            fh.write(line + b"\n")
+        for name, gauge in self.gauges.items():
+            if isinstance(record.get(name), (int, float)):
+                gauge.set(record[name])

@@ -1,0 +1,92 @@
+"""The policy being trained, as every rank holds it: model, optimizer, and what each rank does
+for one step (train on the global batch, save the weights version, save the checkpoint).
+
+Rank 0 decides every step and sends it to the other ranks as a ``StepCommand``
+(``broadcast_object_list``: the encoded global batch travels as bytes); the other ranks
+sit in ``follow`` and do exactly the same collectives in the same order. A command
+without a batch tells them to stop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shared.wire import decode_batch
+from trainer_service import checkpoint
+from trainer_service.model import load_model, unwrap, wrap_model
+from trainer_service.step import LossSettings, make_optimizer, train_step
+from trainer_service.weights import save_version
+
+
+@dataclass(frozen=True, slots=True)
+class StepCommand:
+    step: int  # index of the step being trained (0-based); the checkpoint after it is step + 1
+    version: int  # weight version once this step is done
+    sync: bool  # write weights version ``version`` this step
+    batch: bytes | None  # the global batch (wire format v1); None = stop
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def agree(value):
+    """Rank 0's ``value`` on every rank."""
+    if world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Policy:
+    def __init__(self, *, model_dir: Path, run_dir: Path, resume: Path | None, cfg, strategy: str, max_grad_norm: float | None):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        self.initial, self.run_dir, self.max_grad_norm = model_dir, run_dir, max_grad_norm
+        torch.manual_seed(cfg.seed)
+        self.model = wrap_model(load_model(str(resume / "model" if resume else model_dir), device=device), strategy)
+        self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
+        if resume is not None:
+            checkpoint.load_optimizer(resume, self.model, self.optimizer)
+        self.settings = LossSettings(cfg.loss, cfg.score_centering_is, cfg.score_centering_tis_clip,
+                                     cfg.score_centering_mis_low, cfg.score_centering_mis_high)  # fmt: skip
+
+    @property
+    def world_size(self) -> int:
+        return world()[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(unwrap(self.model).config.vocab_size)
+
+    def run(self, cmd: StepCommand, state: dict | None = None) -> dict:
+        """Train one step and make it durable. Rank 0 passes the checkpoint ``state`` and
+        returns metrics with timings (``train_s``, ``save_s``) and the weights path."""
+        if world()[1] > 1 and world()[0] == 0:
+            agree(cmd)
+        t0 = time.perf_counter()
+        metrics = train_step(self.model, self.optimizer, decode_batch(cmd.batch), self.settings,
+                             max_grad_norm=self.max_grad_norm)  # fmt: skip
+        t1 = time.perf_counter()
+        weights = save_version(self.run_dir / "weights", cmd.version, self.model, self.initial) if cmd.sync else None
+        checkpoint.save(self.run_dir / "checkpoints", self.model, self.optimizer, state or {"step": cmd.step + 1},
+                        weights_dir=weights)  # fmt: skip
+        return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1, "weights": weights}
+
+    def follow(self) -> None:
+        """Ranks other than 0: run each step rank 0 sends until it sends stop."""
+        while (cmd := agree(None)).batch is not None:
+            self.run(cmd)
+
+    def stop(self) -> None:
+        if world()[1] > 1:
+            agree(StepCommand(-1, -1, False, None))
+

@@ -1,0 +1,158 @@
+"""`centerline trainer`: drive prompt tasks, gate candidate batches, train, publish weights.
+
+The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
+
+    publish the tasks of the steps up to max_inflight_steps ahead      driver.py
+    gather accepted batches until the step's samples arrived            gate.py
+    train on their concatenation, on every rank                         policy.py, step.py
+    save weights version v+1 and the checkpoint (with the ledger)       weights.py, checkpoint.py
+    ack the step's batches                                              gate.py
+    load version v+1 on every engine, publish weights.updated           weights.py
+    log the step                                                        metrics.py
+
+A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes early after
+``--step-timeout`` seconds with whatever arrived. SIGTERM/SIGINT: a running step is
+finished and committed, a step still gathering is abandoned (its batches are nak'ed, none
+acked), then the process exits 0. Left out: evaluation, learning-rate schedules, and
+checkpoints less often than every step (acks wait for a checkpoint).
+
+    centerline trainer --model runs/model --dataset runs/tasks.jsonl --run-dir runs/trainer --steps 100
+    torchrun --nproc-per-node 2 -m centerline trainer --model ... --strategy fsdp2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from shared import config as shared_config
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="centerline trainer", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, type=Path, help="initial HF model directory (weight version 0)")
+    parser.add_argument("--dataset", required=True, type=Path, help="JSONL of {prompt, answer, reward, ...}")
+    parser.add_argument("--run-dir", required=True, type=Path, help="checkpoints, weight versions, metrics.jsonl")
+    parser.add_argument("--steps", type=int, default=100, help="train until this many steps are done")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step")
+    parser.add_argument("--weight-sync-interval", type=int, default=1, help="publish weights every this many steps")
+    parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked batch is redelivered")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="close a step short after this many seconds")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (rank 0)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    shared_config.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 0 or args.prompts_per_step < 1 or args.weight_sync_interval < 1 or args.ack_wait <= 0:
+        parser.error("--steps >= 0, --prompts-per-step >= 1, --weight-sync-interval >= 1 and --ack-wait > 0 are required")
+    return args, shared_config.resolve(args)
+
+
+async def drive(args, cfg, policy, resume: Path | None) -> int:
+    """Rank 0: the training loop of the module docstring."""
+    from shared import names
+    from shared.nats import connect, ensure_streams, pull_consumer
+    from shared.wire import encode_batch
+    from trainer_service import checkpoint, weights
+    from trainer_service.driver import Driver, load_dataset
+    from trainer_service.gate import Gate, concat_batches
+    from trainer_service.metrics import Metrics
+    from trainer_service.policy import StepCommand
+
+    state = checkpoint.load_state(resume) if resume else {"step": 0, "version": 0, "next_task_step": 0, "ledger": {},
+                                                           "run_id": uuid.uuid4().hex[:12]}  # fmt: skip
+    step, version = state["step"], state["version"]
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
+    nc = await connect(cfg.nats_url, name="centerline-trainer")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    consumer = await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER,
+                                   filter_subject=names.ROLLOUTS_SUBJECT, ack_wait=args.ack_wait)  # fmt: skip
+    gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=state["ledger"])
+    driver = Driver(load_dataset(args.dataset), run_id=state["run_id"], seed=cfg.seed,
+                    prompts_per_step=args.prompts_per_step, n=cfg.rollout_n, next_step=state["next_task_step"])  # fmt: skip
+    publisher = weights.WeightPublisher(js, cfg.engine_urls)
+    metrics = Metrics(args.run_dir, args.metrics_port)
+    # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
+    await publisher.publish(version, weights.version_dir(args.run_dir / "weights", version) if version else args.model)
+    keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
+    target = args.prompts_per_step * cfg.rollout_n
+    logging.getLogger("centerline.trainer").info("run %s resumes at step %d, version %d", state["run_id"], step, version)
+
+    while step < args.steps and not stopping.is_set():
+        t0 = time.perf_counter()
+        await driver.publish_until(js, step, cfg.max_inflight_steps, args.steps)
+        held = await gate.gather(target, version, args.step_timeout, stopping, min_samples=policy.world_size)
+        if stopping.is_set():
+            await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
+            break
+        t1 = time.perf_counter()
+        sync = (step + 1) % args.weight_sync_interval == 0
+        batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
+        cmd = StepCommand(step, version + sync, sync, encode_batch(batch))
+        state = {"step": step + 1, "version": version + sync, "next_task_step": driver.next_step,
+                 "run_id": state["run_id"], "ledger": gate.ledger_with_held(step)}  # fmt: skip
+        result = await asyncio.to_thread(policy.run, cmd, state)
+        await gate.commit(step)  # step, checkpoint and ledger are durable: ack its batches
+        t2 = time.perf_counter()
+        if sync:
+            await publisher.publish(cmd.version, result.pop("weights"))
+        staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
+        record = {"step": step, "version": cmd.version, **{k: v for k, v in result.items() if k != "weights"},
+                  "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+                  **metrics.gate(gate.take_counts()), "gather_s": t1 - t0, "weights_s": time.perf_counter() - t2,
+                  "step_s": time.perf_counter() - t0, "batch_ids": [h.batch.batch_id for h in held]}  # fmt: skip
+        metrics.weight_failures.set(publisher.failures)
+        metrics.step(record)
+        step, version = step + 1, cmd.version
+
+    keep_alive.cancel()
+    policy.stop()
+    await publisher.close()
+    await nc.drain()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args, cfg = parse(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    import torch
+    import torch.distributed as dist
+
+    from trainer_service import checkpoint
+    from trainer_service.policy import Policy, agree
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    if "WORLD_SIZE" in os.environ:
+        # Other ranks wait in a broadcast while rank 0 gathers batches, which lasts as long as the workers need.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=24))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        if rank == 0:
+            args.run_dir.mkdir(parents=True, exist_ok=True)
+            (args.run_dir / "config.toml").write_text(shared_config.to_toml(cfg))
+            checkpoint.remove_partial(args.run_dir / "checkpoints")
+        resume = agree(checkpoint.latest(args.run_dir / "checkpoints") if rank == 0 else None)
+        policy = Policy(model_dir=args.model, run_dir=args.run_dir, resume=resume, cfg=cfg, strategy=args.strategy,
+                        max_grad_norm=args.max_grad_norm or None)  # fmt: skip
+        if rank != 0:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank
+            policy.follow()
+            return 0
+        return asyncio.run(drive(args, cfg, policy, resume))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

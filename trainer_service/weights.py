@@ -1,0 +1,100 @@
+"""Weight versions: the trained model as an HF directory per version, loaded by every engine.
+
+Version ``v`` lives in ``<run_dir>/weights/v{v:06d}/`` (config, safetensors, and the
+tokenizer files copied from the initial model directory), written to a temporary
+directory and renamed, so an engine never loads half a version. Version 0 is the initial
+``--model`` directory itself.
+
+Publication (rank 0): ``POST /update_weights_from_disk {model_path, weight_version: str(v)}``
+on each engine URL directly (SGLang routers do not forward admin endpoints), then
+``weights.updated`` ``{version, path, sha256}`` on NATS (sha256 of the safetensors files in
+name order). An engine that fails after a few tries is logged and counted, and training
+goes on: batches it samples with old weights are then rejected by the gate as ``stale``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from shared import names
+from trainer_service.checkpoint import is_writer, publish_dir
+from trainer_service.model import save_model
+
+log = logging.getLogger("centerline.trainer.weights")
+KEEP = 3  # versions kept on disk: an engine may still be loading the previous one
+MODEL_FILES = ("config.json", "generation_config.json")
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:06d}"
+
+
+def save_version(root: Path, version: int, model, initial: Path) -> Path:
+    """Write version ``version`` of ``model`` (all ranks call; rank 0 writes)."""
+    final = version_dir(root, version)
+    tmp = root / f".tmp-{final.name}"
+    if is_writer():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    save_model(model, str(tmp))
+    if is_writer():
+        for f in initial.iterdir():  # tokenizer and anything else the engine needs besides the weights
+            if f.is_file() and f.name not in MODEL_FILES and not f.name.startswith("model") and not (tmp / f.name).exists():
+                shutil.copy2(f, tmp / f.name)
+        publish_dir(tmp, final)
+        for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+class WeightPublisher:
+    """Tells every engine, then NATS, which version to serve."""
+
+    def __init__(self, js, engine_urls: list[str], *, attempts: int = 3, timeout: float = 300.0):
+        self.js, self.engine_urls, self.attempts = js, list(engine_urls), attempts
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
+        self.failures = 0
+
+    async def publish(self, version: int, path: Path) -> dict:
+        path = path.resolve()
+        results = await asyncio.gather(*(self.update(url, version, path) for url in self.engine_urls))
+        self.failures += results.count(False)
+        event = {"version": version, "path": str(path), "sha256": sha256(path)}
+        await self.js.publish(names.WEIGHTS_SUBJECT, orjson.dumps(event), timeout=10.0)
+        return event
+
+    async def update(self, url: str, version: int, path: Path) -> bool:
+        body = {"model_path": str(path), "weight_version": str(version)}
+        for attempt in range(1, self.attempts + 1):
+            try:
+                async with self.session.post(url.rstrip("/") + "/update_weights_from_disk", json=body) as resp:
+                    reply = await resp.json(content_type=None)
+                    if resp.status == 200 and isinstance(reply, dict) and reply.get("success"):
+                        return True
+                    problem = f"HTTP {resp.status}: {reply}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            log.warning("engine %s did not load version %d (attempt %d/%d): %s", url, version, attempt, self.attempts, problem)
+            if attempt < self.attempts:
+                await asyncio.sleep(0.5 * attempt)  # back-off between retries
+        log.error("engine %s keeps serving old weights; its batches will be rejected as stale", url)
+        return False
+
+    async def close(self) -> None:
+        await self.session.close()
