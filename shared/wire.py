@@ -127,9 +127,15 @@ def encode_batch(batch: Batch) -> bytes:
     parts = [_map_header(len(head) + len(ARRAY_FIELDS)), msgpack.packb(head, use_bin_type=True)[_map_header_len(len(head)) :]]
     for name, dtype in ARRAY_FIELDS.items():
         arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
-        meta = msgpack.packb({"dtype": dtype, "shape": list(arr.shape)}, use_bin_type=True)
-        parts += [msgpack.packb(name), b"\x83", meta[1:], msgpack.packb("data"), _bin_header(arr.nbytes), arr.reshape(-1).view(np.uint8)]
+        parts += [_ARRAY_PREFIX[name], msgpack.packb(list(arr.shape)), b"\xa4data", _bin_header(arr.nbytes), arr.reshape(-1).view(np.uint8)]
     return b"".join(parts)
+
+
+# key + '{"dtype": <dtype>, "shape": ' of each array field: the same bytes for every batch.
+_ARRAY_PREFIX = {
+    name: msgpack.packb(name) + b"\x83" + msgpack.packb("dtype") + msgpack.packb(dtype) + msgpack.packb("shape")
+    for name, dtype in ARRAY_FIELDS.items()
+}
 
 
 def _map_header(n: int) -> bytes:
@@ -307,8 +313,22 @@ class _Reader:
         # Every element takes at least one byte, so a count above what is left is a lie.
         if n > self.limits.max_list_len or n > self.end - self.pos:
             raise WireError(f"list of {n} items at offset {self.pos} exceeds the limit or the bytes left")
-        read = self.read
-        return [read(depth + 1) for _ in range(n)]
+        read, fixstr = self.read, self.fixstr
+        return [fixstr() or read(depth + 1) for _ in range(n)]
+
+    def fixstr(self) -> str | None:
+        """The next value if it is a non-empty fixstr (keys, ids), else None without moving."""
+        raw, pos = self.raw, self.pos
+        if pos < self.end and 0xA1 <= raw[pos] <= 0xBF:
+            end = pos + 1 + (raw[pos] & 0x1F)
+            if end <= self.end:
+                try:
+                    value = raw[pos + 1 : end].decode("utf-8")
+                except UnicodeDecodeError:
+                    return None  # the generic reader reports it
+                self.pos = end
+                return value
+        return None
 
     def map(self, n: int, depth: int) -> dict:
         if n > self.limits.max_map_len or 2 * n > self.end - self.pos:
@@ -316,11 +336,53 @@ class _Reader:
         out = {}
         read = self.read
         for _ in range(n):
-            key = read(depth + 1)
+            key = self.fixstr() or read(depth + 1)
             if type(key) is not str:
                 raise WireError(f"map key {key!r} is not a string")
-            out[key] = read(depth + 1)
+            out[key] = (depth == 0 and self.canonical_array()) or read(depth + 1)
         return out
+
+    def canonical_array(self) -> dict | None:
+        """Fast path for an array map laid out exactly as ``encode_batch`` writes it.
+
+        ``{"dtype": fixstr, "shape": [fixint | uint16 | uint32, ...], "data": bin}`` in that
+        order; anything else returns None and goes through the generic reader, so this only
+        saves time (an array map is a third of all the values in a batch).
+        """
+        raw, pos = self.raw, self.pos
+        if not raw.startswith(b"\x83\xa5dtype", pos):
+            return None
+        pos += 7
+        n = raw[pos] - 0xA0 if pos < self.end else -1
+        if not 0 <= n <= 8 or not raw.startswith(b"\xa5shape", pos + 1 + n):
+            return None
+        dtype = raw[pos + 1 : pos + 1 + n].decode("ascii", "replace")
+        pos += 7 + n
+        ndim = raw[pos] - 0x90 if pos < self.end else -1
+        if not 0 <= ndim <= self.limits.max_ndim:
+            return None
+        pos += 1
+        shape = []
+        for _ in range(ndim):
+            b = raw[pos] if pos < self.end else 0xC1
+            if b <= 0x7F:
+                shape.append(b)
+                pos += 1
+            elif b in (0xCC, 0xCD, 0xCE) and pos + (1 << (b - 0xCC)) < self.end:
+                width = 1 << (b - 0xCC)
+                shape.append(int.from_bytes(raw[pos + 1 : pos + 1 + width], "big"))
+                pos += 1 + width
+            else:
+                return None
+        if not raw.startswith(b"\xa4data", pos) or pos + 5 >= self.end or raw[pos + 5] not in (0xC4, 0xC5, 0xC6):
+            return None
+        width = 1 << (raw[pos + 5] - 0xC4)
+        size = int.from_bytes(raw[pos + 6 : pos + 6 + width], "big")
+        start = pos + 6 + width
+        if start + size > self.end:
+            raise WireError(f"truncated message: need {size} bytes at offset {start}, {self.end - start} left")
+        self.pos = start + size
+        return {"dtype": dtype, "shape": shape, "data": self.view[start : start + size]}
 
 
 def replace_arrays(batch: Batch, **arrays) -> Batch:
