@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("engine.server:main", "serve a model with the SGLang HTTP protocol on the CPU"),
     "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
+    "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),
+    "dataset": ("shared.toy_tasks:main", "write a deterministic JSONL dataset of a toy task (prompt, answer, reward)"),
     "trainer": ("trainer_service.service:main", "drive prompts, gate batches, train with score centering, publish weights"),
 }
 

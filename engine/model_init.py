@@ -3,15 +3,21 @@
 The directory is a plain HF model (config.json, generation_config.json,
 model.safetensors, tokenizer files), so it loads in transformers, in SGLang and in the
 embedded engine alike. Weights are random, drawn from `--seed`; the same seed gives the
-same bytes. Nothing is downloaded. Left out on purpose (a later issue): `--sft` warm start,
-which will train these weights briefly before writing them (see `build_model`).
+same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
+task first (`engine/sft.py`) so RL starts from a policy with some reward; the settings are
+recorded in `centerline_model.json`, and a directory already holding a model made with the
+same settings is left as it is. Held-out exact match at temperature 1 after the default
+steps (seed 0): copy 0.07-0.8 depending on steps, upper ~0.34, reverse ~0.10, add ~0.03
+(see `engine/sft.py` DEFAULT_STEPS).
 
     centerline init-model --out runs/model --seed 0
+    centerline init-model --sft --task upper --out runs/upper
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from engine.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_tokenizer
@@ -64,12 +70,20 @@ def build_model(seed: int):
     return model.to(torch.float32).eval()
 
 
-def write_model_dir(out: Path, seed: int) -> Path:
-    """Write config, safetensors weights and tokenizer for `seed` into `out`."""
+SETTINGS_FILE = "centerline_model.json"
+
+
+def write_model_dir(out: Path, seed: int, sft=None) -> Path:
+    """Write config, safetensors weights and tokenizer for `seed` into `out`, after the
+    warm start `sft` (an `engine.sft.SftSettings`) when given."""
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(seed)
+    if sft is not None:
+        from engine.sft import train
+
+        train(model, sft, seed)
     model.generation_config = GenerationConfig(
         eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id
     )
@@ -82,7 +96,37 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="centerline init-model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory to write (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument("--sft", action="store_true", help="warm-start on a toy task before writing (engine/sft.py)")
+    parser.add_argument("--task", default=None, help="toy task of the warm start (shared/toy_tasks.py)")
+    parser.add_argument("--sft-steps", type=int, default=0, help="AdamW steps; 0 = the task's default")
+    parser.add_argument("--sft-lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
+    parser.add_argument("--eval", action="store_true", help="after --sft, print held-out exact match at temperature 1")
     args = parser.parse_args(argv)
-    path = write_model_dir(args.out, args.seed)
-    print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE})")
+    sft = None
+    if args.sft:
+        from engine.sft import SftSettings, resolved
+        from shared.toy_tasks import TASKS
+
+        if args.task not in TASKS:
+            parser.error(f"--sft needs --task, one of {sorted(TASKS)}")
+        sft = resolved(SftSettings(task=args.task, steps=args.sft_steps, learning_rate=args.sft_lr))
+    settings = {"seed": args.seed, "sft": sft.to_dict() if sft else None}
+    record = args.out / SETTINGS_FILE
+    if record.exists() and (args.out / "model.safetensors").exists() and json.loads(record.read_text()) == settings:
+        print(f"{args.out} already holds this model ({json.dumps(settings)}); nothing to do")
+        return 0
+    record.unlink(missing_ok=True)  # a half-written directory must not pass as cached
+    path = write_model_dir(args.out, args.seed, sft)
+    record.write_text(json.dumps(settings, sort_keys=True) + "\n")
+    print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE}{', sft ' + json.dumps(sft.to_dict()) if sft else ''})")
+    if sft is not None and args.eval:
+        from engine.sft import evaluate
+
+        print(json.dumps({"task": sft.task, "heldout_exact_match_t1": evaluate(build_model_from(path), sft.task)}))
     return 0
+
+
+def build_model_from(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path)).eval()

@@ -1,0 +1,155 @@
+"""`centerline worker`: a stateless rollout worker (DESIGN section 2); run any number of them.
+
+    centerline worker --proxy-url http://127.0.0.1:30010 --nats-url nats://127.0.0.1:4222 \
+        [--tokenizer DIR] [--vocab-size V] [--ack-wait 30] [--concurrency 2] [--metrics-port P] [config flags]
+
+The tokenizer (prompt -> ids) is ``--tokenizer``, else the ``tokenizer_path`` the proxy's
+upstream reports on /get_model_info; the vocabulary size (for the contract check) is
+``--vocab-size``, else ``vocab_size`` from /get_model_info, else the tokenizer directory's
+config.json. Logs are JSON lines on stderr, one ``task done`` line per task. SIGTERM or
+Ctrl-C: stop fetching, finish the tasks in flight within ``--shutdown-grace`` (NAK the rest),
+exit 0. Heavy imports (transformers, the worker loop) happen after argument parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from shared.config import ConfigError, add_arguments, resolve
+
+log = logging.getLogger("centerline.worker")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        doc.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+class WorkerMetrics:
+    """Prometheus metrics of one worker, on its own registry."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.tasks = Counter("centerline_worker_tasks", "Tasks finished, by outcome (ok, nak, rejected)", ["outcome"], registry=self.registry)
+        self.samples = Counter("centerline_worker_samples", "Samples published", registry=self.registry)
+        self.tokens = Counter("centerline_worker_tokens", "Response tokens published", registry=self.registry)
+        self.reward = Histogram("centerline_worker_reward", "Per-sample reward", buckets=(0, 0.25, 0.5, 0.75, 1.0), registry=self.registry)
+        self.latency = Histogram("centerline_worker_task_seconds", "Task latency, fetch to ack", registry=self.registry)
+        self.weight_version = Gauge("centerline_worker_weight_version", "Weight version of the last published batch", registry=self.registry)
+
+    def done(self, outcome, latency: float) -> None:
+        self.tasks.labels("ok").inc()
+        self.samples.inc(int(outcome.rewards.size))
+        self.tokens.inc(outcome.tokens)
+        for r in outcome.rewards.tolist():
+            self.reward.observe(r)
+        self.latency.observe(latency)
+        self.weight_version.set(max(b.weight_version for b in outcome.batches))
+
+
+def model_info(proxy_url: str, deadline_s: float = 120.0) -> dict:
+    """/get_model_info through the proxy (forwarded to the upstream), retried until the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(proxy_url.rstrip("/") + "/get_model_info", timeout=5) as resp:
+                return json.loads(resp.read())
+        except (OSError, ValueError) as exc:
+            if time.monotonic() > end:
+                raise RuntimeError(f"{proxy_url}/get_model_info unreachable for {deadline_s}s: {exc}") from None
+            time.sleep(0.5)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    from rollout_worker.worker import Tokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def encode_chat(prompt: str) -> list[int]:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    return Tokenizer(encode=lambda prompt: list(tok(prompt)["input_ids"]), encode_chat=encode_chat), tok
+
+
+def vocab_size_of(info: dict, tokenizer_path: str | None) -> int | None:
+    for where in (info, info.get("hf_config"), info.get("config")):
+        value = where.get("vocab_size") if isinstance(where, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    config = Path(tokenizer_path or "") / "config.json"
+    if tokenizer_path and config.exists():
+        return json.loads(config.read_text()).get("vocab_size")
+    return None
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="centerline worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--tokenizer", default=None, help="HF tokenizer directory; default: the upstream's tokenizer_path")
+    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for the contract check; default: from the model")
+    parser.add_argument("--worker-id", default=None, help="producer id in batches; default: host-pid")
+    parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked task is redelivered")
+    parser.add_argument("--concurrency", type=int, default=2, help="tasks in flight")
+    parser.add_argument("--nak-delay", type=float, default=2.0, help="seconds before a NAKed task is redelivered")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, help="SIGTERM: seconds to finish tasks in flight")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per proxy request")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics server")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve(args)
+    except ConfigError as exc:
+        print(f"centerline worker: {exc}", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+    info = {} if args.tokenizer and args.vocab_size else model_info(cfg.proxy_url)
+    tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+    if not tokenizer_path:
+        print("centerline worker: no tokenizer: pass --tokenizer DIR (the upstream reports no tokenizer_path)", file=sys.stderr)
+        return 2
+    tokenizer, hf_tok = load_tokenizer(tokenizer_path)
+    vocab = args.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
+
+    from rollout_worker.worker import Worker, WorkerOptions
+
+    opts = WorkerOptions(
+        producer=args.worker_id or f"{socket.gethostname()}-{os.getpid()}", vocab_size=vocab, ack_wait=args.ack_wait,
+        concurrency=args.concurrency, request_timeout=args.request_timeout, nak_delay=args.nak_delay,
+        shutdown_grace=args.shutdown_grace,
+    )  # fmt: skip
+    metrics = WorkerMetrics()
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    return asyncio.run(_run(Worker(cfg, tokenizer, opts, metrics)))
+
+
+async def _run(worker) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stopping.set)
+    await worker.run()
+    return 0

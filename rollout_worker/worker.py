@@ -1,0 +1,255 @@
+"""The rollout worker loop: prompt task in, candidate batches out, ack last.
+
+    fetch task (PROMPTS, durable `rollout_workers`) -> n samples through the proxy -> rewards
+    -> GRPO advantages -> one batch per weight version -> check_batch -> publish (dedup by
+    batch_id) -> ack
+
+A task is acked only after JetStream acked every batch of it, so a worker killed at any
+point loses nothing: the task is redelivered after ``ack_wait`` and its batches, published
+again under the same ``batch_id``, are dropped as duplicates. While a task runs longer than
+``ack_wait / 2`` the worker sends in-progress acks so the task is not handed to a second
+worker meanwhile.
+
+Failures, and what happens to the task:
+- transient (the proxy or upstream unreachable, HTTP 5xx including the proxy's 502 audit
+  verdict, a publish without PubAck): NAK with a delay, so another attempt, maybe on
+  another worker, can succeed once the cause is gone;
+- deterministic (a task that does not parse, a request the proxy refuses with 400, a reward
+  function that fails, a packed batch that breaks the contract): TERM, after logging the
+  reason and, for a contract failure, publishing the batch to ``rollouts.dlq`` with the
+  reason in headers. Redelivering these would fail the same way forever and block the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+import orjson
+
+from rollout_worker.packing import ResponseError, pack_group, samples_from_response
+from rollout_worker.rewards import RewardError, group_advantages, score
+from shared import names
+from shared.config import Config
+from shared.contract import ContractViolation, check_batch
+from shared.nats import PublishError, PullConsumer, connect, ensure_streams, publish_batch, pull_consumer
+from shared.split import PayloadTooLargeError
+from shared.task import PromptTask, TaskError
+from shared.wire import encode_batch
+
+log = logging.getLogger("centerline.worker")
+
+
+class Transient(RuntimeError):
+    """A failure worth another attempt later (NAK)."""
+
+
+class Rejected(RuntimeError):
+    """A failure that would repeat on every attempt (TERM); ``batch`` is the offending batch if any."""
+
+    def __init__(self, message: str, batch=None):
+        super().__init__(message)
+        self.batch = batch
+
+
+@dataclass
+class WorkerOptions:
+    producer: str  # worker id, written into every batch
+    vocab_size: int
+    ack_wait: float = 30.0  # seconds before an unacked task is redelivered
+    concurrency: int = 2  # tasks in flight (the engine batches their requests)
+    request_timeout: float = 600.0
+    nak_delay: float = 2.0  # seconds before a NAKed task is redelivered
+    shutdown_grace: float = 30.0  # SIGTERM: seconds to finish tasks in flight before NAKing them
+    dlq: bool = True  # publish batches that break the contract to rollouts.dlq
+
+
+@dataclass
+class Tokenizer:
+    """The two encodings the worker needs; built from an HF tokenizer by ``main``."""
+
+    encode: object  # (prompt: str) -> list[int]
+    encode_chat: object  # (prompt: str) -> list[int], chat template with a generation prompt
+
+
+@dataclass
+class Outcome:
+    batches: list = field(default_factory=list)
+    rewards: np.ndarray | None = None
+    tokens: int = 0
+
+
+class Worker:
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, opts: WorkerOptions, metrics=None):
+        self.cfg, self.tok, self.opts, self.metrics = cfg, tokenizer, opts, metrics
+        self.stopping = asyncio.Event()
+        self.session: aiohttp.ClientSession | None = None
+        self.nc = self.js = self.consumer = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Consume until ``stopping`` is set, then finish (or NAK) what is in flight and close."""
+        self.nc = await connect(self.cfg.nats_url, name=f"centerline-worker-{self.opts.producer}")
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js)
+        self.consumer: PullConsumer = await pull_consumer(
+            self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT, ack_wait=self.opts.ack_wait
+        )
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.opts.request_timeout, sock_connect=10))
+        log.info("worker ready", extra={"fields": {"producer": self.opts.producer, "proxy": self.cfg.proxy_url, "nats": self.cfg.nats_url}})
+        inflight: set[asyncio.Task] = set()
+        try:
+            while not self.stopping.is_set():
+                if len(inflight) >= self.opts.concurrency:
+                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await self.consumer.fetch(1, timeout=1.0)
+                except asyncio.TimeoutError:  # nats-py raises the plain one on one path PullConsumer does not catch
+                    msgs = []
+                for msg in msgs:
+                    if self.stopping.is_set():  # fetched while stopping: give it straight back
+                        await msg.nak()
+                        continue
+                    task = asyncio.create_task(self.handle(msg))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+            if inflight:
+                _, late = await asyncio.wait(inflight, timeout=self.opts.shutdown_grace)
+                for task in late:  # each NAKs its message when cancelled
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+        finally:
+            await self.session.close()
+            # not drain(): nats-py's drain waits forever on a pull subscription's queue
+            await self.consumer.close()
+            await self.nc.flush()  # NAKs and TERMs are plain publishes: make sure they left
+            await self.nc.close()
+        log.info("worker stopped", extra={"fields": {"producer": self.opts.producer}})
+
+    # ------------------------------------------------------------------ one task
+
+    async def handle(self, msg) -> None:
+        started = time.perf_counter()
+        try:
+            task = PromptTask.from_bytes(msg.data)
+        except TaskError as exc:
+            await self._term(msg, None, f"invalid task: {exc}")
+            return
+        beat = asyncio.create_task(self._heartbeat(msg))
+        try:
+            outcome = await self.process(task)
+            for batch in outcome.batches:
+                await publish_batch(self.js, batch, max_payload=self.nc.max_payload)
+            await PullConsumer.ack(msg)
+        except asyncio.CancelledError:
+            await msg.nak()  # shutting down: hand the task to another worker now
+            self._count("nak")
+            raise
+        except Transient as exc:
+            log.warning("task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}})
+            await msg.nak(delay=self.opts.nak_delay)
+            self._count("nak")
+            return
+        except (PublishError, PayloadTooLargeError) as exc:
+            log.warning("publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}})
+            await msg.nak(delay=self.opts.nak_delay)
+            self._count("nak")
+            return
+        except Rejected as exc:
+            await self._term(msg, task, str(exc), exc.batch)
+            return
+        finally:
+            beat.cancel()
+        latency = time.perf_counter() - started
+        versions = [b.weight_version for b in outcome.batches]
+        fields = {
+            "task_id": task.task_id, "samples": int(outcome.rewards.size), "tokens": outcome.tokens,
+            "reward_mean": float(outcome.rewards.mean()), "weight_version": versions[0] if len(versions) == 1 else versions,
+            "batches": [b.batch_id for b in outcome.batches], "latency_s": round(latency, 4),
+        }  # fmt: skip
+        log.info("task done", extra={"fields": fields})
+        if self.metrics is not None:
+            self.metrics.done(outcome, latency)
+
+    async def _heartbeat(self, msg) -> None:
+        while True:
+            await asyncio.sleep(self.opts.ack_wait / 2)
+            await msg.in_progress()
+
+    async def _term(self, msg, task: PromptTask | None, reason: str, batch=None) -> None:
+        task_id = task.task_id if task else None
+        log.error("task rejected", extra={"fields": {"task_id": task_id, "reason": reason}})
+        if batch is not None and self.opts.dlq:
+            data = encode_batch(batch)
+            if len(data) <= self.nc.max_payload - 4096:
+                headers = {"Centerline-Reason": reason[:1000], "Centerline-Producer": self.opts.producer, "Centerline-Stage": "worker"}
+                await self.js.publish(names.DLQ_SUBJECT, data, headers=headers)
+        await msg.term()
+        self._count("rejected")
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.tasks.labels(outcome).inc()
+
+    async def process(self, task: PromptTask) -> Outcome:
+        """Sample the group, score it and pack it; raises ``Transient`` or ``Rejected``."""
+        cfg = self.cfg
+        endpoint = cfg.rollout_endpoint
+        prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
+        doc = await self.sample(task, prompt_ids)
+        try:
+            samples = samples_from_response(doc, endpoint=endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num)
+        except ResponseError as exc:
+            raise Transient(f"unusable response from the proxy: {exc}") from None
+        if len(samples) != task.n:
+            raise Transient(f"the proxy returned {len(samples)} samples for n={task.n}")
+        try:
+            rewards = score(task, [s.text for s in samples])
+        except RewardError as exc:
+            raise Rejected(str(exc)) from None
+        advantages = group_advantages(rewards, std_norm=cfg.advantage_std_norm)
+        batches = pack_group(
+            task, prompt_ids, samples, rewards, advantages, producer=self.opts.producer, mode=cfg.rollout_logprobs_mode,
+            k=cfg.rollout_top_logprobs_num, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+        )  # fmt: skip
+        for batch in batches:
+            try:
+                check_batch(batch, vocab_size=self.opts.vocab_size)
+            except ContractViolation as exc:
+                raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
+        return Outcome(batches, rewards, sum(len(s.response_ids) for s in samples))
+
+    def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
+        """The training request; the proxy adds the log-prob fields of the contract."""
+        cfg = self.cfg
+        sampling = {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p}
+        if cfg.rollout_top_k > 0:
+            sampling["top_k"] = cfg.rollout_top_k
+        if cfg.rollout_endpoint == "chat":
+            return {"model": "default", "messages": [{"role": "user", "content": task.prompt}], "n": task.n,
+                    "max_tokens": cfg.rollout_max_new_tokens, **sampling}  # fmt: skip
+        return {"input_ids": prompt_ids, "sampling_params": {"n": task.n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling}}
+
+    async def sample(self, task: PromptTask, prompt_ids: list[int]):
+        path = "/v1/chat/completions" if self.cfg.rollout_endpoint == "chat" else "/generate"
+        url = self.cfg.proxy_url.rstrip("/") + path
+        try:
+            async with self.session.post(url, data=orjson.dumps(self.request_body(task, prompt_ids)),
+                                         headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+                status, body = resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise Transient(f"{url}: {exc!r}") from None
+        if status == 400:
+            raise Rejected(f"the proxy refused the request: {body[:500].decode(errors='replace')}")
+        if status != 200:
+            raise Transient(f"{url} answered {status}: {body[:500].decode(errors='replace')}")
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise Transient(f"{url} answered with invalid JSON: {exc}") from None

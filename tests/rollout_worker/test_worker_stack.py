@@ -1,0 +1,214 @@
+"""`centerline worker` end to end: embedded NATS, the engine, the proxy and worker processes.
+
+Tasks go onto prompts.tasks; the groups that arrive on rollouts.batches are decoded and
+checked against the contract, their rewards recomputed from the sampled bytes and their
+advantages from the rewards. Synchronisation is by polling with deadlines, never sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import nats.errors
+import numpy as np
+import pytest
+
+from shared import names
+from shared.contract import check_batch
+from shared.nats import EmbeddedNats, connect, ensure_streams
+from shared.task import PromptTask
+from shared.wire import decode_batch
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("engine_conftest_helpers_rw", REPO / "tests" / "engine" / "conftest.py")
+helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(helpers)
+_spec = importlib.util.spec_from_file_location("proxy_conftest_helpers_rw", REPO / "tests" / "router_proxy" / "conftest.py")
+proxy_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(proxy_helpers)
+
+K = 16
+VOCAB = 260
+CONFIG = ["--rollout-top-logprobs-num", str(K)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """NATS with the streams, the engine (random seed-0 model) and a ready proxy, for the module."""
+    root = tmp_path_factory.mktemp("stack")
+    server = EmbeddedNats(root / "nats").start()
+    asyncio.run(_ensure(server.url))
+    model = helpers.init_model(root / "model", seed=0)
+    engine = helpers.EngineProcess(model, root / "engine.log")
+    proxy = None
+    try:
+        proxy = proxy_helpers.ProxyProcess(root / "proxy.log", engine.url, "--vocab-size", str(VOCAB), *CONFIG)
+        status, body = proxy.wait_probed()
+        assert status == 200, body
+        yield type("Stack", (), {"nats": server.url, "proxy": proxy.url, "root": root})
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        engine.stop()
+        server.stop()
+
+
+async def _ensure(url: str) -> None:
+    nc = await connect(url)
+    await ensure_streams(nc.jetstream())
+    await nc.close()
+
+
+class WorkerProcess:
+    def __init__(self, stack, log_path: Path, *flags: str):
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "centerline", "worker", "--proxy-url", stack.proxy, "--nats-url", stack.nats,
+               "--vocab-size", str(VOCAB), "--tokenizer", str(stack.root / "model"), *CONFIG, *flags]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=helpers.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float = 60.0) -> None:
+        helpers.wait_until(lambda: '"worker ready"' in self.log(), deadline, f"worker\n{self.log()}", self.proc)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def workers(stack, tmp_path):
+    started: list[WorkerProcess] = []
+
+    def start(*flags: str) -> WorkerProcess:
+        w = WorkerProcess(stack, tmp_path / f"worker{len(started)}.log", *flags)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def _tasks(run: str, count: int, n: int) -> list[PromptTask]:
+    prompts = ["up abc=", "rev hello=", "copy xyz=", "add 2+3="]
+    answers = ["ABC", "olleh", "xyz", "5"]
+    return [PromptTask(task_id=f"{run}/0/{i}", group_id=f"{run}/g{i}", prompt=prompts[i % 4], answer=answers[i % 4],
+                       reward="exact", n=n, step=0) for i in range(count)]  # fmt: skip
+
+
+async def _publish_tasks(url: str, tasks: list[PromptTask]) -> None:
+    nc = await connect(url)
+    js = nc.jetstream()
+    for t in tasks:
+        await js.publish(names.PROMPTS_SUBJECT, t.to_bytes(), headers={names.MSG_ID_HEADER: t.task_id})
+    await nc.close()
+
+
+async def _collect(url: str, run: str, want_groups: int, deadline_s: float, settle_s: float = 0.0):
+    """Batches of this run on rollouts.batches, once ``want_groups`` groups are there (plus ``settle_s``
+    of further polling, to see duplicates that should not come)."""
+    nc = await connect(url)
+    js = nc.jetstream()
+    sub = await js.pull_subscribe(names.ROLLOUTS_SUBJECT, durable=f"t{uuid.uuid4().hex[:8]}", stream=names.ROLLOUTS_STREAM)
+    batches, end, settled = [], time.monotonic() + deadline_s, None
+    try:
+        while time.monotonic() < end:
+            try:
+                msgs = await sub.fetch(10, timeout=0.5)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                msgs = []
+            for m in msgs:
+                b = decode_batch(bytes(m.data))
+                if b.batch_id.startswith(run + "/"):
+                    assert m.headers[names.MSG_ID_HEADER] == b.batch_id
+                    batches.append(b)
+                await m.ack()
+            if len({g for b in batches for g in b.group_ids}) >= want_groups:
+                settled = settled or time.monotonic() + settle_s
+                if time.monotonic() >= settled:
+                    break
+        return batches
+    finally:
+        await nc.close()
+
+
+async def _consumer_info(url: str):
+    nc = await connect(url)
+    try:
+        return await nc.jetstream().consumer_info(names.PROMPTS_STREAM, names.WORKERS_CONSUMER)
+    finally:
+        await nc.close()
+
+
+def _check_group(batch, task: PromptTask) -> None:
+    check_batch(batch, vocab_size=VOCAB)
+    assert batch.num_samples == task.n and batch.k == K and batch.mode == "selected"
+    assert batch.batch_id == task.task_id and batch.group_ids == [task.group_id] * task.n
+    assert batch.weight_version == 0 and (batch.temperature, batch.top_p, batch.top_k) == (1.0, 1.0, -1)
+    prompt = list(task.prompt.encode())
+    for i in range(task.n):
+        ids = batch.response_ids[batch.sample_slice(i)].tolist()
+        text = bytes(t for t in ids if t < 256)  # the stop token, if any, is the last id
+        assert all(t < 256 for t in ids[:-1])
+        assert batch.prompt_ids[batch.prompt_offsets[i] : batch.prompt_offsets[i + 1]].tolist() == prompt
+        assert batch.rewards[i] == (1.0 if text == task.answer.encode() else 0.0)
+    np.testing.assert_allclose(batch.advantages, batch.rewards - batch.rewards.mean(), atol=1e-6)
+    assert batch.loss_mask.tolist() == [1] * batch.num_tokens
+
+
+def test_two_workers_publish_each_task_group_once_and_drain_the_queue(stack, workers):
+    run = f"r{uuid.uuid4().hex[:6]}"
+    tasks = _tasks(run, 6, n=3)
+    pool = [workers("--rollout-max-new-tokens", "8", "--worker-id", f"w{i}") for i in range(2)]
+    for w in pool:
+        w.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, tasks))
+    batches = asyncio.run(_collect(stack.nats, run, len(tasks), deadline_s=60))
+    assert sorted(b.batch_id for b in batches) == sorted(t.task_id for t in tasks)
+    for task in tasks:
+        _check_group(next(b for b in batches if b.batch_id == task.task_id), task)
+
+    def drained():
+        info = asyncio.run(_consumer_info(stack.nats))
+        return info.num_pending == 0 and info.num_ack_pending == 0
+    helpers.wait_until(drained, 20, "task queue drained and acked")
+    assert [w.stop() for w in pool] == [0, 0]  # SIGTERM: clean exit
+    done = [line for w in pool for line in w.log().splitlines() if '"task done"' in line]
+    assert len(done) == len(tasks) and all('"reward_mean"' in line and '"weight_version": 0' in line for line in done)
+
+
+def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, workers):
+    run = f"k{uuid.uuid4().hex[:6]}"
+    (task,) = _tasks(run, 1, n=4)
+    flags = ("--rollout-max-new-tokens", "400", "--ack-wait", "2", "--concurrency", "1")
+    victim = workers(*flags, "--worker-id", "victim")
+    victim.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, [task]))
+    helpers.wait_until(lambda: asyncio.run(_consumer_info(stack.nats)).num_ack_pending == 1, 20, "task taken by the victim")
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    rescuer = workers(*flags, "--worker-id", "rescuer")
+    batches = asyncio.run(_collect(stack.nats, run, 1, deadline_s=90, settle_s=1.0))
+    assert [b.batch_id for b in batches] == [task.task_id]  # once, even if the victim had published it
+    _check_group(batches[0], task)
+    info = asyncio.run(_consumer_info(stack.nats))
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert f'"task_id": "{task.task_id}"' in rescuer.log() and '"task done"' in rescuer.log()
