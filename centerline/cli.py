@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("centerline.bench:main", "run a benchmark and print one JSON object"),
     "config": ("shared.config:main", "print the resolved configuration as TOML"),
+    "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("shared.nats:main", "run the embedded NATS server with JetStream"),
     "init-model": ("engine.model_init:main", "write the default small byte-level model as an HF directory"),
     "engine": ("engine.server:main", "serve a model with the SGLang HTTP protocol on the CPU"),

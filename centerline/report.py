@@ -1,0 +1,161 @@
+"""`centerline report RUN_DIR`: the page people look at after a run.
+
+Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and writes
+``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
+as ``RUN_DIR/plots/<name>.png``. The resolved configuration (``RUN_DIR/config.toml``) is
+shown at the end when the run wrote one.
+
+    centerline report runs/2026-11-29-2130
+
+Left out on purpose: interactive plots (they would need a JavaScript bundle to stay
+offline) and comparisons across runs (`centerline experiment` writes its own page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import sys
+from pathlib import Path
+
+import orjson
+
+# (file name, title, [(metric key, legend label)]) for each line plot, in page order.
+LINE_PLOTS = [
+    ("reward", "Reward (mean over the step's samples)", [("reward_mean", "train reward")]),
+    ("accuracy", "Held-out accuracy", [("eval_accuracy", "held-out exact match")]),
+    ("sc_correction", "Score-centering correction (L1 mass of centering coefficients)", [("sc_correction", "sc_correction")]),
+    ("head_mass", "Head mass: trainer P_H vs sampler Q_H", [("sc_train_head_mass", "train P_H"), ("sc_rollout_head_mass", "rollout Q_H")]),
+    ("tail_ratio", "Tail ratio rho = (1 - Q_H) / (1 - P_H)", [("sc_tail_ratio", "sc_tail_ratio")]),
+    ("kl", "Train-rollout KL (k3 on sampled tokens)", [("train_rollout_kl", "train_rollout_kl")]),
+    ("staleness", "Staleness (weight versions behind the trainer)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
+]
+
+
+def load_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a trainer --run-dir?")
+    steps = []
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if line.strip():
+            try:
+                steps.append(orjson.loads(line))
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number} is not JSON ({exc})") from None
+    return steps
+
+
+def _figure_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
+    """name -> (title, PNG bytes) for every plot that has data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = {}
+    for name, title, series in LINE_PLOTS:
+        lines = [(label, [(s["step"], s[key]) for s in steps if isinstance(s.get(key), (int, float))]) for key, label in series]
+        lines = [(label, points) for label, points in lines if points]
+        if not lines:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        for label, points in lines:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+        plots[name] = (title, _figure_png(fig))
+        plt.close(fig)
+    gate = _gate_series(steps)
+    if gate:
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        xs = [s["step"] for s in steps]
+        bottom = [0] * len(xs)
+        for label, counts in gate.items():
+            ax.bar(xs, counts, bottom=bottom, label=label)
+            bottom = [b + c for b, c in zip(bottom, counts)]
+        ax.set_title("Batches at the gate: accepted, and rejected by rule", fontsize=10)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        plots["gate"] = ("Batches at the gate", _figure_png(fig))
+        plt.close(fig)
+    return plots
+
+
+def _gate_series(steps: list[dict]) -> dict[str, list[int]]:
+    rules = sorted({rule for s in steps for rule in (s.get("gate_rejected") or {})})
+    if not any("gate_accepted" in s for s in steps):
+        return {}
+    series = {"accepted": [int(s.get("gate_accepted", 0)) for s in steps]}
+    for rule in rules:
+        series[f"rejected: {rule}"] = [int((s.get("gate_rejected") or {}).get(rule, 0)) for s in steps]
+    return series
+
+
+def summary(steps: list[dict]) -> list[tuple[str, str]]:
+    first, last = steps[0], steps[-1]
+    rows = [("steps", str(len(steps)))]
+    for key in ("reward_mean", "eval_accuracy", "train_rollout_kl", "sc_correction"):
+        values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
+        if values:
+            rows.append((key, f"{values[0]:.4g} → {values[-1]:.4g}"))
+    rejected = sum(sum((s.get("gate_rejected") or {}).values()) for s in steps)
+    rows.append(("batches accepted / rejected", f"{sum(int(s.get('gate_accepted', 0)) for s in steps)} / {rejected}"))
+    rows.append(("weight version", f"{first.get('version', '?')} → {last.get('version', '?')}"))
+    return rows
+
+
+def write_report(run_dir: Path) -> Path:
+    steps = load_steps(run_dir)
+    if not steps:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no steps yet")
+    plots = render_plots(steps)
+    (run_dir / "plots").mkdir(exist_ok=True)
+    for name, (_, png) in plots.items():
+        (run_dir / "plots" / f"{name}.png").write_bytes(png)
+    config = run_dir / "config.toml"
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>centerline run report</title>",
+        "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
+        "img{max-width:100%}table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
+        ".grid{display:grid;grid-template-columns:1fr 1fr;gap:1em}pre{background:#f6f6f6;padding:1em}</style></head><body>",
+        f"<h1>centerline run: {html.escape(run_dir.name)}</h1><table>",
+        *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary(steps)),
+        "</table><div class='grid'>",
+        *(
+            f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'></figure>"
+            for title, png in plots.values()
+        ),
+        "</div>",
+    ]
+    if config.exists():
+        parts.append(f"<h2>Resolved configuration</h2><pre>{html.escape(config.read_text())}</pre>")
+    parts.append("</body></html>")
+    out = run_dir / "report.html"
+    out.write_text("\n".join(parts))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="centerline report", description="Write RUN_DIR/report.html and RUN_DIR/plots/*.png from a run's metrics.")
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        out = write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"centerline report: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
