@@ -118,9 +118,11 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         step, version = step + 1, cmd.version
 
     keep_alive.cancel()
+    logging.getLogger("centerline.trainer").info("stopped after %d steps at version %d", step, version)
     policy.stop()
     await publisher.close()
-    await nc.drain()
+    await nc.flush()  # naks are plain publishes; acks were confirmed one by one
+    await nc.close()
     return 0
 
 

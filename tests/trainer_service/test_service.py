@@ -8,6 +8,7 @@ each test asserts one behaviour of it. `test_sigkill_*` runs the trainer twice.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -129,7 +130,7 @@ def test_batch_published_twice_is_trained_once(faulty_run):
         assert final_state(run_dir)["ledger"][bid][1] == int(bid.split("/")[2])  # in its own step, not again later
 
 
-def test_sigkill_after_a_step_resumes_with_ledger_intact(stack):
+def test_sigkill_mid_step_resumes_with_ledger_intact(stack):
     tmp, nats, model, engine = stack
     release = threading.Event()
     # Step 2 gets its first group only, so the trainer is killed holding one unacked batch.
@@ -137,7 +138,8 @@ def test_sigkill_after_a_step_resumes_with_ledger_intact(stack):
     worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked).start()
     run_dir = tmp / "run-killed"
     dataset = write_dataset(tmp / "tasks-killed.jsonl")
-    trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+    flags = ("--steps", str(STEPS), "--strategy", "fsdp2", *FLAGS)  # resume must restore sharded optimizer state
+    trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags)
 
     def holding_step_2_batch():
         return len(metrics_lines(run_dir)) == 2 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
@@ -145,7 +147,7 @@ def test_sigkill_after_a_step_resumes_with_ledger_intact(stack):
     wait_until(holding_step_2_batch, 180, "step 2 holding its first batch", trainer.proc)
     trainer.kill()
     release.set()
-    again = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+    again = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags)
     assert again.wait(240) == 0, again.log()
     worker.stop()
     assert worker.error is None, worker.error
@@ -159,3 +161,30 @@ def test_sigkill_after_a_step_resumes_with_ledger_intact(stack):
     assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
     info = asyncio.run(consumer_info(nats.url))
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
+
+
+def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack):
+    """Plain process (no torchrun): world size 1."""
+    tmp, _, model, engine = stack
+    with EmbeddedNats(tmp / "nats-sigterm") as nats:  # its own stream: the nak'ed batch stays behind
+        release = threading.Event()
+        blocked = lambda task: task.task_id.endswith("/1/1") and not release.is_set()  # noqa: E731
+        worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked).start()
+        run_dir = tmp / "run-sigterm"
+        trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-sigterm.jsonl"), nats.url, engine.url,
+                          "--steps", str(STEPS), *FLAGS, nproc=1)  # fmt: skip
+
+        def holding_step_1_batch():
+            return len(metrics_lines(run_dir)) == 1 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
+
+        wait_until(holding_step_1_batch, 180, "step 1 holding its first batch", trainer.proc)
+        trainer.proc.send_signal(signal.SIGTERM)
+        assert trainer.wait(60) == 0, trainer.log()
+        release.set()
+        worker.stop()
+        info = asyncio.run(consumer_info(nats.url))
+    held_seq = 3  # stream order: batches (0,0), (0,1), then (1,0)
+    assert info.ack_floor.stream_seq == held_seq - 1  # (1, 0) was not acked
+    state = orjson.loads((run_dir / "checkpoints" / "step-000001" / "state.json").read_bytes())
+    assert sorted(state["ledger"]) == sorted(bid for bid in worker.published if "/0/" in bid)
+    assert not (run_dir / "checkpoints" / "step-000002").exists()
