@@ -75,7 +75,15 @@ def make_batch(pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor
 def train(model, settings: SftSettings, seed: int) -> list[float]:
     """Train ``model`` in place; returns the loss of every step. Deterministic for ``seed``
     (one torch thread: float reductions then always run in the same order)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _train(model, settings, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model, settings: SftSettings, seed: int) -> list[float]:
     torch.manual_seed(seed)
     data = examples(settings.task, settings.steps * settings.batch_size, seed, "train")
     random.Random(seed).shuffle(data)

@@ -1,0 +1,119 @@
+"""Packing recorded engine responses into wire batches (selected and support mode)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rollout_worker.packing import ResponseError, pack_group, samples_from_response
+from rollout_worker.rewards import group_advantages
+from shared.contract import ContractViolation, check_batch
+from shared.task import PromptTask
+
+K, VOCAB = 3, 260
+TASK = PromptTask(task_id="run/0/7", group_id="run/g7", prompt="up a=", answer="A", reward="exact", n=2, step=0)
+
+
+def native(tokens, tops=None, support=None, version="3", text="", finish="stop"):
+    """A native /generate item as the engine (SGLang 0.5.23) returns it."""
+    meta = {"id": "x", "finish_reason": {"type": finish}, "weight_version": version,
+            "output_token_logprobs": [[lp, t, None] for lp, t in tokens]}  # fmt: skip
+    if tops is not None:
+        meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row] for row in tops]
+    if support is not None:
+        meta["output_token_sampling_mask"] = [[t for _, t in row] for row in support]
+        meta["output_token_sampling_logprobs"] = [[lp for lp, _ in row] for row in support]
+    return {"text": text, "output_ids": [t for _, t in tokens], "meta_info": meta}
+
+
+SELECTED = [
+    native([(-0.5, 65), (-0.1, 256)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)], [(-0.1, 256), (-3.0, 65), (-4.0, 66)]], text="A"),
+    native([(-1.5, 66)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], text="B", finish="length"),
+]
+
+
+def pack(samples, rewards=(1.0, 0.0), mode="selected"):
+    rewards = np.array(rewards)
+    return pack_group(TASK, [117, 112, 32, 97, 61], samples, rewards, group_advantages(rewards), producer="w0", mode=mode,
+                      k=K, temperature=1.0, top_p=1.0 if mode == "selected" else 0.9, top_k=-1 if mode == "selected" else 2)  # fmt: skip
+
+
+def test_selected_mode_packs_sampled_tokens_and_top_k_candidates():
+    samples = samples_from_response(SELECTED, endpoint="generate", mode="selected", k=K)
+    assert [s.text for s in samples] == ["A", "B"] and [s.finish_reason for s in samples] == ["stop", "length"]
+    (batch,) = pack(samples)
+    check_batch(batch, vocab_size=VOCAB)
+    assert batch.batch_id == "run/0/7" and batch.weight_version == 3 and batch.producer == "w0"
+    assert batch.sample_ids == ["run/0/7/0", "run/0/7/1"] and batch.group_ids == ["run/g7", "run/g7"]
+    assert batch.offsets.tolist() == [0, 2, 3] and batch.response_ids.tolist() == [65, 256, 66]
+    np.testing.assert_array_equal(batch.sampled_logprobs, np.float32([-0.5, -0.1, -1.5]))
+    assert batch.cand_ids.tolist() == [[65, 66, 67], [256, 65, 66], [65, 66, 67]]
+    np.testing.assert_array_equal(batch.cand_logprobs[1], np.float32([-0.1, -3.0, -4.0]))
+    assert batch.loss_mask.tolist() == [1, 1, 1]
+    assert batch.prompt_offsets.tolist() == [0, 5, 10] and batch.prompt_ids.tolist() == [117, 112, 32, 97, 61] * 2
+    assert batch.rewards.tolist() == [1.0, 0.0] and batch.advantages.tolist() == [0.5, -0.5]
+    assert (batch.temperature, batch.top_p, batch.top_k, batch.mode, batch.k) == (1.0, 1.0, -1, "selected", K)
+
+
+def test_support_mode_takes_the_sampled_log_prob_from_the_renormalised_support_row():
+    # output_token_logprobs is pre-filter (-0.9); the support row {65: 0.6, 66: 0.4} is what was sampled
+    item = native([(-0.9, 65)], support=[[(math.log(0.6), 65), (math.log(0.4), 66)]], text="A")
+    other = native([(-1.2, 66)], support=[[(math.log(0.6), 65), (math.log(0.4), 66)]], text="B")
+    samples = samples_from_response([item, other], endpoint="generate", mode="support", k=K)
+    (batch,) = pack(samples, mode="support")
+    check_batch(batch, vocab_size=VOCAB)
+    np.testing.assert_allclose(batch.sampled_logprobs, [math.log(0.6), math.log(0.4)], rtol=1e-6)
+    assert batch.cand_ids.tolist() == [[65, 66, -1], [65, 66, -1]]
+    assert batch.cand_logprobs[0, 2] == -np.inf
+    assert (batch.top_p, batch.top_k, batch.mode) == (0.9, 2, "support")
+
+
+def test_a_group_sampled_by_two_weight_versions_becomes_one_batch_per_version_with_group_advantages():
+    mixed = [SELECTED[0], native([(-1.5, 66)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="4", text="B")]
+    samples = samples_from_response(mixed, endpoint="generate", mode="selected", k=K)
+    first, second = pack(samples, rewards=(1.0, 0.0))
+    assert (first.batch_id, first.weight_version, first.sample_ids) == ("run/0/7/w3", 3, ["run/0/7/0"])
+    assert (second.batch_id, second.weight_version, second.sample_ids) == ("run/0/7/w4", 4, ["run/0/7/1"])
+    assert first.advantages.tolist() == [0.5] and second.advantages.tolist() == [-0.5]  # over the whole group
+    for batch in (first, second):
+        check_batch(batch, vocab_size=VOCAB)
+
+
+def test_a_short_candidate_row_is_left_short_for_the_contract_to_reject():
+    short = native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66)]], text="A")
+    samples = samples_from_response([short, SELECTED[1]], endpoint="generate", mode="selected", k=K)
+    (batch,) = pack(samples)
+    assert batch.cand_ids[0].tolist() == [65, 66, -1]
+    with pytest.raises(ContractViolation) as err:
+        check_batch(batch, vocab_size=VOCAB)
+    assert err.value.rule == "short_row" and (err.value.sample, err.value.row) == (0, 0)
+
+
+def test_a_missing_top_logprobs_field_packs_as_empty_rows():
+    bare = native([(-0.5, 65)], text="A")
+    (sample,) = samples_from_response([bare], endpoint="generate", mode="selected", k=K)
+    assert sample.cand_ids.tolist() == [[-1, -1, -1]]
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67), (-3.5, 68)]]), "more than K=3"),
+        (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version=None), "weight_version"),
+        ({"text": "", "meta_info": {"weight_version": "0"}}, "output_token_logprobs"),
+        ({"text": ""}, "no meta_info"),
+        (native([(-0.5, 65)], tops=[]), "0 rows for 1 tokens"),
+    ],
+)
+def test_an_unusable_response_raises_response_error_naming_the_field(item, message):
+    with pytest.raises(ResponseError, match=message):
+        samples_from_response([item], endpoint="generate", mode="selected", k=K)
+
+
+def test_chat_choices_are_read_from_their_native_meta_info():
+    doc = {"choices": [{"index": i, "message": {"role": "assistant", "content": s["text"]}, "meta_info": s["meta_info"]}
+                       for i, s in enumerate(SELECTED)]}  # fmt: skip
+    samples = samples_from_response(doc, endpoint="chat", mode="selected", k=K)
+    assert [s.text for s in samples] == ["A", "B"] and samples[0].response_ids.tolist() == [65, 256]
