@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from shared import names
 from shared.nats import connect, ensure_streams, free_port, publish_batch, pull_consumer
@@ -190,5 +191,14 @@ async def dead_letters(nats_url: str) -> list:
         info = await js.stream_info(names.DLQ_STREAM)
         return [(m.headers or {}, m.data) for m in [await js.get_msg(names.DLQ_STREAM, s) for s in
                                                    range(info.state.first_seq, info.state.last_seq + 1)]] if info.state.messages else []  # fmt: skip
+    finally:
+        await nc.close()
+
+
+async def last_weights_event(nats_url: str) -> dict:
+    nc = await connect(nats_url)
+    try:
+        msg = await nc.jetstream().get_last_msg(names.WEIGHTS_STREAM, names.WEIGHTS_SUBJECT)
+        return orjson.loads(msg.data)
     finally:
         await nc.close()

@@ -142,3 +142,25 @@ def test_concat_batches_is_one_valid_global_batch():
         assert np.array_equal(whole.cand_ids[whole.sample_slice(i)], part.cand_ids[part.sample_slice(j)])
         assert np.array_equal(whole.prompt_ids[whole.prompt_offsets[i]:whole.prompt_offsets[i + 1]],
                               part.prompt_ids[part.prompt_offsets[j]:part.prompt_offsets[j + 1]])  # fmt: skip
+
+
+def test_keep_alive_marks_every_held_message_in_progress():
+    g, rec = gate()
+    marked = []
+
+    async def in_progress(msg):
+        marked.append(msg)
+
+    rec.in_progress = in_progress
+    msgs = [Msg(encode_batch(batch(f"b-{i}")), seq=i + 1) for i in range(2)]
+
+    async def run():
+        for m in msgs:
+            await g.admit(m, 3)
+        task = asyncio.create_task(g.keep_alive(0.01))
+        while len(marked) < 4:  # two rounds
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert marked[:4] == msgs + msgs

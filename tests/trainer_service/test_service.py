@@ -8,9 +8,11 @@ each test asserts one behaviour of it. `test_sigkill_*` runs the trainer twice.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import signal
 import threading
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -18,8 +20,9 @@ import pytest
 from engine.tokenizer import VOCAB_SIZE
 from shared.nats import EmbeddedNats
 from shared.wire import encode_batch as encode
-from tests.engine.conftest import EngineProcess, http, init_model, wait_until
-from tests.trainer_service.service_stack import StandInWorker, Trainer, consumer_info, dead_letters, fault, write_dataset
+from tests.engine.conftest import EngineProcess, free_port, http, init_model, wait_until
+from tests.trainer_service.service_stack import (StandInWorker, Trainer, consumer_info, dead_letters, fault, last_weights_event,
+                                                 write_dataset)
 
 pytestmark = pytest.mark.integration
 
@@ -98,6 +101,9 @@ def test_steps_advance_engine_version_and_leave_nothing_unacked(faulty_run):
     assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
     info = asyncio.run(consumer_info(nats.url))
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
+    event = asyncio.run(last_weights_event(nats.url))
+    assert event["version"] == STEPS and Path(event["path"]) == (run_dir / "weights" / f"v{STEPS:06d}").resolve()
+    assert event["sha256"] == hashlib.sha256((Path(event["path"]) / "model.safetensors").read_bytes()).hexdigest()
     print(f"\n{STEPS} steps in {elapsed:.1f}s; per step:", [{k: round(m[k], 3) for k in ("gather_s", "train_s", "save_s",
           "weights_s", "step_s")} for m in lines])  # fmt: skip
 
@@ -139,12 +145,16 @@ def test_sigkill_mid_step_resumes_with_ledger_intact(stack):
     run_dir = tmp / "run-killed"
     dataset = write_dataset(tmp / "tasks-killed.jsonl")
     flags = ("--steps", str(STEPS), "--strategy", "fsdp2", *FLAGS)  # resume must restore sharded optimizer state
-    trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags)
+    port = free_port()
+    trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags, "--metrics-port", str(port))
 
     def holding_step_2_batch():
         return len(metrics_lines(run_dir)) == 2 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
 
     wait_until(holding_step_2_batch, 180, "step 2 holding its first batch", trainer.proc)
+    status, scraped = http("GET", f"http://127.0.0.1:{port}/metrics")
+    assert status == 200
+    assert "centerline_trainer_step 1.0" in scraped and "centerline_trainer_gate_accepted_total 4.0" in scraped
     trainer.kill()
     release.set()
     again = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags)
