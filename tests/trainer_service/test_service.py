@@ -198,3 +198,17 @@ def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack):
     state = orjson.loads((run_dir / "checkpoints" / "step-000001" / "state.json").read_bytes())
     assert sorted(state["ledger"]) == sorted(bid for bid in worker.published if "/0/" in bid)
     assert not (run_dir / "checkpoints" / "step-000002").exists()
+
+
+def test_weight_sync_interval_publishes_every_second_step(stack):
+    tmp, nats, model, engine = stack
+    worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE).start()
+    run_dir = tmp / "run-interval"
+    trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-interval.jsonl"), nats.url, engine.url,
+                      "--steps", str(STEPS), "--weight-sync-interval", "2", *FLAGS, nproc=1)  # fmt: skip
+    assert trainer.wait(240) == 0, trainer.log()
+    worker.stop()
+    assert [m["version"] for m in metrics_lines(run_dir)] == [0, 1, 1, 2]
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000001", "v000002"]
+    assert http("GET", engine.url + "/model_info")[1]["weight_version"] == "2"
+    assert final_state(run_dir)["version"] == 2
