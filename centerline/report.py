@@ -1,6 +1,7 @@
 """`centerline report RUN_DIR`: the page people look at after a run.
 
-Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and writes
+Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and, when present,
+``RUN_DIR/eval.jsonl`` (``{step, eval_accuracy}`` from `centerline up`), and writes
 ``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
 as ``RUN_DIR/plots/<name>.png``. The resolved configuration (``RUN_DIR/config.toml``) is
 shown at the end when the run wrote one.
@@ -34,18 +35,27 @@ LINE_PLOTS = [
 ]
 
 
-def load_steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a trainer --run-dir?")
-    steps = []
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
             try:
-                steps.append(orjson.loads(line))
+                records.append(orjson.loads(line))
             except orjson.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number} is not JSON ({exc})") from None
-    return steps
+    return records
+
+
+def load_steps(run_dir: Path) -> list[dict]:
+    """Trainer step records, with held-out evaluations merged in by step (step 0 = before training)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a trainer --run-dir?")
+    by_step = {record["step"]: record for record in _read_jsonl(path)}
+    if (run_dir / "eval.jsonl").exists():
+        for record in _read_jsonl(run_dir / "eval.jsonl"):
+            by_step.setdefault(record["step"], {"step": record["step"]})["eval_accuracy"] = record["eval_accuracy"]
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def _figure_png(fig) -> bytes:
@@ -81,7 +91,7 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
     gate = _gate_series(steps)
     if gate:
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
-        xs = [s["step"] for s in steps]
+        xs = [s["step"] for s in steps if "gate_accepted" in s]
         bottom = [0] * len(xs)
         for label, counts in gate.items():
             ax.bar(xs, counts, bottom=bottom, label=label)
@@ -96,7 +106,8 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
 
 def _gate_series(steps: list[dict]) -> dict[str, list[int]]:
     rules = sorted({rule for s in steps for rule in (s.get("gate_rejected") or {})})
-    if not any("gate_accepted" in s for s in steps):
+    steps = [s for s in steps if "gate_accepted" in s]
+    if not steps:
         return {}
     series = {"accepted": [int(s.get("gate_accepted", 0)) for s in steps]}
     for rule in rules:
@@ -105,8 +116,9 @@ def _gate_series(steps: list[dict]) -> dict[str, list[int]]:
 
 
 def summary(steps: list[dict]) -> list[tuple[str, str]]:
-    first, last = steps[0], steps[-1]
-    rows = [("steps", str(len(steps)))]
+    trained = [s for s in steps if "loss" in s or "gate_accepted" in s] or steps
+    first, last = trained[0], trained[-1]
+    rows = [("steps", str(len(trained)))]
     for key in ("reward_mean", "eval_accuracy", "train_rollout_kl", "sc_correction"):
         values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         if values:

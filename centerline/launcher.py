@@ -1,0 +1,248 @@
+"""`centerline up`: the whole system on one machine, on a verifiable toy task.
+
+Starts, each as its own process with its log in ``RUN_DIR/logs/``: the embedded NATS
+server, the embedded engine (model made by ``init-model --sft``, cached in ``--model-dir``),
+the proxy, ``--workers`` rollout workers and a ``--trainer-ranks``-rank trainer under
+torchrun. Every service reads one resolved configuration, ``RUN_DIR/config.toml``, so
+what ran is what the report shows. Held-out accuracy is measured on the engine (greedy,
+``--eval-prompts`` prompts) before training and after every ``--eval-every`` steps. At the
+end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
+
+Progress: a live status line on a terminal, one JSON line per step otherwise. Ctrl-C or
+SIGTERM stops every process, trainer first (it commits or abandons its step), NATS last.
+
+    centerline up                       # defaults: 2 workers, 2 trainer ranks, task reverse
+    centerline up --steps 5 --workers 1 --eval-prompts 16
+
+Left out on purpose: restarts of crashed services (use compose or Kubernetes for that),
+and more than one engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+import orjson
+
+from shared import config as shared_config
+from shared.nats import EmbeddedNats, free_port
+from shared.toy_tasks import REWARDS, examples
+
+PYTHON = sys.executable
+
+
+class Stack:
+    """Child processes started in their own sessions (so Ctrl-C reaches the launcher only)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.procs.append((name, proc))
+        return proc
+
+    def check(self) -> None:
+        """Raise if a service died on its own (the trainer's exit is handled by the caller)."""
+        for name, proc in self.procs:
+            if name != "trainer" and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {proc.returncode}; see {self.log_dir / (name + '.log')}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Poll ``url`` until it answers 200, the process dies, or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} while starting; see {log}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError as exc:  # refused while starting, 503 while not ready
+            last = str(exc)
+        time.sleep(0.2)  # polling interval, not synchronisation: the loop waits for a 200
+    raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s ({last}); see {log}")
+
+
+def evaluate(engine_url: str, pairs: list[tuple[str, str]], reward: str = "exact") -> float:
+    """Mean reward of greedy responses to held-out prompts, asked of the engine in one batch."""
+    body = {"text": [p for p, _ in pairs], "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+    request = urllib.request.Request(f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        outputs = orjson.loads(resp.read())
+    fn = REWARDS[reward]
+    return sum(fn(out["text"], _Answer(answer)) for out, (_, answer) in zip(outputs, pairs)) / len(pairs)
+
+
+class _Answer:
+    """The part of a PromptTask the toy rewards read."""
+
+    def __init__(self, answer: str):
+        self.answer = answer
+
+
+class Progress:
+    """A live line on a terminal, one JSON line per record otherwise."""
+
+    def __init__(self, stream=sys.stdout):
+        self.stream, self.tty = stream, stream.isatty()
+
+    def show(self, record: dict, steps: int) -> None:
+        if not self.tty:
+            self.stream.write(orjson.dumps(record).decode() + "\n")
+        elif "eval_accuracy" in record and "loss" not in record:
+            self.stream.write(f"\r\x1b[K  held-out accuracy at step {record['step']}: {record['eval_accuracy']:.3f}\n")
+        else:
+            done = record.get("step", 0)
+            bar = "#" * int(30 * done / max(steps, 1))
+            rejected = sum((record.get("gate_rejected") or {}).values())
+            self.stream.write(
+                f"\r\x1b[K[{bar:<30}] step {done}/{steps}  reward {record.get('reward_mean', 0):.3f}  "
+                f"sc_corr {record.get('sc_correction', 0):.4f}  head P/Q {record.get('sc_train_head_mass', 0):.3f}/"
+                f"{record.get('sc_rollout_head_mass', 0):.3f}  kl {record.get('train_rollout_kl', 0):.2e}  "
+                f"stale {record.get('staleness_mean', 0):.1f}  gate +{record.get('gate_accepted', 0)}/-{rejected}"
+            )
+        self.stream.flush()
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
+    parser.add_argument("--task", default="reverse", help="toy task (shared/toy_tasks.py)")
+    parser.add_argument("--steps", type=int, default=30, help="trainer steps")
+    parser.add_argument("--workers", type=int, default=2, help="rollout worker processes")
+    parser.add_argument("--trainer-ranks", type=int, default=2, help="torchrun processes of the trainer")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step")
+    parser.add_argument("--dataset-size", type=int, default=2000, help="training prompts")
+    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
+    parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
+    parser.add_argument("--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs")
+    parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<date-time>")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each service to become ready")
+    shared_config.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return args, shared_config.resolve(args)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args, cfg = parse(argv)
+    except shared_config.ConfigError as exc:
+        print(f"centerline up: {exc}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    stack = Stack(run_dir / "logs")
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
+    nats = EmbeddedNats(run_dir / "nats")
+    try:
+        return run(args, cfg, run_dir, stack, nats, stopping)
+    except KeyboardInterrupt:
+        print("\ncenterline up: interrupted; stopping every service", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"\ncenterline up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        nats.stop()
+
+
+def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: list) -> int:
+    def log(message: str) -> None:
+        print(f"centerline up: {message}", file=sys.stderr, flush=True)
+
+    model = args.model_dir / f"sft-{args.task}-seed{cfg.seed}"
+    log(f"run directory {run_dir}; model {model} (made once, then cached)")
+    subprocess.run([PYTHON, "-m", "centerline", "init-model", "--sft", "--task", args.task, "--seed", str(cfg.seed), "--out", str(model)], check=True)
+    dataset = run_dir / "train.jsonl"
+    subprocess.run([PYTHON, "-m", "centerline", "dataset", "--task", args.task, "--n", str(args.dataset_size), "--seed", str(cfg.seed), "--out", str(dataset)], check=True, stdout=subprocess.DEVNULL)
+
+    nats.start()
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    cfg = cfg.model_copy(update={"nats_url": nats.url, "proxy_url": proxy_url, "engine_urls": [engine_url]})
+    config_file = run_dir / "config.toml"
+    config_file.write_text(shared_config.to_toml(cfg))
+    common = ["--config", str(config_file)]
+
+    engine = stack.start("engine", [PYTHON, "-m", "centerline", "engine", "--model", str(model), "--port", str(engine_port)])
+    wait_http(f"{engine_url}/health", "engine", engine, run_dir / "logs" / "engine.log", args.startup_timeout)
+    vocab = str(orjson.loads((model / "config.json").read_bytes())["vocab_size"])
+    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", engine_url, "--port", str(proxy_port), "--vocab-size", vocab, *common])
+    wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", args.startup_timeout)
+    log(f"engine {engine_url}, proxy {proxy_url} (ready: upstream returns complete candidate sets), NATS {nats.url}")
+
+    heldout = examples(args.task, args.eval_prompts, cfg.seed, "heldout")
+    progress = Progress()
+    evals = run_dir / "eval.jsonl"
+    evals.write_bytes(b"")
+
+    def record_eval(step: int) -> None:
+        record = {"step": step, "eval_accuracy": evaluate(engine_url, heldout)}
+        with open(evals, "ab") as fh:
+            fh.write(orjson.dumps(record) + b"\n")
+        progress.show(record, args.steps)
+
+    record_eval(0)
+    for i in range(args.workers):
+        stack.start(f"worker-{i}", [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", "--vocab-size", vocab, *common])
+    trainer_argv = ["--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir), "--steps", str(args.steps),
+                    "--prompts-per-step", str(args.prompts_per_step), *common]  # fmt: skip
+    if args.trainer_ranks > 1:
+        launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.trainer_ranks), "--master-port", str(free_port()), "-m", "centerline", "trainer"]
+    else:
+        launcher = [PYTHON, "-m", "centerline", "trainer"]
+    trainer = stack.start("trainer", launcher + trainer_argv)
+
+    metrics = run_dir / "metrics.jsonl"
+    seen = 0
+    while True:
+        if stopping:
+            log(f"{stopping[0]}: stopping every service")
+            return 130
+        stack.check()
+        lines = metrics.read_bytes().splitlines() if metrics.exists() else []
+        for line in lines[seen:]:
+            record = orjson.loads(line)
+            progress.show(record, args.steps)
+            if record["step"] % args.eval_every == 0 or record["step"] == args.steps:
+                record_eval(record["step"])
+        seen = len(lines)
+        if trainer.poll() is not None:
+            break
+        time.sleep(0.5)  # polling interval of the progress display
+    if progress.tty:
+        print()
+    if trainer.returncode != 0:
+        raise RuntimeError(f"trainer exited with status {trainer.returncode}; see {run_dir / 'logs' / 'trainer.log'}")
+    from centerline.report import write_report
+
+    report = write_report(run_dir)
+    log(f"report: {report}")
+    return 0
