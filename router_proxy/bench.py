@@ -1,11 +1,13 @@
 """`centerline bench proxy [--json]`: what the proxy costs on the wire and per audit.
 
 Three processes share the machine's cores as they would in production: a trivial upstream
-(raw asyncio on uvloop answering every POST /generate with one fixed, valid native response
-of ``--tokens`` tokens x ``--k`` candidates), the proxy (``centerline proxy``, its own
-process), and this process as the load generator (raw keep-alive HTTP/1.1 on uvloop, one
-connection per concurrent client). Each concurrency runs direct (load -> upstream) and
-through the proxy (load -> proxy -> upstream) for ``--seconds``.
+(an aiohttp.web server on uvloop by default, ``--upstream raw`` a bare asyncio protocol)
+answering every POST /generate with one fixed, valid native response of ``--tokens`` tokens
+x ``--k`` candidates; the proxy (``centerline proxy``, its own process); and this process as
+the load generator (one asyncio protocol per concurrent client on uvloop, each a keep-alive
+connection in a closed loop). Each concurrency runs direct (load -> upstream) and through the
+proxy (load -> proxy -> upstream) for ``--seconds``, in ``--rounds`` paired rounds; each
+figure is the median over rounds, each ratio the median of the rounds' ratios.
 
 Audit cost: ``audit_body`` of a native response with N=1024 tokens and K=128 candidates
 (the proxy's whole per-response work: parse, convert, check) next to ``orjson.loads`` of the
@@ -105,20 +107,54 @@ def serve_fixed(port: int, generate_body: bytes, vocab_size: int) -> None:
 # ---------------------------------------------------------------------------- the load generator
 
 
-async def _client(port: int, request: bytes, deadline: float, warm_until: float, latencies: list, errors: list) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while (now := time.perf_counter()) < deadline:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            at = head.lower().find(b"content-length:")
-            await reader.readexactly(int(head[at + 15 : head.find(b"\r\n", at)]))
-            if not head.startswith(b"HTTP/1.1 200"):
-                errors.append(head.split(b"\r\n", 1)[0].decode())
-            if now >= warm_until:
-                latencies.append(time.perf_counter() - now)
-    finally:
-        writer.close()
+class _Client(asyncio.Protocol):
+    """One keep-alive connection of the closed loop: send, wait for the whole answer, send again.
+
+    A bare protocol (no streams, no tasks): the generator shares the cores with what it
+    measures, so the less CPU it spends per request the less it caps either figure. Answers
+    must carry Content-Length (both the upstream and the proxy send it).
+    """
+
+    def __init__(self, request: bytes, deadline: float, warm_until: float, latencies: list, errors: list, done: asyncio.Future):
+        self.request, self.deadline, self.warm_until = request, deadline, warm_until
+        self.latencies, self.errors, self.done = latencies, errors, done
+        self.buf = b""
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self._send()
+
+    def _send(self):
+        self.sent = time.perf_counter()
+        if self.sent >= self.deadline:
+            self.transport.close()
+            if not self.done.done():
+                self.done.set_result(None)
+            return
+        self.transport.write(self.request)
+
+    def data_received(self, data):
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end].lower()
+        at = head.find(b"content-length:")
+        stop = head.find(b"\r\n", at)
+        length = int(head[at + 15 : stop if stop > 0 else None])
+        if len(self.buf) < end + 4 + length:
+            return
+        now = time.perf_counter()
+        self.buf = self.buf[end + 4 + length :]
+        if not head.startswith(b"http/1.1 200"):
+            self.errors.append(head.split(b"\r\n", 1)[0].decode())
+        if self.sent >= self.warm_until:
+            self.latencies.append(now - self.sent)
+        self._send()
+
+    def connection_lost(self, exc):
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 def load(port: int, concurrency: int, seconds: float, warmup: float = 0.5) -> dict:
@@ -131,8 +167,14 @@ def load(port: int, concurrency: int, seconds: float, warmup: float = 0.5) -> di
     errors: list[str] = []
 
     async def run():
+        loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        await asyncio.gather(*(_client(port, request, start + warmup + seconds, start + warmup, latencies, errors) for _ in range(concurrency)))
+        dones = []
+        for _ in range(concurrency):
+            done = loop.create_future()
+            dones.append(done)
+            await loop.create_connection(lambda: _Client(request, start + warmup + seconds, start + warmup, latencies, errors, done), "127.0.0.1", port)
+        await asyncio.gather(*dones)
 
     uvloop.run(run())
     if errors:
@@ -189,7 +231,8 @@ def bench_proxy(argv: list[str]) -> int:
     """Proxy throughput and added latency vs direct, and audit cost vs orjson parse; one JSON object."""
     parser = argparse.ArgumentParser(prog="centerline bench proxy", description=bench_proxy.__doc__)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per run")
+    parser.add_argument("--rounds", type=int, default=3, help="paired direct/proxy runs per concurrency; figures are medians over rounds")
     parser.add_argument("--tokens", type=int, default=4, help="tokens in the fixed upstream response")
     parser.add_argument("--k", type=int, default=8, help="candidates per token in the fixed response (the proxy's K)")
     parser.add_argument("--upstream", choices=("aiohttp", "raw"), default="aiohttp",
@@ -197,8 +240,8 @@ def bench_proxy(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="audit-cost repetitions (median)")
     args = parser.parse_args(argv)
     vocab = 64
-    result: dict = {"upstream": f"{args.upstream} on uvloop, fixed valid native response", "proxy": "centerline proxy (FastAPI/uvicorn+uvloop+httptools, aiohttp pool)",
-                    "load_generator": "raw keep-alive HTTP/1.1 on uvloop, closed loop", "processes": 3, "cpus": os.cpu_count(),
+    result: dict = {"upstream": f"{args.upstream} on uvloop, fixed valid native response", "proxy": "centerline proxy (httptools protocols on uvloop, keep-alive upstream pool)",
+                    "load_generator": "asyncio protocols on uvloop, one keep-alive connection per client, closed loop", "processes": 3, "cpus": os.cpu_count(),
                     "response_tokens": args.tokens, "response_k": args.k}  # fmt: skip
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,16 +259,26 @@ def bench_proxy(argv: list[str]) -> int:
                                            "--port", str(proxy_port), "--rollout-top-logprobs-num", str(args.k)],
                                           stdout=open(proxy_log, "wb"), stderr=subprocess.STDOUT))  # fmt: skip
             _wait_http(f"http://127.0.0.1:{proxy_port}/ready", procs[1], 60, proxy_log)
+            rounds = {}
             for c in (1, 32):
-                for name, port in (("direct", up_port), ("proxy", proxy_port)):
-                    for key, value in load(port, c, args.seconds).items():
-                        result[f"{name}_c{c}_{key}"] = value
+                # Paired rounds, direct and proxy back to back in alternating order: a neighbour's
+                # load that comes and goes then weighs on both sides of each ratio alike.
+                runs = [{} for _ in range(args.rounds)]
+                for r, run in enumerate(runs):
+                    for name, port in (("direct", up_port), ("proxy", proxy_port))[:: 1 if r % 2 == 0 else -1]:
+                        run[name] = load(port, c, args.seconds)
+                rounds[c] = runs
+                for name in ("direct", "proxy"):
+                    for key in ("rps", "p50_ms", "p99_ms"):
+                        result[f"{name}_c{c}_{key}"] = round(statistics.median(run[name][key] for run in runs), 3)
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait(10)
-    result["throughput_ratio_c32"] = round(result["proxy_c32_rps"] / result["direct_c32_rps"], 3)
-    result["added_p50_ms_c1"] = round(result["proxy_c1_p50_ms"] - result["direct_c1_p50_ms"], 3)
+    result["throughput_ratio_c32_rounds"] = [round(run["proxy"]["rps"] / run["direct"]["rps"], 3) for run in rounds[32]]
+    result["added_p50_ms_c1_rounds"] = [round(run["proxy"]["p50_ms"] - run["direct"]["p50_ms"], 3) for run in rounds[1]]
+    result["throughput_ratio_c32"] = statistics.median(result["throughput_ratio_c32_rounds"])
+    result["added_p50_ms_c1"] = statistics.median(result["added_p50_ms_c1_rounds"])
     result.update(audit_cost(args.repeats))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -19,11 +19,11 @@ import asyncio
 import sys
 from dataclasses import asdict, dataclass, field
 
-import aiohttp
 import orjson
 
 from router_proxy.audit import audit_body, chat_metas, native_metas
 from router_proxy.rewrite import Contract, rewrite_body
+from router_proxy.upstream import UpstreamPool
 from shared.contract import ContractViolation
 
 CANARY_TOKENS = 8
@@ -69,15 +69,15 @@ class ProbeReport:
         return "\n".join([head, *rows, verdict])
 
 
-async def learn_vocab_size(session: aiohttp.ClientSession, upstream: str) -> int | None:
+async def learn_vocab_size(upstream: UpstreamPool) -> int | None:
     """``vocab_size`` from /model_info or /get_model_info (top level or an hf_config), else None."""
-    for path in ("/model_info", "/get_model_info"):
+    for path in (b"/model_info", b"/get_model_info"):
         try:
-            async with session.get(upstream + path) as resp:
-                if resp.status != 200:
-                    continue
-                info = orjson.loads(await resp.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+            status, body, _ = await upstream.request(b"GET", path)
+            if status != 200:
+                continue
+            info = orjson.loads(body)
+        except (OSError, orjson.JSONDecodeError):
             continue
         for where in (info, info.get("hf_config"), info.get("config")) if isinstance(info, dict) else ():
             value = where.get("vocab_size") if isinstance(where, dict) else None
@@ -95,19 +95,18 @@ def canary_body(contract: Contract) -> bytes:
     return rewrite_body(orjson.dumps(body), "generate", contract)
 
 
-async def probe(session: aiohttp.ClientSession, upstream: str, contract: Contract, *, vocab_size: int | None = None) -> ProbeReport:
+async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int | None = None) -> ProbeReport:
     """Run the canary through ``upstream`` and report each check; stops at the first failure."""
-    report = ProbeReport(upstream, contract.endpoint, contract.mode, contract.k)
+    report = ProbeReport(upstream.url, contract.endpoint, contract.mode, contract.k)
     path = "/v1/chat/completions" if contract.endpoint == "chat" else "/generate"
     try:
-        async with session.post(upstream + path, data=canary_body(contract), headers={"Content-Type": "application/json"}) as resp:
-            status, body = resp.status, await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        report.add("upstream reachable", False, f"cannot reach {upstream}{path}: {exc!r}")
+        status, body, _ = await upstream.request(b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")])
+    except OSError as exc:
+        report.add("upstream reachable", False, f"cannot reach {upstream.url}{path}: {exc}")
         return report
     report.add("upstream reachable", True, f"POST {path} answered {status}")
 
-    report.vocab_size = vocab_size or await learn_vocab_size(session, upstream)
+    report.vocab_size = vocab_size or await learn_vocab_size(upstream)
     if not report.add("vocab size known", report.vocab_size is not None,
                       f"{report.vocab_size}" if report.vocab_size else "the upstream reports no vocab_size in /model_info or /get_model_info; pass --vocab-size"):  # fmt: skip
         return report
@@ -194,5 +193,8 @@ def main(argv: list[str]) -> int:
 
 
 async def _probe_once(upstream: str, contract: Contract, vocab_size: int | None, timeout: float) -> ProbeReport:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        return await probe(session, upstream, contract, vocab_size=vocab_size)
+    pool = UpstreamPool(upstream, timeout=timeout)
+    try:
+        return await probe(pool, contract, vocab_size=vocab_size)
+    finally:
+        await pool.close()

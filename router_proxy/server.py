@@ -10,42 +10,43 @@
 - GET /ready is 503 until the capability probe (``probe.py``) passes; GET /capabilities runs
   it again. GET /metrics is Prometheus. Engine admin endpoints answer 403.
 
-Upstream connections: one aiohttp ``ClientSession`` over a ``TCPConnector`` keep-alive pool,
-not httpx (a shared ``httpx.AsyncClient`` served 447 req/s at concurrency 32 against an
-upstream doing ~8,000; encode/httpx#3215). ``centerline bench proxy`` measures the result.
+The HTTP on both sides is lean on purpose (``front.py`` serves, ``upstream.py`` pools
+keep-alive connections to the upstream): FastAPI/uvicorn and aiohttp cost more CPU per request
+than the audit itself. ``centerline bench proxy`` measures the result.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import gc
 import logging
 import os
+import signal
 import sys
 import time
 
-import aiohttp
 import orjson
-from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from router_proxy.audit import audit_body
 from router_proxy.events import AuditPublisher, ProxyMetrics
+from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, rewrite_body
+from router_proxy.upstream import UpstreamPool
 from shared.config import ENV_PREFIX, ConfigError, add_arguments, load_toml, resolve
 from shared.contract import ContractViolation
 
 log = logging.getLogger("centerline.proxy")
 
-EVAL_HEADER = "x-centerline-eval"
-AUDIT_HEADER = "X-Centerline-Audit"
-JSON = "application/json"
-FORWARDED_HEADERS = ("authorization", "x-request-id")
-TRAINING_PATHS = {"/generate": "generate", "/v1/chat/completions": "chat"}
+EVAL_HEADER = b"x-centerline-eval"
+AUDIT_HEADER = b"x-centerline-audit"
+JSON = b"application/json"
+FORWARDED_HEADERS = (b"authorization", b"x-request-id")
+TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
-PASS_THROUGH = ("/health", "/health_generate", "/get_model_info", "/model_info", "/get_server_info", "/server_info", "/v1/models")
+PASS_THROUGH = {b"/health", b"/health_generate", b"/get_model_info", b"/model_info", b"/get_server_info", b"/server_info", b"/v1/models"}
 # Engine and router administration: never reachable through the proxy (the trainer calls engines directly).
 ADMIN_PREFIXES = (
     "/update_weight", "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
@@ -54,24 +55,23 @@ ADMIN_PREFIXES = (
     "/add_worker", "/remove_worker", "/list_workers", "/start_profile", "/stop_profile", "/configure_logging",
     "/set_internal_state", "/load_lora_adapter", "/unload_lora_adapter", "/slow_down", "/open_session", "/close_session",
 )  # fmt: skip
+SHUTDOWN_GRACE_S = 10.0  # requests in progress at SIGTERM get this long to finish
 
 
 class Proxy:
-    """State shared by the routes: contract, upstream pool, readiness, metrics and audit events."""
+    """The routes and their state: contract, upstream pool, readiness, metrics and audit events."""
 
     def __init__(self, upstream: str, contract: Contract, *, audit_mode: str = "enforce", vocab_size: int | None = None,
                  nats_url: str | None = None, upstream_timeout: float = 1800.0, max_connections: int = 512):  # fmt: skip
-        self.upstream = upstream.rstrip("/")
+        self.pool = UpstreamPool(upstream, timeout=upstream_timeout, max_connections=max_connections)
+        self.upstream = self.pool.url
         self.contract = contract
         self.audit_mode = audit_mode
         self.vocab_flag = vocab_size
         self.vocab_size = vocab_size
-        self.upstream_timeout = upstream_timeout
-        self.max_connections = max_connections
         self.metrics = ProxyMetrics()
         self.publisher = AuditPublisher(nats_url, self.metrics)
         self.report: ProbeReport | None = None
-        self.session: aiohttp.ClientSession | None = None
         self.prober: asyncio.Task | None = None
 
     @property
@@ -79,10 +79,6 @@ class Proxy:
         return self.report is not None and self.report.compatible
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=60, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=self.upstream_timeout, sock_connect=10), auto_decompress=False
-        )
         self.publisher.start()
         self.prober = asyncio.create_task(self._probe_until_ready(), name="capability-probe")
 
@@ -90,10 +86,10 @@ class Proxy:
         if self.prober is not None:
             self.prober.cancel()
         await self.publisher.stop()
-        await self.session.close()
+        await self.pool.close()
 
     async def run_probe(self) -> ProbeReport:
-        report = await probe(self.session, self.upstream, self.contract, vocab_size=self.vocab_flag)
+        report = await probe(self.pool, self.contract, vocab_size=self.vocab_flag)
         if report.vocab_size:
             self.vocab_size = report.vocab_size
         if report.compatible != self.ready or (self.report and report.cause != self.report.cause) or self.report is None:
@@ -111,56 +107,83 @@ class Proxy:
             await asyncio.sleep(delay)  # retry: a router may still be registering its workers
             delay = min(delay * 2, 10.0)
 
-    async def forward(self, method: str, path: str, body: bytes | None, headers) -> tuple[int, bytes, str]:
-        sent = {"Content-Type": headers.get("content-type", JSON)}
-        sent.update({h: headers[h] for h in FORWARDED_HEADERS if h in headers})
-        async with self.session.request(method, self.upstream + path, data=body, headers=sent) as resp:
-            return resp.status, await resp.read(), resp.headers.get("Content-Type", JSON)
+    async def handle(self, req: Request) -> Reply:
+        """Every request: the training paths first (the hot path), then the few cold routes."""
+        endpoint = TRAINING_PATHS.get(req.path)
+        if endpoint is not None and req.method == b"POST":
+            return await self.training(endpoint, req)
+        path = req.path.decode("latin-1")
+        if path.startswith(ADMIN_PREFIXES):
+            message = f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"
+            return 403, orjson.dumps({"error": {"rule": "admin_forbidden", "message": message}}), JSON, []
+        if req.method == b"GET":
+            if path == "/ready":
+                report = self.report
+                body = {"ready": self.ready, "cause": report.cause if report else "capability probe not finished", "upstream": self.upstream}
+                return 200 if self.ready else 503, orjson.dumps(body), JSON, []
+            if path == "/liveness":
+                return 200, b'{"status":"ok"}', JSON, []
+            if path == "/capabilities":
+                return 200, orjson.dumps((await self.run_probe()).to_dict()), JSON, []
+            if path == "/metrics":
+                return 200, self.metrics.exposition(), CONTENT_TYPE_LATEST.encode(), []
+            if req.path in PASS_THROUGH:
+                return await self.forward(req.method, req.target, None, req.headers)
+        return 404, orjson.dumps({"error": {"rule": "not_found", "message": f"{req.method.decode()} {path} is not served by the proxy"}}), JSON, []
 
-    async def training(self, endpoint: str, path: str, raw: bytes, headers: dict) -> tuple[int, bytes, str, dict]:
-        """One training (or eval) request: ``(status, body, content type, extra headers)`` for the client."""
-        if headers.get(EVAL_HEADER) == "1":
-            self.metrics.requests.labels(endpoint, "eval").inc()
-            try:
-                return (*await self.forward("POST", path, raw, headers), {})
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return _error(502, ContractViolation("upstream_unreachable", f"{self.upstream}{path}: {exc!r}"))
+    async def forward(self, method: bytes, target: bytes, body: bytes | None, headers: dict) -> Reply:
+        """The upstream's answer as it is, or 502 upstream_unreachable."""
+        try:
+            status, answer, ctype = await self.pool.request(method, target, body, _sent_headers(headers))
+        except OSError as exc:
+            return _error(502, self._unreachable(target, exc))
+        return status, answer, ctype or JSON, []
+
+    def _unreachable(self, target: bytes, exc: OSError) -> ContractViolation:
+        return ContractViolation("upstream_unreachable", f"{self.upstream}{target.decode('latin-1')}: {exc}")
+
+    async def training(self, endpoint: str, req: Request) -> Reply:
+        """One training (or eval) request: rewrite, forward, audit, then pass, block or flag the answer."""
+        if req.headers.get(EVAL_HEADER) == b"1":
+            self.metrics.count(self.metrics.requests, endpoint, "eval")
+            return await self.forward(b"POST", req.target, req.body, req.headers)
         started = time.perf_counter()
         try:
-            sent = rewrite_body(raw, endpoint, self.contract)
+            sent = rewrite_body(req.body, endpoint, self.contract)
         except RequestRejected as exc:
-            self.metrics.requests.labels(endpoint, "rejected").inc()
-            return 400, orjson.dumps(exc.to_dict()), JSON, {}
-        self.metrics.requests.labels(endpoint, "training").inc()
+            self.metrics.count(self.metrics.requests, endpoint, "rejected")
+            return 400, orjson.dumps(exc.to_dict()), JSON, []
+        self.metrics.count(self.metrics.requests, endpoint, "training")
         if self.vocab_size is None:
-            self.vocab_size = await learn_vocab_size(self.session, self.upstream)
+            self.vocab_size = await learn_vocab_size(self.pool)
         sent_at = time.perf_counter()
         status, body, ctype = 0, b"", JSON
         violation, result = None, None
         try:
-            status, body, ctype = await self.forward("POST", path, sent, headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            violation = ContractViolation("upstream_unreachable", f"{self.upstream}{path}: {exc!r}")
+            status, body, ctype = await self.pool.request(b"POST", req.target, sent, _sent_headers(req.headers))
+        except OSError as exc:
+            violation = self._unreachable(req.target, exc)
         upstream_s = time.perf_counter() - sent_at
         if violation is None:
             violation, result = self._audit(endpoint, status, body)
         added_s = time.perf_counter() - started - upstream_s
-        self.metrics.added_latency.observe(added_s)
-        self.metrics.verdicts.labels(violation.rule if violation else "ok").inc()
+        self.metrics.observe_added(added_s)
+        self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
         blocked = violation is not None and self.audit_mode == "enforce"
-        self.publisher.emit({
-            "ts": time.time(), "path": path, "mode": self.contract.mode, "k": self.contract.k, "audit_mode": self.audit_mode,
-            "verdict": "fail" if violation else "ok", "action": "blocked" if blocked else "passed",
-            "error": violation.to_dict() if violation else None, "upstream_status": status,
-            "samples": result.samples if result else None, "tokens": result.tokens if result else None,
-            "upstream_ms": upstream_s * 1e3, "added_ms": added_s * 1e3,
-        })  # fmt: skip
+        if self.publisher.enabled:
+            self.publisher.emit({
+                "ts": time.time(), "path": req.path.decode("latin-1"), "mode": self.contract.mode, "k": self.contract.k,
+                "audit_mode": self.audit_mode, "verdict": "fail" if violation else "ok", "action": "blocked" if blocked else "passed",
+                "error": violation.to_dict() if violation else None, "upstream_status": status,
+                "samples": result.samples if result else None, "tokens": result.tokens if result else None,
+                "upstream_ms": upstream_s * 1e3, "added_ms": added_s * 1e3,
+            })  # fmt: skip
         if blocked:
             return _error(502, violation)
-        verdict = "ok" if violation is None else _verdict(violation)
+        verdict = b"ok" if violation is None else _verdict(violation).encode()
         if status == 0:  # observe mode and no upstream answer: nothing to pass on
-            return _error(502, violation, {AUDIT_HEADER: verdict})
-        return status, body, ctype, {AUDIT_HEADER: verdict}
+            return _error(502, violation, [(AUDIT_HEADER, verdict)])
+        return status, body, ctype or JSON, [(AUDIT_HEADER, verdict)]
 
     def _audit(self, endpoint: str, status: int, body: bytes):
         if status != 200:
@@ -177,82 +200,34 @@ class Proxy:
             return ContractViolation("malformed_response", f"the response could not be audited ({type(exc).__name__}: {exc})"), None
 
 
+def _sent_headers(headers: dict) -> list:
+    sent = [(b"content-type", headers.get(b"content-type", JSON))]
+    return sent + [(h, headers[h]) for h in FORWARDED_HEADERS if h in headers]
+
+
 def _verdict(v: ContractViolation) -> str:
     parts = [f"fail; rule={v.rule}"] + [f"{name}={value}" for name, value in (("sample", v.sample), ("row", v.row), ("expected", v.expected), ("found", v.found)) if value is not None]
     return "; ".join(parts)
 
 
-def _error(status: int, v: ContractViolation, headers: dict | None = None) -> tuple[int, bytes, str, dict]:
-    return status, orjson.dumps({"error": v.to_dict()}), JSON, headers or {}
+def _error(status: int, v: ContractViolation, headers: list | None = None) -> Reply:
+    return status, orjson.dumps({"error": v.to_dict()}), JSON, headers or []
 
 
-class TrainingFront:
-    """ASGI front: POST /generate and /v1/chat/completions served without FastAPI's per-request
-    machinery (measured: FastAPI routing alone capped the proxy well below the bench targets);
-    everything else, lifespan included, goes to the FastAPI app."""
-
-    def __init__(self, proxy: Proxy, app: FastAPI):
-        self.proxy, self.app = proxy, app
-
-    async def __call__(self, scope, receive, send):
-        endpoint = TRAINING_PATHS.get(scope.get("path")) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if endpoint is None:
-            return await self.app(scope, receive, send)
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw += message.get("body", b"")
-            more = message.get("more_body", False)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        status, body, ctype, extra = await self.proxy.training(endpoint, scope["path"], raw, headers)
-        out = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
-        out += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-        await send({"type": "http.response.start", "status": status, "headers": out})
-        await send({"type": "http.response.body", "body": body})
-
-
-def build_app(proxy: Proxy) -> TrainingFront:
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        await proxy.start()
-        yield
-        await proxy.stop()
-
-    app = FastAPI(title="centerline router proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        report = proxy.report
-        body = {"ready": proxy.ready, "cause": report.cause if report else "capability probe not finished", "upstream": proxy.upstream}
-        return Response(orjson.dumps(body), 200 if proxy.ready else 503, media_type=JSON)
-
-    @app.get("/capabilities")
-    async def capabilities() -> Response:
-        return Response(orjson.dumps((await proxy.run_probe()).to_dict()), 200, media_type=JSON)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/liveness")
-    async def liveness() -> Response:
-        return Response(b'{"status":"ok"}', media_type=JSON)
-
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def other(path: str, request: Request) -> Response:
-        path = "/" + path
-        if path.startswith(ADMIN_PREFIXES):
-            body = {"error": {"rule": "admin_forbidden", "message": f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"}}
-            return Response(orjson.dumps(body), 403, media_type=JSON)
-        if path in PASS_THROUGH and request.method == "GET":
-            try:
-                status, body, ctype = await proxy.forward("GET", path, None, request.headers)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                status, body, ctype, _ = _error(502, ContractViolation("upstream_unreachable", f"{proxy.upstream}{path}: {exc!r}"))
-            return Response(body, status, media_type=ctype)
-        return Response(orjson.dumps({"error": {"rule": "not_found", "message": f"{request.method} {path} is not served by the proxy"}}), 404, media_type=JSON)
-
-    return TrainingFront(proxy, app)
+async def run(proxy: Proxy, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT, then finish the requests in progress (up to ``SHUTDOWN_GRACE_S``) and stop."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await proxy.start()
+    front = Front(proxy.handle)
+    await front.start(host, port)
+    gc.freeze()  # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
+    log.warning("proxy on http://%s:%d -> %s (%s)", host, port, proxy.upstream, proxy.contract)
+    await stopping.wait()
+    await front.shutdown(SHUTDOWN_GRACE_S)
+    await proxy.stop()
 
 
 def main(argv: list[str]) -> int:
@@ -272,15 +247,15 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     nats_url = cfg.nats_url if _nats_configured(args) else None
-    proxy = Proxy(args.upstream, Contract.from_config(cfg), audit_mode=cfg.proxy_audit_mode, vocab_size=args.vocab_size,
-                  nats_url=nats_url, upstream_timeout=args.upstream_timeout)  # fmt: skip
-    import uvicorn
+    try:
+        proxy = Proxy(args.upstream, Contract.from_config(cfg), audit_mode=cfg.proxy_audit_mode, vocab_size=args.vocab_size,
+                      nats_url=nats_url, upstream_timeout=args.upstream_timeout)  # fmt: skip
+    except ValueError as exc:
+        print(f"centerline proxy: --upstream: {exc}", file=sys.stderr)
+        return 2
+    import uvloop
 
-    config = uvicorn.Config(build_app(proxy), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                            log_level="warning", access_log=False, lifespan="on", proxy_headers=False, server_header=False,
-                            date_header=False)  # fmt: skip
-    log.warning("proxy on http://%s:%d -> %s (%s)", args.host, args.port, proxy.upstream, proxy.contract)
-    uvicorn.Server(config).run()
+    uvloop.run(run(proxy, args.host, args.port))
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_proxy.audit import audit_body
+from router_proxy.audit import audit_body, full_audit, native_metas, quick_accept
 from router_proxy.bench import native_response
 from shared.contract import ContractViolation
 
@@ -147,3 +147,95 @@ def test_arbitrary_json_is_a_violation_or_an_empty_valid_response(doc, endpoint,
                           "sampled_not_in_support", "sampled_mismatch"}  # fmt: skip
     else:
         assert result.tokens == 0
+
+
+# quick_accept (the pure-Python path for small responses) against the numpy path it stands in for.
+
+
+def outcome(doc: dict, *, mode: str, k: int, quick: bool):
+    """``audit_body`` with or without the quick path: ("ok", samples, tokens) or ("fail", the error dict)."""
+    body = json.dumps(doc).encode()  # json, not orjson: it writes integers beyond 64 bits
+    try:
+        if quick:
+            result = audit_body(body, endpoint="generate", mode=mode, k=k, vocab_size=VOCAB)
+        else:
+            result = full_audit(native_metas(orjson.loads(body)), mode=mode, k=k, vocab_size=VOCAB)
+    except ContractViolation as v:
+        return ("fail", v.to_dict())
+    return ("ok", result.samples, result.tokens)
+
+
+def support(doc: dict, width: int) -> dict:
+    """``doc`` turned into a valid support-mode response: each row's first ``width`` candidates, renormalised."""
+    meta = doc["meta_info"]
+    rows = [row[:width] for row in meta.pop("output_top_logprobs")]
+    lps = [[e[0] - math.log(sum(math.exp(c[0]) for c in r)) for e in r] for r in rows]
+    meta["output_token_sampling_mask"] = [[e[1] for e in r] for r in rows]
+    meta["output_token_sampling_logprobs"] = lps
+    meta["output_token_logprobs"] = [[lp[0] - 0.3, r[0][1], None] for lp, r in zip(lps, rows)]  # unfiltered: lower than the support one
+    return doc
+
+
+TOL = 1e-5
+# Values at and around the contract's tolerances, where summation order could decide.
+EDGES = [TOL, TOL * (1 + 1e-12), TOL * (1 - 1e-12), 2 * TOL, 0.0, 1e-300, -1e-300, 0.5, -0.5, 1e-7, -1e-7]
+
+
+@st.composite
+def mutated(draw):
+    mode = draw(st.sampled_from(["selected", "support"]))
+    k = draw(st.sampled_from([4, 8, 16]))
+    doc = orjson.loads(native_response(draw(st.integers(0, 5)), k, VOCAB, seed=draw(st.integers(0, 3))))
+    if mode == "support":
+        doc = support(doc, draw(st.integers(1, k)))
+    meta = doc["meta_info"]
+    rows = meta["output_top_logprobs" if mode == "selected" else "output_token_sampling_mask"]
+    n = len(meta["output_token_logprobs"])
+    kind = draw(st.sampled_from(["none", "sampled_lp", "sampled_id", "cand_lp", "cand_id", "mass", "drop", "width", "field", "type"]))
+    if kind == "none" or n == 0:
+        return doc, mode, k
+    i = draw(st.integers(0, n - 1))
+    j = draw(st.integers(0, len(rows[i]) - 1))
+    edge, sign = draw(st.sampled_from(EDGES)), draw(st.sampled_from([1, -1]))
+    junk = draw(st.sampled_from([None, True, 1, 0, -1, "0.5", 1.5, -1.5, VOCAB, VOCAB - 1, 2**70, []]))
+    if kind == "sampled_lp":
+        meta["output_token_logprobs"][i][0] = draw(st.sampled_from([edge * sign, meta["output_token_logprobs"][i][0] + edge * sign, junk]))
+    elif kind == "sampled_id":
+        meta["output_token_logprobs"][i][1] = draw(st.sampled_from([junk, rows[i][j][1] if mode == "selected" else rows[i][j]]))
+    elif kind in ("cand_lp", "cand_id", "mass"):
+        if mode == "selected":
+            entry = rows[i][j]
+            value = {"cand_lp": draw(st.sampled_from([edge * sign, entry[0] + edge * sign, junk])),
+                     "cand_id": junk if draw(st.booleans()) else rows[i][(j + 1) % len(rows[i])][1],  # a duplicate when the row has 2+
+                     "mass": math.log(max(1e-300, 1 + edge * sign - sum(math.exp(e[0]) for e in rows[i]) + math.exp(entry[0])))}[kind]
+            entry[0 if kind != "cand_id" else 1] = value
+        elif kind == "cand_id":
+            rows[i][j] = junk if draw(st.booleans()) else rows[i][(j + 1) % len(rows[i])]
+        else:
+            lps = meta["output_token_sampling_logprobs"][i]
+            lps[j] = draw(st.sampled_from([lps[j] + edge * sign, edge * sign, junk]))
+    elif kind == "drop":
+        del rows[i][j]
+    elif kind == "width":
+        target = meta["output_token_logprobs"][i] if draw(st.booleans()) or mode == "support" else rows[i][j]
+        target.pop() if draw(st.booleans()) else target.append(None)
+    elif kind == "field":
+        name = draw(st.sampled_from(["output_token_logprobs", "output_top_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs"]))
+        meta[name] = draw(st.sampled_from([None, [], junk, (meta.get(name) or [])[:-1]]))
+    else:
+        rows[i] = junk
+    return doc, mode, k
+
+
+@settings(max_examples=1500, deadline=None)
+@given(case=mutated())
+def test_quick_path_gives_the_numpy_verdict(case):
+    doc, mode, k = case
+    assert outcome(doc, mode=mode, k=k, quick=True) == outcome(doc, mode=mode, k=k, quick=False)
+
+
+@pytest.mark.parametrize("mode", ["selected", "support"])
+def test_quick_path_accepts_valid_small_responses(mode):
+    doc = orjson.loads(native_response(4, 8, VOCAB))
+    doc = support(doc, 5) if mode == "support" else doc
+    assert quick_accept(native_metas(doc), mode=mode, k=8, vocab_size=VOCAB) == 4
