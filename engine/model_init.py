@@ -7,8 +7,8 @@ same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefl
 task first (`engine/sft.py`) so RL starts from a policy with some reward; the settings are
 recorded in `centerline_model.json`, and a directory already holding a model made with the
 same settings is left as it is. Held-out exact match at temperature 1 after the default
-steps (seed 0): copy 0.07-0.8 depending on steps, upper ~0.34, reverse ~0.10, add ~0.03
-(see `engine/sft.py` DEFAULT_STEPS).
+steps (seed 0, `--eval`): copy 0.30 (150 steps, ~15 s), upper 0.34 (200, ~17 s), reverse
+0.265 (800, ~40-70 s on a loaded core), add: see `engine/sft.py` DEFAULT_STEPS.
 
     centerline init-model --out runs/model --seed 0
     centerline init-model --sft --task upper --out runs/upper
