@@ -8,7 +8,7 @@ task first (`engine/sft.py`) so RL starts from a policy with some reward; the se
 recorded in `centerline_model.json`, and a directory already holding a model made with the
 same settings is left as it is. Held-out exact match at temperature 1 after the default
 steps (seed 0, `--eval`): copy 0.30 (150 steps, ~15 s), upper 0.34 (200, ~17 s), reverse
-0.265 (800, ~40-70 s on a loaded core), add: see `engine/sft.py` DEFAULT_STEPS.
+0.265 (800, ~40-70 s on a loaded core), add 0.035 (600: a hard start; prefer the others).
 
     centerline init-model --out runs/model --seed 0
     centerline init-model --sft --task upper --out runs/upper
