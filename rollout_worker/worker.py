@@ -108,10 +108,7 @@ class Worker:
                 if len(inflight) >= self.opts.concurrency:
                     await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                try:
-                    msgs = await self.consumer.fetch(1, timeout=1.0)
-                except asyncio.TimeoutError:  # nats-py raises the plain one on one path PullConsumer does not catch
-                    msgs = []
+                msgs = await self.consumer.fetch(1, timeout=1.0)
                 for msg in msgs:
                     if self.stopping.is_set():  # fetched while stopping: give it straight back
                         await msg.nak()

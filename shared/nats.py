@@ -360,7 +360,7 @@ class PullConsumer:
         """Up to ``max_msgs`` messages, fewer (or none) if ``timeout`` seconds pass first."""
         try:
             return await self.sub.fetch(max_msgs, timeout=timeout)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either, by code path
             return []
 
     @staticmethod
