@@ -118,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = typing.get_args(info.annotation)
         else:
             kwargs["type"] = kind
+        if kind is not bool and "choices" not in kwargs:
+            kwargs["metavar"] = {int: "N", float: "X", list: "URL"}.get(kind, "VALUE")
         group.add_argument(flag(name), **kwargs)
 
 
