@@ -25,9 +25,6 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from engine import chat, protocol
-from engine.protocol import EngineInfo, RequestError
-
 log = logging.getLogger("centerline.engine")
 DTYPES = ("float64", "float32")
 
@@ -57,6 +54,8 @@ def build_app(
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from engine import chat, protocol  # torch and transformers: imported after argument parsing
+    from engine.protocol import EngineInfo, RequestError
     from engine.scheduler import Scheduler
 
     hf_logging.disable_progress_bar()
