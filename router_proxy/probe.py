@@ -187,7 +187,10 @@ def main(argv: list[str]) -> int:
         parser.error("--k must be positive")
     top_k = args.top_k if args.top_k is not None else (args.k if args.mode == "support" else -1)
     contract = Contract(args.k, args.temperature, args.top_p, top_k, args.mode, args.endpoint)
-    report = asyncio.run(_probe_once(args.upstream.rstrip("/"), contract, args.vocab_size, args.timeout))
+    try:
+        report = asyncio.run(_probe_once(args.upstream, contract, args.vocab_size, args.timeout))
+    except ValueError as exc:  # not an http(s) URL
+        parser.error(str(exc))
     print(orjson.dumps(report.to_dict()).decode() if args.json else report.table())
     return 0 if report.compatible else 1
 

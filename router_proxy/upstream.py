@@ -189,9 +189,16 @@ class UpstreamPool:
         while self.opened >= self.max_connections:
             waiter = self.loop.create_future()
             self.waiters.append(waiter)
-            conn = await waiter
-            if conn is not None and not conn.closed and not fresh:
-                return conn
+            try:
+                conn = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
+                    self._release(waiter.result())  # handed a connection just as we were cancelled: pass it on
+                raise
+            if conn is not None and not conn.closed:
+                if not fresh:
+                    return conn
+                conn.transport.close()  # a retry wants a new connection: make room for it (_forget wakes us)
         self.opened += 1
         try:
             _, conn = await asyncio.wait_for(

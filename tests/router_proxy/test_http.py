@@ -58,6 +58,18 @@ def test_requests_reuse_one_keep_alive_connection():
     assert connections == 1
 
 
+def test_requests_beyond_max_connections_wait_for_a_free_one():
+    async def main():
+        server, url, counts = await scripted_upstream(lambda c, n, head: ok(b"%d" % c))
+        pool = UpstreamPool(url, max_connections=2)
+        answers = await asyncio.gather(*(pool.request(b"POST", b"/generate", b"{}") for _ in range(7)))
+        server.close()
+        return answers, counts["connections"], pool.opened
+
+    answers, connections, opened = run(main())
+    assert [a[0] for a in answers] == [200] * 7 and connections == 2 and opened == 2
+
+
 def test_chunked_response_is_reassembled():
     reply = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n"
 
