@@ -113,53 +113,39 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
     selected = mode == "selected"
     need = min(k, vocab_size)
     budget, tokens = SMALL_ENTRIES, 0
-    width = cand_width = None  # each field's entries must all have one width, 2 or 3
     exp, top = math.exp, 1 + MASS_TOL - _MARGIN
-    for meta in metas:
-        sampled = meta.get("output_token_logprobs")
-        rows = meta.get("output_top_logprobs" if selected else "output_token_sampling_mask")
-        lp_rows = rows if selected else meta.get("output_token_sampling_logprobs")
-        if type(sampled) is not list or type(rows) is not list or type(lp_rows) is not list or not len(sampled) == len(rows) == len(lp_rows):
-            return None
-        for entry, row, lp_row in zip(sampled, rows, lp_rows):
-            if type(entry) is not list or type(row) is not list or type(lp_row) is not list or len(row) != len(lp_row):
+    try:
+        for meta in metas:
+            sampled = meta.get("output_token_logprobs")
+            rows = meta.get("output_top_logprobs" if selected else "output_token_sampling_mask")
+            lp_rows = rows if selected else meta.get("output_token_sampling_logprobs")
+            if type(sampled) is not list or type(rows) is not list or type(lp_rows) is not list or not len(sampled) == len(rows) == len(lp_rows):
                 return None
-            budget -= len(row)
-            if budget < 0 or (len(row) != need if selected else not 0 < len(row) <= k):
-                return None
-            if width is None:
-                width = len(entry)
-            if len(entry) != width or width not in (2, 3):
-                return None
-            lp, token = entry[0], entry[1]
-            if type(lp) is not float or type(token) is not int or not 0 <= token < vocab_size or (selected and lp > LOGPROB_TOL):
-                return None
-            seen, mass = {}, 0.0  # id -> log-prob; fewer entries than the row means a duplicate
-            if selected:
-                for cand in row:
-                    if type(cand) is not list:
-                        return None
-                    if cand_width is None:
-                        cand_width = len(cand)
-                    if len(cand) != cand_width or cand_width not in (2, 3):
-                        return None
-                    clp, cid = cand[0], cand[1]
-                    if type(clp) is not float or type(cid) is not int or not 0 <= cid < vocab_size or clp > LOGPROB_TOL:
-                        return None
-                    seen[cid] = clp
-                    mass += exp(clp)
-                hit = seen.get(token)
-                if len(seen) != need or mass > top or (hit is not None and abs(hit - lp) > MASS_TOL):
+            for (lp, token, _), row, lp_row in zip(sampled, rows, lp_rows):  # [logprob, id, text]: 3 items, else ValueError
+                if type(row) is not list or type(lp_row) is not list or len(row) != len(lp_row):
                     return None
-            else:
-                for cid, clp in zip(row, lp_row):
+                budget -= len(row)
+                if budget < 0 or (len(row) != need if selected else not 0 < len(row) <= k):
+                    return None
+                if type(lp) is not float or type(token) is not int or not 0 <= token < vocab_size or (selected and lp > LOGPROB_TOL):
+                    return None
+                seen, mass = {}, 0.0  # id -> log-prob; fewer entries than the row means a duplicate
+                for clp, cid, _ in row if selected else zip(lp_row, row, row):  # selected: exactly 3 items, else ValueError
                     if type(clp) is not float or type(cid) is not int or not 0 <= cid < vocab_size or clp > LOGPROB_TOL:
                         return None
                     seen[cid] = clp
                     mass += exp(clp)
-                if len(seen) != len(row) or abs(mass - 1) > MASS_TOL - _MARGIN or token not in seen:
+                if len(seen) != len(row):
+                    return None
+                if selected:
+                    hit = seen.get(token)
+                    if mass > top or (hit is not None and abs(hit - lp) > MASS_TOL):
+                        return None
+                elif abs(mass - 1) > MASS_TOL - _MARGIN or token not in seen:
                     return None  # (in the row, the sampled log-prob is the row's own: _support_sampled_logprobs)
-        tokens += len(sampled)
+            tokens += len(sampled)
+    except (TypeError, ValueError):  # an entry that is not a [logprob, id, text] list: the numpy path names the defect
+        return None
     return tokens
 
 

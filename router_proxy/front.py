@@ -55,6 +55,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport):
         self.transport = transport
+        self.loop = asyncio.get_running_loop()  # once per connection: each call costs a getpid() syscall
         self.connections.add(self)
 
     def connection_lost(self, exc):
@@ -92,7 +93,7 @@ class _Connection(asyncio.Protocol):
         self.queue.append(Request(self.parser.get_method(), self.target, self.headers, body, self.parser.should_keep_alive()))
         if not self.serving:
             self.serving = True
-            asyncio.get_running_loop().create_task(self._serve())
+            self.loop.create_task(self._serve())
         elif len(self.queue) >= PIPELINE_LIMIT and not self.paused:
             self.paused = True
             self.transport.pause_reading()
