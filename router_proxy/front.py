@@ -52,6 +52,7 @@ class _Connection(asyncio.Protocol):
         self.serving = False  # a task is answering this connection's queue
         self.closing = False
         self.paused = False
+        self.rejection: tuple[int, bytes] | None = None  # the answer to an unparseable request, once those before it are answered
 
     def connection_made(self, transport):
         self.transport = transport
@@ -115,10 +116,12 @@ class _Connection(asyncio.Protocol):
             if not request.keep_alive:
                 self.closing = True
                 self.transport.close()
-            elif self.paused and len(self.queue) < PIPELINE_LIMIT // 2:
+            elif self.paused and len(self.queue) < PIPELINE_LIMIT // 2 and self.rejection is None:
                 self.paused = False
                 self.transport.resume_reading()
         self.serving = False
+        if self.rejection is not None and not self.closing:
+            self._close_rejected()
 
     def _write(self, status: int, body: bytes, ctype: bytes, extra: list, keep_alive: bool) -> None:
         head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (status, REASONS.get(status, b"Unknown"), ctype, len(body))]
@@ -133,9 +136,15 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"".join(head))
 
     def _reject(self, status: int, message: bytes) -> None:
-        """A request that cannot be parsed: answer it (after those queued before it) and close."""
-        self.queue.clear()
-        self._write(status, b'{"error": {"rule": "bad_request", "message": "%s"}}' % message.replace(b'"', b"'"), b"application/json", [], False)
+        """A request that cannot be parsed: answered after the requests before it, then the connection closes."""
+        self.rejection = (status, b'{"error": {"rule": "bad_request", "message": "%s"}}' % message.replace(b'"', b"'"))
+        self.transport.pause_reading()
+        if not self.serving:
+            self._close_rejected()
+
+    def _close_rejected(self) -> None:
+        status, body = self.rejection
+        self._write(status, body, b"application/json", [], False)
         self.closing = True
         self.transport.close()
 

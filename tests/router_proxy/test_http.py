@@ -212,6 +212,23 @@ def test_unparseable_request_gets_400_and_the_connection_closes():
     assert b'"rule": "bad_request"' in body and rest == b""
 
 
+def test_garbage_after_a_pipelined_request_is_rejected_after_its_answer():
+    async def handler(req):
+        await asyncio.sleep(0.05)
+        return 200, b"first", b"text/plain", []
+
+    async def main():
+        front, reader, writer = await front_with(handler)
+        writer.write(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\nNOT HTTP\r\n\r\n")
+        first = await read_response(reader)
+        second = await read_response(reader)
+        await front.shutdown(1.0)
+        return first, second
+
+    (_, first), (head, _) = run(main())
+    assert first == b"first" and head.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+
+
 def test_http10_request_is_answered_and_closed():
     async def handler(req):
         return 200, b"ok", b"text/plain", []
