@@ -135,7 +135,10 @@ def main(argv: list[str]) -> int:
     from trainer_service import checkpoint
     from trainer_service.policy import Policy, agree
 
+    from transformers.utils import logging as hf_logging
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_logging.disable_progress_bar()  # one "Writing model shards" bar per step and rank otherwise
     torch.set_num_threads(args.threads)
     if "WORLD_SIZE" in os.environ:
         # Other ranks wait in a broadcast while rank 0 gathers batches, which lasts as long as the workers need.

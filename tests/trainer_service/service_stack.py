@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from shared import names
-from shared.nats import connect, ensure_streams, free_port, publish_batch, pull_consumer
+from shared.nats import connect, ensure_streams, publish_batch, pull_consumer
 from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import encode_batch, replace_arrays
@@ -70,6 +70,14 @@ class StandInWorker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(30)
+
+    def __enter__(self) -> "StandInWorker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        # Stopped before any assertion is reported: pytest's assertion rewriting parses source
+        # with `ast`, which CPython 3.11 can break on while another thread imports.
+        self.stop()
 
     def version(self) -> int:
         return int(http("GET", self.engine_url + "/model_info", timeout=30)[1]["weight_version"])
@@ -139,8 +147,8 @@ class Trainer:
 
     def __init__(self, run_dir: Path, model: Path, dataset: Path, nats_url: str, engine_url: str, *flags: str, nproc: int = 2):
         self.run_dir, self.log_path = run_dir, run_dir.with_suffix(f".{len(list(run_dir.parent.glob(run_dir.name + '.*log')))}.log")
-        launcher = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-                    str(free_port()), "-m"] if nproc > 1 else [sys.executable, "-m"]  # fmt: skip
+        # --standalone: the rendezvous store binds a port of its own choosing (no free-port race)
+        launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m"] if nproc > 1 else [sys.executable, "-m"]
         cmd = [*launcher, "centerline", "trainer", "--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir),
                "--nats-url", nats_url, "--engine-urls", engine_url, "--rollout-top-logprobs-num", str(K), *flags]  # fmt: skip
         env = dict(ENV, OMP_NUM_THREADS="1")

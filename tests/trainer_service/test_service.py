@@ -80,13 +80,12 @@ def faulty_run(stack):
             await worker.publish_raw(first, worker.published[first], first + "/again")
             injected[first + "/again"] = "duplicate_batch"
 
-    worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject).start()
     run_dir = tmp / "run-faulty"
-    trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks.jsonl"), nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
-    start = time.monotonic()
-    code = trainer.wait(240)
-    elapsed = time.monotonic() - start
-    worker.stop()
+    with StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject) as worker:
+        trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks.jsonl"), nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+        start = time.monotonic()
+        code = trainer.wait(240)
+        elapsed = time.monotonic() - start
     assert worker.error is None, worker.error
     assert code == 0, trainer.log()
     return run_dir, worker, injected, engine, nats, elapsed
@@ -141,25 +140,25 @@ def test_sigkill_mid_step_resumes_with_ledger_intact(stack):
     release = threading.Event()
     # Step 2 gets its first group only, so the trainer is killed holding one unacked batch.
     blocked = lambda task: task.task_id.endswith("/2/1") and not release.is_set()  # noqa: E731
-    worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked).start()
     run_dir = tmp / "run-killed"
     dataset = write_dataset(tmp / "tasks-killed.jsonl")
     flags = ("--steps", str(STEPS), "--strategy", "fsdp2", *FLAGS)  # resume must restore sharded optimizer state
     port = free_port()
-    trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags, "--metrics-port", str(port))
 
     def holding_step_2_batch():
         return len(metrics_lines(run_dir)) == 2 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
 
-    wait_until(holding_step_2_batch, 180, "step 2 holding its first batch", trainer.proc)
-    status, scraped = http("GET", f"http://127.0.0.1:{port}/metrics")
+    with StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked) as worker:
+        trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags, "--metrics-port", str(port))
+        wait_until(holding_step_2_batch, 180, "step 2 holding its first batch", trainer.proc)
+        status, scraped = http("GET", f"http://127.0.0.1:{port}/metrics")
+        trainer.kill()
+        release.set()
+        again = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags)
+        code = again.wait(240)
+    assert code == 0, again.log()
     assert status == 200
     assert "centerline_trainer_step 1.0" in scraped and "centerline_trainer_gate_accepted_total 4.0" in scraped
-    trainer.kill()
-    release.set()
-    again = Trainer(run_dir, model, dataset, nats.url, engine.url, *flags)
-    assert again.wait(240) == 0, again.log()
-    worker.stop()
     assert worker.error is None, worker.error
     assert [m["step"] for m in metrics_lines(run_dir)] == list(range(STEPS))  # the counter continued at 2
     state = final_state(run_dir)
@@ -179,20 +178,20 @@ def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack):
     with EmbeddedNats(tmp / "nats-sigterm") as nats:  # its own stream: the nak'ed batch stays behind
         release = threading.Event()
         blocked = lambda task: task.task_id.endswith("/1/1") and not release.is_set()  # noqa: E731
-        worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked).start()
         run_dir = tmp / "run-sigterm"
-        trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-sigterm.jsonl"), nats.url, engine.url,
-                          "--steps", str(STEPS), *FLAGS, nproc=1)  # fmt: skip
 
         def holding_step_1_batch():
             return len(metrics_lines(run_dir)) == 1 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
 
-        wait_until(holding_step_1_batch, 180, "step 1 holding its first batch", trainer.proc)
-        trainer.proc.send_signal(signal.SIGTERM)
-        assert trainer.wait(60) == 0, trainer.log()
-        release.set()
-        worker.stop()
+        with StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked) as worker:
+            trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-sigterm.jsonl"), nats.url, engine.url,
+                              "--steps", str(STEPS), *FLAGS, nproc=1)  # fmt: skip
+            wait_until(holding_step_1_batch, 180, "step 1 holding its first batch", trainer.proc)
+            trainer.proc.send_signal(signal.SIGTERM)
+            code = trainer.wait(60)
+            release.set()
         info = asyncio.run(consumer_info(nats.url))
+    assert code == 0, trainer.log()
     held_seq = 3  # stream order: batches (0,0), (0,1), then (1,0)
     assert info.ack_floor.stream_seq == held_seq - 1  # (1, 0) was not acked
     state = orjson.loads((run_dir / "checkpoints" / "step-000001" / "state.json").read_bytes())
@@ -202,12 +201,12 @@ def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack):
 
 def test_weight_sync_interval_publishes_every_second_step(stack):
     tmp, nats, model, engine = stack
-    worker = StandInWorker(nats.url, engine.url, VOCAB_SIZE).start()
     run_dir = tmp / "run-interval"
-    trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-interval.jsonl"), nats.url, engine.url,
-                      "--steps", str(STEPS), "--weight-sync-interval", "2", *FLAGS, nproc=1)  # fmt: skip
-    assert trainer.wait(240) == 0, trainer.log()
-    worker.stop()
+    with StandInWorker(nats.url, engine.url, VOCAB_SIZE):
+        trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-interval.jsonl"), nats.url, engine.url,
+                          "--steps", str(STEPS), "--weight-sync-interval", "2", *FLAGS, nproc=1)  # fmt: skip
+        code = trainer.wait(240)
+    assert code == 0, trainer.log()
     assert [m["version"] for m in metrics_lines(run_dir)] == [0, 1, 1, 2]
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000001", "v000002"]
     assert http("GET", engine.url + "/model_info")[1]["weight_version"] == "2"
