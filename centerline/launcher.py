@@ -215,7 +215,7 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     trainer_argv = ["--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir), "--steps", str(args.steps),
                     "--prompts-per-step", str(args.prompts_per_step), *common]  # fmt: skip
     if args.trainer_ranks > 1:
-        launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(args.trainer_ranks), "--master-port", str(free_port()), "-m", "centerline", "trainer"]
+        launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.trainer_ranks), "-m", "centerline", "trainer"]
     else:
         launcher = [PYTHON, "-m", "centerline", "trainer"]
     trainer = stack.start("trainer", launcher + trainer_argv)

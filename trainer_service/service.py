@@ -109,7 +109,8 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         if sync:
             await publisher.publish(cmd.version, result.pop("weights"))
         staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
-        record = {"step": step, "version": cmd.version, **{k: v for k, v in result.items() if k != "weights"},
+        # "step" counts completed steps, like --steps: the first step logs step 1.
+        record = {"step": step + 1, "version": cmd.version, **{k: v for k, v in result.items() if k != "weights"},
                   "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
                   **metrics.gate(gate.take_counts()), "gather_s": t1 - t0, "weights_s": time.perf_counter() - t2,
                   "step_s": time.perf_counter() - t0, "batch_ids": [h.batch.batch_id for h in held]}  # fmt: skip

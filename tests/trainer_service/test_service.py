@@ -94,7 +94,7 @@ def faulty_run(stack):
 def test_steps_advance_engine_version_and_leave_nothing_unacked(faulty_run):
     run_dir, worker, _, engine, nats, elapsed = faulty_run
     lines = metrics_lines(run_dir)
-    assert [m["step"] for m in lines] == list(range(STEPS))
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert [m["version"] for m in lines] == list(range(1, STEPS + 1))
     assert all(m["samples"] == 8 and m["trained_tokens"] == 8 * 5 for m in lines)
     assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
@@ -158,9 +158,9 @@ def test_sigkill_mid_step_resumes_with_ledger_intact(stack):
         code = again.wait(240)
     assert code == 0, again.log()
     assert status == 200
-    assert "centerline_trainer_step 1.0" in scraped and "centerline_trainer_gate_accepted_total 4.0" in scraped
+    assert "centerline_trainer_step 2.0" in scraped and "centerline_trainer_gate_accepted_total 4.0" in scraped
     assert worker.error is None, worker.error
-    assert [m["step"] for m in metrics_lines(run_dir)] == list(range(STEPS))  # the counter continued at 2
+    assert [m["step"] for m in metrics_lines(run_dir)] == list(range(1, STEPS + 1))  # the counter continued at 3
     state = final_state(run_dir)
     assert state["step"] == STEPS and state["version"] == STEPS
     # No batch skipped, none trained twice: the ledger holds each published batch once, and
