@@ -5,11 +5,12 @@
     ...
     await front.shutdown(grace=10.0)
 
-Why not uvicorn + FastAPI: per request they cost ~100 us of CPU here (ASGI scope and message
-dicts, two writes per response, Starlette routing), more than the proxy's whole budget
-(``centerline bench proxy``). This server does what the proxy needs and nothing else:
-keep-alive, pipelined requests answered in order, Content-Length or chunked request bodies,
-``Expect: 100-continue``, one ``write`` per response. No streaming responses, no upgrades.
+Why not uvicorn + FastAPI (and an aiohttp client): measured on 2 cores, that proxy spent
+~300 us of CPU per request; a bare forward through this server and ``upstream.py`` costs
+~32 us (18 user, 14 kernel), and the whole proxy with rewrite and audit ~51 us. It does
+what the proxy needs and nothing else: keep-alive, pipelined requests answered in order,
+Content-Length or chunked request bodies, ``Expect: 100-continue``, one ``write`` per
+response. No streaming responses, no upgrades, no request size limit (as before).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from dataclasses import asdict, dataclass, field
 
 import orjson

@@ -6,8 +6,8 @@
 Each connection is an asyncio ``Protocol`` whose bytes go through ``httptools.HttpResponseParser``
 (llhttp, C): one ``write`` per request, no stream objects, no per-request task. Bodies may be
 Content-Length, chunked (uvicorn streams some responses that way) or delimited by the upstream
-closing the connection. Why not aiohttp: its client cost ~45 us of CPU per request here
-(``centerline bench proxy``), a quarter of the proxy's budget; this costs ~10 us.
+closing the connection. Why not aiohttp: see ``front.py`` for what the pair saves; its
+client was a quarter of the old proxy's per-request CPU (py-spy under ``centerline bench proxy``).
 
 A request that fails on a *reused* connection before any response byte arrived is retried
 once on a fresh one: the upstream closed its idle keep-alive connection as we sent, and never
