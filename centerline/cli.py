@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("centerline.bench:main", "run a benchmark and print one JSON object"),
     "config": ("shared.config:main", "print the resolved configuration as TOML"),
     "up": ("centerline.launcher:main", "run the whole system on a toy task: NATS, engine, proxy, workers, trainer"),
+    "experiment": ("centerline.experiment:main", "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)"),
     "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("shared.nats:main", "run the embedded NATS server with JetStream"),
     "init-model": ("engine.model_init:main", "write the default small byte-level model as an HF directory"),
