@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),
     "dataset": ("shared.toy_tasks:main", "write a deterministic JSONL dataset of a toy task (prompt, answer, reward)"),
     "trainer": ("trainer_service.service:main", "drive prompts, gate batches, train with score centering, publish weights"),
+    "record": ("centerline.record:main", "save NATS messages (a live subject or a stream's sequence range) to a record file"),
+    "replay": ("centerline.replay:main", "replay a record file into NATS, into offline trainer steps, or as JSON lines"),
 }
 
 # bench target -> (module:function, one-line help); each prints one JSON object with --json.

@@ -98,9 +98,7 @@ class Gate:
             await self.reject(msg, seq, "wire", str(exc), (msg.headers or {}).get(names.MSG_ID_HEADER, ""))
             return
         try:
-            check_batch(batch, vocab_size=self.vocab_size, current_version=version,
-                        max_staleness=self.cfg.max_staleness, seen=_Seen(self.ledger, self.held))  # fmt: skip
-            self.check_settings(batch)
+            self.check(batch, version)
         except ContractViolation as exc:
             if exc.rule == "duplicate_batch" and self.is_redelivery(batch.batch_id, seq):
                 if batch.batch_id in self.ledger:  # trained and checkpointed, the ack was lost
@@ -112,6 +110,14 @@ class Gate:
             return
         self.held[batch.batch_id] = Held(msg, batch, seq)
         self.counts["accepted"] += 1
+
+    def check(self, batch: Batch, version: int) -> None:
+        """Raise ``ContractViolation`` unless ``batch`` may join the current step: the whole
+        contract (staleness against ``version``, the ledger and held ids) and ``settings``.
+        No I/O, so ``centerline replay --train`` gates recorded batches with it offline."""
+        check_batch(batch, vocab_size=self.vocab_size, current_version=version,
+                    max_staleness=self.cfg.max_staleness, seen=_Seen(self.ledger, self.held))  # fmt: skip
+        self.check_settings(batch)
 
     def is_redelivery(self, batch_id: str, seq: int) -> bool:
         if batch_id in self.ledger:

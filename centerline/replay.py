@@ -1,0 +1,287 @@
+"""`centerline replay`: a record file (``centerline record``) back into NATS, into the trainer's
+steps offline, or printed for people.
+
+- ``--to URL``: JetStream-publish every message with its recorded headers (``Nats-Msg-Id``
+  included, so the duplicate window still drops what the stream already holds) to its
+  subject, or to ``--subject``. The streams are ensured first, as every service does.
+- ``--jsonl``: one summary line per message (subject, seq, headers, batch summary).
+- ``--train``: the trainer's steps on exactly the recorded batches, with no NATS and no
+  engine: the checkpoint's model, optimizer and state (version, ledger), the trainer's gate
+  (``Gate.check``: contract, staleness against the replayed version, ledger, settings), its
+  ``concat_batches`` and ``Policy.run``, under torchrun as many ranks as the trainer had
+  (rank 0 reads the file and sends each step, as in the trainer). Steps are grouped as
+  ``--steps-from RUN_DIR/metrics.jsonl`` lists them (``batch_ids`` of each step after the
+  checkpoint's), else every ``--batches-per-step`` accepted batches in recorded order.
+  Writes ``RUN_DIR/metrics.jsonl`` (same fields as the trainer's), weights and checkpoints.
+  The configuration defaults to the ``config.toml`` of the checkpoint's run directory;
+  ``--strategy``, ``--max-grad-norm``, ``--threads`` and ``--weight-sync-interval`` must
+  match the original trainer's flags (the defaults match its defaults).
+
+    centerline replay seg.clrec --to nats://127.0.0.1:4222
+    centerline replay seg.clrec --jsonl
+    torchrun --standalone --nproc-per-node 2 -m centerline replay seg.clrec --train \\
+        --checkpoint runs/x/checkpoints/step-000002 --steps-from runs/x/metrics.jsonl --run-dir runs/x-replay
+
+Left out: the gate counts of messages a ``--steps-from`` step does not list (the original
+gather may have rejected or dropped others on the way), and gather/weight-sync timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+from centerline.record import Message, RecordFileError, print_summary, quiet, read_record
+from shared import config as shared_config
+
+log = logging.getLogger("centerline.replay")
+
+
+class ReplayError(RuntimeError):
+    """A replay that cannot reproduce the run as asked; the message says what is missing."""
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="centerline replay", description=__doc__.split("\n")[0])
+    parser.add_argument("file", type=Path, help="a record file written by centerline record")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--to", metavar="URL", help="republish every message to this NATS server")
+    mode.add_argument("--jsonl", action="store_true", help="print one summary JSON line per message")
+    mode.add_argument("--train", action="store_true", help="run the trainer's steps on the recorded batches")
+    parser.add_argument("--subject", help="--to: publish here instead of each message's recorded subject")
+    parser.add_argument("--checkpoint", type=Path, help="--train: checkpoint directory to start from (step-NNNNNN)")
+    parser.add_argument("--run-dir", type=Path, help="--train: output directory (default: FILE with suffix .replay)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--steps-from", type=Path, help="--train: the original metrics.jsonl; group batches as it lists")
+    group.add_argument("--batches-per-step", type=int, default=1, help="--train: accepted batches per step otherwise")
+    parser.add_argument("--steps", type=int, default=None, help="--train: replay at most this many steps")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--weight-sync-interval", type=int, default=1, help="the version advances every this many steps")
+    shared_config.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.train and args.checkpoint is None:
+        parser.error("--train needs --checkpoint DIR")
+    if args.subject and not args.to:
+        parser.error("--subject applies to --to")
+    if args.batches_per_step < 1:
+        parser.error("--batches-per-step must be >= 1")
+    if args.train and not hasattr(args, "config"):
+        default = args.checkpoint.resolve().parent.parent / "config.toml"
+        if default.is_file():
+            args.config = str(default)
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        if args.train:
+            return train(args, shared_config.resolve(args))
+        _, messages = read_record(args.file)
+        if args.jsonl:
+            for msg in messages:
+                print_summary(msg)
+            return 0
+        from nats.errors import NoServersError
+
+        try:
+            print(orjson.dumps(asyncio.run(republish(messages, args.to, args.subject))).decode())
+        except NoServersError:
+            raise ReplayError(f"no NATS server at {args.to} (--to)") from None
+        return 0
+    except (RecordFileError, ReplayError, shared_config.ConfigError, OSError) as exc:
+        print(f"centerline replay: {exc}", file=sys.stderr)
+        return 2
+
+
+async def republish(messages: list[Message], url: str, subject: str | None) -> dict:
+    """JetStream-publish each message with its headers; counts what the streams stored."""
+    from shared.nats import connect, ensure_streams
+
+    nc = await connect(url, name="centerline-replay", max_reconnect_attempts=3, error_cb=quiet)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        stored = duplicates = 0
+        for msg in messages:
+            ack = await js.publish(subject or msg.subject, msg.data, headers=msg.headers or None, timeout=10.0)
+            duplicates += bool(ack.duplicate)
+            stored += not ack.duplicate
+        return {"published": len(messages), "stored": stored, "duplicates": duplicates, "to": url}
+    finally:
+        await nc.close()
+
+
+# ---------------------------------------------------------------------------- --train
+
+
+def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: int | None) -> list[list[Message]]:
+    """The recorded messages of each step after the checkpoint's, as ``steps_from`` lists them."""
+    from shared import names
+    from shared.wire import WireError, decode_batch
+
+    by_step = {}
+    for number, line in enumerate(steps_from.read_bytes().splitlines(), 1):
+        record = orjson.loads(line) if line.strip() else {}
+        if "batch_ids" in record:
+            by_step[record["step"]] = record["batch_ids"]
+    index: dict[str, Message] = {}
+    for msg in messages:
+        batch_id = msg.headers.get(names.MSG_ID_HEADER)
+        if batch_id is None:
+            try:
+                batch_id = decode_batch(msg.data).batch_id
+            except WireError:
+                continue
+        index.setdefault(batch_id, msg)  # the first copy: a later one with the same id is a re-publish
+    groups, step = [], state["step"] + 1
+    while step in by_step and (limit is None or len(groups) < limit):
+        missing = [b for b in by_step[step] if b not in index]
+        if missing:
+            if not groups:
+                raise ReplayError(f"step {step} of {steps_from} trained batch {missing[0]!r}, which is not in the "
+                                  "record file; record a sequence range that covers it")  # fmt: skip
+            log.info("step %d needs batch %s, not recorded: replay ends after step %d", step, missing[0], step - 1)
+            break
+        groups.append([index[b] for b in by_step[step]])
+        step += 1
+    if not groups:
+        raise ReplayError(f"{steps_from} lists no step {step} (the checkpoint holds {state['step']} steps)")
+    return groups
+
+
+def admit(gate, msg: Message, version: int) -> None:
+    """What the trainer's gate does with one message, without the NATS side (no DLQ, no acks)."""
+    from shared.contract import ContractViolation
+    from shared.wire import WireError, decode_batch
+    from trainer_service.gate import Held
+
+    try:
+        batch = decode_batch(msg.data)
+        gate.check(batch, version)
+    except WireError as exc:
+        gate.counts["rejected:wire"] += 1
+        log.warning("message seq %d is not a batch: %s", msg.seq, exc)
+        return
+    except ContractViolation as exc:
+        trained = gate.ledger.get(batch.batch_id)
+        if exc.rule == "duplicate_batch" and trained is not None and msg.seq in (0, trained[0]):
+            gate.counts["duplicate"] += 1  # trained before the checkpoint
+        else:
+            gate.counts[f"rejected:{exc.rule}"] += 1
+            log.warning("batch %s (seq %d) rejected (%s): %s", batch.batch_id, msg.seq, exc.rule, exc)
+        return
+    gate.held[batch.batch_id] = Held(None, batch, msg.seq)
+    gate.counts["accepted"] += 1
+
+
+def train(args, cfg) -> int:
+    import torch
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    from trainer_service.policy import Policy, agree
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    run_dir = args.run_dir or args.file.with_suffix(".replay")
+    try:
+        plan, problem = None, None
+        if rank == 0:  # rank 0 reads everything; a problem stops every rank before any collective
+            try:
+                plan = plan_replay(args, run_dir)
+            except (RecordFileError, ReplayError, OSError, ValueError) as exc:
+                problem = str(exc)
+        problem = agree(problem)
+        if problem is not None:
+            if rank == 0:
+                print(f"centerline replay: {problem}", file=sys.stderr)
+            return 2
+        policy = Policy(model_dir=args.checkpoint / "model", run_dir=run_dir, resume=args.checkpoint, cfg=cfg,
+                        strategy=args.strategy, max_grad_norm=args.max_grad_norm or None)  # fmt: skip
+        if rank != 0:
+            policy.follow()
+            return 0
+        try:
+            replay_steps(args, cfg, policy, run_dir, *plan)
+        finally:
+            policy.stop()
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def plan_replay(args, run_dir: Path):
+    """Rank 0, before any collective: the messages, the checkpoint state and the step groups."""
+    from trainer_service import checkpoint
+
+    if (run_dir / "metrics.jsonl").exists():
+        raise ReplayError(f"{run_dir / 'metrics.jsonl'} exists; choose another --run-dir or remove it")
+    if not (args.checkpoint / "state.json").is_file():
+        raise ReplayError(f"{args.checkpoint} is not a complete checkpoint (no state.json); "
+                          "expected <run_dir>/checkpoints/step-NNNNNN")  # fmt: skip
+    _, messages = read_record(args.file)
+    state = checkpoint.load_state(args.checkpoint)
+    groups = step_groups(messages, state, args.steps_from, args.steps) if args.steps_from else None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return messages, state, groups
+
+
+def replay_steps(args, cfg, policy, run_dir: Path, messages, state, groups) -> None:
+    """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches."""
+    from shared.wire import encode_batch
+    from trainer_service.gate import Gate, concat_batches
+    from trainer_service.metrics import Metrics
+    from trainer_service.policy import StepCommand
+
+    step, version = state["step"], state["version"]
+    gate = Gate(None, None, vocab_size=policy.vocab_size, cfg=cfg, ledger=dict(state["ledger"]))
+    metrics = Metrics(run_dir)
+    stream = iter(messages)
+    for n in range(len(groups) if groups is not None else sys.maxsize):
+        if args.steps is not None and n >= args.steps:
+            break
+        t0 = time.perf_counter()
+        want = len(groups[n]) if groups is not None else args.batches_per_step
+        for msg in groups[n] if groups is not None else stream:
+            admit(gate, msg, version)
+            if len(gate.held) == want:
+                break
+        held = list(gate.held.values())
+        if len(held) < want:
+            if groups is not None:
+                raise ReplayError(f"step {step + 1}: the gate accepted {len(held)} of the {want} batches the original "
+                                  f"step trained ({dict(gate.counts)}); see the warnings above")  # fmt: skip
+            if held:
+                log.info("%d batches left over, fewer than --batches-per-step %d: not trained", len(held), want)
+            break
+        sync = (step + 1) % args.weight_sync_interval == 0
+        batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
+        cmd = StepCommand(step, version + sync, sync, encode_batch(batch))
+        state = {"step": step + 1, "version": version + sync, "next_task_step": max(state["next_task_step"], step + 1),
+                 "run_id": state["run_id"], "ledger": gate.ledger_with_held(step)}  # fmt: skip
+        result = policy.run(cmd, state)
+        result.pop("weights")
+        gate.ledger, gate.held = state["ledger"], {}
+        staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
+        record = {"step": step + 1, "version": cmd.version, **result, "staleness_mean": sum(staleness) / len(staleness),
+                  "staleness_max": max(staleness), **metrics.gate(gate.take_counts()),
+                  "step_s": time.perf_counter() - t0, "batch_ids": [h.batch.batch_id for h in held],
+                  "replay_of": str(args.file)}  # fmt: skip
+        metrics.step(record)
+        step, version = step + 1, cmd.version

@@ -1,0 +1,184 @@
+"""`centerline record` / `centerline replay` against a real run: a 3-step `centerline up` whose
+ROLLOUTS stream is recorded afterwards from its persisted JetStream store.
+
+The replay starts from the run's checkpoint step-000002 (the trainer keeps the last two)
+under torchrun with 2 ranks, as the run's trainer had, and must reproduce step 3 bit for
+bit: every metric, and the checkpoint after it (model bytes, optimizer tensors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from centerline.record import MAGIC, RecordFileError, read_record
+from shared import names
+from shared.nats import EmbeddedNats, connect, ensure_streams
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+# Fields that depend on the batches and the model only (not on timings).
+REPRODUCED = ("step", "version", "loss", "grad_norm", "trained_tokens", "samples", "reward_mean", "sc_correction",
+              "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio", "sc_importance_weight", "train_rollout_kl",
+              "train_rollout_logprob_abs_diff", "staleness_mean", "staleness_max", "gate_accepted", "batch_ids")  # fmt: skip
+
+
+def centerline(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "centerline", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def lines(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+async def stream_messages(url: str, stream: str = names.ROLLOUTS_STREAM) -> list[tuple[str, dict, bytes]]:
+    nc = await connect(url, max_reconnect_attempts=3)
+    try:
+        js = nc.jetstream()
+        state = (await js.stream_info(stream)).state
+        msgs = [await js.get_msg(stream, seq) for seq in range(state.first_seq, state.last_seq + 1)]
+        return [(m.subject, dict(m.headers or {}), m.data) for m in msgs]
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 3-step run, its NATS store served again, and a recording of all of ROLLOUTS."""
+    tmp = tmp_path_factory.mktemp("record-replay")
+    run_dir = tmp / "run"
+    up = centerline("up", "--task", "copy", "--steps", "3", "--workers", "1", "--trainer-ranks", "2",
+                    "--prompts-per-step", "2", "--rollout-n", "2", "--eval-prompts", "4", "--eval-every", "100",
+                    "--model-dir", str(tmp / "models"), "--run-dir", str(run_dir), timeout=600)  # fmt: skip
+    assert up.returncode == 0, up.stderr[-3000:]
+    nats = EmbeddedNats(run_dir / "nats").start()  # the persisted JetStream store, on a new port
+    try:
+        record = centerline("record", "--stream", "ROLLOUTS", "--from-seq", "1", "--out", str(tmp / "seg.clrec"),
+                            "--nats-url", nats.url)  # fmt: skip
+        assert record.returncode == 0, record.stderr
+        yield tmp, run_dir, nats
+    finally:
+        nats.stop()
+
+
+def test_record_holds_every_stream_message_unchanged(run):
+    tmp, run_dir, nats = run
+    header, messages = read_record(tmp / "seg.clrec")
+    stored = asyncio.run(stream_messages(nats.url))
+    assert [(m.subject, m.headers, m.data) for m in messages] == stored
+    assert [m.seq for m in messages] == list(range(1, len(stored) + 1))
+    assert header["source"]["stream"] == "ROLLOUTS"
+    trained = {b for step in lines(run_dir / "metrics.jsonl") for b in step["batch_ids"]}
+    assert trained <= {m.headers[names.MSG_ID_HEADER] for m in messages}
+
+
+def test_replay_train_reproduces_the_step_bit_for_bit(run):
+    tmp, run_dir, _ = run
+    out = tmp / "replayed"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "centerline", "replay", str(tmp / "seg.clrec"),
+           "--train", "--checkpoint", str(run_dir / "checkpoints" / "step-000002"),
+           "--steps-from", str(run_dir / "metrics.jsonl"), "--run-dir", str(out)]  # fmt: skip
+    replay = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+
+    original = {r["step"]: r for r in lines(run_dir / "metrics.jsonl")}
+    replayed = lines(out / "metrics.jsonl")
+    assert [r["step"] for r in replayed] == [3]
+    for r in replayed:
+        for key in REPRODUCED:
+            assert r[key] == original[r["step"]][key], key  # floats equal, not close
+    # The state after the step, too: model bytes and every optimizer tensor.
+    mine, theirs = out / "checkpoints" / "step-000003", run_dir / "checkpoints" / "step-000003"
+    assert (mine / "model" / "model.safetensors").read_bytes() == (theirs / "model" / "model.safetensors").read_bytes()
+    a, b = (torch.load(p / "optimizer.pt", weights_only=False) for p in (mine, theirs))
+    assert a["state"].keys() == b["state"].keys()
+    assert all(torch.equal(a["state"][k][s], b["state"][k][s]) for k in a["state"] for s in a["state"][k])
+    # betas come back from set_optimizer_state_dict as a list, not a tuple: the same values
+    assert [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in a["param_groups"]] == \
+        [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in b["param_groups"]]
+    assert orjson.loads((mine / "state.json").read_bytes()) == orjson.loads((theirs / "state.json").read_bytes())
+
+
+def test_replay_to_a_fresh_server_delivers_the_same_messages(run, tmp_path):
+    tmp, _, _ = run
+    with EmbeddedNats(tmp_path / "fresh") as fresh:
+        first = centerline("replay", str(tmp / "seg.clrec"), "--to", fresh.url)
+        assert first.returncode == 0, first.stderr
+        again = centerline("replay", str(tmp / "seg.clrec"), "--to", fresh.url)  # Nats-Msg-Id dedup applies
+        delivered = asyncio.run(stream_messages(fresh.url))
+    _, messages = read_record(tmp / "seg.clrec")
+    assert delivered == [(m.subject, m.headers, m.data) for m in messages]
+    assert orjson.loads(first.stdout) == {"published": len(messages), "stored": len(messages), "duplicates": 0, "to": fresh.url}
+    assert orjson.loads(again.stdout)["duplicates"] == len(messages)
+
+
+def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
+    tmp, _, _ = run
+    dump = centerline("replay", str(tmp / "seg.clrec"), "--jsonl")
+    assert dump.returncode == 0, dump.stderr
+    _, messages = read_record(tmp / "seg.clrec")
+    rows = [orjson.loads(line) for line in dump.stdout.splitlines()]
+    assert [(r["subject"], r["seq"], r["headers"]) for r in rows] == [(m.subject, m.seq, m.headers) for m in messages]
+    for r in rows:
+        batch = r["batch"]
+        assert batch["batch_id"] == r["headers"][names.MSG_ID_HEADER]
+        assert batch["producer"] == "worker-0" and batch["mode"] == "selected" and batch["k"] == 128
+        assert batch["samples"] == 2 and batch["tokens"] > 0 and 0.0 <= batch["reward_mean"] <= 1.0
+        assert set(batch) == {"batch_id", "producer", "weight_version", "mode", "k", "samples", "tokens", "reward_mean"}
+
+
+def test_live_recording_stops_after_count_messages(tmp_path):
+    with EmbeddedNats(tmp_path / "nats") as server:
+        cmd = [sys.executable, "-m", "centerline", "record", "--subject", names.ROLLOUTS_SUBJECT, "--count", "2",
+               "--out", str(tmp_path / "live.clrec"), "--nats-url", server.url]  # fmt: skip
+        rec = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+        assert "recording" in rec.stderr.readline()  # subscribed: what is published now is recorded
+
+        async def publish():
+            nc = await connect(server.url)
+            js = nc.jetstream()
+            await ensure_streams(js)
+            for i in range(3):
+                await js.publish(names.ROLLOUTS_SUBJECT, b"m%d" % i, headers={names.MSG_ID_HEADER: f"id-{i}"})
+            await nc.close()
+
+        asyncio.run(publish())
+        assert rec.wait(60) == 0
+    _, messages = read_record(tmp_path / "live.clrec")
+    assert [(m.subject, m.seq, m.headers, m.data) for m in messages] == [
+        (names.ROLLOUTS_SUBJECT, 0, {names.MSG_ID_HEADER: "id-0"}, b"m0"),
+        (names.ROLLOUTS_SUBJECT, 0, {names.MSG_ID_HEADER: "id-1"}, b"m1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"NOPE!\x01", "offset 0: expected the magic b'CLREC'"),
+        (MAGIC + b"\x07", "offset 5: expected format version 1, found 7"),
+        (MAGIC + b"\x01", "offset 6: expected the file header frame, found end of file"),
+        (MAGIC + b"\x01\x00\x00", "offset 6: expected a 4-byte frame length, 2 bytes left"),
+        (MAGIC + b"\x01\x00\x00\x00\x09\x80", "offset 6: frame length says 9 bytes, 1 left"),
+        (MAGIC + b"\x01\x00\x00\x00\x01\x80\x00\x00\x00\x01\x07", "offset 15: expected a msgpack map, found int"),
+        (MAGIC + b"\x01\x00\x00\x00\x01\x80\x00\x00\x00\x01\x80",
+         "offset 15: message field 'subject' is missing, expected str"),
+    ],
+)
+def test_malformed_record_file_names_the_offset_and_what_was_expected(tmp_path, content, expected):
+    path = tmp_path / "bad.clrec"
+    path.write_bytes(content)
+    with pytest.raises(RecordFileError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        read_record(path)
+    replay = centerline("replay", str(path), "--jsonl")
+    assert replay.returncode == 2 and expected in replay.stderr
