@@ -313,20 +313,23 @@ class _Reader:
         # Every element takes at least one byte, so a count above what is left is a lie.
         if n > self.limits.max_list_len or n > self.end - self.pos:
             raise WireError(f"list of {n} items at offset {self.pos} exceeds the limit or the bytes left")
-        read, fixstr = self.read, self.fixstr
-        return [fixstr() or read(depth + 1) for _ in range(n)]
+        out = []
+        for _ in range(n):
+            item = self.fixstr()
+            out.append(item if item is not None else self.read(depth + 1))
+        return out
 
     def fixstr(self) -> str | None:
-        """The next value if it is a non-empty fixstr (keys, ids), else None without moving."""
-        raw, pos = self.raw, self.pos
-        if pos < self.end and 0xA1 <= raw[pos] <= 0xBF:
-            end = pos + 1 + (raw[pos] & 0x1F)
-            if end <= self.end:
+        """The next value if it is a fixstr (map keys, ids: most strings here), else None without moving."""
+        raw, pos, end = self.raw, self.pos, self.end
+        if pos < end and 0xA0 <= raw[pos] <= 0xBF:
+            stop = pos + 1 + (raw[pos] & 0x1F)
+            if stop <= end:
                 try:
-                    value = raw[pos + 1 : end].decode("utf-8")
+                    value = raw[pos + 1 : stop].decode()
                 except UnicodeDecodeError:
-                    return None  # the generic reader reports it
-                self.pos = end
+                    return None  # the generic reader reports it with its offset
+                self.pos = stop
                 return value
         return None
 
@@ -334,12 +337,16 @@ class _Reader:
         if n > self.limits.max_map_len or 2 * n > self.end - self.pos:
             raise WireError(f"map of {n} entries at offset {self.pos} exceeds max_map_len={self.limits.max_map_len} or the bytes left")
         out = {}
-        read = self.read
+        raw = self.raw
         for _ in range(n):
-            key = self.fixstr() or read(depth + 1)
-            if type(key) is not str:
-                raise WireError(f"map key {key!r} is not a string")
-            out[key] = (depth == 0 and self.canonical_array()) or read(depth + 1)
+            key = self.fixstr()
+            if key is None:
+                key = self.read(depth + 1)
+                if type(key) is not str:
+                    raise WireError(f"map key {key!r} is not a string")
+            # Array maps of the top-level batch map start with 0x83 (a 3-entry map).
+            value = self.canonical_array() if depth == 0 and self.pos < self.end and raw[self.pos] == 0x83 else None
+            out[key] = value if value is not None else self.read(depth + 1)
         return out
 
     def canonical_array(self) -> dict | None:
