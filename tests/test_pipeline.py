@@ -1,5 +1,5 @@
 """The pipeline end to end with every real part: embedded NATS, the engine, the proxy, two
-rollout workers and a 2-rank trainer under torchrun (started by `centerline up`).
+rollout workers and a 2-rank trainer under torchrun (the session's `centerline up` run).
 
 After the run the JetStream store is opened again to check what the services left behind:
 every trained batch passes the contract, the engine's weight version advanced (later
@@ -7,9 +7,6 @@ batches were sampled by later weights), and nothing is pending or unacknowledged
 """
 
 import asyncio
-import subprocess
-import sys
-from pathlib import Path
 
 import orjson
 import pytest
@@ -19,8 +16,6 @@ from shared.contract import check_batch
 from shared.nats import EmbeddedNats, connect
 from shared.wire import decode_batch
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 4
 
 
 async def stream_state(url: str) -> dict:
@@ -43,19 +38,15 @@ async def stream_state(url: str) -> dict:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_two_workers_and_two_trainer_ranks_train_on_verified_batches_only(tmp_path):
-    run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "centerline", "up", "--steps", str(STEPS), "--workers", "2", "--trainer-ranks", "2",
-            "--prompts-per-step", "3", "--rollout-n", "2", "--eval-prompts", "4", "--eval-every", "100",
-            "--model-dir", str(tmp_path / "models"), "--run-dir", str(run_dir)]  # fmt: skip
-    run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_two_workers_and_two_trainer_ranks_train_on_verified_batches_only(up_run):
+    run_dir, steps_run = up_run.run_dir, up_run.steps
+    per_step = up_run.prompts_per_step * up_run.rollout_n
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert [s["version"] for s in steps] == list(range(1, STEPS + 1))
-    assert all(s["samples"] == 6 and s["gate_rejected"] == {} for s in steps)
+    assert [s["step"] for s in steps] == list(range(1, steps_run + 1))
+    assert [s["version"] for s in steps] == list(range(1, steps_run + 1))
+    assert all(s["samples"] == per_step and s["gate_rejected"] == {} for s in steps)
     finished = sum((run_dir / "logs" / f"worker-{i}.log").read_text().count('"msg": "task done"') for i in range(2))
-    assert finished == STEPS * 3  # one log line per finished task, each task once
+    assert finished == steps_run * up_run.prompts_per_step  # one log line per finished task, each task once
 
     nats = EmbeddedNats(run_dir / "nats").start()
     try:
@@ -65,13 +56,13 @@ def test_two_workers_and_two_trainer_ranks_train_on_verified_batches_only(tmp_pa
     trained = {bid for s in steps for bid in s["batch_ids"]}
     by_id = {b.batch_id: b for b in state["batches"]}
     assert trained <= set(by_id)
-    vocab = orjson.loads((tmp_path / "models" / "sft-reverse-seed0" / "config.json").read_bytes())["vocab_size"]
+    vocab = orjson.loads((up_run.model_dir / "config.json").read_bytes())["vocab_size"]
     for batch_id in trained:
         check_batch(by_id[batch_id], vocab_size=vocab)  # raises ContractViolation if anything got through
     # The engine served each new version: step s trained batches sampled by weights s-1 at the latest.
     versions = {s["step"]: {by_id[b].weight_version for b in s["batch_ids"]} for s in steps}
-    assert max(versions[STEPS]) >= 1 and all(max(v) <= step - 1 for step, v in versions.items())
-    assert state["weights"]["version"] == STEPS
+    assert max(versions[steps_run]) >= 1 and all(max(v) <= step - 1 for step, v in versions.items())
+    assert state["weights"]["version"] == steps_run
     assert state["dlq"] == 0
     assert (state["trainer"].num_ack_pending, state["trainer"].num_pending) == (0, 0)
     assert (state["workers"].num_ack_pending, state["prompts_left"]) == (0, 0)

@@ -85,8 +85,10 @@ class Policy:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
         while (cmd := agree(None)).batch is not None:
             self.run(cmd)
+        dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts
 
     def stop(self) -> None:
         if world()[1] > 1:
             agree(StepCommand(-1, -1, False, None))
+            dist.barrier()
 

@@ -120,10 +120,10 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
 
     keep_alive.cancel()
     logging.getLogger("centerline.trainer").info("stopped after %d steps at version %d", step, version)
-    policy.stop()
     await publisher.close()
     await nc.flush()  # naks are plain publishes; acks were confirmed one by one
     await nc.close()
+    policy.stop()  # last: the other ranks then leave with this one
     return 0
 
 

@@ -1,5 +1,6 @@
-"""`centerline record` / `centerline replay` against a real run: a 3-step `centerline up` whose
-ROLLOUTS stream is recorded afterwards from its persisted JetStream store.
+"""`centerline record` / `centerline replay` against a real run: the session's 3-step
+`centerline up` (tests/conftest.py), whose ROLLOUTS stream is recorded afterwards from its
+persisted JetStream store.
 
 The replay starts from the run's checkpoint step-000002 (the trainer keeps the last two)
 under torchrun with 2 ranks, as the run's trainer had, and must reproduce step 3 bit for
@@ -54,14 +55,10 @@ async def stream_messages(url: str, stream: str = names.ROLLOUTS_STREAM) -> list
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A finished 3-step run, its NATS store served again, and a recording of all of ROLLOUTS."""
+def run(up_run, tmp_path_factory):
+    """The session's finished 3-step run, its NATS store served again, and a recording of all of ROLLOUTS."""
     tmp = tmp_path_factory.mktemp("record-replay")
-    run_dir = tmp / "run"
-    up = centerline("up", "--task", "copy", "--steps", "3", "--workers", "1", "--trainer-ranks", "2",
-                    "--prompts-per-step", "2", "--rollout-n", "2", "--eval-prompts", "4", "--eval-every", "100",
-                    "--model-dir", str(tmp / "models"), "--run-dir", str(run_dir), timeout=600)  # fmt: skip
-    assert up.returncode == 0, up.stderr[-3000:]
+    run_dir = up_run.run_dir
     nats = EmbeddedNats(run_dir / "nats").start()  # the persisted JetStream store, on a new port
     try:
         record = centerline("record", "--stream", "ROLLOUTS", "--from-seq", "1", "--out", str(tmp / "seg.clrec"),
@@ -133,7 +130,7 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
     for r in rows:
         batch = r["batch"]
         assert batch["batch_id"] == r["headers"][names.MSG_ID_HEADER]
-        assert batch["producer"] == "worker-0" and batch["mode"] == "selected" and batch["k"] == 128
+        assert batch["producer"] in {"worker-0", "worker-1"} and batch["mode"] == "selected" and batch["k"] == 128
         assert batch["samples"] == 2 and batch["tokens"] > 0 and 0.0 <= batch["reward_mean"] <= 1.0
         assert set(batch) == {"batch_id", "producer", "weight_version", "mode", "k", "samples", "tokens", "reward_mean"}
 

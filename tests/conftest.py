@@ -1,0 +1,37 @@
+"""Fixtures shared across test packages."""
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class UpRun:
+    """A finished `centerline up`: its run directory (JetStream store included) and output."""
+
+    run_dir: Path
+    model_dir: Path  # the init-model output the engine and trainer started from
+    stdout: str
+    steps: int = 3
+    prompts_per_step: int = 3
+    rollout_n: int = 2
+
+
+@pytest.fixture(scope="session")
+def up_run(tmp_path_factory) -> UpRun:
+    """One 3-step run of the whole topology (NATS, engine, proxy, two workers, a 2-rank trainer),
+    shared by the end-to-end tests: the report, the pipeline's leftovers and record/replay all
+    read the same finished run instead of starting their own (each start costs a minute here)."""
+    tmp = tmp_path_factory.mktemp("up")
+    run_dir = tmp / "run"
+    argv = [sys.executable, "-m", "centerline", "up", "--task", "copy", "--steps", "3", "--workers", "2",
+            "--trainer-ranks", "2", "--prompts-per-step", "3", "--rollout-n", "2", "--eval-prompts", "8",
+            "--eval-every", "2", "--model-dir", str(tmp / "models"), "--run-dir", str(run_dir)]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return UpRun(run_dir=run_dir, model_dir=tmp / "models" / "sft-copy-seed0", stdout=run.stdout)
