@@ -13,6 +13,7 @@ Encoding uses ``msgpack.packb``, which writes the same subset.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field, fields
 
@@ -127,7 +128,8 @@ def encode_batch(batch: Batch) -> bytes:
     parts = [_map_header(len(head) + len(ARRAY_FIELDS)), msgpack.packb(head, use_bin_type=True)[_map_header_len(len(head)) :]]
     for name, dtype in ARRAY_FIELDS.items():
         arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
-        parts += [_ARRAY_PREFIX[name], msgpack.packb(list(arr.shape)), b"\xa4data", _bin_header(arr.nbytes), arr.reshape(-1).view(np.uint8)]
+        # A C-contiguous array is its own buffer: join copies its bytes straight into the message.
+        parts += [_ARRAY_PREFIX[name], msgpack.packb(arr.shape), b"\xa4data", _bin_header(arr.nbytes), arr]
     return b"".join(parts)
 
 
@@ -190,11 +192,14 @@ def _batch_from_doc(doc: dict) -> Batch:
         values[name] = value
     for name in LIST_FIELDS:
         value = _require(doc, name)
-        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        if type(value) is not list or not set(map(type, value)) <= {str}:
             raise WireError(f"field {name!r} must be a list of strings")
         values[name] = value
     for name, dtype in ARRAY_FIELDS.items():
-        values[name] = _array_from_doc(name, _require(doc, name), dtype)
+        spec = _require(doc, name)
+        # The reader's canonical path already built and size-checked the view; only the dtype is left.
+        ok = type(spec) is np.ndarray and spec.dtype == DTYPES[dtype]
+        values[name] = spec if ok else _array_from_doc(name, spec, dtype)
     extra = {key: value for key, value in doc.items() if key not in _KNOWN_KEYS}
     return Batch(**values, extra=extra)
 
@@ -210,12 +215,14 @@ def _require(doc: dict, name: str):
 
 
 def _array_from_doc(name: str, spec, expected_dtype: str) -> np.ndarray:
+    if type(spec) is np.ndarray:
+        raise WireError(f"array field {name!r} has dtype {spec.dtype.name!r}, expected {expected_dtype!r}")
     if not isinstance(spec, dict):
         raise WireError(f"array field {name!r} is {type(spec).__name__}, expected a map with dtype, shape, data")
     dtype, shape, data = spec.get("dtype"), spec.get("shape"), spec.get("data")
     if dtype != expected_dtype:
         raise WireError(f"array field {name!r} has dtype {dtype!r}, expected {expected_dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise WireError(f"array field {name!r} has shape {shape!r}, expected a list of non-negative ints")
     if not isinstance(data, (bytes, memoryview)):
         raise WireError(f"array field {name!r} has data of type {type(data).__name__}, expected bin")
@@ -227,7 +234,7 @@ def _array_from_doc(name: str, spec, expected_dtype: str) -> np.ndarray:
         raise WireError(
             f"array field {name!r}: shape {shape} of {dtype} needs {count * np_dtype.itemsize} bytes, data has {len(data)}"
         )
-    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    return np.ndarray(shape, np_dtype, buffer=data)  # a view: no copy
 
 
 class _Reader:
@@ -314,9 +321,19 @@ class _Reader:
         if n > self.limits.max_list_len or n > self.end - self.pos:
             raise WireError(f"list of {n} items at offset {self.pos} exceeds the limit or the bytes left")
         out = []
-        for _ in range(n):
-            item = self.fixstr()
-            out.append(item if item is not None else self.read(depth + 1))
+        raw, end = self.raw, self.end
+        for _ in range(n):  # ids are fixstrs: decoded inline, anything else by the generic reader
+            pos = self.pos
+            b = raw[pos] if pos < end else 0
+            stop = pos + 1 + (b & 0x1F)
+            if 0xA0 <= b <= 0xBF and stop <= end:
+                try:
+                    out.append(raw[pos + 1 : stop].decode())
+                    self.pos = stop
+                    continue
+                except UnicodeDecodeError:
+                    pass  # the generic reader reports it with its offset
+            out.append(self.read(depth + 1))
         return out
 
     def fixstr(self) -> str | None:
@@ -389,7 +406,11 @@ class _Reader:
         if start + size > self.end:
             raise WireError(f"truncated message: need {size} bytes at offset {start}, {self.end - start} left")
         self.pos = start + size
-        return {"dtype": dtype, "shape": shape, "data": self.view[start : start + size]}
+        data = self.view[start : start + size]
+        np_dtype = DTYPES.get(dtype)
+        if np_dtype is not None and math.prod(shape) * np_dtype.itemsize == size:
+            return np.ndarray(shape, np_dtype, buffer=data)  # a view of the message: no copy
+        return {"dtype": dtype, "shape": shape, "data": data}  # the generic checks name the defect
 
 
 def replace_arrays(batch: Batch, **arrays) -> Batch:
