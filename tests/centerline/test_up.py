@@ -1,9 +1,16 @@
 """`centerline up` end to end: every service as a real process, a few steps, then the report."""
 
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
 
+from tests.processes import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -27,3 +34,38 @@ def test_up_runs_steps_and_writes_the_report(up_run):
     assert page.count("data:image/png;base64,") == len(plots)
     assert "batches accepted / rejected</td><td>9 / 0" in page
     assert "rollout_top_logprobs_num = 128" in page  # the resolved configuration
+
+
+def _processes_mentioning(*paths: str) -> list[str]:
+    """Command lines of live processes that mention any of ``paths`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # exited while we looked
+            if any(p in cmdline for p in paths):
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(up_run, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    argv = [sys.executable, "-m", "centerline", "up", "--task", "copy", "--steps", "50", "--workers", "2",
+            "--trainer-ranks", "2", "--prompts-per-step", "2", "--rollout-n", "2", "--eval-prompts", "4",
+            "--eval-every", "100", "--model-dir", str(up_run.model_dir.parent), "--run-dir", str(run_dir)]  # fmt: skip
+    launcher = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 300, "first step", launcher)
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err[-2000:]
+    assert "interrupted; stopping every service" in err
+    assert _processes_mentioning(str(run_dir), str(up_run.model_dir)) == []

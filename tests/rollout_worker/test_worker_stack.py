@@ -8,7 +8,6 @@ advantages from the rewards. Synchronisation is by polling with deadlines, never
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import subprocess
@@ -26,16 +25,12 @@ from shared.contract import check_batch
 from shared.nats import EmbeddedNats, connect, ensure_streams
 from shared.task import PromptTask
 from shared.wire import decode_batch
+from tests import processes
+from tests.router_proxy.conftest import ProxyProcess
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("engine_conftest_helpers_rw", REPO / "tests" / "engine" / "conftest.py")
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
-_spec = importlib.util.spec_from_file_location("proxy_conftest_helpers_rw", REPO / "tests" / "router_proxy" / "conftest.py")
-proxy_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(proxy_helpers)
 
 K = 16
 VOCAB = 260
@@ -48,11 +43,11 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
     server = EmbeddedNats(root / "nats").start()
     asyncio.run(_ensure(server.url))
-    model = helpers.init_model(root / "model", seed=0)
-    engine = helpers.EngineProcess(model, root / "engine.log")
+    model = processes.init_model(root / "model", seed=0)
+    engine = processes.EngineProcess(model, root / "engine.log")
     proxy = None
     try:
-        proxy = proxy_helpers.ProxyProcess(root / "proxy.log", engine.url, "--vocab-size", str(VOCAB), *CONFIG)
+        proxy = ProxyProcess(root / "proxy.log", engine.url, "--vocab-size", str(VOCAB), *CONFIG)
         status, body = proxy.wait_probed()
         assert status == 200, body
         yield type("Stack", (), {"nats": server.url, "proxy": proxy.url, "root": root})
@@ -74,13 +69,13 @@ class WorkerProcess:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "centerline", "worker", "--proxy-url", stack.proxy, "--nats-url", stack.nats,
                "--vocab-size", str(VOCAB), "--tokenizer", str(stack.root / "model"), *CONFIG, *flags]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=helpers.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=processes.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, deadline: float = 60.0) -> None:
-        helpers.wait_until(lambda: '"worker ready"' in self.log(), deadline, f"worker\n{self.log()}", self.proc)
+        processes.wait_until(lambda: '"worker ready"' in self.log(), deadline, f"worker\n{self.log()}", self.proc)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -188,7 +183,7 @@ def test_two_workers_publish_each_task_group_once_and_drain_the_queue(stack, wor
     def drained():
         info = asyncio.run(_consumer_info(stack.nats))
         return info.num_pending == 0 and info.num_ack_pending == 0
-    helpers.wait_until(drained, 20, "task queue drained and acked")
+    processes.wait_until(drained, 20, "task queue drained and acked")
     assert [w.stop() for w in pool] == [0, 0]  # SIGTERM: clean exit
     done = [line for w in pool for line in w.log().splitlines() if '"task done"' in line]
     assert len(done) == len(tasks) and all('"reward_mean"' in line and '"weight_version": 0' in line for line in done)
@@ -201,7 +196,7 @@ def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, work
     victim = workers(*flags, "--worker-id", "victim")
     victim.wait_ready()
     asyncio.run(_publish_tasks(stack.nats, [task]))
-    helpers.wait_until(lambda: asyncio.run(_consumer_info(stack.nats)).num_ack_pending == 1, 20, "task taken by the victim")
+    processes.wait_until(lambda: asyncio.run(_consumer_info(stack.nats)).num_ack_pending == 1, 20, "task taken by the victim")
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
     rescuer = workers(*flags, "--worker-id", "rescuer")

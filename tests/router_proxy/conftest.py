@@ -6,39 +6,13 @@ Every server is a real process on a free loopback port, ready when polled endpoi
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("engine_conftest_helpers", REPO / "tests" / "engine" / "conftest.py")
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)  # free_port, http, wait_until, EngineProcess, init_model, ENV
-http, free_port, wait_until, ENV = helpers.http, helpers.free_port, helpers.wait_until, helpers.ENV
-
-
-class Process:
-    """A child process with its log, stopped with SIGTERM (SIGKILL after 15 s)."""
-
-    def __init__(self, cmd: list[str], log_path: Path):
-        self.log_path = log_path
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+from tests.processes import ENV, REPO, EngineProcess, Process, free_port, http, init_model, wait_until  # noqa: F401
 
 
 class Double(Process):
@@ -112,9 +86,9 @@ def start(tmp_path):
 @pytest.fixture(scope="session")
 def engine_stack(tmp_path_factory):
     """The embedded engine and sglang-router 0.3.2 in front of it, shared by the integration tests."""
-    model = helpers.init_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
+    model = init_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    engine = helpers.EngineProcess(model, tmp_path_factory.mktemp("engine") / "engine.log")
+    engine = EngineProcess(model, tmp_path_factory.mktemp("engine") / "engine.log")
     try:
         router = Router(tmp_path_factory.mktemp("router") / "router.log", [engine.url])
     except Exception:

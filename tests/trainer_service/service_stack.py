@@ -28,7 +28,7 @@ from shared.nats import connect, ensure_streams, publish_batch, pull_consumer
 from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import encode_batch, replace_arrays
-from tests.engine.conftest import ENV, REPO, http
+from tests.processes import ENV, REPO, http
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 K = 16  # candidates per token in these tests (--rollout-top-logprobs-num)

@@ -20,7 +20,7 @@ import pytest
 from engine.tokenizer import VOCAB_SIZE
 from shared.nats import EmbeddedNats
 from shared.wire import encode_batch as encode
-from tests.engine.conftest import EngineProcess, free_port, http, init_model, wait_until
+from tests.processes import EngineProcess, free_port, http, init_model, wait_until
 from tests.trainer_service.service_stack import (StandInWorker, Trainer, consumer_info, dead_letters, fault, last_weights_event,
                                                  write_dataset)
 
