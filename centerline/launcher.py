@@ -162,10 +162,9 @@ def parse(argv: list[str]):
     parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<date-time>")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each service to become ready")
     shared_config.add_arguments(parser)
-    args = parser.parse_args(argv)
     # The job's own defaults sit just above the shared ones: env, TOML and flags still override them.
     env = {**{shared_config.ENV_PREFIX + k.upper(): str(v) for k, v in UP_DEFAULTS.items()}, **os.environ}
-    return args, shared_config.resolve(args, env)
+    return shared_config.parse_args(parser, argv, env)
 
 
 class Stopped(Exception):
@@ -173,11 +172,7 @@ class Stopped(Exception):
 
 
 def main(argv: list[str]) -> int:
-    try:
-        args, cfg = parse(argv)
-    except shared_config.ConfigError as exc:
-        print(f"centerline up: {exc}", file=sys.stderr)
-        return 2
+    args, cfg = parse(argv)
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     try:

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from shared.config import ConfigError, add_arguments, resolve
+from shared.config import add_arguments, parse_args
 
 log = logging.getLogger("centerline.worker")
 
@@ -114,12 +114,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics server")
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        cfg = resolve(args)
-    except ConfigError as exc:
-        print(f"centerline worker: {exc}", file=sys.stderr)
-        return 2
+    args, cfg = parse_args(parser, argv)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)

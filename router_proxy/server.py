@@ -35,7 +35,7 @@ from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, rewrite_body
 from router_proxy.upstream import UpstreamPool
-from shared.config import ENV_PREFIX, ConfigError, add_arguments, load_toml, resolve
+from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
 
 log = logging.getLogger("centerline.proxy")
@@ -239,12 +239,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--vocab-size", type=int, default=None, help="used when the upstream's /model_info reports none")
     parser.add_argument("--upstream-timeout", type=float, default=1800.0, help="seconds per upstream request")
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        cfg = resolve(args)
-    except ConfigError as exc:
-        print(f"centerline proxy: {exc}", file=sys.stderr)
-        return 2
+    args, cfg = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:

@@ -182,14 +182,20 @@ def _base_type(annotation) -> type:
     return annotation
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str], env: typing.Mapping[str, str] | None = None):
+    """``(args, config)`` for a service's parser (which called ``add_arguments``). A setting that
+    cannot be honoured exits with status 2 and ``<prog>: <error>``, like argparse's own errors."""
+    args = parser.parse_args(argv)
+    try:
+        return args, resolve(args, env)
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+
+
 def main(argv: list[str]) -> int:
     """`centerline config [flags]`: print the resolved configuration, or the error."""
     parser = argparse.ArgumentParser(prog="centerline config", description=main.__doc__)
     add_arguments(parser)
-    try:
-        cfg = resolve(parser.parse_args(argv))
-    except ConfigError as exc:
-        print(f"centerline config: {exc}", file=sys.stderr)
-        return 2
+    _, cfg = parse_args(parser, argv)
     sys.stdout.write(to_toml(cfg))
     return 0

@@ -51,10 +51,10 @@ def parse(argv: list[str]):
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (rank 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     shared_config.add_arguments(parser)
-    args = parser.parse_args(argv)
+    args, cfg = shared_config.parse_args(parser, argv)
     if args.steps < 0 or args.prompts_per_step < 1 or args.weight_sync_interval < 1 or args.ack_wait <= 0:
         parser.error("--steps >= 0, --prompts-per-step >= 1, --weight-sync-interval >= 1 and --ack-wait > 0 are required")
-    return args, shared_config.resolve(args)
+    return args, cfg
 
 
 async def drive(args, cfg, policy, resume: Path | None) -> int:

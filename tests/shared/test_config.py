@@ -91,3 +91,19 @@ def test_config_reference_is_generated_from_the_schema():
     assert run.returncode == 0, run.stderr
     doc = (ROOT / "docs" / "config.md").read_text()
     assert all(f"`--{name.replace('_', '-')}`" in doc for name in Config.model_fields)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["config"],
+        ["trainer", "--model", "m", "--dataset", "d.jsonl", "--run-dir", "r"],
+        ["worker"],
+        ["proxy", "--upstream", "http://127.0.0.1:1"],
+        ["up"],
+    ],
+)
+def test_every_service_refuses_a_bad_setting_at_start_with_exit_2_naming_the_flag(argv):
+    run = subprocess.run([sys.executable, "-m", "centerline", *argv, "--rollout-temperature", "0"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr == f"centerline {argv[0]}: --rollout-temperature 0.0: greedy decoding has no sampling distribution to centre; use a temperature > 0\n"
