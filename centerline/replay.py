@@ -190,16 +190,15 @@ def train(args, cfg) -> int:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from trainer_service.policy import Policy, agree
+    from trainer_service.policy import Policy, agree, in_world
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
     run_dir = args.run_dir or args.file.with_suffix(".replay")
-    try:
+
+    def body() -> int:
+        rank = dist.get_rank() if dist.is_initialized() else 0
         plan, problem = None, None
         if rank == 0:  # rank 0 reads everything; a problem stops every rank before any collective
             try:
@@ -221,9 +220,8 @@ def train(args, cfg) -> int:
         finally:
             policy.stop()
         return 0
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    return in_world(body)
 
 
 def plan_replay(args, run_dir: Path):

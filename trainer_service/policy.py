@@ -9,9 +9,12 @@ without a batch tells them to stop.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -36,6 +39,35 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def in_world(body, *, timeout: timedelta | None = None) -> int:
+    """Run ``body()`` (every rank's exit code) inside the torchrun process group, if any.
+
+    A clean end passes one more barrier, then a gloo rank leaves with ``os._exit``: tearing
+    gloo down (``destroy_process_group`` or interpreter exit) while a peer still closes its
+    sockets can abort the process in C++ ("terminate called without an active exception",
+    SIGABRT; seen once in CI on a run that had finished and committed every step). Past the
+    barrier no collective is left, every file was closed and fsynced, so nothing is lost.
+    """
+    import torch
+
+    if "WORLD_SIZE" not in os.environ:
+        return body()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+    try:
+        code = body()
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    if dist.get_backend() != "gloo":
+        dist.destroy_process_group()
+        return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def agree(value):

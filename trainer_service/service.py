@@ -134,18 +134,16 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from trainer_service import checkpoint
-    from trainer_service.policy import Policy, agree
+    from trainer_service.policy import Policy, agree, in_world
 
     from transformers.utils import logging as hf_logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per step and rank otherwise
     torch.set_num_threads(args.threads)
-    if "WORLD_SIZE" in os.environ:
-        # Other ranks wait in a broadcast while rank 0 gathers batches, which lasts as long as the workers need.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=24))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    try:
+
+    def body() -> int:
+        rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
             args.run_dir.mkdir(parents=True, exist_ok=True)
             (args.run_dir / "config.toml").write_text(shared_config.to_toml(cfg))
@@ -159,6 +157,6 @@ def main(argv: list[str]) -> int:
             policy.follow()
             return 0
         return asyncio.run(drive(args, cfg, policy, resume))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    # Other ranks wait in a broadcast while rank 0 gathers batches, which lasts as long as the workers need.
+    return in_world(body, timeout=timedelta(hours=24))

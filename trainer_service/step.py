@@ -188,11 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from shared.wire import decode_batch
+    from trainer_service.policy import in_world
 
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    try:
+    def body() -> int:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         with open(args.batch, "rb") as fh:
             batch = decode_batch(fh.read())
         model = wrap_model(load_model(args.model, device=device), args.strategy)
@@ -203,10 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics and rank_and_world()[0] == 0:
             with open(args.metrics, "w") as fh:
                 json.dump(metrics, fh)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        return 0
+
+    return in_world(body)
 
 
 if __name__ == "__main__":
