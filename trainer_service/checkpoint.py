@@ -10,7 +10,8 @@ Layout under ``<run_dir>/checkpoints/``::
 
 A checkpoint is written into ``.tmp-step-N``, every file and the directory fsynced, then
 renamed to ``step-N`` and the parent fsynced, so a crash leaves either the old or the new
-checkpoint, never half of one. The last ``KEEP`` checkpoints are kept. Saving is a
+checkpoint, never half of one. The last ``keep`` checkpoints are kept (``KEEP`` unless the
+trainer's ``--keep-checkpoints`` says otherwise). Saving is a
 collective (FSDP2 gathers the full state): every rank calls ``save``, rank 0 writes.
 """
 
@@ -67,11 +68,12 @@ def optimizer_state(model, optimizer) -> dict:
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None = None) -> Path:
+def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None = None, keep: int = KEEP) -> Path:
     """Write checkpoint ``step-{state['step']}``; all ranks call, rank 0 writes and returns its path.
 
     ``weights_dir``: an HF directory already holding exactly this model (the weights
     version saved this step); its files are hard-linked instead of saved a second time.
+    ``keep``: how many complete checkpoints to keep, newest first (0 keeps all).
     """
     final = root / f"{PREFIX}{state['step']:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -90,7 +92,7 @@ def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None 
         torch.save(optim, tmp / "optimizer.pt")
         (tmp / "state.json").write_bytes(orjson.dumps(state))
         publish_dir(tmp, final)
-        for old in complete(root)[:-KEEP]:
+        for old in complete(root)[:-keep] if keep else []:
             shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared import names
+from shared import faults, names
 from shared.contract import ContractViolation, check_batch
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
 
@@ -142,6 +142,7 @@ class Gate:
         headers = {"rule": rule, "reason": " ".join(reason.split())[:REASON_MAX], "batch_id": batch_id or "?",
                    names.MSG_ID_HEADER: f"dlq/{seq}"}  # fmt: skip
         await self.js.publish(names.DLQ_SUBJECT, bytes(msg.data), headers=headers, timeout=10.0)
+        faults.hit("trainer.rejected")
         await self.consumer.ack(msg)
         self.counts[f"rejected:{rule}"] += 1
         log.warning("batch %s dead-lettered (%s): %s", batch_id, rule, headers["reason"])

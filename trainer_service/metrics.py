@@ -46,6 +46,31 @@ class Metrics:
             self.rejected.labels(rule).inc(n)
         return {"gate_accepted": counts.get("accepted", 0), "gate_rejected": rejected, "gate_duplicate": counts.get("duplicate", 0)}
 
+    def recover(self, state: dict) -> None:
+        """Make ``metrics.jsonl`` agree with the checkpoint ``state`` the trainer resumes from.
+
+        A crash can cut the last line short (it is dropped) or come after a step's checkpoint
+        and before its line (the line is rebuilt from the loss metrics the checkpoint keeps,
+        its batches in training order from the ledger, marked ``"recovered": true``; gate
+        counts and timings of that step are gone). Every committed step then has one line.
+        """
+        if not self.path.exists():
+            lines = []
+        else:
+            data = self.path.read_bytes()
+            complete = data[: data.rfind(b"\n") + 1]
+            if len(complete) != len(data):
+                log.warning("%s ended in a partial line (%d bytes); dropped", self.path, len(data) - len(complete))
+                with open(self.path, "r+b") as fh:
+                    fh.truncate(len(complete))
+            lines = [orjson.loads(line) for line in complete.splitlines()]
+        step = state["step"]
+        if step == 0 or "metrics" not in state or any(line.get("step") == step for line in lines):
+            return
+        batch_ids = [bid for bid, (_, trained_at) in state["ledger"].items() if trained_at == step - 1]
+        log.warning("step %d is checkpointed but has no metrics line; rebuilt from its checkpoint", step)
+        self.step({"step": step, "version": state["version"], **state["metrics"], "batch_ids": batch_ids, "recovered": True})
+
     def step(self, record: dict) -> None:
         """Log and store one step's record (a flat dict of JSON values)."""
         line = orjson.dumps(record)

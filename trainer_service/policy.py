@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shared import faults
 from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.model import load_model, unwrap, wrap_model
@@ -80,9 +81,10 @@ def agree(value):
 
 
 class Policy:
-    def __init__(self, *, model_dir: Path, run_dir: Path, resume: Path | None, cfg, strategy: str, max_grad_norm: float | None):
+    def __init__(self, *, model_dir: Path, run_dir: Path, resume: Path | None, cfg, strategy: str, max_grad_norm: float | None,
+                 keep_checkpoints: int = checkpoint.KEEP):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-        self.initial, self.run_dir, self.max_grad_norm = model_dir, run_dir, max_grad_norm
+        self.initial, self.run_dir, self.max_grad_norm, self.keep = model_dir, run_dir, max_grad_norm, keep_checkpoints
         torch.manual_seed(cfg.seed)
         self.model = wrap_model(load_model(str(resume / "model" if resume else model_dir), device=device), strategy)
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
@@ -101,16 +103,23 @@ class Policy:
 
     def run(self, cmd: StepCommand, state: dict | None = None) -> dict:
         """Train one step and make it durable. Rank 0 passes the checkpoint ``state`` and
-        returns metrics with timings (``train_s``, ``save_s``) and the weights path."""
+        returns metrics with timings (``train_s``, ``save_s``) and the weights path. The
+        checkpoint keeps the step's metrics too (``state["metrics"]``), so a crash between the
+        checkpoint and the metrics line loses no line (``Metrics.recover``)."""
         if world()[1] > 1 and world()[0] == 0:
             agree(cmd)
         t0 = time.perf_counter()
         metrics = train_step(self.model, self.optimizer, decode_batch(cmd.batch), self.settings,
                              max_grad_norm=self.max_grad_norm)  # fmt: skip
         t1 = time.perf_counter()
+        rank0 = world()[0] == 0  # failpoints fire on rank 0 only, as in a crash of its machine
+        if rank0:
+            faults.hit("trainer.train", cmd.step + 1)
         weights = save_version(self.run_dir / "weights", cmd.version, self.model, self.initial) if cmd.sync else None
-        checkpoint.save(self.run_dir / "checkpoints", self.model, self.optimizer, state or {"step": cmd.step + 1},
-                        weights_dir=weights)  # fmt: skip
+        if rank0:
+            faults.hit("trainer.before_checkpoint", cmd.step + 1)
+        state = {**state, "metrics": metrics} if state else {"step": cmd.step + 1}
+        checkpoint.save(self.run_dir / "checkpoints", self.model, self.optimizer, state, weights_dir=weights, keep=self.keep)
         return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1, "weights": weights}
 
     def follow(self) -> None:

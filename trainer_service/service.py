@@ -50,16 +50,18 @@ def parse(argv: list[str]):
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (rank 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept, newest first (0 keeps all)")
     shared_config.add_arguments(parser)
     args, cfg = shared_config.parse_args(parser, argv)
-    if args.steps < 0 or args.prompts_per_step < 1 or args.weight_sync_interval < 1 or args.ack_wait <= 0:
-        parser.error("--steps >= 0, --prompts-per-step >= 1, --weight-sync-interval >= 1 and --ack-wait > 0 are required")
+    if args.steps < 0 or args.prompts_per_step < 1 or args.weight_sync_interval < 1 or args.ack_wait <= 0 or args.keep_checkpoints < 0:
+        parser.error("--steps >= 0, --prompts-per-step >= 1, --weight-sync-interval >= 1, --ack-wait > 0 and "
+                     "--keep-checkpoints >= 0 are required")  # fmt: skip
     return args, cfg
 
 
 async def drive(args, cfg, policy, resume: Path | None) -> int:
     """Rank 0: the training loop of the module docstring."""
-    from shared import names
+    from shared import faults, names
     from shared.nats import connect, ensure_streams, pull_consumer
     from shared.wire import encode_batch
     from trainer_service import checkpoint, weights
@@ -84,6 +86,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
                     prompts_per_step=args.prompts_per_step, n=cfg.rollout_n, next_step=state["next_task_step"])  # fmt: skip
     publisher = weights.WeightPublisher(js, cfg.engine_urls)
     metrics = Metrics(args.run_dir, args.metrics_port)
+    metrics.recover(state)  # the line of a step whose checkpoint was written just before a crash
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
     await publisher.publish(version, weights.version_dir(args.run_dir / "weights", version) if version else args.model)
     keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
@@ -97,6 +100,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         if stopping.is_set():
             await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
             break
+        faults.hit("trainer.gathered", step + 1)
         t1 = time.perf_counter()
         sync = (step + 1) % args.weight_sync_interval == 0
         batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
@@ -104,7 +108,9 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         state = {"step": step + 1, "version": version + sync, "next_task_step": driver.next_step,
                  "run_id": state["run_id"], "ledger": gate.ledger_with_held(step)}  # fmt: skip
         result = await asyncio.to_thread(policy.run, cmd, state)
+        faults.hit("trainer.after_checkpoint", step + 1)
         await gate.commit(step)  # step, checkpoint and ledger are durable: ack its batches
+        faults.hit("trainer.after_acks", step + 1)
         t2 = time.perf_counter()
         if sync:
             await publisher.publish(cmd.version, result.pop("weights"))
@@ -150,7 +156,7 @@ def main(argv: list[str]) -> int:
             checkpoint.remove_partial(args.run_dir / "checkpoints")
         resume = agree(checkpoint.latest(args.run_dir / "checkpoints") if rank == 0 else None)
         policy = Policy(model_dir=args.model, run_dir=args.run_dir, resume=resume, cfg=cfg, strategy=args.strategy,
-                        max_grad_norm=args.max_grad_norm or None)  # fmt: skip
+                        max_grad_norm=args.max_grad_norm or None, keep_checkpoints=args.keep_checkpoints)  # fmt: skip
         if rank != 0:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank

@@ -145,13 +145,14 @@ class Trainer:
 
     started: list["Trainer"] = []
 
-    def __init__(self, run_dir: Path, model: Path, dataset: Path, nats_url: str, engine_url: str, *flags: str, nproc: int = 2):
+    def __init__(self, run_dir: Path, model: Path, dataset: Path, nats_url: str, engine_url: str, *flags: str, nproc: int = 2,
+                 failpoints: str = ""):
         self.run_dir, self.log_path = run_dir, run_dir.with_suffix(f".{len(list(run_dir.parent.glob(run_dir.name + '.*log')))}.log")
         # --standalone: the rendezvous store binds a port of its own choosing (no free-port race)
         launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m"] if nproc > 1 else [sys.executable, "-m"]
         cmd = [*launcher, "centerline", "trainer", "--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir),
                "--nats-url", nats_url, "--engine-urls", engine_url, "--rollout-top-logprobs-num", str(K), *flags]  # fmt: skip
-        env = dict(ENV, OMP_NUM_THREADS="1")
+        env = dict(ENV, OMP_NUM_THREADS="1", CENTERLINE_FAILPOINTS=failpoints)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
         Trainer.started.append(self)
