@@ -21,6 +21,10 @@ WEIGHTS_SUBJECT = "weights.updated"
 AUDIT_STREAM = "AUDIT"  # one event per audited proxy request
 AUDIT_SUBJECT = "audit.proxy"
 
+ADVISORIES_STREAM = "ADVISORIES"  # JetStream's own reports of messages given up on: nothing vanishes unseen
+# A message delivered max_deliver times without an ack, and one a consumer terminated (AckTerm).
+ADVISORIES_SUBJECTS = ("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>", "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>")
+
 # Durable pull consumers. All rollout workers share one, which is what makes PROMPTS a work queue.
 WORKERS_CONSUMER = "rollout_workers"
 TRAINER_CONSUMER = "trainer"

@@ -50,12 +50,20 @@ def parse(argv: list[str]):
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (rank 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--max-deliver", type=int, default=20, help="deliveries of a batch (each crash of the trainer "
+                        "holding it is one) before JetStream gives up on it and reports it in the ADVISORIES stream")
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept, newest first (0 keeps all)")
     shared_config.add_arguments(parser)
     args, cfg = shared_config.parse_args(parser, argv)
-    if args.steps < 0 or args.prompts_per_step < 1 or args.weight_sync_interval < 1 or args.ack_wait <= 0 or args.keep_checkpoints < 0:
-        parser.error("--steps >= 0, --prompts-per-step >= 1, --weight-sync-interval >= 1, --ack-wait > 0 and "
-                     "--keep-checkpoints >= 0 are required")  # fmt: skip
+    for flag, value, ok, want in (("--steps", args.steps, args.steps >= 0, "0 or more"),
+                                  ("--prompts-per-step", args.prompts_per_step, args.prompts_per_step >= 1, "at least 1"),
+                                  ("--weight-sync-interval", args.weight_sync_interval, args.weight_sync_interval >= 1, "at least 1"),
+                                  ("--ack-wait", args.ack_wait, args.ack_wait > 0, "more than 0 seconds"),
+                                  ("--keep-checkpoints", args.keep_checkpoints, args.keep_checkpoints >= 0, "0 (keep all) or more"),
+                                  ("--max-deliver", args.max_deliver, args.max_deliver == -1 or args.max_deliver >= 1,
+                                   "at least 1, or -1 for no limit")):  # fmt: skip
+        if not ok:
+            parser.error(f"{flag} {value}: must be {want}")
     return args, cfg
 
 
@@ -71,7 +79,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     from trainer_service.policy import StepCommand
 
     state = checkpoint.load_state(resume) if resume else {"step": 0, "version": 0, "next_task_step": 0, "ledger": {},
-                                                           "run_id": uuid.uuid4().hex[:12]}  # fmt: skip
+                                                           "run_id": run_id(args.run_dir)}  # fmt: skip
     step, version = state["step"], state["version"]
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -80,7 +88,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     js = nc.jetstream()
     await ensure_streams(js)
     consumer = await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER,
-                                   filter_subject=names.ROLLOUTS_SUBJECT, ack_wait=args.ack_wait)  # fmt: skip
+                                   filter_subject=names.ROLLOUTS_SUBJECT, ack_wait=args.ack_wait, max_deliver=args.max_deliver)  # fmt: skip
     gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=state["ledger"])
     driver = Driver(load_dataset(args.dataset), run_id=state["run_id"], seed=cfg.seed,
                     prompts_per_step=args.prompts_per_step, n=cfg.rollout_n, next_step=state["next_task_step"])  # fmt: skip
@@ -131,6 +139,18 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     await nc.close()
     policy.stop()  # last: the other ranks then leave with this one
     return 0
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's id, made once per run directory: a trainer restarted before its first
+    checkpoint publishes the same task ids again (deduplicated), so the tasks and batches of
+    its first attempt are not trained under a second id beside those of the second."""
+    path = run_dir / "run_id"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(uuid.uuid4().hex[:12] + "\n")
+        os.replace(tmp, path)
+    return path.read_text().strip()
 
 
 def main(argv: list[str]) -> int:

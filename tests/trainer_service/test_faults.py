@@ -19,8 +19,11 @@ import orjson
 import pytest
 
 from engine.tokenizer import VOCAB_SIZE
+from nats.js.errors import NotFoundError
+
 from shared import names
 from shared.nats import EmbeddedNats, connect, pull_consumer
+from shared.wire import encode_batch
 from tests.processes import ENV, REPO, EngineProcess, init_model, wait_until
 from tests.trainer_service.service_stack import (TORCHRUN, StandInWorker, Trainer, consumer_info, dead_letters, fault,
                                                  write_dataset)
@@ -116,3 +119,122 @@ def test_rank_0_killed_at_every_failpoint_trains_each_batch_once_bit_for_bit(sta
     summary("trainer crashes", faults=len(CRASHES), published=len(worker.published), acked=len(worker.published),
             trained=len(trained), dead_lettered=len(letters), lost=len(set(worker.published) - set(trained)),
             duplicated=len(trained) - len(set(trained)), redelivered_and_dropped=2)  # fmt: skip
+
+
+def test_a_poison_batch_is_dead_lettered_once_across_a_crash_and_never_stalls_the_steps(stack):
+    tmp, model, engine = stack
+    run_dir, dataset = tmp / "run-poison", write_dataset(tmp / "tasks-poison.jsonl")
+    poison = {}
+
+    async def inject(worker, task, batch):
+        if task.task_id.endswith("/0/0"):
+            bad = fault(batch, "short_row")
+            await worker.publish_raw(bad.batch_id, encode_batch(bad), bad.batch_id)
+            poison[bad.batch_id] = worker.extra[bad.batch_id]
+
+    with EmbeddedNats(tmp / "nats-poison") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject) as worker:
+        # The DLQ holds the poison, the crash comes before its ack: it is delivered again.
+        first = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS, failpoints="trainer.rejected=kill")
+        crash_at(first, "trainer.rejected", None)
+        again = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS)
+        assert again.wait(240) == 0, again.log()
+        letters = asyncio.run(dead_letters(nats.url))
+        info = asyncio.run(consumer_info(nats.url))
+    assert worker.error is None, worker.error
+    lines = metrics_lines(run_dir)
+    trained = [bid for line in lines for bid in line["batch_ids"]]
+    assert [line["step"] for line in lines] == [1, 2] and sorted(trained) == sorted(worker.published)
+    ((headers, data),) = letters  # once, though rejected twice
+    ((poison_id, poison_bytes),) = poison.items()
+    assert (headers["rule"], headers["batch_id"], data) == ("short_row", poison_id, poison_bytes)
+    assert headers["reason"].startswith("sample 0 row 2 has 15 candidates, expected 16")
+    assert [line["gate_rejected"] for line in lines] == [{"short_row": 1}, {}]
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+    summary("poison batch", faults=2, published=len(worker.published) + 1, acked=len(worker.published) + 1,
+            trained=len(trained), dead_lettered=len(letters), lost=0, duplicated=len(trained) - len(set(trained)))  # fmt: skip
+
+
+async def advisories(nats_url: str) -> list[tuple[str, dict]]:
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    try:
+        state = (await js.stream_info(names.ADVISORIES_STREAM)).state
+        msgs = [await js.get_msg(names.ADVISORIES_STREAM, s) for s in range(state.first_seq, state.last_seq + 1)] if state.messages else []
+        return [(m.subject, orjson.loads(m.data)) for m in msgs]
+    finally:
+        await nc.close()
+
+
+def test_batches_a_trainer_crashes_on_reach_max_deliver_and_the_advisory_is_kept(stack):
+    tmp, model, engine = stack
+    run_dir, dataset = tmp / "run-max-deliver", write_dataset(tmp / "tasks-max-deliver.jsonl")
+    flags = (*FLAGS, "--max-deliver", "2", "--max-inflight-steps", "2")  # tasks of steps 1 and 2 are out from the start
+    with EmbeddedNats(tmp / "nats-max-deliver") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE) as worker:
+        for _ in range(2):  # the trainer dies holding step 1's batches, twice
+            crash_at(Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *flags,
+                             failpoints="trainer.gathered@1=kill"), "trainer.gathered", 1)  # fmt: skip
+        # Tasks of 2 steps were published; the first step's batches are given up, the second's train.
+        last = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "1", *flags)
+        assert last.wait(240) == 0, last.log()
+        given_up = asyncio.run(advisories(nats.url))
+    assert worker.error is None, worker.error
+    first_step = sorted(bid for bid in worker.published if "/0/" in bid)
+    assert [subject for subject, _ in given_up] == [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{names.ROLLOUTS_STREAM}."
+                                                   f"{names.TRAINER_CONSUMER}"] * 2  # fmt: skip
+    assert sorted(a["stream_seq"] for _, a in given_up) == [1, 2] and {a["deliveries"] for _, a in given_up} == {2}
+    trained = [bid for line in metrics_lines(run_dir) for bid in line["batch_ids"]]
+    # The run went on without them; they are accounted for in ADVISORIES, not silently gone.
+    assert trained == sorted(bid for bid in worker.published if "/1/" in bid)
+    summary("max_deliver", faults=2, published=len(worker.published), trained=len(trained), given_up_with_advisory=len(given_up),
+            lost_unseen=len(set(worker.published) - set(trained) - set(first_step)), duplicated=len(trained) - len(set(trained)))  # fmt: skip
+
+
+def test_a_step_slower_than_the_ack_wait_is_not_redelivered(stack):
+    tmp, model, engine = stack
+    run_dir, dataset = tmp / "run-slow", write_dataset(tmp / "tasks-slow.jsonl")
+    with EmbeddedNats(tmp / "nats-slow") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE) as worker:
+        trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS, failpoints="trainer.train@1=sleep:8")
+        assert trainer.wait(240) == 0, trainer.log()
+        info = asyncio.run(consumer_info(nats.url))
+    assert worker.error is None, worker.error
+    lines = metrics_lines(run_dir)
+    assert lines[0]["save_s"] > 8 > 3  # step 1 held its batches for longer than --ack-wait 3
+    assert info.num_redelivered == 0 and sum(line["gate_duplicate"] for line in lines) == 0
+    assert info.delivered.stream_seq == len(worker.published) == 4
+
+
+def holding(nats_url: str) -> int:
+    """Batches the trainer holds unacked (0 before its consumer exists)."""
+    try:
+        return asyncio.run(consumer_info(nats_url)).num_ack_pending
+    except NotFoundError:
+        return 0
+
+
+def test_the_batch_a_dead_trainer_held_is_redelivered_within_the_ack_wait(stack):
+    tmp, model, engine = stack
+    ack_wait = 3.0
+    run_dir, dataset = tmp / "run-redeliver", write_dataset(tmp / "tasks-redeliver.jsonl")
+    blocked = lambda task: task.task_id.endswith("/0/1")  # noqa: E731  step 1 holds its first group only
+    with EmbeddedNats(tmp / "nats-redeliver") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked):
+        trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "1", *FLAGS)
+        wait_until(lambda: holding(nats.url) == 1, 180, "step 1 holding a batch", trainer.proc)
+        trainer.kill()
+        killed = time.monotonic()
+
+        async def redelivered():
+            nc = await connect(nats.url)
+            try:
+                consumer = await pull_consumer(nc.jetstream(), names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER,
+                                               filter_subject=names.ROLLOUTS_SUBJECT, ack_wait=ack_wait)  # fmt: skip
+                (msg,) = await consumer.fetch(1, timeout=ack_wait + 10)
+                return time.monotonic() - killed, msg.metadata.num_delivered
+            finally:
+                await nc.close()
+
+        elapsed, deliveries = asyncio.run(redelivered())
+    # In-progress acks every ack_wait/3 kept it while the trainer lived; after its death the
+    # server hands it out again no later than ack_wait after the last one.
+    assert deliveries == 2
+    assert elapsed <= ack_wait + 0.5, elapsed
+    print(f"\n[reliability] redelivery after trainer death: {elapsed:.2f}s (ack_wait {ack_wait}s)")
