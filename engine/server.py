@@ -6,6 +6,9 @@ Endpoints: POST /generate, POST /v1/chat/completions, GET /health, /model_info
 (/get_model_info), /server_info (/get_server_info), /v1/models, POST
 /update_weights_from_disk, GET|POST /flush_cache. `model_path` and `tokenizer_path` are
 reported as the local directory, so the sglang-router loads the tokenizer from disk.
+With an admin key (``--admin-api-key``, else ``CENTERLINE_ENGINE_ADMIN_API_KEY[_FILE]``,
+``shared/admin_key.py``) the two admin endpoints answer 401 ``{"error": "Unauthorized"}``
+without ``Authorization: Bearer <key>``, as SGLang's do.
 Left out: streaming, penalties, constrained decoding, prefix caching, multimodal input.
 
     centerline engine --model runs/model --port 30000
@@ -24,6 +27,8 @@ from pathlib import Path
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
+
+from shared import admin_key
 
 log = logging.getLogger("centerline.engine")
 DTYPES = ("float64", "float32")
@@ -48,9 +53,10 @@ def load_model(path: str, dtype: str):
 def build_app(
     model_path: str, weight_version: str = "0", max_batch_size: int = 32, seed: int = 0,
     dtype: str = "float64", sampling_mask_max_tokens: int = 4096, host: str = "127.0.0.1", port: int = 0,
+    admin_api_key: str | None = None,
 ) -> FastAPI:  # fmt: skip
     """Load the model and tokenizer from `model_path` and return the app; the scheduler
-    thread starts and stops with the app's lifespan."""
+    thread starts and stops with the app's lifespan. ``admin_api_key`` guards the admin endpoints."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -103,6 +109,12 @@ def build_app(
 
     app = FastAPI(lifespan=lifespan)
     app.state.scheduler = scheduler
+
+    def refused(request: Request) -> Response | None:
+        """SGLang's answer to an admin request without the admin key, else None."""
+        if admin_api_key is None or admin_key.authorized(request.headers.get("authorization"), admin_api_key):
+            return None
+        return json_response({"error": "Unauthorized"}, 401)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -174,6 +186,8 @@ def build_app(
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
         try:
             body = await body_of(request)
         except RequestError as exc:
@@ -194,7 +208,9 @@ def build_app(
                               "num_paused_requests": 0})  # fmt: skip
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
         # No prefix cache is kept between requests, so there is nothing to drop.
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation will not be performed.)\n")  # fmt: skip
@@ -217,7 +233,14 @@ def main(argv: list[str]) -> int:
     # machine OpenMP spin-waiting made a 16-row decode step 10x slower; the other core
     # serves HTTP.
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--admin-api-key", default=None,
+                        help=f"as SGLang's flag: admin endpoints need 'Authorization: Bearer KEY'; default ${admin_key.KEY_ENV} "
+                             f"or the file ${admin_key.KEY_FILE_ENV} names (preferred: a flag shows in ps)")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        key = args.admin_api_key or admin_key.key_from_env()
+    except admin_key.AdminKeyError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
 
     import torch
     import uvicorn
@@ -226,9 +249,11 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if key is None:
+        log.warning("no admin key: anyone who reaches this engine can load weights into it (--admin-api-key, $%s)", admin_key.KEY_ENV)
     app = build_app(
         args.model, args.weight_version, args.max_batch_size, args.seed, args.dtype,
-        args.sampling_mask_max_tokens, args.host, args.port,
+        args.sampling_mask_max_tokens, args.host, args.port, admin_api_key=key,
     )  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning")
     return 0

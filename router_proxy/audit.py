@@ -39,7 +39,8 @@ PROXY_RULES = {
     "malformed_response": "the upstream body is not the SGLang response shape (bad JSON, wrong types, missing fields)",
     "missing_token_ids": "a chat response carries no token ids (no choices[].meta_info), so it cannot be audited or trained on",
     "upstream_status": "the upstream answered a training request with an error status",
-    "upstream_unreachable": "the upstream could not be reached",
+    "upstream_too_large": "the upstream's answer exceeded --max-upstream-response-bytes and was cut off",
+    "upstream_unreachable": "the upstream could not be reached, broke off its answer, or did not speak HTTP/1.1",
     "vocab_unknown": "the vocabulary size is unknown (no vocab_size from the upstream, no --vocab-size)",
 }
 
@@ -65,12 +66,17 @@ def malformed(message: str) -> ContractViolation:
     return ContractViolation("malformed_response", message)
 
 
-def audit_body(body: bytes, *, endpoint: str, mode: str, k: int, vocab_size: int) -> AuditResult:
+def audit_body(body: bytes, *, endpoint: str, mode: str, k: int, vocab_size: int, content_type: bytes | None = None) -> AuditResult:
     """Raise ``ContractViolation`` for the first defect of an upstream response body; else say what was checked.
 
+    ``content_type``, when given, must be JSON: SGLang answers ``application/json``, and a
+    client must not be handed another media type as a training response.
     The cyclic GC is paused meanwhile: a long response parses into ~N*K small lists (none
     cyclic, all freed by refcount on return), and GC passes over them cost more than the parse.
     """
+    if content_type is not None and content_type.split(b";", 1)[0].strip().lower() != b"application/json":
+        shown = content_type[:80].decode("latin-1") or "none"
+        raise malformed(f"the upstream answered content-type {shown!r}, expected application/json")
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -99,7 +99,7 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
     report = ProbeReport(upstream.url, contract.endpoint, contract.mode, contract.k)
     path = "/v1/chat/completions" if contract.endpoint == "chat" else "/generate"
     try:
-        status, body, _ = await upstream.request(b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")])
+        status, body, ctype = await upstream.request(b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")])
     except OSError as exc:
         report.add("upstream reachable", False, f"cannot reach {upstream.url}{path}: {exc}")
         return report
@@ -151,7 +151,7 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
         return report
 
     try:
-        result = audit_body(body, endpoint=contract.endpoint, mode=contract.mode, k=contract.k, vocab_size=report.vocab_size)
+        result = audit_body(body, endpoint=contract.endpoint, mode=contract.mode, k=contract.k, vocab_size=report.vocab_size, content_type=ctype)
     except ContractViolation as exc:
         report.add("complete candidate sets", False, _cause(exc))
         return report

@@ -23,14 +23,18 @@ CHAT_OWNED = ("logprobs", "top_logprobs", "return_meta_info", "return_sampling_m
 
 
 class RequestRejected(ValueError):
-    """A training request the contract cannot honour; ``field`` is its dotted path in the body."""
+    """A request the contract or a proxy limit cannot honour; ``field`` is its dotted path in the body,
+    ``value`` and ``limit`` the numbers compared when a limit refused it."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, *, value=None, limit=None):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.value, self.limit = field, value, limit
 
     def to_dict(self) -> dict:
-        return {"error": {"rule": "request_rejected", "field": self.field, "message": str(self)}}
+        error = {"rule": "request_rejected", "field": self.field, "message": str(self)}
+        if self.limit is not None:
+            error.update(value=self.value, limit=self.limit)
+        return {"error": error}
 
 
 @dataclass(frozen=True)
@@ -56,19 +60,44 @@ class Contract:
         )
 
 
-def rewrite_body(raw: bytes, endpoint: str, contract: Contract) -> bytes:
-    """The request body ``raw`` for ``endpoint`` ("generate" | "chat") rewritten to ``contract``."""
+def rewrite_body(raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None) -> bytes:
+    """The request body ``raw`` for ``endpoint`` ("generate" | "chat") rewritten to ``contract``;
+    a client's K above ``max_k`` is refused even though the contract's K replaces it."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise RequestRejected("body", f"not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise RequestRejected("body", f"expected a JSON object, found {type(body).__name__}")
+    if max_k is not None:
+        check_k(body, endpoint, max_k)
     if endpoint == "generate":
         rewrite_generate(body, contract)
     else:
         rewrite_chat(body, contract)
     return orjson.dumps(body)
+
+
+def check_k(body: dict, endpoint: str, max_k: int) -> None:
+    """Refuse a requested K (native ``top_logprobs_num``, one or a list; chat ``top_logprobs``)
+    above ``max_k``: every candidate costs the upstream and the proxy memory per token."""
+    name = "top_logprobs_num" if endpoint == "generate" else "top_logprobs"
+    value = body.get(name)
+    for k in value if isinstance(value, list) else (value,):
+        if isinstance(k, (int, float)) and not isinstance(k, bool) and k > max_k:
+            raise RequestRejected(name, f"is {k}, above the proxy's limit of {max_k} candidates per token (--max-top-logprobs-num)",
+                                  value=k, limit=max_k)  # fmt: skip
+
+
+def check_eval_body(raw: bytes, endpoint: str, max_k: int) -> None:
+    """The limits an evaluation request (otherwise forwarded untouched) must respect; a body
+    that is not a JSON object is left to the upstream to refuse."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return
+    if isinstance(body, dict):
+        check_k(body, endpoint, max_k)
 
 
 def rewrite_generate(body: dict, c: Contract) -> None:

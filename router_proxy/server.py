@@ -6,9 +6,13 @@
   (``rewrite.py``), forwarded, and their responses audited (``audit.py``) before anyone sees
   them; ``enforce`` turns a defect into 502 ``{"error": {rule, message, row, expected, found}}``,
   ``observe`` passes it with an ``X-Centerline-Audit`` header. ``X-Centerline-Eval: 1`` requests
-  pass through untouched.
+  pass through untouched (their K is still bounded by ``--max-top-logprobs-num``).
+- Limits: a request body above ``--max-request-body-bytes`` is 413; an upstream answer above
+  ``--max-upstream-response-bytes`` is cut off and becomes 502 ``upstream_too_large``.
 - GET /ready is 503 until the capability probe (``probe.py``) passes; GET /capabilities runs
-  it again. GET /metrics is Prometheus. Engine admin endpoints answer 403.
+  it again. GET /metrics is Prometheus. Engine admin endpoints answer 403, and a client's
+  ``Authorization`` header is never forwarded (DESIGN section 7: the trainer alone holds the
+  engines' admin key and calls each engine directly).
 
 The HTTP on both sides is lean on purpose (``front.py`` serves, ``upstream.py`` pools
 keep-alive connections to the upstream): FastAPI/uvicorn and aiohttp cost more CPU per request
@@ -31,10 +35,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router_proxy.audit import audit_body
 from router_proxy.events import AuditPublisher, ProxyMetrics
-from router_proxy.front import Front, Reply, Request
+from router_proxy.front import MAX_BODY_BYTES, Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
-from router_proxy.rewrite import Contract, RequestRejected, rewrite_body
-from router_proxy.upstream import UpstreamPool
+from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
+from router_proxy.upstream import MAX_RESPONSE_BYTES, UpstreamPool, UpstreamTooLarge
 from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
 
@@ -43,7 +47,8 @@ log = logging.getLogger("centerline.proxy")
 EVAL_HEADER = b"x-centerline-eval"
 AUDIT_HEADER = b"x-centerline-audit"
 JSON = b"application/json"
-FORWARDED_HEADERS = (b"authorization", b"x-request-id")
+FORWARDED_HEADERS = (b"x-request-id",)  # never authorization: see the module docstring
+MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
 PASS_THROUGH = {b"/health", b"/health_generate", b"/get_model_info", b"/model_info", b"/get_server_info", b"/server_info", b"/v1/models"}
@@ -62,8 +67,10 @@ class Proxy:
     """The routes and their state: contract, upstream pool, readiness, metrics and audit events."""
 
     def __init__(self, upstream: str, contract: Contract, *, audit_mode: str = "enforce", vocab_size: int | None = None,
-                 nats_url: str | None = None, upstream_timeout: float = 1800.0, max_connections: int = 512):  # fmt: skip
-        self.pool = UpstreamPool(upstream, timeout=upstream_timeout, max_connections=max_connections)
+                 nats_url: str | None = None, upstream_timeout: float = 1800.0, max_connections: int = 512,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, max_k: int = MAX_TOP_LOGPROBS_NUM):  # fmt: skip
+        self.pool = UpstreamPool(upstream, timeout=upstream_timeout, max_connections=max_connections, max_response_bytes=max_response_bytes)
+        self.max_k = max_k
         self.upstream = self.pool.url
         self.contract = contract
         self.audit_mode = audit_mode
@@ -140,16 +147,23 @@ class Proxy:
         return status, answer, ctype or JSON, []
 
     def _unreachable(self, target: bytes, exc: OSError) -> ContractViolation:
+        if isinstance(exc, UpstreamTooLarge):
+            return ContractViolation("upstream_too_large", f"{self.upstream}{target.decode('latin-1')}: {exc}", expected=exc.limit)
         return ContractViolation("upstream_unreachable", f"{self.upstream}{target.decode('latin-1')}: {exc}")
 
     async def training(self, endpoint: str, req: Request) -> Reply:
         """One training (or eval) request: rewrite, forward, audit, then pass, block or flag the answer."""
         if req.headers.get(EVAL_HEADER) == b"1":
+            try:
+                check_eval_body(req.body, endpoint, self.max_k)
+            except RequestRejected as exc:
+                self.metrics.count(self.metrics.requests, endpoint, "rejected")
+                return 400, orjson.dumps(exc.to_dict()), JSON, []
             self.metrics.count(self.metrics.requests, endpoint, "eval")
             return await self.forward(b"POST", req.target, req.body, req.headers)
         started = time.perf_counter()
         try:
-            sent = rewrite_body(req.body, endpoint, self.contract)
+            sent = rewrite_body(req.body, endpoint, self.contract, max_k=self.max_k)
         except RequestRejected as exc:
             self.metrics.count(self.metrics.requests, endpoint, "rejected")
             return 400, orjson.dumps(exc.to_dict()), JSON, []
@@ -165,7 +179,7 @@ class Proxy:
             violation = self._unreachable(req.target, exc)
         upstream_s = time.perf_counter() - sent_at
         if violation is None:
-            violation, result = self._audit(endpoint, status, body)
+            violation, result = self._audit(endpoint, status, body, ctype)
         added_s = time.perf_counter() - started - upstream_s
         self.metrics.observe_added(added_s)
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
@@ -185,14 +199,14 @@ class Proxy:
             return _error(502, violation, [(AUDIT_HEADER, verdict)])
         return status, body, ctype or JSON, [(AUDIT_HEADER, verdict)]
 
-    def _audit(self, endpoint: str, status: int, body: bytes):
+    def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes):
         if status != 200:
             text = body[:300].decode(errors="replace")
             return ContractViolation("upstream_status", f"the upstream answered {status}: {text}", expected=200, found=status), None
         if self.vocab_size is None:
             return ContractViolation("vocab_unknown", "the upstream reports no vocab_size; start the proxy with --vocab-size"), None
         try:
-            return None, audit_body(body, endpoint=endpoint, mode=self.contract.mode, k=self.contract.k, vocab_size=self.vocab_size)
+            return None, audit_body(body, endpoint=endpoint, mode=self.contract.mode, k=self.contract.k, vocab_size=self.vocab_size, content_type=ctype)
         except ContractViolation as exc:
             return exc, None
         except Exception as exc:  # a shape no check anticipated is still a malformed response, never a 500
@@ -214,14 +228,14 @@ def _error(status: int, v: ContractViolation, headers: list | None = None) -> Re
     return status, orjson.dumps({"error": v.to_dict()}), JSON, headers or []
 
 
-async def run(proxy: Proxy, host: str, port: int) -> None:
+async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Serve until SIGTERM or SIGINT, then finish the requests in progress (up to ``SHUTDOWN_GRACE_S``) and stop."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await proxy.start()
-    front = Front(proxy.handle)
+    front = Front(proxy.handle, max_body_bytes=max_body_bytes)
     await front.start(host, port)
     gc.freeze()  # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
     log.warning("proxy on http://%s:%d -> %s (%s)", host, port, proxy.upstream, proxy.contract)
@@ -238,19 +252,31 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=30010)
     parser.add_argument("--vocab-size", type=int, default=None, help="used when the upstream's /model_info reports none")
     parser.add_argument("--upstream-timeout", type=float, default=1800.0, help="seconds per upstream request")
+    parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies are refused with 413")
+    parser.add_argument("--max-upstream-response-bytes", type=int, default=MAX_RESPONSE_BYTES,
+                        help="larger upstream answers are cut off and become 502 upstream_too_large")  # fmt: skip
+    parser.add_argument("--max-top-logprobs-num", type=int, default=MAX_TOP_LOGPROBS_NUM,
+                        help="largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400")  # fmt: skip
     add_arguments(parser)
     args, cfg = parse_args(parser, argv)
+    for name in ("max_request_body_bytes", "max_upstream_response_bytes", "max_top_logprobs_num"):
+        if getattr(args, name) <= 0:
+            parser.exit(2, f"{parser.prog}: --{name.replace('_', '-')} {getattr(args, name)}: must be positive\n")
+    if cfg.rollout_top_logprobs_num > args.max_top_logprobs_num:
+        parser.exit(2, f"{parser.prog}: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above --max-top-logprobs-num "
+                       f"{args.max_top_logprobs_num}; raise the limit or lower K\n")  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:
         proxy = Proxy(args.upstream, Contract.from_config(cfg), audit_mode=cfg.proxy_audit_mode, vocab_size=args.vocab_size,
-                      nats_url=nats_url, upstream_timeout=args.upstream_timeout)  # fmt: skip
+                      nats_url=nats_url, upstream_timeout=args.upstream_timeout, max_response_bytes=args.max_upstream_response_bytes,
+                      max_k=args.max_top_logprobs_num)  # fmt: skip
     except ValueError as exc:
         print(f"centerline proxy: --upstream: {exc}", file=sys.stderr)
         return 2
     import uvloop
 
-    uvloop.run(run(proxy, args.host, args.port))
+    uvloop.run(run(proxy, args.host, args.port, args.max_request_body_bytes))
     return 0
 
 

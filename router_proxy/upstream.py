@@ -11,7 +11,10 @@ client was a quarter of the old proxy's per-request CPU (py-spy under ``centerli
 
 A request that fails on a *reused* connection before any response byte arrived is retried
 once on a fresh one: the upstream closed its idle keep-alive connection as we sent, and never
-read the request. Any other failure raises ``UpstreamError``.
+read the request. Any other failure raises ``UpstreamError``. An answer larger than
+``max_response_bytes`` (head and body as received) raises ``UpstreamTooLarge`` as soon as it
+crosses the bound, so a hostile upstream cannot make the proxy buffer more than that; bytes
+nobody asked for (after a complete answer, on an idle connection) close the connection.
 """
 
 from __future__ import annotations
@@ -24,10 +27,19 @@ import urllib.parse
 import httptools
 
 CLOSE_DELIMITED = -1
+MAX_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB a token, so ~65k tokens per answer
 
 
 class UpstreamError(OSError):
     """The upstream could not be reached, timed out, or answered something that is not HTTP/1.1."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """The upstream's answer crossed ``max_response_bytes``; ``limit`` is that bound."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
 
 
 class _Connection(asyncio.Protocol):
@@ -44,7 +56,7 @@ class _Connection(asyncio.Protocol):
         self.chunks: list[bytes] = []
         self.content_type = b""
         self.framing = 0  # 0 before headers; CLOSE_DELIMITED when neither content-length nor chunked
-        self.received = False
+        self.received = 0  # bytes of the current answer so far
         self.done = False
 
     # -- asyncio.Protocol
@@ -53,12 +65,22 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data):
-        self.received = True
+        waiter = self.waiter
+        if waiter is None or waiter.done():  # nobody waits: unsolicited bytes, or the rest of a failed answer
+            self.transport.abort()
+            return
+        self.received += len(data)
+        limit = self.pool.max_response_bytes
+        if self.received > limit:
+            self.chunks = []
+            self._fail(UpstreamTooLarge(f"the upstream's answer exceeds {limit} bytes (--max-upstream-response-bytes)", limit))
+            self.transport.abort()
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"the upstream answered something that is not HTTP/1.1 ({exc})"))
-            self.transport.close()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(UpstreamError(f"the upstream answered something that is not HTTP/1.1 ({type(exc).__name__}: {exc})"))
+            self.transport.abort()
 
     def connection_lost(self, exc):
         self.closed = True
@@ -75,6 +97,8 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_message_begin(self):
+        if self.waiter is None:  # a second answer in the same read as the first: not reusable
+            self.transport.abort()
         self.chunks, self.content_type, self.framing, self.done = [], b"", 0, False
 
     def on_header(self, name: bytes, value: bytes):
@@ -90,7 +114,8 @@ class _Connection(asyncio.Protocol):
             self.framing = CLOSE_DELIMITED
 
     def on_body(self, body: bytes):
-        self.chunks.append(body)
+        if self.waiter is not None:  # else bytes after the answer, in the same read: dropped with the connection
+            self.chunks.append(body)
 
     def on_message_complete(self):
         if self.parser.get_status_code() < 200:  # 100 Continue and friends: the real answer follows
@@ -101,7 +126,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes | None, timeout: float) -> asyncio.Future:
         self.waiter = self.pool.loop.create_future()
-        self.received = False
+        self.received = 0
         self.timer = self.pool.loop.call_later(timeout, self._timed_out, timeout)
         if body and len(body) > 65536:  # a large body goes out without being copied into the head
             self.transport.writelines((head, body))
@@ -111,11 +136,12 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self, keep: bool):
         self.done = True
+        waiter, self.waiter, chunks, self.chunks = self.waiter, None, self.chunks, []
+        if waiter is None or waiter.done():  # a second answer nobody asked for, or one that already failed
+            self.transport.abort()
+            return
         self.timer.cancel()
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        waiter, self.waiter, self.chunks = self.waiter, None, []
-        if not waiter.done():
-            waiter.set_result((self.parser.get_status_code(), body, self.content_type))
+        waiter.set_result((self.parser.get_status_code(), chunks[0] if len(chunks) == 1 else b"".join(chunks), self.content_type))
         if keep and not self.closed:
             self.reused = True
             self.pool._release(self)
@@ -140,7 +166,8 @@ class _Retry(Exception):
 class UpstreamPool:
     """Keep-alive connections to ``url`` (``http://`` or ``https://``, optionally with a path prefix)."""
 
-    def __init__(self, url: str, *, timeout: float = 1800.0, connect_timeout: float = 10.0, max_connections: int = 512):
+    def __init__(self, url: str, *, timeout: float = 1800.0, connect_timeout: float = 10.0, max_connections: int = 512,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES):  # fmt: skip
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream URL {url!r}: expected http://host:port or https://host:port")
@@ -151,6 +178,7 @@ class UpstreamPool:
         self.prefix = parts.path.rstrip("/").encode()
         self.host_header = parts.netloc.encode()
         self.timeout, self.connect_timeout, self.max_connections = timeout, connect_timeout, max_connections
+        self.max_response_bytes = max_response_bytes
         self.idle: list[_Connection] = []  # LIFO: the warmest connection first
         self.opened = 0
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -184,7 +212,7 @@ class UpstreamPool:
             self.loop = asyncio.get_running_loop()
         while self.idle and not fresh:
             conn = self.idle.pop()
-            if not conn.closed:
+            if not conn.closed and not conn.transport.is_closing():
                 return conn
         while self.opened >= self.max_connections:
             waiter = self.loop.create_future()
@@ -195,7 +223,7 @@ class UpstreamPool:
                 if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
                     self._release(waiter.result())  # handed a connection just as we were cancelled: pass it on
                 raise
-            if conn is not None and not conn.closed:
+            if conn is not None and not conn.closed and not conn.transport.is_closing():
                 if not fresh:
                     return conn
                 conn.transport.close()  # a retry wants a new connection: make room for it (_forget wakes us)

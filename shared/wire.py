@@ -176,13 +176,14 @@ def decode_batch(data: bytes | bytearray | memoryview, *, limits: WireLimits = W
         raise WireError(f"{reader.end - reader.pos} trailing bytes after the batch map")
     if not isinstance(doc, dict):
         raise WireError(f"top level is {type(doc).__name__}, expected a map")
-    return _batch_from_doc(doc)
+    return _batch_from_doc(doc, limits)
 
 
-def _batch_from_doc(doc: dict) -> Batch:
+def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
     version = doc.get("v")
-    if version != WIRE_VERSION:
-        raise WireError(f"wire format version {version!r} is not supported; this decoder reads version {WIRE_VERSION}")
+    if type(version) is not int or version != WIRE_VERSION:  # an array-shaped map is read as an ndarray: compare no such thing
+        shown = repr(version) if version is None or type(version) in (int, str) else type(version).__name__
+        raise WireError(f"wire format version {shown} is not supported; this decoder reads version {WIRE_VERSION}")
     values: dict = {}
     for name, kind in SCALAR_FIELDS.items():
         value = _require(doc, name)
@@ -200,7 +201,7 @@ def _batch_from_doc(doc: dict) -> Batch:
         spec = _require(doc, name)
         # The reader's canonical path already built and size-checked the view; only the dtype is left.
         ok = type(spec) is np.ndarray and spec.dtype == DTYPES[dtype]
-        values[name] = spec if ok else _array_from_doc(name, spec, dtype)
+        values[name] = spec if ok else _array_from_doc(name, spec, dtype, limits)
     extra = {key: value for key, value in doc.items() if key not in _KNOWN_KEYS}
     return Batch(**values, extra=extra)
 
@@ -215,7 +216,7 @@ def _require(doc: dict, name: str):
         raise WireError(f"required field {name!r} is missing") from None
 
 
-def _array_from_doc(name: str, spec, expected_dtype: str) -> np.ndarray:
+def _array_from_doc(name: str, spec, expected_dtype: str, limits: WireLimits) -> np.ndarray:
     if type(spec) is np.ndarray:
         raise WireError(f"array field {name!r} has dtype {spec.dtype.name!r}, expected {expected_dtype!r}")
     if not isinstance(spec, dict):
@@ -225,6 +226,12 @@ def _array_from_doc(name: str, spec, expected_dtype: str) -> np.ndarray:
         raise WireError(f"array field {name!r} has dtype {dtype!r}, expected {expected_dtype!r}")
     if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise WireError(f"array field {name!r} has shape {shape!r}, expected a list of non-negative ints")
+    # An empty array needs no bytes whatever its other dimensions claim, so the size check below
+    # cannot bound them: numpy would refuse [0, 2**62] or 65 dimensions with its own ValueError.
+    if len(shape) > limits.max_ndim:
+        raise WireError(f"array field {name!r} has {len(shape)} dimensions, above max_ndim={limits.max_ndim}")
+    if any(d > limits.max_message_bytes for d in shape):
+        raise WireError(f"array field {name!r} has shape {shape}: a dimension above max_message_bytes={limits.max_message_bytes}")
     if not isinstance(data, (bytes, memoryview)):
         raise WireError(f"array field {name!r} has data of type {type(data).__name__}, expected bin")
     np_dtype = DTYPES[dtype]

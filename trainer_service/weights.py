@@ -6,10 +6,13 @@ directory and renamed, so an engine never loads half a version. Version 0 is the
 ``--model`` directory itself.
 
 Publication (rank 0): ``POST /update_weights_from_disk {model_path, weight_version: str(v)}``
-on each engine URL directly (SGLang routers do not forward admin endpoints), then
+on each engine URL directly (SGLang routers do not forward admin endpoints), with the engines'
+admin key as ``Authorization: Bearer`` when one is set (``shared/admin_key.py``), then
 ``weights.updated`` ``{version, path, sha256}`` on NATS (sha256 of the safetensors files in
 name order). An engine that fails after a few tries is logged and counted, and training
-goes on: batches it samples with old weights are then rejected by the gate as ``stale``.
+goes on: batches it samples with old weights are then rejected by the gate as ``stale``. An
+engine that refuses the key (401/403) is a configuration error, not a passing failure: it
+raises ``AdminKeyError`` naming the engine and the setting, and the trainer stops.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from shared import names
+from shared import admin_key, names
 from trainer_service.checkpoint import is_writer, publish_dir
 from trainer_service.model import save_model
 
@@ -66,8 +69,11 @@ def sha256(path: Path) -> str:
 class WeightPublisher:
     """Tells every engine, then NATS, which version to serve."""
 
-    def __init__(self, js, engine_urls: list[str], *, attempts: int = 3, timeout: float = 300.0):
+    def __init__(self, js, engine_urls: list[str], *, attempts: int = 3, timeout: float = 300.0, admin_api_key: str | None = None):
+        """``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``)."""
         self.js, self.engine_urls, self.attempts = js, list(engine_urls), attempts
+        key = admin_api_key or admin_key.key_from_env()
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
         self.failures = 0
 
@@ -83,7 +89,11 @@ class WeightPublisher:
         body = {"model_path": str(path), "weight_version": str(version)}
         for attempt in range(1, self.attempts + 1):
             try:
-                async with self.session.post(url.rstrip("/") + "/update_weights_from_disk", json=body) as resp:
+                async with self.session.post(url.rstrip("/") + "/update_weights_from_disk", json=body, headers=self.headers) as resp:
+                    if resp.status in (401, 403):  # no retry: a wrong key stays wrong
+                        problem = "not the engine's --admin-api-key" if self.headers else "unset, and the engine requires one"
+                        raise admin_key.AdminKeyError(f"engine {url} refused the weight update with HTTP {resp.status}: the trainer's "
+                                                      f"admin key ({admin_key.KEY_ENV} or {admin_key.KEY_FILE_ENV}) is {problem}")  # fmt: skip
                     reply = await resp.json(content_type=None)
                     if resp.status == 200 and isinstance(reply, dict) and reply.get("success"):
                         return True

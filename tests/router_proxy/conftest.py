@@ -28,6 +28,9 @@ class Double(Process):
     def last(self):
         return http("GET", self.url + "/_last")[1]
 
+    def last_headers(self) -> dict:
+        return http("GET", self.url + "/_last_headers")[1]
+
 
 class ProxyProcess(Process):
     def __init__(self, log_path: Path, upstream: str, *flags: str):

@@ -239,3 +239,15 @@ def test_quick_path_accepts_valid_small_responses(mode):
     doc = orjson.loads(native_response(4, 8, VOCAB))
     doc = support(doc, 5) if mode == "support" else doc
     assert quick_accept(native_metas(doc), mode=mode, k=8, vocab_size=VOCAB) == 4
+
+
+@pytest.mark.parametrize("ctype", [b"application/json", b"application/json; charset=utf-8", b"Application/JSON"])
+def test_json_content_type_is_audited(ctype):
+    assert audit_body(json.dumps(valid()).encode(), endpoint="generate", mode="selected", k=128, vocab_size=VOCAB, content_type=ctype).tokens == 6
+
+
+@pytest.mark.parametrize("ctype, shown", [(b"text/html", "'text/html'"), (b"", "'none'"), (b"application/jsonx", "'application/jsonx'")])
+def test_another_content_type_is_malformed_even_with_a_valid_body(ctype, shown):
+    with pytest.raises(ContractViolation) as info:
+        audit_body(json.dumps(valid()).encode(), endpoint="generate", mode="selected", k=128, vocab_size=VOCAB, content_type=ctype)
+    assert (info.value.rule, str(info.value)) == ("malformed_response", f"the upstream answered content-type {shown}, expected application/json")

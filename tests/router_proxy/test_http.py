@@ -1,11 +1,12 @@
 """The proxy's own HTTP/1.1: the upstream pool (upstream.py) and the server (front.py), in process on loopback."""
 
 import asyncio
+import json
 
 import pytest
 
 from router_proxy.front import Front
-from router_proxy.upstream import UpstreamError, UpstreamPool
+from router_proxy.upstream import UpstreamError, UpstreamPool, UpstreamTooLarge
 
 
 def run(coro):
@@ -146,6 +147,44 @@ def test_silent_upstream_times_out():
     run(main())
 
 
+def test_answer_above_the_limit_is_cut_off_and_the_pool_goes_on():
+    async def main():
+        server, url, counts = await scripted_upstream(lambda c, n, head: ok(b"x" * (5000 if c == 1 else 10)))
+        pool = UpstreamPool(url, max_response_bytes=1000)
+        with pytest.raises(UpstreamTooLarge, match=r"exceeds 1000 bytes \(--max-upstream-response-bytes\)") as info:
+            await pool.request(b"POST", b"/generate", b"{}")
+        after = await pool.request(b"POST", b"/generate", b"{}")
+        server.close()
+        return info.value.limit, after, counts["connections"]
+
+    assert run(main()) == (1000, (200, b"x" * 10, b"application/json"), 2)
+
+
+def test_unsolicited_bytes_after_an_answer_never_become_the_next_answer():
+    # A complete answer followed by the start of another: the second request must get its own.
+    smuggled = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+
+    async def main():
+        server, url, counts = await scripted_upstream(lambda c, n, head: ok(b"%d" % c) + smuggled)
+        pool = UpstreamPool(url)
+        answers = [await pool.request(b"POST", b"/generate", b"{}") for _ in range(2)]
+        server.close()
+        return answers, counts["connections"]
+
+    answers, connections = run(main())
+    assert answers == [(200, b"1", b"application/json"), (200, b"2", b"application/json")] and connections == 2
+
+
+def test_switching_protocols_is_an_upstream_error():
+    async def main():
+        server, url, _ = await scripted_upstream(lambda c, n, head: b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n")
+        with pytest.raises(UpstreamError, match="not HTTP/1.1 \\(HttpParserUpgrade"):
+            await UpstreamPool(url).request(b"POST", b"/generate", b"{}")
+        server.close()
+
+    run(main())
+
+
 async def front_with(handler):
     front = Front(handler)
     await front.start("127.0.0.1", 0)
@@ -209,7 +248,7 @@ def test_unparseable_request_gets_400_and_the_connection_closes():
 
     head, body, rest = run(main())
     assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"connection: close" in head
-    assert b'"rule": "bad_request"' in body and rest == b""
+    assert json.loads(body)["error"]["rule"] == "bad_request" and rest == b""
 
 
 def test_garbage_after_a_pipelined_request_is_rejected_after_its_answer():

@@ -76,3 +76,15 @@ def test_non_object_body_is_rejected():
     with pytest.raises(RequestRejected) as info:
         rewrite_body(b"[1, 2]", "generate", SELECTED)
     assert info.value.field == "body"
+
+
+@pytest.mark.parametrize("value", [64, [1, 64], "1000000", True, None, [None, "x"], {"k": 10**6}])
+def test_requested_k_within_the_limit_or_not_a_number_is_left_to_the_rewrite(value):
+    assert rewrite_body(orjson.dumps({"text": "a", "top_logprobs_num": value}), "generate", SELECTED, max_k=64)
+
+
+def test_requested_k_above_the_limit_names_field_value_and_limit():
+    with pytest.raises(RequestRejected) as info:
+        rewrite_body(orjson.dumps({"messages": [], "top_logprobs": 65}), "chat", SELECTED, max_k=64)
+    assert info.value.to_dict() == {"error": {"rule": "request_rejected", "field": "top_logprobs", "value": 65, "limit": 64,
+                                              "message": "top_logprobs: is 65, above the proxy's limit of 64 candidates per token (--max-top-logprobs-num)"}}  # fmt: skip

@@ -6,7 +6,8 @@ POST /generate and /v1/chat/completions answer valid SGLang-shaped responses for
 the request asked (top_logprobs_num / top_logprobs, support mode, max_new_tokens, n);
 ``--truncate R`` cuts every candidate row to R entries, as some router builds do. Control:
 POST /_next {"status", "body"} makes the next answer exactly that text; GET /_last returns
-the last request body it received, so tests can see what the proxy sent.
+the last request body it received, GET /_last_headers its headers (names in lower case), so
+tests can see what the proxy sent.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=300)
     parser.add_argument("--no-vocab", action="store_true", help="report no vocab_size in /model_info")
     args = parser.parse_args()
-    state = {"next": [], "last": None}
+    state = {"next": [], "last": None, "last_headers": {}}
 
     async def answer(request: web.Request, make) -> web.Response:
         state["last"] = await request.text()
+        state["last_headers"] = {name.lower(): value for name, value in request.headers.items()}
         if state["next"]:
             nxt = state["next"].pop(0)
             return web.Response(text=nxt["body"], status=nxt.get("status", 200), content_type="application/json")
@@ -94,6 +96,9 @@ def main() -> None:
     async def last(_request) -> web.Response:
         return web.Response(text=state["last"] or "null", content_type="application/json")
 
+    async def last_headers(_request) -> web.Response:
+        return web.json_response(state["last_headers"])
+
     async def model_info(_request) -> web.Response:
         return web.json_response({"model_path": "double", **({} if args.no_vocab else {"vocab_size": args.vocab_size})})
 
@@ -103,6 +108,7 @@ def main() -> None:
         web.post("/v1/chat/completions", lambda r: answer(r, chat)),
         web.post("/_next", set_next),
         web.get("/_last", last),
+        web.get("/_last_headers", last_headers),
         web.get("/model_info", model_info),
         web.get("/health", lambda r: web.Response(text="ok")),
     ])  # fmt: skip

@@ -1,0 +1,1 @@
+"""Fuzz harnesses (atheris/libFuzzer), run from the repository root: see README.md, "Fuzzing"."""
