@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("centerline.experiment:main", "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)"),
     "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("shared.nats:main", "run the embedded NATS server with JetStream"),
+    "nats-credentials": ("shared.nats_auth:main", "write random NATS passwords for compose or Kubernetes (keeps existing ones)"),
     "init-model": ("engine.model_init:main", "write the default small byte-level model as an HF directory"),
     "engine": ("engine.server:main", "serve a model with the SGLang HTTP protocol on the CPU"),
     "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),

@@ -9,6 +9,12 @@ at the rollout temperature, fixed seed, ``--eval-prompts`` prompts) is measured 
 engine before training and after every ``--eval-every`` steps. At the
 end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
+NATS runs with shared/nats_auth.py's users, passwords made for this run: the launcher
+creates the streams as ``admin``, and each service gets only its own user and password, in its
+environment (``service_env``), never in ``config.toml``. Likewise the engine's admin key
+(``shared/admin_key.py``): a new one per run, in the environment of the engine and the
+trainer only.
+
 Progress: a live status line on a terminal, one JSON line per step otherwise. Ctrl-C or
 SIGTERM stops every process, trainer first (it commits or abandons its step), NATS last.
 
@@ -30,19 +36,23 @@ and more than one engine.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 
 import orjson
 
+from shared import admin_key
 from shared import config as shared_config
-from shared.nats import EmbeddedNats, free_port
+from shared import nats_auth
+from shared.nats import EmbeddedNats, free_port, provision
 from shared.toy_tasks import REWARDS, examples
 
 PYTHON = sys.executable
@@ -51,16 +61,30 @@ PYTHON = sys.executable
 UP_DEFAULTS = {"learning_rate": 3e-4, "rollout_n": 8, "rollout_max_new_tokens": 8}
 
 
+def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mapping[str, str]) -> dict[str, str]:
+    """A service's environment: ``base`` without any NATS credential, plus ``nats_user``'s own
+    (none for a service that does not use NATS), so no process holds another's password."""
+    env = {k: v for k, v in base.items() if not nats_auth.is_secret_variable(k)}
+    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if nats_user is not None:
+        env |= nats_auth.client_env(nats_user, passwords[nats_user])
+    return env
+
+
 class Stack:
     """Child processes started in their own sessions (so Ctrl-C reaches the launcher only)."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, nats_passwords: Mapping[str, str]):
         self.log_dir = log_dir
+        self.nats_passwords = nats_passwords
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], nats_user: str | None = None, engine_key: str | None = None) -> subprocess.Popen:
+        """``engine_key``: the engine's admin key, for the engine and the trainer; no other process gets one."""
         log = open(self.log_dir / f"{name}.log", "wb")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in service_env(os.environ, nats_user, self.nats_passwords).items() if k not in admin_key.VARIABLES}
+        if engine_key is not None:
+            env[admin_key.KEY_ENV] = engine_key
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.procs.append((name, proc))
         return proc
@@ -192,8 +216,9 @@ def launch(args, cfg, stopping: list[str] | None = None) -> Path:
     Raises ``RuntimeError`` when a service fails, ``Stopped`` when ``stopping`` gets an entry."""
     run_dir = args.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    stack = Stack(run_dir / "logs")
-    nats = EmbeddedNats(run_dir / "nats")
+    passwords = nats_auth.new_passwords()
+    stack = Stack(run_dir / "logs", passwords)
+    nats = EmbeddedNats(run_dir / "nats", passwords=passwords)
     try:
         run(args, cfg, run_dir, stack, nats, [] if stopping is None else stopping)
     finally:
@@ -214,6 +239,7 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     subprocess.run([PYTHON, "-m", "centerline", "dataset", "--task", args.task, "--n", str(args.dataset_size), "--seed", str(cfg.seed), "--reward", args.reward, "--out", str(dataset)], check=True, stdout=subprocess.DEVNULL)
 
     nats.start()
+    asyncio.run(provision(nats.url, **nats.credentials("admin")))  # workers and proxy may not create streams
     engine_port, proxy_port = free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     cfg = cfg.model_copy(update={"nats_url": nats.url, "proxy_url": proxy_url, "engine_urls": [engine_url]})
@@ -221,10 +247,11 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     config_file.write_text(shared_config.to_toml(cfg))
     common = ["--config", str(config_file)]
 
-    engine = stack.start("engine", [PYTHON, "-m", "centerline", "engine", "--model", str(model), "--port", str(engine_port)])
+    engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
+    engine = stack.start("engine", [PYTHON, "-m", "centerline", "engine", "--model", str(model), "--port", str(engine_port)], engine_key=engine_key)
     wait_http(f"{engine_url}/health", "engine", engine, run_dir / "logs" / "engine.log", args.startup_timeout)
     vocab = str(orjson.loads((model / "config.json").read_bytes())["vocab_size"])
-    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", engine_url, "--port", str(proxy_port), "--vocab-size", vocab, *common])
+    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", engine_url, "--port", str(proxy_port), "--vocab-size", vocab, *common], nats_user="proxy")
     wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", args.startup_timeout)
     log(f"engine {engine_url}, proxy {proxy_url} (ready: upstream returns complete candidate sets), NATS {nats.url}")
 
@@ -241,14 +268,15 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
 
     record_eval(0)
     for i in range(args.workers):
-        stack.start(f"worker-{i}", [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", "--vocab-size", vocab, *common])
+        stack.start(f"worker-{i}", [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", "--vocab-size", vocab, *common],
+                    nats_user="worker")
     trainer_argv = ["--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir), "--steps", str(args.steps),
                     "--prompts-per-step", str(args.prompts_per_step), *common]  # fmt: skip
     if args.trainer_ranks > 1:
         launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.trainer_ranks), "-m", "centerline", "trainer"]
     else:
         launcher = [PYTHON, "-m", "centerline", "trainer"]
-    trainer = stack.start("trainer", launcher + trainer_argv)
+    trainer = stack.start("trainer", launcher + trainer_argv, nats_user="trainer", engine_key=engine_key)
 
     metrics = run_dir / "metrics.jsonl"
     seen = 0

@@ -38,6 +38,8 @@ from pathlib import Path
 import msgpack
 import orjson
 
+from shared.nats_auth import CredentialsError, redact
+
 MAGIC = b"CLREC"
 VERSION = 1
 PREAMBLE = len(MAGIC) + 1
@@ -239,7 +241,7 @@ def main(argv: list[str]) -> int:
     if args.subject and (args.from_seq is not None or args.to_seq is not None):
         parser.error("--from-seq and --to-seq apply to --stream")
     source = ({"stream": args.stream, "from_seq": args.from_seq, "to_seq": args.to_seq} if args.stream
-              else {"subject": args.subject}) | {"nats_url": args.nats_url}  # fmt: skip
+              else {"subject": args.subject}) | {"nats_url": redact(args.nats_url)}  # fmt: skip
     writer = RecordWriter(args.out, source) if args.out else None
 
     def sink(msg: Message) -> None:
@@ -256,7 +258,10 @@ def main(argv: list[str]) -> int:
         else:
             done = asyncio.run(record_live(args.nats_url, args.subject, args.count, args.timeout, sink))
     except NoServersError:
-        print(f"centerline record: no NATS server at {args.nats_url} (--nats-url)", file=sys.stderr)
+        print(f"centerline record: no NATS server at {redact(args.nats_url)} (--nats-url)", file=sys.stderr)
+        return 1
+    except CredentialsError as exc:
+        print(f"centerline record: {exc}", file=sys.stderr)
         return 1
     finally:
         if writer is not None:

@@ -40,6 +40,7 @@ import orjson
 
 from centerline.record import Message, RecordFileError, print_summary, quiet, read_record
 from shared import config as shared_config
+from shared.nats_auth import CredentialsError
 
 log = logging.getLogger("centerline.replay")
 
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
         except NoServersError:
             raise ReplayError(f"no NATS server at {args.to} (--to)") from None
         return 0
-    except (RecordFileError, ReplayError, shared_config.ConfigError, OSError) as exc:
+    except (RecordFileError, ReplayError, shared_config.ConfigError, CredentialsError, OSError) as exc:
         print(f"centerline replay: {exc}", file=sys.stderr)
         return 2
 

@@ -46,7 +46,7 @@ class WorkerMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
-        self.tasks = Counter("centerline_worker_tasks", "Tasks finished, by outcome (ok, nak, rejected)", ["outcome"], registry=self.registry)
+        self.tasks = Counter("centerline_worker_tasks", "Tasks finished, by outcome (ok, nak, rejected, ack_lost)", ["outcome"], registry=self.registry)
         self.samples = Counter("centerline_worker_samples", "Samples published", registry=self.registry)
         self.tokens = Counter("centerline_worker_tokens", "Response tokens published", registry=self.registry)
         self.reward = Histogram("centerline_worker_reward", "Per-sample reward", buckets=(0, 0.25, 0.5, 0.75, 1.0), registry=self.registry)
@@ -108,13 +108,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worker-id", default=None, help="producer id in batches; default: host-pid")
     parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked task is redelivered")
     parser.add_argument("--concurrency", type=int, default=2, help="tasks in flight")
-    parser.add_argument("--nak-delay", type=float, default=2.0, help="seconds before a NAKed task is redelivered")
+    parser.add_argument("--nak-delay", type=float, default=2.0, help="seconds before a NAKed task is redelivered (doubling per delivery, up to 60)")
+    parser.add_argument("--max-deliver", type=int, default=10, help="deliveries of a task before JetStream gives up on it and reports it in the ADVISORIES stream")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, help="SIGTERM: seconds to finish tasks in flight")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per proxy request")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics server")
     add_arguments(parser)
     args, cfg = parse_args(parser, argv)
+    if not (args.max_deliver == -1 or args.max_deliver >= 1):
+        parser.error(f"--max-deliver {args.max_deliver}: must be at least 1 (or -1: no limit)")
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
@@ -132,7 +135,7 @@ def main(argv: list[str]) -> int:
     opts = WorkerOptions(
         producer=args.worker_id or f"{socket.gethostname()}-{os.getpid()}", vocab_size=vocab, ack_wait=args.ack_wait,
         concurrency=args.concurrency, request_timeout=args.request_timeout, nak_delay=args.nak_delay,
-        shutdown_grace=args.shutdown_grace,
+        shutdown_grace=args.shutdown_grace, max_deliver=args.max_deliver,
     )  # fmt: skip
     metrics = WorkerMetrics()
     if args.metrics_port is not None:
@@ -146,5 +149,11 @@ async def _run(worker) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stopping.set)
-    await worker.run()
+    from shared.nats import CredentialsError, StreamConfigError
+
+    try:
+        await worker.run()
+    except (CredentialsError, StreamConfigError) as exc:  # a setting to fix, not a crash: one line, no traceback
+        print(f"centerline worker: {exc}", file=sys.stderr)
+        return 1
     return 0

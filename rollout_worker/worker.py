@@ -14,6 +14,8 @@ Failures, and what happens to the task:
 - transient (the proxy or upstream unreachable, HTTP 5xx including the proxy's 502 audit
   verdict, a publish without PubAck): NAK with a delay, so another attempt, maybe on
   another worker, can succeed once the cause is gone;
+- the task's own ack lost (NATS restarting): logged; the task comes back and its batches,
+  published again, are dropped as duplicates;
 - deterministic (a task that does not parse, a request the proxy refuses with 400, a reward
   function that fails, a packed batch that breaks the contract): TERM, after logging the
   reason and, for a contract failure, publishing the batch to ``rollouts.dlq`` with the
@@ -37,6 +39,7 @@ from shared import names
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats import PublishError, PullConsumer, connect, ensure_streams, publish_batch, pull_consumer
+from shared.nats_auth import redact
 from shared.split import PayloadTooLargeError
 from shared.task import PromptTask, TaskError
 from shared.wire import encode_batch
@@ -63,7 +66,8 @@ class WorkerOptions:
     ack_wait: float = 30.0  # seconds before an unacked task is redelivered
     concurrency: int = 2  # tasks in flight (the engine batches their requests)
     request_timeout: float = 600.0
-    nak_delay: float = 2.0  # seconds before a NAKed task is redelivered
+    nak_delay: float = 2.0  # seconds before a NAKed task is redelivered the first time, doubling up to 60
+    max_deliver: int = 10  # deliveries of a task before JetStream gives up on it (advisory in ADVISORIES)
     shutdown_grace: float = 30.0  # SIGTERM: seconds to finish tasks in flight before NAKing them
     dlq: bool = True  # publish batches that break the contract to rollouts.dlq
 
@@ -98,10 +102,11 @@ class Worker:
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
         self.consumer: PullConsumer = await pull_consumer(
-            self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT, ack_wait=self.opts.ack_wait
-        )
+            self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT, ack_wait=self.opts.ack_wait,
+            max_deliver=self.opts.max_deliver,
+        )  # fmt: skip
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.opts.request_timeout, sock_connect=10))
-        log.info("worker ready", extra={"fields": {"producer": self.opts.producer, "proxy": self.cfg.proxy_url, "nats": self.cfg.nats_url}})
+        log.info("worker ready", extra={"fields": {"producer": self.opts.producer, "proxy": self.cfg.proxy_url, "nats": redact(self.cfg.nats_url)}})
         inflight: set[asyncio.Task] = set()
         try:
             while not self.stopping.is_set():
@@ -123,11 +128,23 @@ class Worker:
                 await asyncio.gather(*late, return_exceptions=True)
         finally:
             await self.session.close()
+            await self._close_nats()
+        log.info("worker stopped", extra={"fields": {"producer": self.opts.producer}})
+
+    async def _close_nats(self) -> None:
+        """Unsubscribe, flush the NAKs and TERMs (plain publishes), close. With NATS unreachable
+        this fails, and giving up loses nothing: a task not acked comes back after ``ack_wait``."""
+        try:
             # not drain(): nats-py's drain waits forever on a pull subscription's queue
             await self.consumer.close()
-            await self.nc.flush()  # NAKs and TERMs are plain publishes: make sure they left
+            await self.nc.flush(timeout=5)
+        except Exception as exc:  # noqa: BLE001 (whatever the cause, the server has what it has)
+            log.warning("NATS unreachable while stopping; tasks not acked come back after ack_wait",
+                        extra={"fields": {"reason": repr(exc)}})  # fmt: skip
+        try:
             await self.nc.close()
-        log.info("worker stopped", extra={"fields": {"producer": self.opts.producer}})
+        except Exception:  # noqa: BLE001 (nats-py re-raises the reset of a connection it was still retrying)
+            pass
 
     # ------------------------------------------------------------------ one task
 
@@ -143,19 +160,19 @@ class Worker:
             outcome = await self.process(task)
             for batch in outcome.batches:
                 await publish_batch(self.js, batch, max_payload=self.nc.max_payload)
-            await PullConsumer.ack(msg)
+            acked = await self._ack(msg, task, outcome)
         except asyncio.CancelledError:
             await msg.nak()  # shutting down: hand the task to another worker now
             self._count("nak")
             raise
         except Transient as exc:
             log.warning("task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}})
-            await msg.nak(delay=self.opts.nak_delay)
+            await msg.nak(delay=self.retry_delay(msg))
             self._count("nak")
             return
         except (PublishError, PayloadTooLargeError) as exc:
             log.warning("publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}})
-            await msg.nak(delay=self.opts.nak_delay)
+            await msg.nak(delay=self.retry_delay(msg))
             self._count("nak")
             return
         except Rejected as exc:
@@ -163,6 +180,8 @@ class Worker:
             return
         finally:
             beat.cancel()
+        if not acked:
+            return
         latency = time.perf_counter() - started
         versions = [b.weight_version for b in outcome.batches]
         fields = {
@@ -173,6 +192,25 @@ class Worker:
         log.info("task done", extra={"fields": fields})
         if self.metrics is not None:
             self.metrics.done(outcome, latency)
+
+    def retry_delay(self, msg) -> float:
+        """Seconds before a task that failed for a passing reason comes back: ``nak_delay``,
+        doubled per delivery up to 60 s, so ``max_deliver`` deliveries span minutes of an
+        outage rather than seconds."""
+        return min(self.opts.nak_delay * 2 ** (msg.metadata.num_delivered - 1), 60.0)
+
+    async def _ack(self, msg, task: PromptTask, outcome: Outcome) -> bool:
+        """Ack the task, its batches stored. A lost ack (NATS restarting or unreachable) is no
+        error: the task comes back after ``ack_wait``, and its batches, published again under
+        the same ``batch_id``, are dropped by JetStream as duplicates."""
+        try:
+            await PullConsumer.ack(msg)
+            return True
+        except Exception as exc:  # noqa: BLE001 (every way an ack fails ends in the same redelivery)
+            fields = {"task_id": task.task_id, "batches": [b.batch_id for b in outcome.batches], "reason": repr(exc)}
+            log.warning("task ack lost; its batches are stored, the task will come back", extra={"fields": fields})
+            self._count("ack_lost")
+            return False
 
     async def _heartbeat(self, msg) -> None:
         while True:

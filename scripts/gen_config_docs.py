@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import admin_key, nats_auth  # noqa: E402
 from shared.config import ENV_PREFIX, Config, flag  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
@@ -39,6 +40,31 @@ def render() -> str:
         else:
             kind_text = getattr(kind, "__name__", str(kind))
         lines.append(f"| `{flag(name)}` | {kind_text} | `{default!r}` | {info.description} |")
+    lines += [
+        "",
+        "## NATS credentials",
+        "",
+        "Not settings, since the resolved configuration is written beside every run and printed by",
+        "`centerline config`: each service reads its NATS user and password from its environment only",
+        "(`shared/nats_auth.py`; users and permissions in the README, section Security).",
+        "",
+        "| variable | meaning |",
+        "|---|---|",
+        f"| `{nats_auth.USER_ENV}` | the user to log in as: {', '.join(nats_auth.USERS)}; unset = no credentials |",
+        f"| `{nats_auth.PASSWORD_ENV}` | its password |",
+        f"| `{nats_auth.PASSWORD_FILE_ENV}` | a file holding its password (a mounted secret), instead of the above |",
+        "",
+        "## Engine admin key",
+        "",
+        "Not a setting either: the engines' admin endpoints (weight updates, cache flushes) need",
+        "`Authorization: Bearer <key>` when the engine has a key, as SGLang's `--admin-api-key`; the",
+        "engine and the trainer read it from their environment (`shared/admin_key.py`; README, section Security).",
+        "",
+        "| variable | meaning |",
+        "|---|---|",
+        f"| `{admin_key.KEY_ENV}` | the key: the engine requires it (its `--admin-api-key` wins), the trainer sends it; unset = none |",
+        f"| `{admin_key.KEY_FILE_ENV}` | a file holding the key (a mounted secret), instead of the above |",
+    ]
     return "\n".join(lines) + "\n"
 
 

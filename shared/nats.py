@@ -9,6 +9,8 @@
   drops a re-publish inside the duplicate window), split by sample (``shared/split.py``)
   when the encoded batch exceeds the server's ``max_payload``.
 - ``pull_consumer`` binds a durable pull consumer with explicit acks.
+- ``connect`` logs in as ``CENTERLINE_NATS_USER`` (``shared/nats_auth.py``: users and their
+  permissions); ``EmbeddedNats(passwords=...)`` runs the server with those users.
 
 Not here: the batch format (``shared/wire.py``) and the checks (``shared/contract.py``).
 Run the server alone: ``centerline nats --data-dir .centerline/nats --port 4222``.
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,7 +47,8 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, NotFoundError
 
-from shared import names
+from shared import names, nats_auth
+from shared.nats_auth import CredentialsError
 from shared.split import Part, split_batch
 from shared.wire import Batch, decode_batch
 
@@ -90,7 +95,9 @@ class EmbeddedNats:
 
     ``data_dir`` holds ``nats.conf``, ``nats-server.log`` and the JetStream store
     (``jetstream/``). The port is chosen once (free at first start) and kept, so ``stop`` and
-    ``start`` again is a restart of the same deployment at the same URL.
+    ``start`` again is a restart of the same deployment at the same URL. With ``passwords``
+    (``nats_auth.new_passwords()``) every connection logs in as one of ``shared/nats_auth.py``'s
+    users; without, anyone may connect, as ``admin``.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class EmbeddedNats:
         max_payload: int = names.DEFAULT_MAX_PAYLOAD,
         http_port: int | None = None,
         binary: str | None = None,
+        passwords: typing.Mapping[str, str] | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.host = host
@@ -109,6 +117,12 @@ class EmbeddedNats:
         self.max_payload = max_payload
         self.http_port = http_port  # monitoring (/healthz, /varz), off when None
         self.binary = binary or server_binary()
+        # {user: password} of shared/nats_auth.py's users. None: a connection without credentials
+        # is admin (no_auth_user) in the same account, so either way the JetStream store is the
+        # same and a run's store can be served again without its passwords. The config file only
+        # names the password variables: the values reach the server in its environment.
+        self.passwords = dict(passwords) if passwords is not None else None
+        self._server_passwords = self.passwords or nats_auth.new_passwords()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -129,7 +143,13 @@ class EmbeddedNats:
             "  sync_interval: always  # fsync before every ack: acked means on disk",
             "}",
         ]
-        return "\n".join(lines) + "\n"
+        no_auth = "no_auth_user: admin  # no passwords given: a connection without credentials is admin\n" if self.passwords is None else ""
+        return "\n".join(lines) + "\n" + nats_auth.accounts_config() + no_auth
+
+    def credentials(self, user: str) -> dict[str, str]:
+        """``connect`` keyword arguments that log in as ``user`` (without ``passwords`` given, the
+        users' passwords are random ones only this object knows)."""
+        return {"user": user, "password": self._server_passwords[user]}
 
     def start(self, timeout: float = 20.0) -> EmbeddedNats:
         """Start the server and return once it accepts clients with JetStream enabled."""
@@ -144,8 +164,9 @@ class EmbeddedNats:
         config.write_text(self.config_text())
         with open(self.data_dir / "nats-server.log", "ab") as log:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
+            env = {**os.environ, **nats_auth.server_env(self._server_passwords)}
             self.proc = subprocess.Popen(
-                [self.binary, "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [self.binary, "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
         try:
             self._wait_ready(timeout)
@@ -220,6 +241,7 @@ class StreamLimits:
     dlq_max_age: float = 30 * 86400.0
     audit_max_age: float = 86400.0
     audit_max_bytes: int = 1 << 30
+    advisories_max_age: float = 30 * 86400.0
     replicas: int = 1  # JetStream replicas; > 1 only on a NATS cluster
 
 
@@ -229,7 +251,7 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
     def stream(name, subject, retention=RetentionPolicy.LIMITS, max_age=0.0, max_bytes=-1, per_subject=-1):
         return StreamConfig(
             name=name,
-            subjects=[subject],
+            subjects=list(subject) if isinstance(subject, tuple) else [subject],
             retention=retention,
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
@@ -249,6 +271,7 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
         stream(names.DLQ_STREAM, names.DLQ_SUBJECT, max_age=limits.dlq_max_age),
         stream(names.WEIGHTS_STREAM, names.WEIGHTS_SUBJECT, per_subject=1),
         stream(names.AUDIT_STREAM, names.AUDIT_SUBJECT, max_age=limits.audit_max_age, max_bytes=limits.audit_max_bytes),
+        stream(names.ADVISORIES_STREAM, names.ADVISORIES_SUBJECTS, max_age=limits.advisories_max_age),
     ]  # fmt: skip
 
 
@@ -270,7 +293,11 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
         try:
             have = (await js.stream_info(want.name)).config
         except NotFoundError:
-            await js.add_stream(want)
+            try:
+                await js.add_stream(want)
+            except nats.errors.TimeoutError:
+                raise StreamConfigError(f"stream {want.name} does not exist and the request to create it got no answer: "
+                                        + _REFUSED) from None  # fmt: skip
             outcome[want.name] = "created"
             continue
         diffs = {f: (getattr(have, f), getattr(want, f)) for f in COMPARED_FIELDS if getattr(have, f) != getattr(want, f)}
@@ -285,8 +312,15 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
             await js.update_stream(replace(have, **{f: getattr(want, f) for f in diffs}))
         except APIError as exc:
             raise StreamConfigError(_diff_message(want.name, diffs) + f"; the update was refused: {exc}") from exc
+        except nats.errors.TimeoutError:
+            raise StreamConfigError(_diff_message(want.name, diffs) + "; the update got no answer: " + _REFUSED) from None
         outcome[want.name] = "updated"
     return outcome
+
+
+# nats-server drops a request the user's permissions refuse (the client logs a "Permissions Violation").
+_REFUSED = ("this NATS user is probably not allowed to manage streams (shared/nats_auth.py). The trainer, "
+            "`centerline up` and the admin user create them: start the trainer first, or fix the setting as admin")  # fmt: skip
 
 
 def _diff_message(stream: str, diffs: dict) -> str:
@@ -295,11 +329,56 @@ def _diff_message(stream: str, diffs: dict) -> str:
     return f"stream {stream}: {parts}"
 
 
-async def connect(url: str, *, name: str | None = None, **options) -> nats.NATS:
-    """Connect with reconnects that never give up, so a server restart does not end a service."""
+async def connect(url: str, *, name: str | None = None, user: str | None = None, password: str | None = None,
+                  **options) -> nats.NATS:  # fmt: skip
+    """Connect with reconnects that never give up, so a server restart does not end a service.
+
+    Logs in as ``user``, else as ``CENTERLINE_NATS_USER`` with ``CENTERLINE_NATS_PASSWORD`` (or
+    ``CENTERLINE_NATS_PASSWORD_FILE``), else with no credentials. A user's replies come to its own
+    inbox, ``_INBOX_<user>``, the subjects its permissions let it subscribe to. Credentials the
+    server refuses raise ``CredentialsError`` at once, since no retry can fix them (nats-py would
+    retry forever). Asynchronous errors, permission violations among them, go to ``error_cb``
+    (default: one log line each).
+    """
+    if user is None:
+        if password is not None:
+            raise CredentialsError("connect: a password without a user")
+        user, password = nats_auth.credentials_from_env()
+    if user is not None:
+        options.update(user=user, password=password)
+        options.setdefault("inbox_prefix", nats_auth.inbox_prefix(user))
     options.setdefault("max_reconnect_attempts", -1)
     options.setdefault("reconnect_time_wait", 0.5)
-    return await nats.connect(url, name=name, **options)
+    report = options.pop("error_cb", None) or _log_error
+    connecting = True
+
+    async def error_cb(exc: Exception) -> None:
+        if connecting and "authorization violation" in str(exc).lower():
+            raise _refused(url, user)  # out of nats-py's connect loop
+        await report(exc)
+
+    nc = nats.NATS()
+    try:
+        await nc.connect(url, name=name, error_cb=error_cb, **options)
+    except CredentialsError:
+        await nc.close()
+        raise
+    connecting = False
+    return nc
+
+
+def _refused(url: str, user: str | None) -> CredentialsError:
+    where = f"NATS at {nats_auth.redact(url)}"
+    if user is None:
+        return CredentialsError(f"{where} requires a user and password: set {nats_auth.USER_ENV} and "
+                                f"{nats_auth.PASSWORD_ENV} (or {nats_auth.PASSWORD_FILE_ENV})")  # fmt: skip
+    return CredentialsError(f"{where} refused user {user!r} (Authorization Violation): an unknown user, or a password "
+                            f"({nats_auth.PASSWORD_ENV} or {nats_auth.PASSWORD_FILE_ENV}) that differs from the "
+                            f"server's {nats_auth.password_variable(user)}")  # fmt: skip
+
+
+async def _log_error(exc: Exception) -> None:
+    logging.getLogger("centerline.nats").error("NATS: %s", exc)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -332,19 +411,24 @@ async def publish_batch(
         parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
     else:
         parts = split_batch(decode_batch(batch), limit)
-    acks = []
-    for part in parts:
-        for attempt in range(1, attempts + 1):
-            try:
-                ack = await js.publish(subject, part.data, timeout=timeout, headers={names.MSG_ID_HEADER: part.batch_id})
-                break
-            except nats.errors.TimeoutError:
-                # Lost in a reconnect, or stored with the PubAck lost: the same id again is safe either way.
-                if attempt == attempts:
-                    raise PublishError(f"no PubAck for batch {part.batch_id!r} on {subject!r} after {attempts} "
-                                       f"attempts of {timeout}s: is the NATS server reachable?") from None  # fmt: skip
-        acks.append(ack)
-    return acks
+    return [await publish_acked(js, subject, part.data, {names.MSG_ID_HEADER: part.batch_id}, what=f"batch {part.batch_id!r}",
+                                timeout=timeout, attempts=attempts) for part in parts]  # fmt: skip
+
+
+async def publish_acked(js: JetStreamContext, subject: str, data: bytes, headers: dict | None = None, *, what: str = "message",
+                        timeout: float = 10.0, attempts: int = 3) -> PubAck:
+    """JetStream-publish and wait for the PubAck, repeating a publish that got none (lost in
+    a server restart or a reconnect, or stored with its PubAck lost) ``attempts`` times in all,
+    then raise ``PublishError`` naming ``what``. Repeating is safe only where a second copy is
+    harmless: a ``Nats-Msg-Id`` in ``headers`` (deduplicated), or a last-value stream."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await js.publish(subject, data, timeout=timeout, headers=headers)
+        except nats.errors.TimeoutError:
+            if attempt == attempts:
+                raise PublishError(f"no PubAck for {what} on {subject!r} after {attempts} attempts of {timeout}s: "
+                                   "is the NATS server reachable?") from None  # fmt: skip
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------- consumers
@@ -425,15 +509,17 @@ def main(argv: list[str]) -> int:
                           max_payload=args.max_payload)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with server:
-        print(json.dumps({"url": server.url, "streams": asyncio.run(_ensure(server.url))}), flush=True)
+        streams = asyncio.run(provision(server.url, **server.credentials("admin")))  # not this shell's CENTERLINE_NATS_USER
+        print(json.dumps({"url": server.url, "streams": streams}), flush=True)
         try:
             return 0 if server.proc.wait() == 0 else 1  # the server stopped on its own
         except KeyboardInterrupt:
             return 0
 
 
-async def _ensure(url: str) -> dict[str, str]:
-    nc = await connect(url, name="centerline-nats")
+async def provision(url: str, **credentials) -> dict[str, str]:
+    """``ensure_streams`` on the server at ``url`` in one connection (as ``credentials``, e.g. the admin's)."""
+    nc = await connect(url, name="centerline-nats", **credentials)
     try:
         return await ensure_streams(nc.jetstream())
     finally:

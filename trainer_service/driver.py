@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 
 from shared import names
+from shared.nats import publish_acked
 from shared.task import PromptTask
 
 REQUIRED = ("prompt", "answer", "reward")
@@ -93,7 +94,8 @@ class Driver:
         sent = 0
         while self.next_step < min(trained_steps + inflight, last_step):
             for task in self.tasks(self.next_step):
-                await js.publish(names.PROMPTS_SUBJECT, task.to_bytes(), headers={names.MSG_ID_HEADER: task.task_id})
+                await publish_acked(js, names.PROMPTS_SUBJECT, task.to_bytes(), {names.MSG_ID_HEADER: task.task_id},
+                                    what=f"task {task.task_id!r}")  # fmt: skip
                 sent += 1
             self.next_step += 1
         return sent

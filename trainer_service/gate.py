@@ -34,6 +34,7 @@ import numpy as np
 
 from shared import faults, names
 from shared.contract import ContractViolation, check_batch
+from shared.nats import publish_acked
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
 
 log = logging.getLogger("centerline.trainer.gate")
@@ -141,7 +142,7 @@ class Gate:
         """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost)."""
         headers = {"rule": rule, "reason": " ".join(reason.split())[:REASON_MAX], "batch_id": batch_id or "?",
                    names.MSG_ID_HEADER: f"dlq/{seq}"}  # fmt: skip
-        await self.js.publish(names.DLQ_SUBJECT, bytes(msg.data), headers=headers, timeout=10.0)
+        await publish_acked(self.js, names.DLQ_SUBJECT, bytes(msg.data), headers, what=f"dead letter of {batch_id!r}")
         faults.hit("trainer.rejected")
         await self.consumer.ack(msg)
         self.counts[f"rejected:{rule}"] += 1

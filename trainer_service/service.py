@@ -133,11 +133,16 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         step, version = step + 1, cmd.version
 
     keep_alive.cancel()
-    logging.getLogger("centerline.trainer").info("stopped after %d steps at version %d", step, version)
-    await publisher.close()
-    await nc.flush()  # naks are plain publishes; acks were confirmed one by one
-    await nc.close()
-    policy.stop()  # last: the other ranks then leave with this one
+    log = logging.getLogger("centerline.trainer")
+    log.info("stopped after %d steps at version %d", step, version)
+    try:
+        await publisher.close()
+        await nc.flush(timeout=5)  # naks are plain publishes; acks were confirmed one by one
+        await nc.close()
+    except Exception as exc:  # noqa: BLE001 (NATS down at the end: what was not acked comes back after ack_wait)
+        log.warning("NATS unreachable while stopping (%r); batches not acked are redelivered after --ack-wait", exc)
+    finally:
+        policy.stop()  # last: the other ranks then leave with this one
     return 0
 
 

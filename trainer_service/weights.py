@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from shared import admin_key, names
+from shared.nats import publish_acked
 from trainer_service.checkpoint import is_writer, publish_dir
 from trainer_service.model import save_model
 
@@ -82,7 +83,7 @@ class WeightPublisher:
         results = await asyncio.gather(*(self.update(url, version, path) for url in self.engine_urls))
         self.failures += results.count(False)
         event = {"version": version, "path": str(path), "sha256": sha256(path)}
-        await self.js.publish(names.WEIGHTS_SUBJECT, orjson.dumps(event), timeout=10.0)
+        await publish_acked(self.js, names.WEIGHTS_SUBJECT, orjson.dumps(event), what=f"weights version {version}")  # last value only
         return event
 
     async def update(self, url: str, version: int, path: Path) -> bool:

@@ -50,6 +50,25 @@ def _processes_mentioning(*paths: str) -> list[str]:
     return found
 
 
+def _nats_users(*paths: str) -> dict[str, set]:
+    """``{centerline subcommand: {CENTERLINE_NATS_USER of each of its processes}}`` for the live
+    processes mentioning ``paths``; also checks no process holds a NATS secret but its own password."""
+    users: dict[str, set] = {}
+    for line in _processes_mentioning(*paths):
+        pid, cmdline = line.split(": ", 1)
+        argv = cmdline.split()
+        if "centerline" not in argv:
+            continue
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # exited while we looked
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        assert {k for k in env if "NATS" in k} <= {"CENTERLINE_NATS_USER", "CENTERLINE_NATS_PASSWORD"}, cmdline
+        users.setdefault(argv[argv.index("centerline") + 1], set()).add(env.get("CENTERLINE_NATS_USER"))
+    return users
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(up_run, tmp_path):
@@ -61,6 +80,9 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 300, "first step", launcher)
+        # Each service logs in to NATS as its own user (the launcher creates the streams as admin).
+        users = _nats_users(str(run_dir), str(up_run.model_dir))
+        assert users == {"up": {None}, "engine": {None}, "proxy": {"proxy"}, "worker": {"worker"}, "trainer": {"trainer"}}
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process
         _, err = launcher.communicate(timeout=120)
     finally:

@@ -8,7 +8,9 @@
 - every command a container runs, in compose and in Kubernetes, is a registered `centerline`
   subcommand (directly or under torchrun) given only flags its --help lists, and all of its
   required ones; the SGLang router's flags are checked against its own --help;
-- the dashboard's metric names are the ones the services export.
+- the dashboard's metric names are the ones the services export;
+- NATS runs centerline's users and permissions (shared/nats_auth.py) everywhere, and each
+  service logs in as its own user with only its own password.
 """
 
 from __future__ import annotations
@@ -136,16 +138,111 @@ def test_nats_config_sets_payload_and_durable_jetstream():
     assert nats["image"].startswith("nats:") and "nats-data:/data" in nats["volumes"]
 
 
-@pytest.mark.parametrize("path", [DEPLOY / "nats/nats.conf", "k8s"], ids=["compose", "k8s"])
-def test_nats_server_accepts_the_config(path, tmp_path):
+def nats_configs() -> dict[str, str]:
+    (config,) = [d for d in k8s_documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"]
+    return {"compose": (DEPLOY / "nats/nats.conf").read_text(), "k8s": config["data"]["nats.conf"]}
+
+
+@pytest.mark.parametrize("where", ["compose", "k8s"])
+def test_nats_server_accepts_the_config(where, tmp_path):
+    from shared import nats_auth
     from shared.nats import server_binary
 
-    if path == "k8s":
-        (config,) = [d for d in k8s_documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config"]
-        path = tmp_path / "nats.conf"
-        path.write_text(config["data"]["nats.conf"])
-    out = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30)
+    path = tmp_path / "nats.conf"
+    path.write_text(nats_configs()[where])
+    env = {"PATH": "/usr/bin:/bin", **nats_auth.server_env(nats_auth.new_passwords())}  # what the Secret / nats.env set
+    out = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+    missing = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30, env={})
+    assert "variable reference for 'CENTERLINE_NATS_ADMIN_PASSWORD'" in missing.stderr  # no password, no server
+
+
+@pytest.mark.parametrize("where", ["compose", "k8s"])
+def test_nats_config_carries_centerlines_users_unchanged(where):
+    from shared.nats_auth import accounts_config
+
+    assert nats_configs()[where].endswith("\n" + accounts_config()), "re-render the block with shared.nats_auth.accounts_config()"
+    assert "no_auth_user" not in nats_configs()[where]
+
+
+COMPOSE_NATS_USERS = {"trainer": "trainer", "trainer_gpu": "trainer", "router_proxy": "proxy", "rollout_worker": "worker"}
+
+
+def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password():
+    services = compose_file()["services"]
+    mounts = {name: [v for v in svc.get("volumes", []) if isinstance(v, dict) and v["source"] == "nats-credentials"]
+              for name, svc in services.items()}  # fmt: skip
+    for name, user in COMPOSE_NATS_USERS.items():
+        (mount,) = mounts[name]
+        env = services[name]["environment"]
+        assert (env["CENTERLINE_NATS_USER"], mount["volume"]["subpath"], mount["read_only"]) == (user, user, True)
+        assert env["CENTERLINE_NATS_PASSWORD_FILE"] == mount["target"] + "/password"
+    # Only the server and the one-shot that writes them see every password.
+    whole = {name for name, svc in services.items() for v in svc.get("volumes", []) if isinstance(v, str) and v.startswith("nats-credentials:")}
+    assert whole == {"nats", "nats_credentials"}
+    assert {name for name, m in mounts.items() if m} == set(COMPOSE_NATS_USERS)
+    assert services["nats_credentials"]["command"] == ["centerline", "nats-credentials", "/credentials"]
+    assert "nats-credentials:/etc/nats/credentials:ro" in services["nats"]["volumes"]
+    assert ". /etc/nats/credentials/nats.env && exec nats-server --config /etc/nats/nats.conf" in services["nats"]["entrypoint"][-1]
+    assert services["nats"]["depends_on"]["nats_credentials"] == {"condition": "service_completed_successfully"}
+
+
+def test_compose_proxy_waits_for_the_trainer_that_creates_the_streams():
+    for profiles, trainer in ((("cpu",), "trainer"), (("gpu",), "trainer_gpu")):
+        deps = resolved(profiles)["services"]["router_proxy"]["depends_on"]
+        assert deps[trainer] == {"condition": "service_healthy", "required": False}
+
+
+def test_k8s_services_log_in_as_their_own_nats_user_with_only_their_password():
+    users = {}
+    for doc in k8s_documents():
+        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            env = {e["name"]: e for e in c.get("env", [])}
+            if "CENTERLINE_NATS_USER" in env:
+                user = env["CENTERLINE_NATS_USER"]["value"]
+                ref = env["CENTERLINE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+                assert ref == {"name": "nats-credentials", "key": f"CENTERLINE_NATS_{user.upper()}_PASSWORD"}
+                assert c.get("envFrom") is None
+                users[doc["metadata"]["name"]] = user
+            if c["name"] == "nats":
+                assert c["envFrom"] == [{"secretRef": {"name": "nats-credentials"}}]
+    assert users == {"trainer": "trainer", "router-proxy": "proxy", "rollout-worker": "worker"}
+    kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
+    assert {"name": "nats-credentials", "envs": ["nats-credentials/nats.env"]} in kustomization["secretGenerator"]
+    assert kustomization["generatorOptions"] == {"disableNameSuffixHash": True}
+    assert "deploy/k8s/nats-credentials/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+ADMIN_KEY_FILE = "/run/centerline/engine-admin/admin-api-key"
+
+
+def test_compose_engines_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
+    services = compose_file()["services"]
+    holders = {name for name, svc in services.items() if any(str(v).startswith("engine-admin-key:") for v in svc.get("volumes", []))}
+    assert holders == {"engine_admin_key", "engine", "trainer", "trainer_gpu", "sglang_0", "sglang_1"}
+    for name in ("engine", "trainer", "trainer_gpu"):
+        assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
+        assert "engine-admin-key:/run/centerline/engine-admin:ro" in services[name]["volumes"]
+    for name in ("sglang_0", "sglang_1"):  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
+        entrypoint = services[name]["entrypoint"]
+        assert entrypoint[-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"] and "'--admin-api-key', key" in entrypoint[2]
+    for name, svc in services.items():
+        assert not any(k.startswith("CENTERLINE_ENGINE_ADMIN_API_KEY") for k in svc.get("environment", {})) or name in holders, name
+    assert services["engine_admin_key"]["volumes"] == ["engine-admin-key:/credentials"]
+
+
+def test_k8s_engine_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
+    holders = {}
+    for doc in k8s_documents():
+        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for e in c.get("env", []):
+                if e["name"].startswith("CENTERLINE_ENGINE_ADMIN_API_KEY"):
+                    holders[doc["metadata"]["name"]] = e
+    ref = {"name": "CENTERLINE_ENGINE_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "engine-admin-key", "key": "admin-api-key"}}}
+    assert holders == {"engine": ref, "trainer": ref}
+    kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
+    assert {"name": "engine-admin-key", "envs": ["engine-admin-key.env"]} in kustomization["secretGenerator"]
+    assert "deploy/k8s/engine-admin-key.env" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_centerline_toml_files_resolve():
@@ -277,7 +374,7 @@ def test_every_service_subcommand_is_deployed():
     from centerline.cli import COMMANDS
 
     subs = {argv[0] for _, argv in CENTERLINE_COMMANDS}
-    assert subs == {"init-model", "dataset", "engine", "proxy", "worker", "trainer"}
+    assert subs == {"nats-credentials", "init-model", "dataset", "engine", "proxy", "worker", "trainer"}
     assert subs <= set(COMMANDS), f"not registered in centerline.cli.COMMANDS: {sorted(subs - set(COMMANDS))}"
 
 

@@ -20,7 +20,8 @@ from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch
 
 VOCAB = 64
-STREAMS = [names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.DLQ_STREAM, names.WEIGHTS_STREAM, names.AUDIT_STREAM]
+STREAMS = [names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.DLQ_STREAM, names.WEIGHTS_STREAM, names.AUDIT_STREAM,
+           names.ADVISORIES_STREAM]  # fmt: skip
 
 
 def run(coro_fn, server: EmbeddedNats):
@@ -175,6 +176,7 @@ def test_the_first_ensure_creates_every_stream_of_the_design(nats_server):
     assert configs[names.ROLLOUTS_STREAM].storage == "file"
     assert configs[names.ROLLOUTS_STREAM].duplicate_window == StreamLimits().duplicate_window
     assert configs[names.WEIGHTS_STREAM].max_msgs_per_subject == 1
+    assert configs[names.ADVISORIES_STREAM].subjects == list(names.ADVISORIES_SUBJECTS)
     assert {c.retention for n, c in configs.items() if n != names.PROMPTS_STREAM} == {"limits"}
 
 

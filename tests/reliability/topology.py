@@ -1,0 +1,245 @@
+"""The whole system, small, for fault tests: the embedded NATS server, one engine, the proxy,
+any number of real ``centerline worker`` processes (added, SIGTERMed or SIGKILLed while the
+run goes on) and the trainer under torchrun with 2 gloo ranks, on a toy dataset.
+
+Settings are the short ones of the trainer's tests (2 prompt groups of 4 samples per step,
+K = 16) with a 3 s ``--ack-wait`` on both consumers, so a task or batch whose holder died
+comes back within seconds. ``run_accounting`` reads what a run left in NATS, in its metrics
+and in its last checkpoint, and returns the figures the reliability tests assert and print
+(``Figures.summary``). Faults at exact protocol points come from ``relay.py``.
+
+Reused, not copied: the process helpers of ``tests/processes.py``, the proxy of
+``tests/router_proxy/conftest.py``, the worker process of
+``tests/rollout_worker/test_worker_stack.py`` and the trainer of
+``tests/trainer_service/service_stack.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from nats.js.errors import NotFoundError
+
+from engine.tokenizer import VOCAB_SIZE
+from shared import names
+from shared.nats import EmbeddedNats, connect, ensure_streams
+from shared.toy_tasks import examples
+from shared.wire import decode_batch
+from tests.processes import EngineProcess, init_model
+from tests.rollout_worker.test_worker_stack import CONFIG, WorkerProcess
+from tests.router_proxy.conftest import ProxyProcess
+from tests.trainer_service.service_stack import Trainer, dead_letters
+
+ACK_WAIT = "3"  # seconds, workers and trainer alike: a dead holder's message is back this fast
+PROMPTS_PER_STEP, ROLLOUT_N = 2, 4
+TRAINER_FLAGS = ("--prompts-per-step", str(PROMPTS_PER_STEP), "--rollout-n", str(ROLLOUT_N), "--ack-wait", ACK_WAIT,
+                 "--step-timeout", "180", "--learning-rate", "1e-3")  # fmt: skip
+WORKER_FLAGS = ("--rollout-max-new-tokens", "6", "--ack-wait", ACK_WAIT, "--nak-delay", "0.5", "--shutdown-grace", "30")
+
+
+class Upstream:
+    """The engine (random seed-0 model) and the proxy in front of it, shared by the tests of
+    this package: no NATS of their own (the proxy publishes no audit events here), and every
+    trainer starts by loading its own version 0 into the engine."""
+
+    def __init__(self, root: Path):
+        self.root = root  # WorkerProcess reads its tokenizer from root / "model"
+        self.engine = self.proxy_process = None
+        try:
+            self.model = init_model(root / "model", seed=0)
+            self.engine = EngineProcess(self.model, root / "engine.log")
+            self.proxy_process = ProxyProcess(root / "proxy.log", self.engine.url, "--vocab-size", str(VOCAB_SIZE), *CONFIG)
+            status, body = self.proxy_process.wait_probed()
+            assert status == 200, body
+        except BaseException:
+            self.close()
+            raise
+        self.proxy = self.proxy_process.url
+
+    def close(self) -> None:
+        for proc in (self.proxy_process, self.engine):
+            if proc is not None:
+                proc.stop()
+
+
+class Topology:
+    """One test's deployment: its own NATS server (file storage, ``sync_interval: always``,
+    monitoring on a free port) in ``dir``, workers and trainers added by the test.
+
+    ``nats`` is the server's URL and ``proxy``/``root`` the upstream's, which is what
+    ``WorkerProcess`` reads; ``server`` is the ``EmbeddedNats`` a test kills and restarts
+    (same data directory, same port).
+    """
+
+    def __init__(self, dir: Path, upstream: Upstream):
+        self.dir, self.upstream = dir, upstream
+        self.root, self.proxy, self.model = upstream.root, upstream.proxy, upstream.model
+        self.server = EmbeddedNats(dir / "nats", http_port=0).start()
+        self.nats = self.server.url
+        self.workers: list[WorkerProcess] = []
+        self.trainers: list[Trainer] = []
+        asyncio.run(_ensure(self.nats))
+
+    def dataset(self, size: int = 64) -> Path:
+        path = self.dir / "tasks.jsonl"
+        rows = [{"prompt": p, "answer": a, "reward": "exact"} for p, a in examples("copy", size, seed=0)]
+        path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+        return path
+
+    def add_worker(self, name: str, *flags: str, nats_url: str | None = None) -> WorkerProcess:
+        """Start ``centerline worker --worker-id name``; ``nats_url`` routes it through a relay."""
+        extra = ("--nats-url", nats_url) if nats_url else ()
+        worker = WorkerProcess(self, self.dir / f"worker-{name}.log", *WORKER_FLAGS, "--worker-id", name, *extra, *flags)
+        self.workers.append(worker)
+        return worker
+
+    def start_trainer(self, steps: int, *flags: str, nats_url: str | None = None) -> Trainer:
+        """``centerline trainer`` under torchrun, 2 ranks; ``nats_url`` routes it through a relay."""
+        trainer = Trainer(self.dir / "run", self.model, self.dataset(), nats_url or self.nats, self.upstream.engine.url,
+                          "--steps", str(steps), *TRAINER_FLAGS, *flags)  # fmt: skip
+        self.trainers.append(trainer)
+        return trainer
+
+    @property
+    def run_dir(self) -> Path:
+        return self.dir / "run"
+
+    def steps_done(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_bytes().splitlines()) if path.exists() else 0
+
+    def wait_drained(self, deadline_s: float = 30.0) -> dict:
+        """``consumers()`` once no task and no batch is pending or unacked, or as it is after
+        ``deadline_s`` (the test asserts on it). A task whose ack a fault took comes back
+        ``ack_wait`` after its worker gave up on the ack, possibly after the run's last step;
+        its batches are then published again, dropped as duplicates, and the task is acked."""
+        end = time.monotonic() + deadline_s
+        while True:
+            found = asyncio.run(consumers(self.nats))
+            if all(v == (0, 0) for v in found.values()) or time.monotonic() > end:
+                return found
+            time.sleep(0.2)  # polling interval, not synchronisation
+
+    def close(self) -> None:
+        for trainer in self.trainers:
+            trainer.kill()
+        for worker in self.workers:
+            worker.stop()
+        self.server.stop()
+
+
+def server_sync_always(server: EmbeddedNats) -> bool:
+    """What the running server reports on /varz (its monitoring port): JetStream fsyncs before every ack."""
+    with urllib.request.urlopen(f"http://{server.host}:{server.http_port}/varz", timeout=5) as resp:
+        return json.loads(resp.read())["jetstream"]["config"].get("sync_always", False)
+
+
+async def _ensure(url: str) -> None:
+    nc = await connect(url)
+    await ensure_streams(nc.jetstream())
+    await nc.close()
+
+
+# ---------------------------------------------------------------------------- accounting
+
+
+@dataclass
+class Figures:
+    """What one reliability run did, in the terms of the issue's closing note (None: not applicable)."""
+
+    faults: int = 0  # faults injected
+    published: int | None = None  # batch messages stored in rollouts.batches
+    acked: int | None = None  # batches whose publish JetStream acknowledged
+    trained: int | None = None  # batches in the final checkpoint's ledger
+    dead_lettered: int | None = None  # messages in rollouts.dlq
+    lost: int | None = None  # acked batches missing from the stream, or expected samples never trained
+    duplicated: int | None = None  # batch_ids stored twice, or samples trained more than once
+    notes: dict = field(default_factory=dict)
+
+    def summary(self, test: str) -> str:
+        """One line for the closing note; ``pytest -s`` shows it."""
+        show = lambda v: "-" if v is None else v  # noqa: E731
+        counts = " ".join(f"{k}={show(getattr(self, k))}" for k in ("faults", "published", "acked", "trained", "dead_lettered",
+                                                                     "lost", "duplicated"))  # fmt: skip
+        return f"RELIABILITY {test}: {counts}" + "".join(f" {k}={v}" for k, v in self.notes.items())
+
+
+async def stream_messages(nats_url: str, stream: str = names.ROLLOUTS_STREAM) -> list:
+    """Every message of ``stream`` in sequence order, as (sequence, headers, data)."""
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    try:
+        state = (await js.stream_info(stream)).state
+        out = []
+        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+            msg = await js.get_msg(stream, seq)
+            out.append((seq, msg.headers or {}, msg.data))
+        return out
+    finally:
+        await nc.close()
+
+
+async def consumers(nats_url: str) -> dict:
+    """``{consumer: (num_pending, num_ack_pending)}`` of the workers' and the trainer's consumers, those that exist."""
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    try:
+        out = {}
+        for stream, durable in ((names.PROMPTS_STREAM, names.WORKERS_CONSUMER), (names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)):
+            try:
+                info = await js.consumer_info(stream, durable)
+            except NotFoundError:
+                continue
+            out[durable] = (info.num_pending, info.num_ack_pending)
+        return out
+    finally:
+        await nc.close()
+
+
+def published_and_acked(workers: list[WorkerProcess]) -> set[str]:
+    """batch_ids whose publish JetStream acknowledged, from the workers' logs: those of a
+    ``task done`` line, and those of a ``task ack lost`` line (stored, the task's own ack lost)."""
+    return {bid for w in workers for line in w.log().splitlines() if line.startswith("{")
+            and json.loads(line)["msg"] in ("task done", "task ack lost; its batches are stored, the task will come back")
+            for bid in json.loads(line)["batches"]}  # fmt: skip
+
+
+def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[WorkerProcess]) -> tuple[Figures, dict]:
+    """Figures of a finished trainer run, and the details the tests assert on.
+
+    Expected: every sample ``f"{run_id}/{step}/{j}/{i}"`` of steps ``0..steps-1`` trained
+    exactly once (a group may be split into one batch per weight version, so samples are
+    counted, not batch ids), each batch_id stored once, no dead letter, nothing pending.
+    What was trained is read from every step's ``batch_ids`` in ``metrics.jsonl``, repeats
+    included (the ledger, a map by batch_id, would hide a batch trained twice); the stored
+    copy of a batch is the one at the ledger's stream sequence.
+    """
+    state = orjson.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_bytes())
+    run_id, ledger = state["run_id"], state["ledger"]
+    stored = [(seq, decode_batch(bytes(data))) for seq, _, data in asyncio.run(stream_messages(nats_url))]
+    by_seq = {seq: batch for seq, batch in stored}
+    by_id = {b.batch_id: b for _, b in reversed(stored)}  # the first copy of each id
+    by_id.update({bid: by_seq[seq] for bid, (seq, _) in ledger.items() if seq in by_seq})
+    ids = Counter(b.batch_id for _, b in stored)
+    lines = [orjson.loads(x) for x in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    batches = [bid for m in lines for bid in m["batch_ids"]]
+    trained = Counter(s for bid in batches for s in by_id[bid].sample_ids)
+    expected = {f"{run_id}/{s}/{j}/{i}" for s in range(steps) for j in range(PROMPTS_PER_STEP) for i in range(ROLLOUT_N)}
+    acked = published_and_acked(workers)
+    figures = Figures(
+        published=len(stored), acked=len(acked), trained=len(batches), dead_lettered=len(asyncio.run(dead_letters(nats_url))),
+        lost=len(expected - set(trained)) + len(acked - set(ids)),
+        duplicated=sum(n - 1 for n in trained.values()) + sum(n - 1 for n in ids.values()),
+    )  # fmt: skip
+    ledger_ok = set(ledger) == set(batches) and all(by_seq[seq].batch_id == bid for bid, (seq, _) in ledger.items())
+    details = {"state": state, "trained": trained, "expected": expected, "acked": acked, "stored_ids": ids, "metrics": lines,
+               "consumers": asyncio.run(consumers(nats_url)), "ledger_matches_stream": ledger_ok,
+               "producers": {bid: b.producer for bid, b in by_id.items()}}  # fmt: skip
+    return figures, details
