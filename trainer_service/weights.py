@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from shared import admin_key, names
-from shared.nats import publish_acked
+from shared.nats import PublishError, publish_acked
 from trainer_service.checkpoint import is_writer, publish_dir
 from trainer_service.model import save_model
 
@@ -83,7 +83,10 @@ class WeightPublisher:
         results = await asyncio.gather(*(self.update(url, version, path) for url in self.engine_urls))
         self.failures += results.count(False)
         event = {"version": version, "path": str(path), "sha256": sha256(path)}
-        await publish_acked(self.js, names.WEIGHTS_SUBJECT, orjson.dumps(event), what=f"weights version {version}")  # last value only
+        try:  # the engines have the weights already; the event tells observers, and a later one replaces it
+            await publish_acked(self.js, names.WEIGHTS_SUBJECT, orjson.dumps(event), what=f"weights version {version}")
+        except PublishError as exc:
+            log.error("weights version %d is loaded but %s not published: %s", version, names.WEIGHTS_SUBJECT, exc)
         return event
 
     async def update(self, url: str, version: int, path: Path) -> bool:

@@ -16,7 +16,7 @@ class Recorder:
     def __init__(self):
         self.sent = []
 
-    async def publish(self, subject, data, headers=None):
+    async def publish(self, subject, data, headers=None, timeout=None):
         self.sent.append((subject, PromptTask.from_bytes(data), headers))
 
 
