@@ -93,9 +93,16 @@ class Driver:
         not yet published; returns how many tasks were sent."""
         sent = 0
         while self.next_step < min(trained_steps + inflight, last_step):
-            for task in self.tasks(self.next_step):
-                await publish_acked(js, names.PROMPTS_SUBJECT, task.to_bytes(), {names.MSG_ID_HEADER: task.task_id},
-                                    what=f"task {task.task_id!r}")  # fmt: skip
-                sent += 1
-            self.next_step += 1
+            sent += await self.publish_next(js)
         return sent
+
+    async def publish_next(self, js) -> int:
+        """Publish the tasks of step ``next_step`` and move the cursor on. Besides
+        ``publish_until``, the trainer calls it when a step starves (its groups were given up
+        by ``max_deliver`` or terminated by a worker), so that the run goes on with new data."""
+        tasks = self.tasks(self.next_step)
+        for task in tasks:
+            await publish_acked(js, names.PROMPTS_SUBJECT, task.to_bytes(), {names.MSG_ID_HEADER: task.task_id},
+                                what=f"task {task.task_id!r}")  # fmt: skip
+        self.next_step += 1
+        return len(tasks)

@@ -71,20 +71,23 @@ class Gate:
     def held_samples(self) -> int:
         return sum(h.batch.num_samples for h in self.held.values())
 
-    async def gather(self, target: int, version: int, timeout: float, stopping: asyncio.Event, min_samples: int = 1):
+    async def gather(self, target: int, version: int, timeout: float, stopping: asyncio.Event, min_samples: int = 1,
+                     starved=None):  # fmt: skip
         """Hold accepted batches until they carry ``target`` samples, or ``timeout`` seconds
-        passed with at least ``min_samples`` held; returns them in arrival order."""
-        start = time.monotonic()
-        warned = False
+        passed with at least ``min_samples`` held; returns them in arrival order. Each
+        ``timeout`` that passes with fewer than ``min_samples`` held, ``starved()`` is awaited
+        (the trainer publishes one more step of tasks there)."""
+        deadline = time.monotonic() + timeout
         while self.held_samples < target and not stopping.is_set():
-            waited = time.monotonic() - start
-            if waited > timeout:
+            if time.monotonic() > deadline:
                 if self.held_samples >= min_samples:
-                    log.warning("step closes short after %.0fs: %d of %d samples arrived", waited, self.held_samples, target)
+                    log.warning("step closes short after %.0fs: %d of %d samples arrived", timeout, self.held_samples, target)
                     break
-                if not warned:
-                    log.warning("no usable batch after %.0fs: are rollout workers running?", waited)
-                    warned = True
+                log.warning("%d of %d samples after another %.0fs: are rollout workers running? (were tasks given up? "
+                            "see the ADVISORIES stream)", self.held_samples, target, timeout)  # fmt: skip
+                if starved is not None:
+                    await starved()
+                deadline = time.monotonic() + timeout
             want = max(1, math.ceil((target - self.held_samples) / max(1, self.cfg.rollout_n)))
             for msg in await self.consumer.fetch(want, timeout=1.0):
                 await self.admit(msg, version)

@@ -11,7 +11,9 @@ The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
     log the step                                                        metrics.py
 
 A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes early after
-``--step-timeout`` seconds with whatever arrived. SIGTERM/SIGINT: a running step is
+``--step-timeout`` seconds with whatever arrived; with less than one sample per rank it
+publishes one more step of tasks every ``--step-timeout`` (groups given up by ``max_deliver``
+or terminated by a worker never come). SIGTERM/SIGINT: a running step is
 finished and committed, a step still gathering is abandoned (its batches are nak'ed, none
 acked), then the process exits 0. Left out: evaluation, learning-rate schedules, and
 checkpoints less often than every step (acks wait for a checkpoint).
@@ -104,7 +106,8 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     while step < args.steps and not stopping.is_set():
         t0 = time.perf_counter()
         await driver.publish_until(js, step, cfg.max_inflight_steps, args.steps)
-        held = await gate.gather(target, version, args.step_timeout, stopping, min_samples=policy.world_size)
+        held = await gate.gather(target, version, args.step_timeout, stopping, min_samples=policy.world_size,
+                                 starved=lambda: driver.publish_next(js))  # fmt: skip
         if stopping.is_set():
             await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
             break
