@@ -92,3 +92,18 @@ def init_model(out: Path, seed: int) -> Path:
     cmd = [sys.executable, "-m", "centerline", "init-model", "--out", str(out), "--seed", str(seed)]
     subprocess.run(cmd, cwd=REPO, env=ENV, check=True, capture_output=True)
     return out
+
+
+async def stored_messages(nats_url: str, stream: str) -> list:
+    """Every message ``stream`` holds, in sequence order, read with the message-get API (no
+    consumer, so nothing is delivered or acked): nats-py ``RawStreamMsg``s (``seq``,
+    ``subject``, ``headers``, ``data``)."""
+    from shared.nats import connect
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    try:
+        state = (await js.stream_info(stream)).state
+        return [await js.get_msg(stream, seq) for seq in range(state.first_seq, state.last_seq + 1)] if state.messages else []
+    finally:
+        await nc.close()

@@ -22,6 +22,7 @@ import torch
 from centerline.record import MAGIC, RecordFileError, read_record
 from shared import names
 from shared.nats import EmbeddedNats, connect, ensure_streams
+from tests.processes import stored_messages
 
 pytestmark = pytest.mark.integration
 
@@ -44,14 +45,7 @@ def lines(path: Path) -> list[dict]:
 
 
 async def stream_messages(url: str, stream: str = names.ROLLOUTS_STREAM) -> list[tuple[str, dict, bytes]]:
-    nc = await connect(url, max_reconnect_attempts=3)
-    try:
-        js = nc.jetstream()
-        state = (await js.stream_info(stream)).state
-        msgs = [await js.get_msg(stream, seq) for seq in range(state.first_seq, state.last_seq + 1)]
-        return [(m.subject, dict(m.headers or {}), m.data) for m in msgs]
-    finally:
-        await nc.close()
+    return [(m.subject, dict(m.headers or {}), m.data) for m in await stored_messages(url, stream)]
 
 
 @pytest.fixture(scope="module")

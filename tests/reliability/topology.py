@@ -32,7 +32,7 @@ from shared import names
 from shared.nats import EmbeddedNats, connect, ensure_streams
 from shared.toy_tasks import examples
 from shared.wire import decode_batch
-from tests.processes import EngineProcess, init_model
+from tests.processes import EngineProcess, init_model, stored_messages
 from tests.rollout_worker.test_worker_stack import CONFIG, WorkerProcess
 from tests.router_proxy.conftest import ProxyProcess
 from tests.trainer_service.service_stack import Trainer, dead_letters
@@ -173,17 +173,7 @@ class Figures:
 
 async def stream_messages(nats_url: str, stream: str = names.ROLLOUTS_STREAM) -> list:
     """Every message of ``stream`` in sequence order, as (sequence, headers, data)."""
-    nc = await connect(nats_url)
-    js = nc.jetstream()
-    try:
-        state = (await js.stream_info(stream)).state
-        out = []
-        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
-            msg = await js.get_msg(stream, seq)
-            out.append((seq, msg.headers or {}, msg.data))
-        return out
-    finally:
-        await nc.close()
+    return [(m.seq, m.headers or {}, m.data) for m in await stored_messages(nats_url, stream)]
 
 
 async def consumers(nats_url: str) -> dict:

@@ -28,7 +28,7 @@ from shared.nats import connect, ensure_streams, publish_batch, pull_consumer
 from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import encode_batch, replace_arrays
-from tests.processes import ENV, REPO, http
+from tests.processes import ENV, REPO, http, stored_messages
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 K = 16  # candidates per token in these tests (--rollout-top-logprobs-num)
@@ -194,14 +194,7 @@ async def consumer_info(nats_url: str):
 
 async def dead_letters(nats_url: str) -> list:
     """Every message in the DLQ stream as (headers, data)."""
-    nc = await connect(nats_url)
-    js = nc.jetstream()
-    try:
-        info = await js.stream_info(names.DLQ_STREAM)
-        return [(m.headers or {}, m.data) for m in [await js.get_msg(names.DLQ_STREAM, s) for s in
-                                                   range(info.state.first_seq, info.state.last_seq + 1)]] if info.state.messages else []  # fmt: skip
-    finally:
-        await nc.close()
+    return [(m.headers or {}, m.data) for m in await stored_messages(nats_url, names.DLQ_STREAM)]
 
 
 async def last_weights_event(nats_url: str) -> dict:

@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 from shared import names
 from shared.nats import EmbeddedNats, connect, pull_consumer
 from shared.wire import encode_batch
-from tests.processes import ENV, REPO, EngineProcess, init_model, wait_until
+from tests.processes import ENV, REPO, EngineProcess, init_model, stored_messages, wait_until
 from tests.trainer_service.service_stack import (TORCHRUN, StandInWorker, Trainer, consumer_info, dead_letters, fault,
                                                  write_dataset)
 
@@ -155,14 +155,7 @@ def test_a_poison_batch_is_dead_lettered_once_across_a_crash_and_never_stalls_th
 
 
 async def advisories(nats_url: str) -> list[tuple[str, dict]]:
-    nc = await connect(nats_url)
-    js = nc.jetstream()
-    try:
-        state = (await js.stream_info(names.ADVISORIES_STREAM)).state
-        msgs = [await js.get_msg(names.ADVISORIES_STREAM, s) for s in range(state.first_seq, state.last_seq + 1)] if state.messages else []
-        return [(m.subject, orjson.loads(m.data)) for m in msgs]
-    finally:
-        await nc.close()
+    return [(m.subject, orjson.loads(m.data)) for m in await stored_messages(nats_url, names.ADVISORIES_STREAM)]
 
 
 def test_batches_a_trainer_crashes_on_reach_max_deliver_and_the_advisory_is_kept(stack):
