@@ -49,6 +49,7 @@ from pathlib import Path
 
 import orjson
 
+from centerline import sglang
 from shared import admin_key
 from shared import config as shared_config
 from shared import nats_auth
@@ -173,10 +174,11 @@ class Progress:
 def parse(argv: list[str]):
     parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="upper", help="toy task (shared/toy_tasks.py)")
-    parser.add_argument("--sft-steps", type=int, default=0, help="warm-start steps of the model (0 = the task's default in engine/sft.py)")
+    parser.add_argument("--sft-steps", type=int, default=0, help="warm-start steps of the model (0 = the task's default in centerline/sft.py)")
     parser.add_argument("--reward", choices=sorted(REWARDS), default="exact", help="training reward (held-out accuracy is always exact match)")
     parser.add_argument("--steps", type=int, default=300, help="trainer steps")
     parser.add_argument("--workers", type=int, default=2, help="rollout worker processes")
+    parser.add_argument("--engines", type=int, default=1, help="SGLang servers behind the router")
     parser.add_argument("--trainer-ranks", type=int, default=2, help="torchrun processes of the trainer")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="prompt groups per step")
     parser.add_argument("--dataset-size", type=int, default=2000, help="training prompts")
@@ -240,20 +242,29 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
 
     nats.start()
     asyncio.run(provision(nats.url, **nats.credentials("admin")))  # workers and proxy may not create streams
-    engine_port, proxy_port = free_port(), free_port()
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    cfg = cfg.model_copy(update={"nats_url": nats.url, "proxy_url": proxy_url, "engine_urls": [engine_url]})
+    engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(args.engines)]
+    router_url, proxy_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    cfg = cfg.model_copy(update={"nats_url": nats.url, "proxy_url": proxy_url, "engine_urls": engine_urls})
     config_file = run_dir / "config.toml"
     config_file.write_text(shared_config.to_toml(cfg))
     common = ["--config", str(config_file)]
 
     engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
-    engine = stack.start("engine", [PYTHON, "-m", "centerline", "engine", "--model", str(model), "--port", str(engine_port)], engine_key=engine_key)
-    wait_http(f"{engine_url}/health", "engine", engine, run_dir / "logs" / "engine.log", args.startup_timeout)
+    engines = []
+    for i, url in enumerate(engine_urls):
+        port = url.rsplit(":", 1)[1]
+        engines.append(stack.start(f"sglang-{i}", [PYTHON, "-m", "centerline", "sglang", "--model", str(model), "--port", port], engine_key=engine_key))
+    for i, (url, proc) in enumerate(zip(engine_urls, engines)):
+        wait_http(f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", args.startup_timeout)
+    router_port = int(router_url.rsplit(":", 1)[1])
+    router = stack.start("router", sglang.router_argv(engine_urls, "127.0.0.1", router_port, free_port()))
+    wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", args.startup_timeout)
     vocab = str(orjson.loads((model / "config.json").read_bytes())["vocab_size"])
-    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", engine_url, "--port", str(proxy_port), "--vocab-size", vocab, *common], nats_user="proxy")
+    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--port", str(proxy_url.rsplit(":", 1)[1]),
+                                  "--vocab-size", vocab, *common], nats_user="proxy")  # fmt: skip
     wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", args.startup_timeout)
-    log(f"engine {engine_url}, proxy {proxy_url} (ready: upstream returns complete candidate sets), NATS {nats.url}")
+    log(f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
+        f"(ready: the upstream returns complete candidate sets), NATS {nats.url}")
 
     heldout = examples(args.task, args.eval_prompts, cfg.seed, "heldout")
     progress = Progress()
@@ -261,7 +272,7 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     evals.write_bytes(b"")
 
     def record_eval(step: int) -> None:
-        record = {"step": step, "eval_accuracy": evaluate(engine_url, heldout, cfg.rollout_temperature, cfg.seed)}
+        record = {"step": step, "eval_accuracy": evaluate(engine_urls[0], heldout, cfg.rollout_temperature, cfg.seed)}
         with open(evals, "ab") as fh:
             fh.write(orjson.dumps(record) + b"\n")
         progress.show(record, args.steps)

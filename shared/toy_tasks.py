@@ -9,7 +9,7 @@ the answer and then ``<|endoftext|>`` (token 256 of the byte model):
     add      "add 12+7="   -> "19"      (two numbers in 0..99)
 
 Used by ``centerline dataset`` (JSONL rows for the trainer's driver), by the SFT warm start
-(``engine/sft.py``) and, for the built-in rewards, by the rollout worker. A prompt belongs to
+(``centerline/sft.py``) and, for the built-in rewards, by the rollout worker. A prompt belongs to
 the held-out split iff ``crc32(prompt) % 10 == 0``, so train and held-out never share a
 prompt, whatever the seed. Rewards compare the response (the engine already cuts it at the
 stop token; anything from a literal ``<|endoftext|>`` on is cut here too):

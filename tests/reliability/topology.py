@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 from nats.js.errors import NotFoundError
 
-from engine.tokenizer import VOCAB_SIZE
+from centerline.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats import EmbeddedNats, connect, ensure_streams
 from shared.toy_tasks import examples

@@ -51,7 +51,7 @@ def test_dataset_command_writes_jsonl_rows_the_trainer_can_turn_into_tasks(tmp_p
 
 
 def test_init_model_sft_is_cached_by_its_settings(tmp_path, capsys):
-    from engine.model_init import SETTINGS_FILE, main as init_main
+    from centerline.model_init import SETTINGS_FILE, main as init_main
 
     out = tmp_path / "m"
     flags = ["--out", str(out), "--sft", "--task", "copy", "--sft-steps", "3"]
@@ -68,8 +68,8 @@ def test_init_model_sft_is_cached_by_its_settings(tmp_path, capsys):
 
 
 def test_sft_lowers_the_answer_loss():
-    from engine.model_init import build_model
-    from engine.sft import SftSettings, train
+    from centerline.model_init import build_model
+    from centerline.sft import SftSettings, train
 
     losses = train(build_model(0), SftSettings(task="upper", steps=30), seed=0)
     assert losses[-1] < 0.6 * losses[0]

@@ -18,7 +18,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from engine.tokenizer import VOCAB_SIZE
+from centerline.tokenizer import VOCAB_SIZE
 from nats.js.errors import NotFoundError
 
 from shared import names

@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from engine.tokenizer import VOCAB_SIZE
+from centerline.tokenizer import VOCAB_SIZE
 from shared.nats import EmbeddedNats
 from shared.wire import encode_batch as encode
 from tests.processes import EngineProcess, free_port, http, init_model, wait_until

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.tokenizer import EOS, PAD, SPECIALS
+from centerline.tokenizer import EOS, PAD, SPECIALS
 from shared.toy_tasks import examples
 
 EOS_ID = 256 + SPECIALS.index(EOS)
@@ -39,7 +39,7 @@ class SftSettings:
 
 
 # Steps that land each task's held-out exact match (temperature 1) between "never" and "always"
-# on this model; measured numbers are in the docstring of engine/model_init.py.
+# on this model; measured numbers are in the docstring of centerline/model_init.py.
 DEFAULT_STEPS = {"copy": 150, "upper": 200, "reverse": 800, "add": 600}
 
 

@@ -4,7 +4,7 @@ The directory is a plain HF model (config.json, generation_config.json,
 model.safetensors, tokenizer files), so it loads in transformers, in SGLang and in the
 embedded engine alike. Weights are random, drawn from `--seed`; the same seed gives the
 same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
-task first (`engine/sft.py`) so RL starts from a policy with some reward; the settings are
+task first (`centerline/sft.py`) so RL starts from a policy with some reward; the settings are
 recorded in `centerline_model.json`, and a directory already holding a model made with the
 same settings is left as it is. Held-out exact match at temperature 1 after the default
 steps (seed 0, `--eval`): copy 0.30 (150 steps, ~15 s), upper 0.34 (200, ~17 s), reverse
@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from engine.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_tokenizer
+from centerline.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_tokenizer
 
 # ~0.86 M parameters: large enough to have structure, small enough for 2 CPU cores.
 HIDDEN = 128
@@ -75,13 +75,13 @@ SETTINGS_FILE = "centerline_model.json"
 
 def write_model_dir(out: Path, seed: int, sft=None) -> Path:
     """Write config, safetensors weights and tokenizer for `seed` into `out`, after the
-    warm start `sft` (an `engine.sft.SftSettings`) when given."""
+    warm start `sft` (an `centerline.sft.SftSettings`) when given."""
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(seed)
     if sft is not None:
-        from engine.sft import train
+        from centerline.sft import train
 
         train(model, sft, seed)
     model.generation_config = GenerationConfig(
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="centerline init-model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory to write (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    parser.add_argument("--sft", action="store_true", help="warm-start on a toy task before writing (engine/sft.py)")
+    parser.add_argument("--sft", action="store_true", help="warm-start on a toy task before writing (centerline/sft.py)")
     parser.add_argument("--task", default=None, help="toy task of the warm start (shared/toy_tasks.py)")
     parser.add_argument("--sft-steps", type=int, default=0, help="AdamW steps; 0 = the task's default")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     sft = None
     if args.sft:
-        from engine.sft import SftSettings, resolved
+        from centerline.sft import SftSettings, resolved
         from shared.toy_tasks import TASKS
 
         if args.task not in TASKS:
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     record.write_text(json.dumps(settings, sort_keys=True) + "\n")
     print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE}{', sft ' + json.dumps(sft.to_dict()) if sft else ''})")
     if sft is not None and args.eval:
-        from engine.sft import evaluate
+        from centerline.sft import evaluate
 
         print(json.dumps({"task": sft.task, "heldout_exact_match_t1": evaluate(build_model_from(path), sft.task)}))
     return 0
