@@ -35,3 +35,49 @@ def up_run(tmp_path_factory) -> UpRun:
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return UpRun(run_dir=run_dir, model_dir=tmp / "models" / "sft-copy-seed0", stdout=run.stdout)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """The random seed-0 default model (`centerline init-model`), what the shared SGLang server serves."""
+    from tests.processes import init_model
+
+    return init_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def sglang_server(model_dir, tmp_path_factory):
+    """The one SGLang server of the test session (real sglang, CPU), started on first use.
+    Tests take it through ``sglang``, which hands it over serving ``model_dir``."""
+    from tests.processes import SGLangProcess
+
+    server = SGLangProcess(model_dir, tmp_path_factory.mktemp("sglang") / "sglang.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sglang(sglang_server, model_dir):
+    """The shared SGLang server, alive and serving ``model_dir`` at weight version "default":
+    restarted if an earlier test stopped it, and its weights put back if one loaded others
+    (a trainer loads its own versions). A test may load weights; it must not change flags."""
+    from tests.processes import http
+
+    if sglang_server.proc.poll() is not None or http("GET", sglang_server.url + "/health", timeout=5)[0] != 200:
+        sglang_server.stop()
+        sglang_server.start()
+    if sglang_server.weight_version() != "default":
+        body = {"model_path": str(model_dir), "weight_version": "default"}
+        status, reply = http("POST", sglang_server.url + "/update_weights_from_disk", body)
+        assert status == 200 and reply["success"], reply
+    return sglang_server
+
+
+@pytest.fixture(scope="session")
+def sglang_router(sglang_server, tmp_path_factory):
+    """The real SGLang router (smg) in front of the shared server, default settings."""
+    from tests.processes import Router
+
+    router = Router(tmp_path_factory.mktemp("router") / "router.log", [sglang_server.url])
+    yield router
+    router.stop()

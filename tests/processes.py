@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,18 +75,66 @@ class Process:
                 self.proc.wait()
 
 
-class EngineProcess(Process):
-    """`centerline engine` on a free port, ready once GET /health answers 200."""
+class SGLangProcess(Process):
+    """A real SGLang server, started by `centerline sglang` (the CPU recipe) on a free port and
+    ready once GET /health answers 200. ``extra`` goes to SGLang itself (after ``--``);
+    ``env`` adds to the environment (an admin key, say)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str):
-        self.port = free_port()
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str, env: dict | None = None, port: int | None = None):
+        self.model_dir, self.extra, self.env = model_dir, extra, env or {}
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__([sys.executable, "-m", "centerline", "engine", "--model", str(model_dir), "--port", str(self.port), *extra], log_path)
+        self.log_path = log_path
+        self.start()
+
+    def start(self) -> None:
+        """Start (again, after `stop`) on the same port with the same flags."""
+        cmd = [sys.executable, "-m", "centerline", "sglang", "--model", str(self.model_dir), "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd + (["--", *self.extra] if self.extra else []), cwd=REPO, env={**ENV, **self.env},
+                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
-            wait_until(lambda: http("GET", self.url + "/health", timeout=2)[0] == 200, 90, "engine", self.proc)
+            wait_until(lambda: http("GET", self.url + "/health", timeout=2)[0] == 200, 180, "SGLang", self.proc)
         except Exception:
             self.stop()
-            raise RuntimeError(f"engine failed to start:\n{log_path.read_text()}") from None
+            raise RuntimeError(f"SGLang failed to start:\n{self.log()[-6000:]}") from None
+
+    def stop(self) -> None:
+        """SIGTERM to the server's whole process group (SGLang runs a scheduler and a
+        detokenizer beside its HTTP server), SIGKILL after 15 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # children that outlived the parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def weight_version(self) -> str:
+        return http("GET", self.url + "/model_info", timeout=30)[1]["weight_version"]
+
+
+class Router(Process):
+    """The real SGLang router (`smg launch`, sglang-router wheel) in front of ``workers``, with
+    its default settings; ready once it has routed a request to a worker."""
+
+    def __init__(self, log_path: Path, workers: list[str], *extra: str):
+        from centerline.sglang import router_argv
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(router_argv(workers, "127.0.0.1", self.port, free_port()) + list(extra), log_path)
+
+        def routes():
+            return http("POST", self.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}, timeout=5)[0] == 200
+        try:
+            wait_until(routes, 120, "sglang-router", self.proc)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"router failed to start:\n{self.log()[-6000:]}") from None
 
 
 def init_model(out: Path, seed: int) -> Path:
