@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up everything on a fresh machine first.
-#   make run   the main job on the embedded defaults
+#   make run   the main job on the local defaults (real SGLang on the CPU behind the SGLang router)
 #   make test  the whole test suite (CI runs exactly this, see .ci/run)
 
 PYTHON ?= python3
@@ -9,19 +9,24 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
+# The SGLang release everything runs on; pyproject.toml's `gpu` extra pins the same one
+# (tests/test_setup.py keeps them equal).
+SGLANG_VERSION := 0.5.23
+
 .PHONY: run test setup docs clean
 
 setup: $(STAMP)
 
-# torch first, pinned to the CPU build on this disk: anything that depends on torch would
-# otherwise pull a multi-GB CUDA build. sglang is installed without its GPU dependencies:
-# the tests load its request types by file path as a protocol referee.
-$(STAMP): pyproject.toml
+# torch first, at sglang's pin: anything that depends on torch would otherwise pull another
+# build. SGLang then comes without its CUDA-only dependencies (deploy/sglang-cpu.txt lists
+# what it needs instead, docs/sglang.md says why), and the project last.
+$(STAMP): pyproject.toml deploy/sglang-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install --quiet -r deploy/sglang-cpu.txt
+	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
 	$(BIN)/pip install --quiet -e ".[dev]"
-	$(BIN)/pip install --quiet --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 run: $(STAMP)

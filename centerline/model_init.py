@@ -25,7 +25,7 @@ from centerline.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_to
 # ~0.86 M parameters: large enough to have structure, small enough for 2 CPU cores.
 HIDDEN = 128
 LAYERS = 4
-HEADS = 4
+HEADS = 2  # head dimension 64: one that SGLang's GPU attention backends (FlashInfer, FA3) all accept
 KV_HEADS = 2
 INTERMEDIATE = 384
 MAX_POSITIONS = 1024

@@ -10,7 +10,8 @@ every sample's ``meta_info``:
 - ``support`` mode candidates: ``output_token_sampling_mask`` (ids) and
   ``output_token_sampling_logprobs`` (renormalised log-probs of the realized support); the
   sampled log-prob is the support row's, since ``output_token_logprobs`` is pre-filter;
-- ``weight_version``: the engine weights that sampled it (a string of an int).
+- ``weight_version``: the engine weights that sampled it (a string of an int, or ``"default"``
+  for the initial weights).
 
 Rows shorter than ``K`` keep their leading slots and leave the rest empty (``-1`` / ``-inf``)
 for the contract to judge; nothing is padded into a full row or repaired here.
@@ -90,9 +91,10 @@ def sample_from_meta(meta: dict, text: str, *, mode: str, k: int, index: int = 0
         sampled_lp = np.where(in_row, np.where(match, cand_lp, 0).sum(axis=1), sampled_lp)
     version = meta.get("weight_version")
     try:
-        weight_version = int(version)
+        weight_version = 0 if version == INITIAL_VERSION else int(version)
     except (TypeError, ValueError):
-        raise ResponseError(f"sample {index}: meta_info.weight_version is {version!r}, expected a string of an int") from None
+        raise ResponseError(f"sample {index}: meta_info.weight_version is {version!r}, expected "
+                            f"{INITIAL_VERSION!r} or a string of an int (the trainer names versions 0, 1, ...)") from None
     reason = meta.get("finish_reason")
     return Sample(
         text=text if isinstance(text, str) else "",
@@ -103,6 +105,12 @@ def sample_from_meta(meta: dict, text: str, *, mode: str, k: int, index: int = 0
         weight_version=weight_version,
         finish_reason=reason.get("type") if isinstance(reason, dict) else reason,
     )
+
+
+# SGLang's weight version until an update names one, and again after a restart: the server
+# then serves its --model-path, the trainer's initial model, which is version 0. Where that
+# is older than the trainer, the staleness rule rejects the batch; it is never trained as current.
+INITIAL_VERSION = "default"
 
 
 def _rows(meta: dict, name: str, n: int, index: int) -> list:
