@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -187,6 +188,7 @@ def parse(argv: list[str]):
     parser.add_argument("--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<date-time>")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each service to become ready")
+    parser.add_argument("--sglang-args", default="", help="extra flags for every SGLang server, one string: --sglang-args=--enable-metrics")
     shared_config.add_arguments(parser)
     # The job's own defaults sit just above the shared ones: env, TOML and flags still override them.
     env = {**{shared_config.ENV_PREFIX + k.upper(): str(v) for k, v in UP_DEFAULTS.items()}, **os.environ}
@@ -253,15 +255,15 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     engines = []
     for i, url in enumerate(engine_urls):
         port = url.rsplit(":", 1)[1]
-        engines.append(stack.start(f"sglang-{i}", [PYTHON, "-m", "centerline", "sglang", "--model", str(model), "--port", port], engine_key=engine_key))
+        argv = [PYTHON, "-m", "centerline", "sglang", "--model", str(model), "--port", port, "--", *shlex.split(args.sglang_args)]
+        engines.append(stack.start(f"sglang-{i}", argv, engine_key=engine_key))
     for i, (url, proc) in enumerate(zip(engine_urls, engines)):
         wait_http(f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", args.startup_timeout)
     router_port = int(router_url.rsplit(":", 1)[1])
     router = stack.start("router", sglang.router_argv(engine_urls, "127.0.0.1", router_port, free_port()))
     wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", args.startup_timeout)
-    vocab = str(orjson.loads((model / "config.json").read_bytes())["vocab_size"])
-    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--port", str(proxy_url.rsplit(":", 1)[1]),
-                                  "--vocab-size", vocab, *common], nats_user="proxy")  # fmt: skip
+    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--port", str(proxy_url.rsplit(":", 1)[1]), *common],
+                        nats_user="proxy")  # fmt: skip
     wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", args.startup_timeout)
     log(f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
         f"(ready: the upstream returns complete candidate sets), NATS {nats.url}")
@@ -279,8 +281,7 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
 
     record_eval(0)
     for i in range(args.workers):
-        stack.start(f"worker-{i}", [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", "--vocab-size", vocab, *common],
-                    nats_user="worker")
+        stack.start(f"worker-{i}", [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", *common], nats_user="worker")
     trainer_argv = ["--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir), "--steps", str(args.steps),
                     "--prompts-per-step", str(args.prompts_per_step), *common]  # fmt: skip
     if args.trainer_ranks > 1:

@@ -5,8 +5,9 @@
 
 The tokenizer (prompt -> ids) is ``--tokenizer``, else the ``tokenizer_path`` the proxy's
 upstream reports on /get_model_info; the vocabulary size (for the contract check) is
-``--vocab-size``, else ``vocab_size`` from /get_model_info, else the tokenizer directory's
-config.json. Logs are JSON lines on stderr, one ``task done`` line per task. SIGTERM or
+``--vocab-size``, else ``vocab_size`` from the proxy's /get_model_info (the proxy adds what it
+learned from SGLang), else the tokenizer directory's config.json. K above the vocabulary
+is refused at start. Logs are JSON lines on stderr, one ``task done`` line per task. SIGTERM or
 Ctrl-C: stop fetching, finish the tasks in flight within ``--shutdown-grace`` (NAK the rest),
 exit 0. Heavy imports (transformers, the worker loop) happen after argument parsing.
 """
@@ -129,6 +130,11 @@ def main(argv: list[str]) -> int:
         return 2
     tokenizer, hf_tok = load_tokenizer(tokenizer_path)
     vocab = args.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
+    if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab:
+        print(f"centerline worker: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above the model's vocabulary of "
+              f"{vocab}: rows cannot hold K candidates (and SGLang takes its server down on such a request); set K <= {vocab}",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     from rollout_worker.worker import Worker, WorkerOptions
 

@@ -8,7 +8,11 @@ sampling_logprobs_mode/return_sampling_mask", "truncates candidate rows to 20", 
 
     centerline probe --upstream http://127.0.0.1:30001 --k 128 --endpoint generate --mode selected [--json]
 
-exits 0 when compatible, 1 when not (the cause printed), 2 on bad flags. The proxy runs the
+exits 0 when compatible, 1 when not (the cause printed), 2 on bad flags. An upstream started
+with ``--api-key`` gets ``CENTERLINE_UPSTREAM_API_KEY`` (or the file
+``CENTERLINE_UPSTREAM_API_KEY_FILE`` names) as ``Authorization: Bearer``. The vocabulary
+size is learned from the upstream before anything is generated (``learn_vocab_size``), and a
+K above it fails the probe without a canary: SGLang would take its server down. The proxy runs the
 same ``probe`` at start-up and on GET /capabilities, and is ready only when it passes.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 from dataclasses import asdict, dataclass, field
 
 import orjson
@@ -23,6 +28,7 @@ import orjson
 from router_proxy.audit import audit_body, chat_metas, native_metas
 from router_proxy.rewrite import Contract, rewrite_body
 from router_proxy.upstream import UpstreamPool
+from shared import admin_key
 from shared.contract import ContractViolation
 
 CANARY_TOKENS = 8
@@ -69,7 +75,18 @@ class ProbeReport:
 
 
 async def learn_vocab_size(upstream: UpstreamPool) -> int | None:
-    """``vocab_size`` from /model_info or /get_model_info (top level or an hf_config), else None."""
+    """The upstream model's vocabulary size, learned without a request that could harm it;
+    None when the upstream cannot tell.
+
+    ``vocab_size`` from /model_info or /get_model_info where an upstream reports it (SGLang
+    0.5.23 does not). Else SGLang's own range check of ``token_ids_logprob``: the tokenizer
+    manager refuses an id outside ``[0, vocab)`` with 400 before anything is scheduled (the
+    scheduler itself never sees it, unlike ``top_logprobs_num`` above the vocabulary, which
+    takes the server down). One request with the largest id reads the bound from the message;
+    two more confirm it (``vocab - 1`` accepted, ``vocab`` refused), and where the message says
+    nothing usable, a bisection over such requests finds it. Every request generates nothing
+    (``max_new_tokens`` 0) and passes the SGLang router unchanged.
+    """
     for path in (b"/model_info", b"/get_model_info"):
         try:
             status, body, _ = await upstream.request(b"GET", path)
@@ -82,7 +99,38 @@ async def learn_vocab_size(upstream: UpstreamPool) -> int | None:
             value = where.get("vocab_size") if isinstance(where, dict) else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    return None
+    largest = (1 << 31) - 1
+    status, message = await _token_id_accepted(upstream, largest)
+    if status is None or status == 200:  # unreachable, or the check is not there: cannot tell
+        return None
+    found = VOCAB_BOUND.search(message)
+    if found and 0 < int(found.group(1)) <= largest:
+        vocab = int(found.group(1))
+        if (await _token_id_accepted(upstream, vocab - 1))[0] == 200 and (await _token_id_accepted(upstream, vocab))[0] == 400:
+            return vocab
+    low, high = 0, largest  # id `low` is accepted (0 always is), `high` refused
+    if (await _token_id_accepted(upstream, 0))[0] != 200:
+        return None
+    while high - low > 1:
+        mid = (low + high) // 2
+        status, _ = await _token_id_accepted(upstream, mid)
+        if status not in (200, 400):
+            return None
+        low, high = (mid, high) if status == 200 else (low, mid)
+    return high
+
+
+VOCAB_BOUND = re.compile(r"valid range is \[0, (\d+)\)")
+
+
+async def _token_id_accepted(upstream: UpstreamPool, token_id: int) -> tuple[int | None, str]:
+    """``(status, error message)`` of a generation-free request asking for ``token_id``'s log-prob."""
+    body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "token_ids_logprob": [token_id]}
+    try:
+        status, reply, _ = await upstream.request(b"POST", b"/generate", orjson.dumps(body), [(b"content-type", b"application/json")])
+    except OSError:
+        return None, ""
+    return status, reply[:500].decode(errors="replace")
 
 
 def canary_body(contract: Contract) -> bytes:
@@ -99,15 +147,32 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
     report = ProbeReport(upstream.url, contract.endpoint, contract.mode, contract.k)
     path = "/v1/chat/completions" if contract.endpoint == "chat" else "/generate"
     try:
-        status, body, ctype = await upstream.request(b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")])
+        info_status, info_body, _ = await upstream.request(b"GET", b"/get_model_info")
     except OSError as exc:
-        report.add("upstream reachable", False, f"cannot reach {upstream.url}{path}: {exc}")
+        report.add("upstream reachable", False, f"cannot reach {upstream.url}/get_model_info: {exc}")
         return report
-    report.add("upstream reachable", True, f"POST {path} answered {status}")
+    if not report.add("upstream reachable", info_status not in (401, 403), f"GET /get_model_info answered {info_status}"
+                      + (": the upstream wants an API key; set CENTERLINE_UPSTREAM_API_KEY (or _FILE)" if info_status in (401, 403) else "")):
+        return report
 
+    # Learned before the canary is sent: top_logprobs_num above the vocabulary takes an SGLang server down.
     report.vocab_size = vocab_size or await learn_vocab_size(upstream)
     if not report.add("vocab size known", report.vocab_size is not None,
-                      f"{report.vocab_size}" if report.vocab_size else "the upstream reports no vocab_size in /model_info or /get_model_info; pass --vocab-size"):  # fmt: skip
+                      f"{report.vocab_size}" if report.vocab_size else "the upstream neither reports vocab_size nor range-checks "
+                      "token_ids_logprob (not SGLang?); pass --vocab-size"):  # fmt: skip
+        return report
+    if contract.mode == "selected" and not report.add(
+        "K within the vocabulary", contract.k <= report.vocab_size,
+        f"K={contract.k} <= vocab {report.vocab_size}" if contract.k <= report.vocab_size else
+        f"K={contract.k} is above the model's vocabulary of {report.vocab_size}: SGLang 0.5.23 takes its server down on "
+        f"top_logprobs_num above the vocabulary, so nothing is sent; lower --rollout-top-logprobs-num to at most {report.vocab_size}",
+    ):  # fmt: skip
+        return report
+
+    try:
+        status, body, ctype = await upstream.request(b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")])
+    except OSError as exc:
+        report.add("request answered", False, f"POST {path} to {upstream.url} failed: {exc}")
         return report
 
     if status != 200:
@@ -187,15 +252,18 @@ def main(argv: list[str]) -> int:
     top_k = args.top_k if args.top_k is not None else (args.k if args.mode == "support" else -1)
     contract = Contract(args.k, args.temperature, args.top_p, top_k, args.mode, args.endpoint)
     try:
-        report = asyncio.run(_probe_once(args.upstream, contract, args.vocab_size, args.timeout))
+        api_key = admin_key.upstream_key_from_env()
+        report = asyncio.run(_probe_once(args.upstream, contract, args.vocab_size, args.timeout, api_key))
+    except admin_key.AdminKeyError as exc:
+        parser.error(str(exc))
     except ValueError as exc:  # not an http(s) URL
         parser.error(str(exc))
     print(orjson.dumps(report.to_dict()).decode() if args.json else report.table())
     return 0 if report.compatible else 1
 
 
-async def _probe_once(upstream: str, contract: Contract, vocab_size: int | None, timeout: float) -> ProbeReport:
-    pool = UpstreamPool(upstream, timeout=timeout)
+async def _probe_once(upstream: str, contract: Contract, vocab_size: int | None, timeout: float, api_key: str | None) -> ProbeReport:
+    pool = UpstreamPool(upstream, timeout=timeout, api_key=api_key)
     try:
         return await probe(pool, contract, vocab_size=vocab_size)
     finally:

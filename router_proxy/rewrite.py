@@ -60,9 +60,10 @@ class Contract:
         )
 
 
-def rewrite_body(raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None) -> bytes:
+def rewrite_body(raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None, vocab_size: int | None = None) -> bytes:
     """The request body ``raw`` for ``endpoint`` ("generate" | "chat") rewritten to ``contract``;
-    a client's K above ``max_k`` is refused even though the contract's K replaces it."""
+    a client's K above ``max_k`` is refused even though the contract's K replaces it
+    (``vocab_size``, when ``max_k`` is the vocabulary, names it in the refusal)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -70,7 +71,7 @@ def rewrite_body(raw: bytes, endpoint: str, contract: Contract, *, max_k: int | 
     if not isinstance(body, dict):
         raise RequestRejected("body", f"expected a JSON object, found {type(body).__name__}")
     if max_k is not None:
-        check_k(body, endpoint, max_k)
+        check_k(body, endpoint, max_k, vocab_size)
     if endpoint == "generate":
         rewrite_generate(body, contract)
     else:
@@ -78,18 +79,22 @@ def rewrite_body(raw: bytes, endpoint: str, contract: Contract, *, max_k: int | 
     return orjson.dumps(body)
 
 
-def check_k(body: dict, endpoint: str, max_k: int) -> None:
+def check_k(body: dict, endpoint: str, max_k: int, vocab_size: int | None = None) -> None:
     """Refuse a requested K (native ``top_logprobs_num``, one or a list; chat ``top_logprobs``)
-    above ``max_k``: every candidate costs the upstream and the proxy memory per token."""
+    above ``max_k``: every candidate costs the upstream and the proxy memory per token, and
+    one above the vocabulary (``max_k == vocab_size``) takes an SGLang 0.5.23 server down."""
     name = "top_logprobs_num" if endpoint == "generate" else "top_logprobs"
     value = body.get(name)
     for k in value if isinstance(value, list) else (value,):
         if isinstance(k, (int, float)) and not isinstance(k, bool) and k > max_k:
-            raise RequestRejected(name, f"is {k}, above the proxy's limit of {max_k} candidates per token (--max-top-logprobs-num)",
-                                  value=k, limit=max_k)  # fmt: skip
+            if max_k == vocab_size:
+                why = f"above the model's vocabulary of {vocab_size} (SGLang takes its server down on such a request); ask for at most {vocab_size}"
+            else:
+                why = f"above the proxy's limit of {max_k} candidates per token (--max-top-logprobs-num)"
+            raise RequestRejected(name, f"is {k}, {why}", value=k, limit=max_k)
 
 
-def check_eval_body(raw: bytes, endpoint: str, max_k: int) -> None:
+def check_eval_body(raw: bytes, endpoint: str, max_k: int, vocab_size: int | None = None) -> None:
     """The limits an evaluation request (otherwise forwarded untouched) must respect; a body
     that is not a JSON object is left to the upstream to refuse."""
     try:
@@ -97,7 +102,7 @@ def check_eval_body(raw: bytes, endpoint: str, max_k: int) -> None:
     except orjson.JSONDecodeError:
         return
     if isinstance(body, dict):
-        check_k(body, endpoint, max_k)
+        check_k(body, endpoint, max_k, vocab_size)
 
 
 def rewrite_generate(body: dict, c: Contract) -> None:

@@ -11,8 +11,10 @@
   ``--max-upstream-response-bytes`` is cut off and becomes 502 ``upstream_too_large``.
 - GET /ready is 503 until the capability probe (``probe.py``) passes; GET /capabilities runs
   it again. GET /metrics is Prometheus. Engine admin endpoints answer 403, and a client's
-  ``Authorization`` header is never forwarded (DESIGN section 7: the trainer alone holds the
-  engines' admin key and calls each engine directly).
+  ``Authorization`` header is never forwarded (the trainer alone holds the engines' admin key
+  and calls each engine directly). An upstream started with ``--api-key`` gets the proxy's own
+  key instead, from ``CENTERLINE_UPSTREAM_API_KEY`` or ``CENTERLINE_UPSTREAM_API_KEY_FILE``
+  (``shared/admin_key.py``), on every request.
 
 The HTTP on both sides is lean on purpose (``front.py`` serves, ``upstream.py`` pools
 keep-alive connections to the upstream): FastAPI/uvicorn and aiohttp cost more CPU per request
@@ -39,6 +41,7 @@ from router_proxy.front import MAX_BODY_BYTES, Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
 from router_proxy.upstream import MAX_RESPONSE_BYTES, UpstreamPool, UpstreamTooLarge
+from shared import admin_key
 from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
 
@@ -51,7 +54,8 @@ FORWARDED_HEADERS = (b"x-request-id",)  # never authorization: see the module do
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
-PASS_THROUGH = {b"/health", b"/health_generate", b"/get_model_info", b"/model_info", b"/get_server_info", b"/server_info", b"/v1/models"}
+PASS_THROUGH = {b"/health", b"/health_generate", b"/get_server_info", b"/server_info", b"/v1/models"}
+MODEL_INFO = {b"/get_model_info", b"/model_info"}  # forwarded, with the learned vocab_size added
 # Engine and router administration: never reachable through the proxy (the trainer calls engines directly).
 ADMIN_PREFIXES = (
     "/update_weight", "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
@@ -68,8 +72,9 @@ class Proxy:
 
     def __init__(self, upstream: str, contract: Contract, *, audit_mode: str = "enforce", vocab_size: int | None = None,
                  nats_url: str | None = None, upstream_timeout: float = 1800.0, max_connections: int = 512,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, max_k: int = MAX_TOP_LOGPROBS_NUM):  # fmt: skip
-        self.pool = UpstreamPool(upstream, timeout=upstream_timeout, max_connections=max_connections, max_response_bytes=max_response_bytes)
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, max_k: int = MAX_TOP_LOGPROBS_NUM, upstream_api_key: str | None = None):  # fmt: skip
+        self.pool = UpstreamPool(upstream, timeout=upstream_timeout, max_connections=max_connections, max_response_bytes=max_response_bytes,
+                                 api_key=upstream_api_key)  # fmt: skip
         self.max_k = max_k
         self.upstream = self.pool.url
         self.contract = contract
@@ -134,9 +139,25 @@ class Proxy:
                 return 200, orjson.dumps((await self.run_probe()).to_dict()), JSON, []
             if path == "/metrics":
                 return 200, self.metrics.exposition(), CONTENT_TYPE_LATEST.encode(), []
+            if req.path in MODEL_INFO:
+                return await self.model_info(req)
             if req.path in PASS_THROUGH:
                 return await self.forward(req.method, req.target, None, req.headers)
         return 404, orjson.dumps({"error": {"rule": "not_found", "message": f"{req.method.decode()} {path} is not served by the proxy"}}), JSON, []
+
+    async def model_info(self, req: Request) -> Reply:
+        """The upstream's model info with ``vocab_size`` added where it reports none (SGLang does
+        not) and the proxy has learned it: workers read the vocabulary for their contract check here."""
+        status, answer, ctype, extra = await self.forward(req.method, req.target, None, req.headers)
+        vocab = await self.known_vocab() if status == 200 else None
+        if vocab is not None:
+            try:
+                info = orjson.loads(answer)
+            except orjson.JSONDecodeError:
+                return status, answer, ctype, extra
+            if isinstance(info, dict) and "vocab_size" not in info:
+                answer = orjson.dumps({**info, "vocab_size": vocab})
+        return status, answer, ctype, extra
 
     async def forward(self, method: bytes, target: bytes, body: bytes | None, headers: dict) -> Reply:
         """The upstream's answer as it is, or 502 upstream_unreachable."""
@@ -151,25 +172,37 @@ class Proxy:
             return ContractViolation("upstream_too_large", f"{self.upstream}{target.decode('latin-1')}: {exc}", expected=exc.limit)
         return ContractViolation("upstream_unreachable", f"{self.upstream}{target.decode('latin-1')}: {exc}")
 
+    async def known_vocab(self) -> int | None:
+        """The vocabulary size, learned from the upstream on first need (probe.learn_vocab_size)."""
+        if self.vocab_size is None:
+            self.vocab_size = await learn_vocab_size(self.pool)
+        return self.vocab_size
+
     async def training(self, endpoint: str, req: Request) -> Reply:
         """One training (or eval) request: rewrite, forward, audit, then pass, block or flag the answer."""
+        # Nothing asks SGLang for more candidates than the vocabulary holds: that takes its server down.
+        vocab = await self.known_vocab()
+        limit = self.max_k if vocab is None else min(self.max_k, vocab)
         if req.headers.get(EVAL_HEADER) == b"1":
             try:
-                check_eval_body(req.body, endpoint, self.max_k)
+                check_eval_body(req.body, endpoint, limit, vocab)
             except RequestRejected as exc:
                 self.metrics.count(self.metrics.requests, endpoint, "rejected")
                 return 400, orjson.dumps(exc.to_dict()), JSON, []
             self.metrics.count(self.metrics.requests, endpoint, "eval")
             return await self.forward(b"POST", req.target, req.body, req.headers)
         started = time.perf_counter()
+        if vocab is not None and self.contract.mode == "selected" and self.contract.k > vocab:
+            self.metrics.count(self.metrics.requests, endpoint, "rejected")
+            message = (f"the proxy's K={self.contract.k} (--rollout-top-logprobs-num) is above the model's vocabulary of {vocab}: "
+                       f"nothing was sent (SGLang takes its server down on top_logprobs_num above the vocabulary); restart the proxy with K <= {vocab}")  # fmt: skip
+            return 503, orjson.dumps({"error": {"rule": "k_above_vocab", "message": message, "expected": vocab, "found": self.contract.k}}), JSON, []
         try:
-            sent = rewrite_body(req.body, endpoint, self.contract, max_k=self.max_k)
+            sent = rewrite_body(req.body, endpoint, self.contract, max_k=limit, vocab_size=vocab)
         except RequestRejected as exc:
             self.metrics.count(self.metrics.requests, endpoint, "rejected")
             return 400, orjson.dumps(exc.to_dict()), JSON, []
         self.metrics.count(self.metrics.requests, endpoint, "training")
-        if self.vocab_size is None:
-            self.vocab_size = await learn_vocab_size(self.pool)
         sent_at = time.perf_counter()
         status, body, ctype = 0, b"", JSON
         violation, result = None, None
@@ -268,9 +301,14 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:
+        api_key = admin_key.upstream_key_from_env()
+    except admin_key.AdminKeyError as exc:
+        print(f"centerline proxy: {exc}", file=sys.stderr)
+        return 2
+    try:
         proxy = Proxy(args.upstream, Contract.from_config(cfg), audit_mode=cfg.proxy_audit_mode, vocab_size=args.vocab_size,
                       nats_url=nats_url, upstream_timeout=args.upstream_timeout, max_response_bytes=args.max_upstream_response_bytes,
-                      max_k=args.max_top_logprobs_num)  # fmt: skip
+                      max_k=args.max_top_logprobs_num, upstream_api_key=api_key)  # fmt: skip
     except ValueError as exc:
         print(f"centerline proxy: --upstream: {exc}", file=sys.stderr)
         return 2

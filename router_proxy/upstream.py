@@ -167,7 +167,8 @@ class UpstreamPool:
     """Keep-alive connections to ``url`` (``http://`` or ``https://``, optionally with a path prefix)."""
 
     def __init__(self, url: str, *, timeout: float = 1800.0, connect_timeout: float = 10.0, max_connections: int = 512,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES):  # fmt: skip
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, api_key: str | None = None):  # fmt: skip
+        """``api_key``: sent as ``Authorization: Bearer`` on every request (an upstream started with ``--api-key``)."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream URL {url!r}: expected http://host:port or https://host:port")
@@ -177,6 +178,7 @@ class UpstreamPool:
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/").encode()
         self.host_header = parts.netloc.encode()
+        self.auth = b"authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
         self.timeout, self.connect_timeout, self.max_connections = timeout, connect_timeout, max_connections
         self.max_response_bytes = max_response_bytes
         self.idle: list[_Connection] = []  # LIFO: the warmest connection first
@@ -186,8 +188,8 @@ class UpstreamPool:
 
     async def request(self, method: bytes, path: bytes, body: bytes | None = None, headers=()) -> tuple[int, bytes, bytes]:
         """``(status, body, content type)`` of one request (content type ``b""`` when absent); ``headers`` are ``(name, value)`` byte pairs."""
-        head = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s%s\r\n" % (
-            method, self.prefix, path, self.host_header, b"".join([b"%s: %s\r\n" % pair for pair in headers]),
+        head = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s%s%s\r\n" % (
+            method, self.prefix, path, self.host_header, self.auth, b"".join([b"%s: %s\r\n" % pair for pair in headers]),
             b"" if body is None else b"content-length: %d\r\n" % len(body),
         )  # fmt: skip
         for attempt in (0, 1):

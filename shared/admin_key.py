@@ -7,6 +7,11 @@ engine does the same (``engine/server.py``); the trainer, the one client of thos
 sends the key (``trainer_service/weights.py``); the proxy refuses admin paths and never
 forwards an ``Authorization`` header (``router_proxy/server.py``, DESIGN section 7).
 
+The same holds for the upstream API key (``upstream_key_from_env``): an SGLang router or
+server started with ``--api-key`` answers 401 to every request without it, so the proxy and
+``centerline probe`` send their own, from ``CENTERLINE_UPSTREAM_API_KEY`` or the file
+``CENTERLINE_UPSTREAM_API_KEY_FILE`` names, and never forward a client's.
+
 A secret, so not a ``shared.config`` setting (the resolved configuration is written beside
 every run and printed by ``centerline config``, and flags show in ``ps``): engine and trainer
 read it from ``CENTERLINE_ENGINE_ADMIN_API_KEY``, or from the file named by
@@ -23,27 +28,39 @@ import typing
 KEY_ENV = "CENTERLINE_ENGINE_ADMIN_API_KEY"
 KEY_FILE_ENV = "CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"
 VARIABLES = (KEY_ENV, KEY_FILE_ENV)
+UPSTREAM_KEY_ENV = "CENTERLINE_UPSTREAM_API_KEY"
+UPSTREAM_KEY_FILE_ENV = "CENTERLINE_UPSTREAM_API_KEY_FILE"
 
 
 class AdminKeyError(RuntimeError):
     """An admin key that is contradictory, unreadable or refused; the message names the setting and the fix."""
 
 
-def key_from_env(env: typing.Mapping[str, str] | None = None) -> str | None:
-    """The key from ``CENTERLINE_ENGINE_ADMIN_API_KEY`` or the file ``CENTERLINE_ENGINE_ADMIN_API_KEY_FILE``
-    names (trailing newline dropped); None when neither is set (an empty value counts as unset)."""
+def key_from_env(env: typing.Mapping[str, str] | None = None, *, variable: str = KEY_ENV, file_variable: str = KEY_FILE_ENV) -> str | None:
+    """The key from ``variable`` or the file ``file_variable`` names (trailing newline dropped);
+    None when neither is set (an empty value counts as unset). The defaults are the admin key's."""
     env = os.environ if env is None else env
-    key, path = env.get(KEY_ENV) or None, env.get(KEY_FILE_ENV) or None
+    key, path = env.get(variable) or None, env.get(file_variable) or None
     if key is not None and path is not None:
-        raise AdminKeyError(f"both {KEY_ENV} and {KEY_FILE_ENV} are set: keep one")
+        raise AdminKeyError(f"both {variable} and {file_variable} are set: keep one")
     if path is not None:
         try:
             with open(path) as f:
                 key = f.read().rstrip("\n")
         except OSError as exc:
-            raise AdminKeyError(f"{KEY_FILE_ENV}={path}: cannot read the admin key file ({exc.strerror})") from None
+            raise AdminKeyError(f"{file_variable}={path}: cannot read the key file ({exc.strerror})") from None
         if not key:
-            raise AdminKeyError(f"{KEY_FILE_ENV}={path}: the admin key file is empty")
+            raise AdminKeyError(f"{file_variable}={path}: the key file is empty")
+    return key
+
+
+def upstream_key_from_env(env: typing.Mapping[str, str] | None = None) -> str | None:
+    """The API key the proxy and the probe send to their upstream (an SGLang router or server
+    started with ``--api-key``): ``CENTERLINE_UPSTREAM_API_KEY`` or the file
+    ``CENTERLINE_UPSTREAM_API_KEY_FILE`` names. The proxy's own, never a client's."""
+    key = key_from_env(env, variable=UPSTREAM_KEY_ENV, file_variable=UPSTREAM_KEY_FILE_ENV)
+    if key is not None and not all(33 <= ord(c) < 127 for c in key):  # it goes into an HTTP header line as it is
+        raise AdminKeyError(f"{UPSTREAM_KEY_ENV}: the key holds whitespace, control or non-ASCII characters; use printable ASCII")
     return key
 
 

@@ -83,6 +83,12 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     state = checkpoint.load_state(resume) if resume else {"step": 0, "version": 0, "next_task_step": 0, "ledger": {},
                                                            "run_id": run_id(args.run_dir)}  # fmt: skip
     step, version = state["step"], state["version"]
+    if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > policy.vocab_size:
+        logging.getLogger("centerline.trainer").error(
+            "--rollout-top-logprobs-num %d is above the model's vocabulary of %d: no row can hold K candidates (and SGLang "
+            "takes its server down on such a request); set K <= %d", cfg.rollout_top_logprobs_num, policy.vocab_size, policy.vocab_size)
+        policy.stop()
+        return 2
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
