@@ -7,7 +7,11 @@
 - every Kubernetes manifest validates strictly with kubernetes-validate;
 - every command a container runs, in compose and in Kubernetes, is a registered `centerline`
   subcommand (directly or under torchrun) given only flags its --help lists, and all of its
-  required ones; the SGLang router's flags are checked against its own --help;
+  required ones; the SGLang router's (`smg launch`) and the official SGLang image's
+  (`sglang.launch_server`) flags are checked against their own --help;
+- SGLang is always real and behind the real router: the proxy's upstream is the router, the
+  router's workers and the trainer's --engine-urls are every SGLang server (never the router),
+  and the official image's tag is pyproject.toml's sglang pin;
 - the dashboard's metric names are the ones the services export;
 - NATS runs centerline's users and permissions (shared/nats_auth.py) everywhere, and each
   service logs in as its own user with only its own password.
@@ -15,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -32,6 +37,10 @@ DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 PROFILE_SETS = [("cpu",), ("gpu",), ("cpu", "observability"), ("gpu", "observability")]
 K8S_VERSIONS = ["1.30.0", "1.37.0"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+(SGLANG_PIN,) = PYPROJECT["project"]["optional-dependencies"]["gpu"]  # "sglang==X"
+SGLANG_IMAGE = "lmsysorg/sglang:v" + SGLANG_PIN.removeprefix("sglang==")
+ADMIN_KEY_FILE = "/run/centerline/engine-admin/admin-api-key"
 
 
 # ---------------------------------------------------------------- compose, as compose resolves it
@@ -78,7 +87,7 @@ def test_compose_schema_rejects_an_unknown_key():
     import jsonschema
 
     doc = resolved(("cpu",))
-    doc["services"]["engine"]["comand"] = ["centerline"]
+    doc["services"]["sglang_0"]["comand"] = ["centerline"]
     assert list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc))
 
 
@@ -96,24 +105,50 @@ def trainer_engine_urls(doc: dict) -> list[str]:
     return urls[: next((i for i, tok in enumerate(urls) if tok.startswith("--")), len(urls))]
 
 
-def test_cpu_profile_runs_the_embedded_engine_behind_the_proxy():
+def router_argv(worker_urls: list[str]) -> list[str]:
+    """The router command `centerline up` runs (centerline/sglang.py), on the container's ports."""
+    from centerline import sglang
+
+    return ["smg", *sglang.router_argv(worker_urls, "0.0.0.0", 30000, 29000)[1:]]
+
+
+def test_cpu_profile_runs_sglang_on_the_cpu_behind_the_router_and_updates_each_server():
     doc = resolved(("cpu",))
-    assert upstream_of(doc) == ["engine"]
-    assert not [name for name in doc["services"] if name.startswith("sglang")]
-    assert trainer_engine_urls(doc) == ["http://engine:30000"]
-
-
-def test_gpu_profile_puts_the_sglang_router_behind_the_proxy_and_updates_each_server():
-    doc = resolved(("gpu",))
-    assert "engine" not in doc["services"]
-    assert upstream_of(doc) == ["sglang_router"]
-    servers = [name for name, svc in doc["services"].items() if "sglang.launch_server" in svc.get("entrypoint", [])]
+    servers = [name for name, svc in doc["services"].items() if svc.get("command", [])[:2] == ["centerline", "sglang"]]
     assert servers == ["sglang_0", "sglang_1"]
-    router = doc["services"]["sglang_router"]["command"]
-    assert router[router.index("--worker-urls") + 1 : router.index("--worker-urls") + 3] == [f"http://{s}:30000" for s in servers]
-    assert trainer_engine_urls(doc) == [f"http://{s}:30000" for s in servers]  # weight updates never via the router
+    urls = ["http://sglang_0:30000", "http://sglang_1:30000"]
     for name in servers:
         svc = doc["services"][name]
+        assert svc["command"] == ["centerline", "sglang", "--model", "/models/default", "--host", "0.0.0.0", "--port", "30000"]
+        assert svc["image"] == "centerline:dev" and "deploy" not in svc
+        assert svc["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/health"
+        assert {v.split(":")[1] for v in svc["volumes"]} == {"/models", "/runs", "/run/centerline/engine-admin"}
+    assert upstream_of(doc) == ["sglang_router"]
+    router = doc["services"]["sglang_router"]
+    assert router["command"] == router_argv(urls)
+    assert router["depends_on"] == {s: {"condition": "service_healthy"} for s in servers}
+    assert router["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/readiness"
+    assert trainer_engine_urls(doc) == urls  # weight updates never via the router
+    assert doc["services"]["trainer"]["depends_on"].keys() >= set(servers)
+    assert not [name for name, svc in doc["services"].items() if svc.get("image", "").startswith("lmsysorg/")]
+
+
+def test_gpu_profile_runs_the_official_sglang_image_behind_the_router_and_updates_each_server():
+    doc = resolved(("gpu",))
+    assert not [name for name, svc in doc["services"].items() if svc.get("command", [])[:2] == ["centerline", "sglang"]]
+    servers = [name for name, svc in doc["services"].items() if "sglang.launch_server" in svc.get("entrypoint", [])]
+    assert servers == ["sglang_gpu_0", "sglang_gpu_1"]
+    urls = ["http://sglang_gpu_0:30000", "http://sglang_gpu_1:30000"]
+    assert upstream_of(doc) == ["sglang_router_gpu"]
+    router = doc["services"]["sglang_router_gpu"]
+    assert router["command"] == router_argv(urls) and router["image"] == "centerline:dev"
+    assert router["depends_on"] == {s: {"condition": "service_healthy"} for s in servers}
+    assert router["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/readiness"
+    assert trainer_engine_urls(doc) == urls  # weight updates never via the router
+    for name in servers:
+        svc = doc["services"][name]
+        assert svc["image"] == SGLANG_IMAGE
+        assert svc["command"] == ["--model-path", "/models/default", "--host", "0.0.0.0", "--port", "30000", "--enable-metrics"]
         assert svc["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
         assert svc["ipc"] == "host"
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -121,9 +156,30 @@ def test_gpu_profile_puts_the_sglang_router_behind_the_proxy_and_updates_each_se
     assert [svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for svc in map(doc["services"].get, servers)] == [["0"], ["1"]]
 
 
-def test_proxy_forwards_to_the_upstream_alias():
+def images() -> list[tuple[str, str]]:
+    """(where, image) of every container in compose (all profiles), Kubernetes and its GPU overlay."""
+    found = [(f"compose:{name}", svc["image"]) for name, svc in compose_file()["services"].items() if "image" in svc]
+    for prefix, docs in (("k8s", k8s_documents()), ("k8s-gpu", [k8s_gpu_sglang()])):
+        for doc in docs:
+            spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+            found += [(f"{prefix}:{doc['metadata']['name']}/{c['name']}", c["image"]) for c in spec.get("initContainers", []) + spec.get("containers", [])]
+    return found
+
+
+def test_sglang_image_is_pyprojects_sglang_pin_and_no_image_is_latest():
+    assert SGLANG_IMAGE == "lmsysorg/sglang:v0.5.23"
+    sglang = [(where, image) for where, image in images() if image.startswith("lmsysorg/sglang")]
+    assert sglang == [("compose:sglang_gpu_0", SGLANG_IMAGE), ("compose:sglang_gpu_1", SGLANG_IMAGE), ("k8s-gpu:sglang/sglang", SGLANG_IMAGE)]
+    untagged = [(where, image) for where, image in images() if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")]
+    assert untagged == []
+
+
+def test_proxy_forwards_to_the_upstream_alias_with_the_models_vocabulary():
+    from centerline.tokenizer import VOCAB_SIZE
+
     cmd = compose_file()["services"]["router_proxy"]["command"]
     assert cmd[cmd.index("--upstream") + 1] == "http://upstream:30000"
+    assert cmd[cmd.index("--vocab-size") + 1] == str(VOCAB_SIZE) == "260"  # SGLang's /model_info has no vocab_size
 
 
 def test_rollout_worker_can_be_scaled():
@@ -213,17 +269,14 @@ def test_k8s_services_log_in_as_their_own_nats_user_with_only_their_password():
     assert "deploy/k8s/nats-credentials/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
-ADMIN_KEY_FILE = "/run/centerline/engine-admin/admin-api-key"
-
-
-def test_compose_engines_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
+def test_compose_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
     services = compose_file()["services"]
     holders = {name for name, svc in services.items() if any(str(v).startswith("engine-admin-key:") for v in svc.get("volumes", []))}
-    assert holders == {"engine_admin_key", "engine", "trainer", "trainer_gpu", "sglang_0", "sglang_1"}
-    for name in ("engine", "trainer", "trainer_gpu"):
+    assert holders == {"engine_admin_key", "sglang_0", "sglang_1", "trainer", "sglang_gpu_0", "sglang_gpu_1", "trainer_gpu"}
+    for name in ("sglang_0", "sglang_1", "trainer", "trainer_gpu"):  # `centerline sglang` reads the file
         assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
         assert "engine-admin-key:/run/centerline/engine-admin:ro" in services[name]["volumes"]
-    for name in ("sglang_0", "sglang_1"):  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
+    for name in ("sglang_gpu_0", "sglang_gpu_1"):  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
         entrypoint = services[name]["entrypoint"]
         assert entrypoint[-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"] and "'--admin-api-key', key" in entrypoint[2]
     for name, svc in services.items():
@@ -231,7 +284,7 @@ def test_compose_engines_and_trainer_hold_the_engine_admin_key_and_nothing_else_
     assert services["engine_admin_key"]["volumes"] == ["engine-admin-key:/credentials"]
 
 
-def test_k8s_engine_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
+def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
     holders = {}
     for doc in k8s_documents():
         for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
@@ -239,7 +292,10 @@ def test_k8s_engine_and_trainer_hold_the_engine_admin_key_and_nothing_else_does(
                 if e["name"].startswith("CENTERLINE_ENGINE_ADMIN_API_KEY"):
                     holders[doc["metadata"]["name"]] = e
     ref = {"name": "CENTERLINE_ENGINE_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "engine-admin-key", "key": "admin-api-key"}}}
-    assert holders == {"engine": ref, "trainer": ref}
+    assert holders == {"sglang": ref, "trainer": ref}
+    # The GPU overlay keeps the key in the environment and hands it to SGLang as a flag.
+    (gpu,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
+    assert ref in gpu["env"] and gpu["args"][gpu["args"].index("--admin-api-key") + 1] == "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
     kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     assert {"name": "engine-admin-key", "envs": ["engine-admin-key.env"]} in kustomization["secretGenerator"]
     assert "deploy/k8s/engine-admin-key.env" in (ROOT / ".gitignore").read_text().splitlines()
@@ -269,14 +325,26 @@ def test_dockerfile_passes_hadolint(path):
             assert re.search(r"ignore=\S+\s+\S", line), line
 
 
-def test_image_installs_cpu_torch_then_every_package_as_a_non_root_user():
+def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user():
     text = (DEPLOY / "Dockerfile").read_text()
+    dockerignore = (DEPLOY / "Dockerfile.dockerignore").read_text()
     assert text.startswith("#") and "\nFROM python:3.11-slim\n" in text
-    torch = text.index("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
-    assert torch < text.index("pip install --no-cache-dir /app")
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    # The Makefile's torch pins (from the CPU index), SGLang's CPU requirements, sglang at the
+    # `gpu` extra's pin without its CUDA dependencies, the router at the `dev` extra's pin
+    # (`smg`), then the project: in that order.
+    torch = re.search(r"pip install --quiet (torch==\S+ torchvision==\S+)\n", (ROOT / "Makefile").read_text())[1]
+    (router,) = [r for r in PYPROJECT["project"]["optional-dependencies"]["dev"] if r.startswith("sglang-router==")]
+    steps = [f"pip install --no-cache-dir {torch} --index-url https://download.pytorch.org/whl/cpu",
+             "pip install --no-cache-dir -r deploy/sglang-cpu.txt", f"pip install --no-cache-dir --no-deps {SGLANG_PIN}",
+             f"pip install --no-cache-dir {router}", "pip install --no-cache-dir /app"]  # fmt: skip
+    assert [text.count(step) for step in steps] == [1] * len(steps)
+    assert [text.index(step) for step in steps] == sorted(text.index(step) for step in steps)
+    assert (torch, SGLANG_PIN, router) == ("torch==2.14.1 torchvision==0.29.1", "sglang==0.5.23", "sglang-router==0.3.2")
+    assert "\nCOPY deploy/sglang-cpu.txt deploy/\n" in text and "\n!deploy/sglang-cpu.txt\n" in dockerignore
+    packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in {p.rstrip("*") for p in packages}:
-        assert f"\nCOPY {package}/ {package}/\n" in text and f"!{package}/" in (DEPLOY / "Dockerfile.dockerignore").read_text(), package
+        assert f"\nCOPY {package}/ {package}/\n" in text and f"\n!{package}/\n" in dockerignore, package
+    assert len(re.findall(r"^COPY \w+/ ", text, re.M)) == len(packages)  # no package that is gone (engine/)
     assert re.search(r"^USER 10001:10001$", text, re.M)
 
 
@@ -300,7 +368,7 @@ def test_k8s_manifest_validates_strictly(path, version):
 def test_k8s_strict_validation_rejects_an_unknown_field():
     import kubernetes_validate
 
-    (deploy,) = [d for d in k8s_documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "engine"]
+    (deploy,) = [d for d in k8s_documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "sglang-router"]
     deploy["spec"]["template"]["spec"]["containers"][0]["comand"] = ["centerline"]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deploy, K8S_VERSIONS[-1], strict=True)
@@ -316,11 +384,84 @@ def test_k8s_topology():
     assert docs[("Deployment", "rollout-worker")]["spec"]["replicas"] == 2
     nats = docs[("StatefulSet", "nats")]["spec"]
     assert nats["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    probes = {name: docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
-              for name in ("engine", "router-proxy")}  # fmt: skip
-    assert probes == {"engine": "/health", "router-proxy": "/ready"}
-    assert {("Service", n) for n in ("nats", "engine", "router-proxy")} <= set(docs)
+    probes = {(kind, name): docs[(kind, name)]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
+              for kind, name in (("StatefulSet", "sglang"), ("Deployment", "sglang-router"), ("Deployment", "router-proxy"))}  # fmt: skip
+    assert probes == {("StatefulSet", "sglang"): "/health", ("Deployment", "sglang-router"): "/readiness", ("Deployment", "router-proxy"): "/ready"}
+    assert {("Service", n) for n in ("nats", "sglang", "sglang-router", "router-proxy")} <= set(docs)
     assert {kind for kind, name in docs if name in ("trainer", "model-init")} >= {"Job"}
+
+
+def k8s_command(name: str) -> list[str]:
+    (doc,) = [d for d in k8s_documents() if d["kind"] in ("Deployment", "StatefulSet", "Job") and d["metadata"]["name"] == name]
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return container["command"]
+
+
+def test_k8s_router_and_trainer_name_each_sglang_server_and_the_proxy_the_router():
+    from centerline.tokenizer import VOCAB_SIZE
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_documents()}
+    sglang, service = docs[("StatefulSet", "sglang")]["spec"], docs[("Service", "sglang")]["spec"]
+    assert (sglang["serviceName"], service["clusterIP"], sglang["replicas"]) == ("sglang", "None", 2)  # headless: one name per pod
+    assert k8s_command("sglang") == ["centerline", "sglang", "--model", "/models/default", "--host", "0.0.0.0", "--port", "30000"]
+    urls = ["http://sglang-0.sglang:30000", "http://sglang-1.sglang:30000"]  # <pod>.<headless Service>, one per replica
+    assert k8s_command("sglang-router") == router_argv(urls)
+    (wait,) = docs[("Deployment", "sglang-router")]["spec"]["template"]["spec"]["initContainers"]
+    assert wait["command"][3:] == urls
+    trainer = k8s_command("trainer")
+    assert trainer[trainer.index("--engine-urls") + 1 : trainer.index("--metrics-port")] == urls  # never the router
+    assert {p["port"] for p in docs[("Service", "sglang-router")]["spec"]["ports"]} == {30000, 29000}
+    proxy = k8s_command("router-proxy")
+    assert proxy[proxy.index("--upstream") + 1] == "http://sglang-router:30000"
+    assert proxy[proxy.index("--vocab-size") + 1] == str(VOCAB_SIZE)
+
+
+# ---------------------------------------------------------------- Kubernetes on GPUs (deploy/k8s-gpu)
+def apply_json_patch(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 `add` and `replace`, as kustomize applies them (the only operations used)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = op["path"].split("/")[1:]
+        node = functools.reduce(lambda n, key: n[int(key)] if isinstance(n, list) else n[key], parents, doc)
+        assert op["op"] in ("add", "replace") and (op["op"] == "add" or (last in node if isinstance(node, dict) else int(last) < len(node))), op
+        if isinstance(node, list) and op["op"] == "add":
+            node.insert(len(node) if last == "-" else int(last), op["value"])
+        else:
+            node[int(last) if isinstance(node, list) else last] = op["value"]
+    return doc
+
+
+def k8s_gpu_sglang() -> dict:
+    """The SGLang StatefulSet as `kubectl apply -k deploy/k8s-gpu` renders it."""
+    kustomization = yaml.safe_load((DEPLOY / "k8s-gpu/kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../k8s"]
+    (patch,) = kustomization["patches"]
+    assert patch["target"] == {"group": "apps", "version": "v1", "kind": "StatefulSet", "name": "sglang"}
+    (base,) = [d for d in k8s_documents() if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "sglang"]
+    return apply_json_patch(base, yaml.safe_load((DEPLOY / "k8s-gpu" / patch["path"]).read_text()))
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_gpu_overlay_validates_strictly(version):
+    import kubernetes_validate
+
+    kubernetes_validate.validate(k8s_gpu_sglang(), version, strict=True)
+
+
+def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
+    doc = k8s_gpu_sglang()
+    spec = doc["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["image"] == SGLANG_IMAGE
+    assert container["command"] + container["args"] == ["python3", "-m", "sglang.launch_server", "--model-path", "/models/default", "--host", "0.0.0.0",
+                                                        "--port", "30000", "--enable-metrics", "--admin-api-key", "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"]  # fmt: skip
+    assert {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "0"} in container["env"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert container["ports"] == [{"name": "http", "containerPort": 30000}] and container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # The servers keep their names, so the router's and the trainer's URLs hold unchanged.
+    (base,) = [d for d in k8s_documents() if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "sglang"]
+    assert (doc["metadata"], doc["spec"]["serviceName"], doc["spec"]["replicas"]) == (base["metadata"], "sglang", 2)
 
 
 # ---------------------------------------------------------------- commands
@@ -348,7 +489,9 @@ CENTERLINE_COMMANDS = [(where, centerline_argv(argv)) for where, argv in contain
 
 @functools.cache
 def help_text(*argv: str) -> str:
-    out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    """`python ARGV --help`, or `ARGV --help` where ARGV is a program of this environment."""
+    program = [str(BIN / argv[0]), *argv[1:]] if (BIN / argv[0]).exists() else [sys.executable, *argv]
+    out = subprocess.run([*program, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -374,7 +517,7 @@ def test_every_service_subcommand_is_deployed():
     from centerline.cli import COMMANDS
 
     subs = {argv[0] for _, argv in CENTERLINE_COMMANDS}
-    assert subs == {"nats-credentials", "init-model", "dataset", "engine", "proxy", "worker", "trainer"}
+    assert subs == {"nats-credentials", "init-model", "dataset", "sglang", "proxy", "worker", "trainer"}
     assert subs <= set(COMMANDS), f"not registered in centerline.cli.COMMANDS: {sorted(subs - set(COMMANDS))}"
 
 
@@ -396,10 +539,32 @@ def test_torchrun_flags_are_torchruns():
             assert_flags_listed(argv[1 : argv.index("-m")], "\n".join(re.findall(r"add_argument\(([^)]*)", source)))
 
 
-def test_sglang_router_flags_are_the_routers():
-    argv = compose_file()["services"]["sglang_router"]["command"]
-    assert argv[:3] == ["python", "-m", "sglang_router.launch_router"]
-    assert_flags_listed(argv[3:], help_text("-m", "sglang_router.launch_router"))
+ROUTERS = [(where, argv) for where, argv in containers() if argv[:1] == ["smg"]]
+
+
+def test_routers_are_deployed_everywhere():
+    assert [where for where, _ in ROUTERS] == ["compose:sglang_router", "compose:sglang_router_gpu", "k8s:sglang-router/sglang-router"]
+
+
+@pytest.mark.parametrize("where,argv", ROUTERS, ids=[w for w, _ in ROUTERS])
+def test_sglang_router_flags_are_the_routers(where, argv):
+    assert argv[:2] == ["smg", "launch"]
+    assert_flags_listed(argv[2:], help_text("smg", "launch"))
+
+
+def sglang_servers() -> list[tuple[str, list[str]]]:
+    """(where, flags) of every official-image SGLang server: compose's gpu profile (the entrypoint
+    adds --admin-api-key) and the Kubernetes GPU overlay."""
+    found = [(f"compose:{name}", svc["command"] + ["--admin-api-key"]) for name, svc in compose_file()["services"].items()
+             if svc.get("image", "").startswith("lmsysorg/sglang")]  # fmt: skip
+    (container,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python3", "-m", "sglang.launch_server"]
+    return found + [("k8s-gpu:sglang", container["args"])]
+
+
+@pytest.mark.parametrize("where,argv", sglang_servers(), ids=[w for w, _ in sglang_servers()])
+def test_sglang_server_flags_are_sglangs(where, argv):
+    assert_flags_listed(argv, help_text("-m", "sglang.launch_server"))
 
 
 # ---------------------------------------------------------------- observability
@@ -450,4 +615,4 @@ def test_prometheus_scrapes_compose_services():
     hosts = {t.split(":")[0] for job in config["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
     hosts |= {n for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", []) for n in sd["names"]}
     assert hosts - {"localhost"} <= services
-    assert {"trainer", "trainer_gpu", "router_proxy", "rollout_worker", "sglang_0", "sglang_1", "sglang_router"} <= hosts
+    assert {"trainer", "trainer_gpu", "router_proxy", "rollout_worker", "sglang_gpu_0", "sglang_gpu_1", "sglang_router", "sglang_router_gpu"} <= hosts
