@@ -116,6 +116,18 @@ class SGLangProcess(Process):
     def weight_version(self) -> str:
         return http("GET", self.url + "/model_info", timeout=30)[1]["weight_version"]
 
+    def serve(self, model_dir: Path) -> "SGLangProcess":
+        """Alive (started again if it died) and serving ``model_dir`` at weight version "default":
+        what the ``sglang`` fixture hands over, for fixtures of a wider scope than a test."""
+        if self.proc.poll() is not None or http("GET", self.url + "/health", timeout=5)[0] != 200:
+            self.stop()
+            self.start()
+        if self.weight_version() != "default":
+            body = {"model_path": str(model_dir), "weight_version": "default"}
+            status, reply = http("POST", self.url + "/update_weights_from_disk", body)
+            assert status == 200 and reply["success"], reply
+        return self
+
 
 class Router(Process):
     """The real SGLang router (`smg launch`, sglang-router wheel) in front of ``workers``, with
