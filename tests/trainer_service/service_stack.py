@@ -1,9 +1,10 @@
 """Real processes around `centerline trainer` for its integration tests: the embedded NATS
-server, an engine, the trainer under torchrun, and a stand-in rollout worker.
+server, a real SGLang server (the tests' shared one), the trainer under torchrun, and a
+stand-in rollout worker.
 
 `StandInWorker` plays the rollout worker in a thread of the test process: it pulls prompt
 tasks from `prompts.tasks`, reads the engine's weight version from GET /model_info (as a
-real worker reads it from the response), and publishes one synthetic contract-valid batch
+real worker reads it from the response, SGLang's initial "default" as version 0), and publishes one synthetic contract-valid batch
 per task (ids in the model's vocabulary, one GRPO group). `inject` lets a test publish
 extra (faulty or duplicated) messages next to a task's batch.
 """
@@ -80,7 +81,8 @@ class StandInWorker:
         self.stop()
 
     def version(self) -> int:
-        return int(http("GET", self.engine_url + "/model_info", timeout=30)[1]["weight_version"])
+        version = http("GET", self.engine_url + "/model_info", timeout=30)[1]["weight_version"]
+        return 0 if version == "default" else int(version)
 
     async def _main(self) -> None:
         try:

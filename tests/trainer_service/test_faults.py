@@ -1,7 +1,7 @@
 """The trainer under injected faults (issue #8 items 2, 4 and 5): rank 0 killed at each
 failpoint of a step, a poison batch, a consumer crashing on a message, steps slower than the
-ack wait. Real processes throughout: nats-server, an engine, the trainer under torchrun with
-2 gloo ranks, the stand-in rollout worker of ``service_stack``.
+ack wait. Real processes throughout: nats-server, the session's real SGLang server, the
+trainer under torchrun with 2 gloo ranks, the stand-in rollout worker of ``service_stack``.
 
 A failpoint (``shared/faults.py``) makes rank 0 SIGKILL itself at an exact place of a step;
 the test then kills what is left of the process group, as a lost machine would leave it.
@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 from shared import names
 from shared.nats import EmbeddedNats, connect, pull_consumer
 from shared.wire import encode_batch
-from tests.processes import ENV, REPO, EngineProcess, init_model, stored_messages, wait_until
+from tests.processes import ENV, REPO, stored_messages, wait_until
 from tests.trainer_service.service_stack import (TORCHRUN, StandInWorker, Trainer, consumer_info, dead_letters, fault,
                                                  write_dataset)
 
@@ -34,14 +34,11 @@ FLAGS = ("--prompts-per-step", "2", "--rollout-n", "4", "--max-staleness", "1", 
          "--step-timeout", "60", "--learning-rate", "1e-3", "--keep-checkpoints", "0")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("trainer-faults")
-    model = init_model(tmp / "model", seed=0)
-    engine = EngineProcess(model, tmp / "engine.log")
-    yield tmp, model, engine
+@pytest.fixture
+def stack(tmp_path, sglang, model_dir):
+    """A directory of the test's own, the model the shared SGLang server serves (the trainer's version 0), the server."""
+    yield tmp_path, model_dir, sglang
     Trainer.kill_all()
-    engine.stop()
 
 
 def metrics_lines(run_dir) -> list[dict]:

@@ -1,5 +1,6 @@
-"""`centerline trainer` end to end: embedded NATS, a real engine, the trainer under torchrun
-with 2 gloo ranks, and a stand-in rollout worker publishing synthetic valid batches.
+"""`centerline trainer` end to end: embedded NATS, the session's real SGLang server (the trainer
+loads each weight version into it), the trainer under torchrun with 2 gloo ranks, and a
+stand-in rollout worker publishing synthetic valid batches.
 
 One run (`faulty_run`) carries the faults of the contract and two re-published batches;
 each test asserts one behaviour of it. `test_sigkill_*` runs the trainer twice.
@@ -20,7 +21,7 @@ import pytest
 from centerline.tokenizer import VOCAB_SIZE
 from shared.nats import EmbeddedNats
 from shared.wire import encode_batch as encode
-from tests.processes import EngineProcess, free_port, http, init_model, wait_until
+from tests.processes import free_port, http, wait_until
 from tests.trainer_service.service_stack import (StandInWorker, Trainer, consumer_info, dead_letters, fault, last_weights_event,
                                                  write_dataset)
 
@@ -34,14 +35,12 @@ EXPECTED_RULES = {"short_row": "short_row", "nan_advantage": "non_finite", "dupl
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, model_dir):
+    """NATS for the module and the model the shared SGLang server serves (the trainer's version 0)."""
     tmp = tmp_path_factory.mktemp("trainer-stack")
     nats = EmbeddedNats(tmp / "nats").start()
-    model = init_model(tmp / "model", seed=0)
-    engine = EngineProcess(model, tmp / "engine.log")
-    yield tmp, nats, model, engine
+    yield tmp, nats, model_dir
     Trainer.kill_all()
-    engine.stop()
     nats.stop()
 
 
@@ -55,9 +54,11 @@ def final_state(run_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def faulty_run(stack):
-    """4 steps of 2 groups x 4 samples; faults and re-published batches on the side."""
-    tmp, nats, model, engine = stack
+def faulty_run(stack, sglang_server):
+    """4 steps of 2 groups x 4 samples; faults and re-published batches on the side. The
+    engine's weight version is read as the run ends (a later test's ``sglang`` puts it back)."""
+    tmp, nats, model = stack
+    engine = sglang_server.serve(model)
     injected = {}  # batch_id -> expected rule
 
     async def inject(worker, task, batch):
@@ -88,16 +89,16 @@ def faulty_run(stack):
         elapsed = time.monotonic() - start
     assert worker.error is None, worker.error
     assert code == 0, trainer.log()
-    return run_dir, worker, injected, engine, nats, elapsed
+    return run_dir, worker, injected, engine.weight_version(), nats, elapsed
 
 
 def test_steps_advance_engine_version_and_leave_nothing_unacked(faulty_run):
-    run_dir, worker, _, engine, nats, elapsed = faulty_run
+    run_dir, worker, _, engine_version, nats, elapsed = faulty_run
     lines = metrics_lines(run_dir)
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert [m["version"] for m in lines] == list(range(1, STEPS + 1))
     assert all(m["samples"] == 8 and m["trained_tokens"] == 8 * 5 for m in lines)
-    assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
+    assert engine_version == str(STEPS)
     info = asyncio.run(consumer_info(nats.url))
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
     event = asyncio.run(last_weights_event(nats.url))
@@ -135,8 +136,8 @@ def test_batch_published_twice_is_trained_once(faulty_run):
         assert final_state(run_dir)["ledger"][bid][1] == int(bid.split("/")[2])  # in its own step, not again later
 
 
-def test_sigkill_mid_step_resumes_with_ledger_intact(stack):
-    tmp, nats, model, engine = stack
+def test_sigkill_mid_step_resumes_with_ledger_intact(stack, sglang):
+    (tmp, nats, model), engine = stack, sglang
     release = threading.Event()
     # Step 2 gets its first group only, so the trainer is killed holding one unacked batch.
     blocked = lambda task: task.task_id.endswith("/2/1") and not release.is_set()  # noqa: E731
@@ -167,14 +168,14 @@ def test_sigkill_mid_step_resumes_with_ledger_intact(stack):
     # every step trained exactly its two groups (step 2 the redelivered one among them).
     assert set(state["ledger"]) == set(worker.published)
     assert sorted(step for _, step in state["ledger"].values()) == [s for s in range(STEPS) for _ in range(2)]
-    assert http("GET", engine.url + "/model_info")[1]["weight_version"] == str(STEPS)
+    assert engine.weight_version() == str(STEPS)
     info = asyncio.run(consumer_info(nats.url))
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
 
 
-def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack):
+def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack, sglang):
     """Plain process (no torchrun): world size 1."""
-    tmp, _, model, engine = stack
+    (tmp, _, model), engine = stack, sglang
     with EmbeddedNats(tmp / "nats-sigterm") as nats:  # its own stream: the nak'ed batch stays behind
         release = threading.Event()
         blocked = lambda task: task.task_id.endswith("/1/1") and not release.is_set()  # noqa: E731
@@ -199,8 +200,8 @@ def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack):
     assert not (run_dir / "checkpoints" / "step-000002").exists()
 
 
-def test_weight_sync_interval_publishes_every_second_step(stack):
-    tmp, nats, model, engine = stack
+def test_weight_sync_interval_publishes_every_second_step(stack, sglang):
+    (tmp, nats, model), engine = stack, sglang
     run_dir = tmp / "run-interval"
     with StandInWorker(nats.url, engine.url, VOCAB_SIZE):
         trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-interval.jsonl"), nats.url, engine.url,
@@ -209,5 +210,5 @@ def test_weight_sync_interval_publishes_every_second_step(stack):
     assert code == 0, trainer.log()
     assert [m["version"] for m in metrics_lines(run_dir)] == [0, 1, 1, 2]
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000001", "v000002"]
-    assert http("GET", engine.url + "/model_info")[1]["weight_version"] == "2"
+    assert engine.weight_version() == "2"
     assert final_state(run_dir)["version"] == 2
