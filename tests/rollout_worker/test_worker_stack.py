@@ -1,4 +1,5 @@
-"""`centerline worker` end to end: embedded NATS, the engine, the proxy and worker processes.
+"""`centerline worker` end to end: embedded NATS, the session's real SGLang server, the proxy
+in front of it and worker processes.
 
 Tasks go onto prompts.tasks; the groups that arrive on rollouts.batches are decoded and
 checked against the contract, their rewards recomputed from the sampled bytes and their
@@ -28,7 +29,7 @@ from shared.wire import decode_batch
 from tests import processes
 from tests.router_proxy.conftest import ProxyProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("sglang")]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,23 +39,22 @@ CONFIG = ["--rollout-top-logprobs-num", str(K)]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """NATS with the streams, the engine (random seed-0 model) and a ready proxy, for the module."""
+def stack(tmp_path_factory, sglang_server, model_dir):
+    """NATS with the streams and a ready proxy in front of the shared SGLang server (random
+    seed-0 model, also the workers' tokenizer), for the module."""
     root = tmp_path_factory.mktemp("stack")
+    engine = sglang_server.serve(model_dir)
     server = EmbeddedNats(root / "nats").start()
     asyncio.run(_ensure(server.url))
-    model = processes.init_model(root / "model", seed=0)
-    engine = processes.EngineProcess(model, root / "engine.log")
     proxy = None
     try:
         proxy = ProxyProcess(root / "proxy.log", engine.url, "--vocab-size", str(VOCAB), *CONFIG)
         status, body = proxy.wait_probed()
         assert status == 200, body
-        yield type("Stack", (), {"nats": server.url, "proxy": proxy.url, "root": root})
+        yield type("Stack", (), {"nats": server.url, "proxy": proxy.url, "model": model_dir})
     finally:
         if proxy is not None:
             proxy.stop()
-        engine.stop()
         server.stop()
 
 
@@ -68,7 +68,7 @@ class WorkerProcess:
     def __init__(self, stack, log_path: Path, *flags: str):
         self.log_path = log_path
         cmd = [sys.executable, "-m", "centerline", "worker", "--proxy-url", stack.proxy, "--nats-url", stack.nats,
-               "--vocab-size", str(VOCAB), "--tokenizer", str(stack.root / "model"), *CONFIG, *flags]  # fmt: skip
+               "--vocab-size", str(VOCAB), "--tokenizer", str(stack.model), *CONFIG, *flags]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=processes.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
 
     def log(self) -> str:
