@@ -1,0 +1,122 @@
+"""The engines' admin key. `centerline sglang` passes CENTERLINE_ENGINE_ADMIN_API_KEY to SGLang
+as --admin-api-key; SGLang then answers its admin endpoints 401 without ``Authorization:
+Bearer <key>`` and serves everything else without it; the trainer's weight publisher is the
+client that holds the key. Needs a server of its own (the shared one has no key)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from shared import admin_key
+from tests.processes import SGLangProcess, http
+from trainer_service.weights import WeightPublisher
+
+pytestmark = pytest.mark.integration
+KEY = "k3y-under-test"
+
+
+@pytest.fixture(scope="module")
+def keyed(model_dir, tmp_path_factory):
+    server = SGLangProcess(model_dir, tmp_path_factory.mktemp("keyed") / "sglang.log", env={admin_key.KEY_ENV: KEY})
+    yield server
+    server.stop()
+
+
+def call(method: str, url: str, body: bytes | None = None, authorization: str | None = None) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json", **({"Authorization": authorization} if authorization is not None else {})}
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer  {KEY}", "Bearer "])
+@pytest.mark.parametrize("method, path", [("POST", "/update_weights_from_disk"), ("GET", "/flush_cache"), ("POST", "/flush_cache")])
+def test_admin_endpoint_without_the_key_is_401_unauthorized(keyed, other_model_dir, method, path, authorization):
+    body = json.dumps({"model_path": str(other_model_dir), "weight_version": "9"}).encode() if path.startswith("/update") else None
+    before = keyed.weight_version()
+    assert call(method, keyed.url + path, body, authorization) == (401, b'{"error":"Unauthorized"}')
+    assert keyed.weight_version() == before != "9"
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
+def test_admin_endpoint_with_the_key_is_served(keyed, scheme):
+    status, text = call("POST", keyed.url + "/flush_cache", authorization=f"{scheme} {KEY}")
+    assert status == 200 and text.startswith(b"Cache flushed.")
+
+
+def test_weight_update_with_the_key_switches_the_version(keyed, model_dir):
+    body = json.dumps({"model_path": str(model_dir), "weight_version": "keyed"}).encode()
+    status, reply = call("POST", keyed.url + "/update_weights_from_disk", body, f"Bearer {KEY}")
+    assert (status, keyed.weight_version()) == (200, "keyed"), reply
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/server_info"), ("GET", "/v1/models")])
+def test_other_endpoints_need_no_key(keyed, method, path):
+    assert call(method, keyed.url + path)[0] == 200
+
+
+def test_generation_needs_no_key(keyed):
+    status, out = http("POST", keyed.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and len(out["output_ids"]) == 1
+
+
+def test_server_info_shows_the_admin_key_to_anyone(keyed):
+    """SGLang 0.5.23 reports its arguments, the key among them, on the unauthenticated /server_info
+    and /get_server_info: whoever reaches a server's HTTP port can read the key, so nothing in
+    front of a server may pass those paths through."""
+    for path in ("/server_info", "/get_server_info"):
+        status, info = http("GET", keyed.url + path)
+        assert (status, info["admin_api_key"]) == (200, KEY)
+        assert f"--admin-api-key {KEY}" in info["launch_command"]
+
+
+def test_weight_publisher_with_the_key_updates_the_server(keyed, other_model_dir):
+    async def update():
+        publisher = WeightPublisher(None, [keyed.url], admin_api_key=KEY)
+        try:
+            return await publisher.update(keyed.url, 1, other_model_dir)
+        finally:
+            await publisher.close()
+
+    assert asyncio.run(update()) is True
+    assert keyed.weight_version() == "1"
+
+
+@pytest.mark.parametrize("key, problem", [("wrong", "is not the engine's --admin-api-key"), (None, "is unset, and the engine requires one")])
+def test_weight_publisher_refused_by_the_server_names_the_server_and_the_setting(keyed, other_model_dir, monkeypatch, key, problem):
+    monkeypatch.delenv(admin_key.KEY_ENV, raising=False)
+    monkeypatch.delenv(admin_key.KEY_FILE_ENV, raising=False)
+
+    async def update():
+        publisher = WeightPublisher(None, [keyed.url], admin_api_key=key)
+        try:
+            return await publisher.update(keyed.url, 5, other_model_dir)
+        finally:
+            await publisher.close()
+
+    before = keyed.weight_version()
+    with pytest.raises(admin_key.AdminKeyError) as info:
+        asyncio.run(update())
+    assert str(info.value) == (f"engine {keyed.url} refused the weight update with HTTP 401: the trainer's admin key "
+                               f"(CENTERLINE_ENGINE_ADMIN_API_KEY or CENTERLINE_ENGINE_ADMIN_API_KEY_FILE) {problem}")  # fmt: skip
+    assert keyed.weight_version() == before != "5"
+
+
+def test_the_key_comes_from_the_environment_or_a_file(tmp_path):
+    (tmp_path / "key").write_text("from-file\n")
+    assert admin_key.key_from_env({}) is None
+    assert admin_key.key_from_env({admin_key.KEY_ENV: ""}) is None
+    assert admin_key.key_from_env({admin_key.KEY_ENV: "from-env"}) == "from-env"
+    assert admin_key.key_from_env({admin_key.KEY_FILE_ENV: str(tmp_path / "key")}) == "from-file"
+    with pytest.raises(admin_key.AdminKeyError, match="both CENTERLINE_ENGINE_ADMIN_API_KEY and CENTERLINE_ENGINE_ADMIN_API_KEY_FILE are set"):
+        admin_key.key_from_env({admin_key.KEY_ENV: "a", admin_key.KEY_FILE_ENV: str(tmp_path / "key")})
+    with pytest.raises(admin_key.AdminKeyError, match=r"CENTERLINE_ENGINE_ADMIN_API_KEY_FILE=.*/missing: cannot read the key file \(No such file or directory\)"):
+        admin_key.key_from_env({admin_key.KEY_FILE_ENV: str(tmp_path / "missing")})
