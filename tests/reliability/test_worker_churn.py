@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import signal
+from contextlib import contextmanager
 
 import pytest
 
@@ -27,7 +28,17 @@ from tests.reliability.topology import run_accounting
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 60  # a step takes a fifth of a second here: enough of them to outlast three worker start-ups
+STEPS = 60  # about a third of a second each here: the faults come in the first few steps after the scale-up
+
+
+@contextmanager
+def frozen(proc):
+    """``proc`` stopped (SIGSTOP) inside the block and running again (SIGCONT) after it, whatever happened."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
 
 
 def test_workers_killed_mid_task_and_scaled_up_and_down_lose_no_group_and_train_none_twice(topology):
@@ -49,8 +60,12 @@ def test_workers_killed_mid_task_and_scaled_up_and_down_lose_no_group_and_train_
         trainer = topology.start_trainer(STEPS)
         add("w0").wait_ready()
         wait_until(lambda: topology.steps_done() >= 1, 120, "step 1", trainer.proc)
-        for w in [add(f"w{i}") for i in (1, 2, 3)]:  # scale up to 4
-            w.wait_ready()
+        # The proxy frozen while three more workers start, so the run cannot end before it is at
+        # scale: their start-up takes longer than the whole run on 2 busy cores. Requests wait
+        # in its socket and workers keep their tasks alive with in-progress acks meanwhile.
+        with frozen(topology.upstream.proxy_process.proc):
+            for w in [add(f"w{i}") for i in (1, 2, 3)]:  # scale up to 4
+                w.wait_ready()
         at_scale = topology.steps_done()
 
         relay.arm("server", "$JS.ACK.PROMPTS.")  # 1. a worker just handed a task

@@ -1,6 +1,7 @@
-"""The whole system, small, for fault tests: the embedded NATS server, one engine, the proxy,
-any number of real ``centerline worker`` processes (added, SIGTERMed or SIGKILLed while the
-run goes on) and the trainer under torchrun with 2 gloo ranks, on a toy dataset.
+"""The whole system, small, for fault tests: the embedded NATS server, the session's real
+SGLang server (tests/conftest.py), the proxy, any number of real ``centerline worker``
+processes (added, SIGTERMed or SIGKILLed while the run goes on) and the trainer under
+torchrun with 2 gloo ranks, on a toy dataset.
 
 Settings are the short ones of the trainer's tests (2 prompt groups of 4 samples per step,
 K = 16) with a 3 s ``--ack-wait`` on both consumers, so a task or batch whose holder died
@@ -32,7 +33,7 @@ from shared import names
 from shared.nats import EmbeddedNats, connect, ensure_streams
 from shared.toy_tasks import examples
 from shared.wire import decode_batch
-from tests.processes import EngineProcess, init_model, stored_messages
+from tests.processes import SGLangProcess, stored_messages
 from tests.rollout_worker.test_worker_stack import CONFIG, WorkerProcess
 from tests.router_proxy.conftest import ProxyProcess
 from tests.trainer_service.service_stack import Trainer, dead_letters
@@ -45,17 +46,14 @@ WORKER_FLAGS = ("--rollout-max-new-tokens", "6", "--ack-wait", ACK_WAIT, "--nak-
 
 
 class Upstream:
-    """The engine (random seed-0 model) and the proxy in front of it, shared by the tests of
-    this package: no NATS of their own (the proxy publishes no audit events here), and every
-    trainer starts by loading its own version 0 into the engine."""
+    """The proxy in front of the shared SGLang server (random seed-0 model), shared by the tests
+    of this package: no NATS of its own (the proxy publishes no audit events here), and every
+    trainer starts by loading its own version 0 into the server."""
 
-    def __init__(self, root: Path):
-        self.root = root  # WorkerProcess reads its tokenizer from root / "model"
-        self.engine = self.proxy_process = None
+    def __init__(self, root: Path, engine: SGLangProcess, model: Path):
+        self.engine, self.model = engine, model  # WorkerProcess reads its tokenizer from model
+        self.proxy_process = ProxyProcess(root / "proxy.log", engine.url, "--vocab-size", str(VOCAB_SIZE), *CONFIG)
         try:
-            self.model = init_model(root / "model", seed=0)
-            self.engine = EngineProcess(self.model, root / "engine.log")
-            self.proxy_process = ProxyProcess(root / "proxy.log", self.engine.url, "--vocab-size", str(VOCAB_SIZE), *CONFIG)
             status, body = self.proxy_process.wait_probed()
             assert status == 200, body
         except BaseException:
@@ -64,23 +62,21 @@ class Upstream:
         self.proxy = self.proxy_process.url
 
     def close(self) -> None:
-        for proc in (self.proxy_process, self.engine):
-            if proc is not None:
-                proc.stop()
+        self.proxy_process.stop()
 
 
 class Topology:
     """One test's deployment: its own NATS server (file storage, ``sync_interval: always``,
     monitoring on a free port) in ``dir``, workers and trainers added by the test.
 
-    ``nats`` is the server's URL and ``proxy``/``root`` the upstream's, which is what
+    ``nats`` is the server's URL and ``proxy``/``model`` the upstream's, which is what
     ``WorkerProcess`` reads; ``server`` is the ``EmbeddedNats`` a test kills and restarts
     (same data directory, same port).
     """
 
     def __init__(self, dir: Path, upstream: Upstream):
         self.dir, self.upstream = dir, upstream
-        self.root, self.proxy, self.model = upstream.root, upstream.proxy, upstream.model
+        self.proxy, self.model = upstream.proxy, upstream.model
         self.server = EmbeddedNats(dir / "nats", http_port=0).start()
         self.nats = self.server.url
         self.workers: list[WorkerProcess] = []
