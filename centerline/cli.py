@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "contract": ("shared.bench:bench_contract", "completeness-contract check cost per batch"),
     "proxy": ("router_proxy.bench:bench_proxy", "proxy req/s and added latency vs direct, audit cost vs orjson parse"),
     "loss": ("trainer_service.bench:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
+    "pipeline": ("centerline.bench_pipeline:bench_pipeline", "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle"),
 }
 
 
