@@ -1,4 +1,5 @@
-"""Processes for the proxy tests: the upstream double, the real engine, sglang-router 0.3.2, the proxy.
+"""Processes for the proxy tests: the upstream double (a deliberately broken upstream), the
+proxy, and the session's real SGLang server behind the real router (tests/conftest.py).
 
 Every server is a real process on a free loopback port, ready when polled endpoints answer
 (never a fixed sleep); all are stopped at the end of their fixture's scope.
@@ -9,10 +10,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from tests.processes import ENV, REPO, EngineProcess, Process, free_port, http, init_model, wait_until  # noqa: F401
+from tests.processes import REPO, Process, free_port, http, wait_until
 
 
 class Double(Process):
@@ -52,25 +54,6 @@ class ProxyProcess(Process):
         return wait_until(probed, deadline, "first capability probe", self.proc)
 
 
-class Router(Process):
-    """The real sglang-router 0.3.2 (`smg launch`) in front of the given workers."""
-
-    def __init__(self, log_path: Path, workers: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(Path(sys.executable).parent / "smg"), "launch", "--worker-urls", *workers, "--host", "127.0.0.1",
-               "--port", str(self.port), "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]  # fmt: skip
-        super().__init__(cmd, log_path)
-
-        def routes():  # ready once a worker is registered and a request is routed to it
-            return http("POST", self.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}, timeout=5)[0] == 200
-        try:
-            wait_until(routes, 120, "sglang-router", self.proc)
-        except Exception:
-            self.stop()
-            raise RuntimeError(f"router failed to start:\n{self.log()}") from None
-
-
 @pytest.fixture
 def start(tmp_path):
     """``start(Kind, *args)``: a process of that kind, stopped after the test."""
@@ -86,25 +69,15 @@ def start(tmp_path):
         proc.stop()
 
 
-@pytest.fixture(scope="session")
-def engine_stack(tmp_path_factory):
-    """The embedded engine and sglang-router 0.3.2 in front of it, shared by the integration tests."""
-    model = init_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    engine = EngineProcess(model, tmp_path_factory.mktemp("engine") / "engine.log")
-    try:
-        router = Router(tmp_path_factory.mktemp("router") / "router.log", [engine.url])
-    except Exception:
-        engine.stop()
-        raise
-    yield type("Stack", (), {"engine": engine.url, "router": router.url, "vocab": vocab})
-    router.stop()
-    engine.stop()
+@pytest.fixture
+def sglang_stack(sglang, sglang_router, model_dir):
+    """The session's real SGLang server (serving ``model_dir`` at "default") and sglang-router
+    0.3.2 in front of it, with the model's vocabulary size: SGLang's /model_info has none."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return SimpleNamespace(server=sglang.url, router=sglang_router.url, vocab=vocab)
 
 
 @pytest.fixture(scope="session")
 def kinds():
     """The process kinds and helpers, for test modules (conftest is not importable in importlib mode)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(Double=Double, ProxyProcess=ProxyProcess, Router=Router, http=http, wait_until=wait_until)
+    return SimpleNamespace(Double=Double, ProxyProcess=ProxyProcess, http=http, wait_until=wait_until)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.error
+import sys
 import urllib.request
 
 import pytest
 
 from shared import admin_key
-from tests.processes import SGLangProcess, http
+from tests.processes import Process, SGLangProcess, free_port, http, wait_until
 from trainer_service.weights import WeightPublisher
 
 pytestmark = pytest.mark.integration
@@ -76,6 +77,21 @@ def test_server_info_shows_the_admin_key_to_anyone(keyed):
         status, info = http("GET", keyed.url + path)
         assert (status, info["admin_api_key"]) == (200, KEY)
         assert f"--admin-api-key {KEY}" in info["launch_command"]
+
+
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
+def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
+    """Whoever reaches the proxy is a rollout client, not the trainer: no answer of the proxy may
+    carry the engines' key (DESIGN section 7: admin powers are never reachable through it)."""
+    port = free_port()
+    proxy = Process([sys.executable, "-m", "centerline", "proxy", "--upstream", keyed.url, "--port", str(port),
+                     "--rollout-top-logprobs-num", "8", "--vocab-size", "260"], tmp_path / "proxy.log")  # fmt: skip
+    try:
+        wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/liveness", timeout=2)[0] == 200, 60, "proxy", proxy.proc)
+        status, body = call("GET", f"http://127.0.0.1:{port}{path}")
+    finally:
+        proxy.stop()
+    assert KEY.encode() not in body, (status, body[:300])
 
 
 def test_weight_publisher_with_the_key_updates_the_server(keyed, other_model_dir):
