@@ -1,5 +1,6 @@
 """`centerline up` end to end: every service as a real process, a few steps, then the report."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import orjson
 import pytest
 
 from tests.processes import wait_until
+from tests.trainer_service.service_stack import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -36,13 +38,17 @@ def test_up_runs_steps_and_writes_the_report(up_run):
     assert "rollout_top_logprobs_num = 128" in page  # the resolved configuration
 
 
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
 def _processes_mentioning(*paths: str) -> list[str]:
     """Command lines of live processes that mention any of ``paths`` (read from /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = _cmdline(int(entry.name))
             except OSError:
                 continue  # exited while we looked
             if any(p in cmdline for p in paths):
@@ -50,22 +56,46 @@ def _processes_mentioning(*paths: str) -> list[str]:
     return found
 
 
-def _nats_users(*paths: str) -> dict[str, set]:
-    """``{centerline subcommand: {CENTERLINE_NATS_USER of each of its processes}}`` for the live
-    processes mentioning ``paths``; also checks no process holds a NATS secret but its own password."""
+def _in_sessions(sessions: set[int]) -> list[str]:
+    """Command lines of live processes in any of ``sessions`` (a zombie has exited: not live)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in "ZX" and os.getsid(int(entry.name)) in sessions:
+                    found.append(f"{entry.name} ({state}): {_cmdline(int(entry.name))}")
+            except OSError:  # ProcessLookupError included
+                continue  # exited while we looked
+    return found
+
+
+def _service(argv: list[str]) -> str | None:
+    """Which service a command line runs: a ``centerline`` subcommand, an SGLang server
+    (``centerline sglang`` execs ``sglang.launch_server``) or the SGLang router (``smg``, which
+    renames itself ``sglang::router``); None for anything else (SGLang's scheduler, nats-server)."""
+    if "centerline" in argv:
+        return argv[argv.index("centerline") + 1]
+    if "sglang.launch_server" in argv:
+        return "sglang"
+    return "router" if argv and (argv[0] == "sglang::router" or Path(argv[0]).name == "smg") else None
+
+
+def _nats_users(pids: list[int]) -> dict[str, set]:
+    """``{service: {CENTERLINE_NATS_USER of each of its processes}}`` of ``pids``; also checks no
+    process holds a NATS secret but its own password."""
     users: dict[str, set] = {}
-    for line in _processes_mentioning(*paths):
-        pid, cmdline = line.split(": ", 1)
-        argv = cmdline.split()
-        if "centerline" not in argv:
-            continue
+    for pid in pids:
         try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline, raw = _cmdline(pid), Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue  # exited while we looked
+        service = _service(cmdline.split())
+        if service is None:
+            continue
         env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
         assert {k for k in env if "NATS" in k} <= {"CENTERLINE_NATS_USER", "CENTERLINE_NATS_PASSWORD"}, cmdline
-        users.setdefault(argv[argv.index("centerline") + 1], set()).add(env.get("CENTERLINE_NATS_USER"))
+        users.setdefault(service, set()).add(env.get("CENTERLINE_NATS_USER"))
     return users
 
 
@@ -80,14 +110,24 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 300, "first step", launcher)
-        # Each service logs in to NATS as its own user (the launcher creates the streams as admin).
-        users = _nats_users(str(run_dir), str(up_run.model_dir))
-        assert users == {"up": {None}, "engine": {None}, "proxy": {"proxy"}, "worker": {"worker"}, "trainer": {"trainer"}}
+        # Each service logs in to NATS as its own user (the launcher creates the streams as admin);
+        # SGLang and its router get none. The services are the launcher's descendants, each in a
+        # session of its own that its children share (SGLang's scheduler names no path of the run).
+        services = descendants(launcher.pid)
+        users = _nats_users([launcher.pid, *services])
+        assert users == {"up": {None}, "sglang": {None}, "router": {None}, "proxy": {"proxy"}, "worker": {"worker"},
+                         "trainer": {"trainer"}}  # fmt: skip
+        sessions = {os.getsid(pid) for pid in services} - {os.getsid(0)}
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process
         _, err = launcher.communicate(timeout=120)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if launcher.poll() is None:  # the test failed first: SIGTERM makes the launcher stop every service
+            launcher.terminate()
+            try:
+                launcher.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
     assert launcher.returncode == 130, err[-2000:]
     assert "interrupted; stopping every service" in err
     assert _processes_mentioning(str(run_dir), str(up_run.model_dir)) == []
+    assert _in_sessions(sessions) == []
