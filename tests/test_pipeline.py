@@ -1,8 +1,9 @@
-"""The pipeline end to end with every real part: embedded NATS, the engine, the proxy, two
-rollout workers and a 2-rank trainer under torchrun (the session's `centerline up` run).
+"""The pipeline end to end with every real part: embedded NATS, a real SGLang server behind
+the SGLang router, the proxy, two rollout workers and a 2-rank trainer under torchrun (the
+session's `centerline up` run).
 
 After the run the JetStream store is opened again to check what the services left behind:
-every trained batch passes the contract, the engine's weight version advanced (later
+every trained batch passes the contract, the server's weight version advanced (later
 batches were sampled by later weights), and nothing is pending or unacknowledged.
 """
 
@@ -59,7 +60,7 @@ def test_two_workers_and_two_trainer_ranks_train_on_verified_batches_only(up_run
     vocab = orjson.loads((up_run.model_dir / "config.json").read_bytes())["vocab_size"]
     for batch_id in trained:
         check_batch(by_id[batch_id], vocab_size=vocab)  # raises ContractViolation if anything got through
-    # The engine served each new version: step s trained batches sampled by weights s-1 at the latest.
+    # SGLang served each new version: step s trained batches sampled by weights s-1 at the latest.
     versions = {s["step"]: {by_id[b].weight_version for b in s["batch_ids"]} for s in steps}
     assert max(versions[steps_run]) >= 1 and all(max(v) <= step - 1 for step, v in versions.items())
     assert state["weights"]["version"] == steps_run
