@@ -1,4 +1,4 @@
-"""`centerline up` gives the engine's admin key to the engine and the trainer, and to no other process."""
+"""`centerline up` gives the engines' admin key to the SGLang servers and the trainer, and to no other process."""
 
 import sys
 
@@ -12,10 +12,11 @@ def test_only_the_processes_given_the_key_hold_it(tmp_path, monkeypatch):
     monkeypatch.setenv(admin_key.KEY_ENV, "the-launchers-own")  # never inherited
     monkeypatch.setenv(admin_key.KEY_FILE_ENV, "/the/launchers/own")
     stack = Stack(tmp_path, {})
-    for name, key in (("engine", "k1"), ("trainer", "k1"), ("proxy", None), ("worker-0", None)):
+    given = {"sglang-0": "k1", "trainer": "k1", "router": None, "proxy": None, "worker-0": None}
+    for name, key in given.items():
         stack.start(name, [sys.executable, "-c", SHOW], engine_key=key).wait(60)
-    shown = {name: (tmp_path / f"{name}.log").read_text().strip() for name in ("engine", "trainer", "proxy", "worker-0")}
-    assert shown == {"engine": "k1 None", "trainer": "k1 None", "proxy": "None None", "worker-0": "None None"}
+    shown = {name: (tmp_path / f"{name}.log").read_text().strip() for name in given}
+    assert shown == {"sglang-0": "k1 None", "trainer": "k1 None", "router": "None None", "proxy": "None None", "worker-0": "None None"}
 
 
 def test_each_run_gets_a_new_random_key():
