@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import orjson
 
 from router_proxy.audit import audit_body, chat_metas, native_metas
-from router_proxy.rewrite import Contract, rewrite_body
+from router_proxy.rewrite import HARMLESS_DEFAULTS, STATED, Contract, rewrite_body
 from router_proxy.upstream import UpstreamPool
 from shared import admin_key
 from shared.contract import ContractViolation
@@ -133,6 +133,21 @@ async def _token_id_accepted(upstream: UpstreamPool, token_id: int) -> tuple[int
     return status, reply[:500].decode(errors="replace")
 
 
+def _unstated_defaults(info_body: bytes) -> list[str]:
+    """The server's ``preferred_sampling_params`` (model info) that a training request does not
+    state and that change the sampled distribution (``rewrite.HARMLESS_DEFAULTS`` aside)."""
+    try:
+        info = orjson.loads(info_body)
+        preferred = info.get("preferred_sampling_params") if isinstance(info, dict) else None
+        if isinstance(preferred, str):
+            preferred = orjson.loads(preferred)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(preferred, dict):
+        return []
+    return sorted(k for k in preferred if k not in STATED and k not in HARMLESS_DEFAULTS)
+
+
 def canary_body(contract: Contract) -> bytes:
     """A small training request, rewritten to the contract like any proxied one."""
     if contract.endpoint == "chat":
@@ -153,6 +168,13 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
         return report
     if not report.add("upstream reachable", info_status not in (401, 403), f"GET /get_model_info answered {info_status}"
                       + (": the upstream wants an API key; set CENTERLINE_UPSTREAM_API_KEY (or _FILE)" if info_status in (401, 403) else "")):
+        return report
+
+    defaults = _unstated_defaults(info_body) if info_status == 200 else []
+    if not report.add("server sampling defaults overridable", not defaults,
+                      "every default the server may fill is stated by each training request" if not defaults else
+                      f"--preferred-sampling-params sets {', '.join(defaults)}, which a request cannot override through a router "
+                      "and which changes what is sampled; start SGLang without them"):  # fmt: skip
         return report
 
     # Learned before the canary is sent: top_logprobs_num above the vocabulary takes an SGLang server down.

@@ -1,7 +1,8 @@
 """Training requests rewritten to the candidate contract (DESIGN section 7).
 
 The proxy owns the log-prob fields of a training request: whatever the client sent for them
-is replaced by what the configured contract needs. Sampling settings that would change the
+is replaced by what the configured contract needs, and every sampling setting is stated
+(``_set_sampling``), so nothing is left for the server to fill from its defaults. Sampling settings that would change the
 distribution the trainer assumes (another temperature, min-p, penalties, constrained
 decoding, streaming that cannot be audited) are refused with ``RequestRejected``, which
 names the field; the server turns it into HTTP 400.
@@ -120,7 +121,7 @@ def rewrite_generate(body: dict, c: Contract) -> None:
     for name in ("json_schema", "regex", "ebnf", "structural_tag"):
         if params.get(name) is not None:
             raise RequestRejected(f"sampling_params.{name}", "constrained decoding samples from a masked distribution the candidates do not describe")
-    _set_sampling(params, c)
+    _set_sampling(params, c, min_tokens="min_new_tokens")
     for name in NATIVE_OWNED:
         body.pop(name, None)
     body["return_logprob"] = True
@@ -142,7 +143,7 @@ def rewrite_chat(body: dict, c: Contract) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise RequestRejected("response_format", "structured output is constrained decoding; only {\"type\": \"text\"} is allowed")
-    _set_sampling(body, c)
+    _set_sampling(body, c, min_tokens="min_tokens")
     for name in CHAT_OWNED:
         body.pop(name, None)
     body["logprobs"] = True
@@ -180,12 +181,28 @@ def _check_sampling(params: dict, c: Contract, *, prefix: str) -> None:
             raise RequestRejected(prefix + name, f"is {params[name]}; penalties change the sampled distribution, only {neutral} is allowed")
     if params.get("logit_bias"):
         raise RequestRejected(prefix + "logit_bias", "a logit bias changes the sampled distribution the candidates describe")
+    for name in ("min_new_tokens", "min_tokens"):
+        if number(name) not in (None, 0):
+            raise RequestRejected(prefix + name, f"is {params[name]}; a minimum length masks the end-of-sequence token, a distribution the candidates do not describe")
 
 
-def _set_sampling(params: dict, c: Contract) -> None:
+# Every setting SGLang's sampler reads, stated in each training request. A setting left unset
+# is filled by the server: native /generate from --preferred-sampling-params, chat from the
+# model's generation_config.json (--sampling-defaults model, SGLang's default), so a Qwen model
+# would sample with top_k 20 while the batch records unfiltered candidates.
+NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+# Settings of --preferred-sampling-params that change neither what is sampled nor what its
+# candidates describe; any other one there cannot be overridden through a router (it drops
+# logit_bias, custom_params, ...), so the probe refuses such an upstream.
+HARMLESS_DEFAULTS = frozenset({"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                               "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed", "stream_interval"})  # fmt: skip
+STATED = frozenset({"temperature", "top_p", "top_k", *NEUTRAL, "min_new_tokens"})
+
+
+def _set_sampling(params: dict, c: Contract, *, min_tokens: str) -> None:
+    """State every sampling setting (``min_tokens``: the field's name on this endpoint)."""
     params["temperature"] = c.temperature
     params["top_p"] = c.top_p
-    if c.top_k > 0:
-        params["top_k"] = c.top_k
-    else:
-        params.pop("top_k", None)
+    params["top_k"] = c.top_k if c.top_k > 0 else -1  # -1: SGLang's "whole vocabulary"
+    params.update(NEUTRAL)
+    params[min_tokens] = 0

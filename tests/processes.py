@@ -24,10 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body=None, timeout: float = 60.0) -> tuple[int, object]:
+def http(method: str, url: str, body=None, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, object]:
     """One HTTP request with a JSON body; returns (status, parsed JSON or text)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -58,9 +58,10 @@ def wait_until(check, deadline_s: float, what: str, proc: subprocess.Popen | Non
 class Process:
     """A child process with its log, stopped with SIGTERM (SIGKILL after 15 s)."""
 
-    def __init__(self, cmd: list[str], log_path: Path):
+    def __init__(self, cmd: list[str], log_path: Path, env: dict | None = None):
+        """``env`` adds to the tests' environment (a key, say)."""
         self.log_path = log_path
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**ENV, **(env or {})}, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -133,15 +134,19 @@ class Router(Process):
     """The real SGLang router (`smg launch`, sglang-router wheel) in front of ``workers``, with
     its default settings; ready once it has routed a request to a worker."""
 
-    def __init__(self, log_path: Path, workers: list[str], *extra: str):
+    def __init__(self, log_path: Path, workers: list[str], *extra: str, api_key: str | None = None):
+        """``api_key``: the router's ``--api-key``, which its readiness request then carries."""
         from centerline.sglang import router_argv
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__(router_argv(workers, "127.0.0.1", self.port, free_port()) + list(extra), log_path)
+        key_flags = ["--api-key", api_key] if api_key else []
+        super().__init__(router_argv(workers, "127.0.0.1", self.port, free_port()) + key_flags + list(extra), log_path)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
         def routes():
-            return http("POST", self.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}, timeout=5)[0] == 200
+            body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
+            return http("POST", self.url + "/generate", body, timeout=5, headers=headers)[0] == 200
         try:
             wait_until(routes, 120, "sglang-router", self.proc)
         except Exception:

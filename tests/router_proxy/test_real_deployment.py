@@ -1,0 +1,162 @@
+"""The probe and the proxy against SGLang set up as real deployments are: an API key on the
+server and the router, sampling defaults from the model's generation_config.json and from
+--preferred-sampling-params, no vocab_size anywhere, and a K above the vocabulary that would
+take the server down. Real SGLang and the real router throughout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from router_proxy.rewrite import Contract, rewrite_body
+from tests.processes import ENV, REPO, Router, SGLangProcess, free_port, http, wait_until
+
+pytestmark = pytest.mark.integration
+
+KEY = "test-upstream-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+VOCAB = 260
+# Filters and penalties a real model or deployment sets; every one is overridable by a request.
+MODEL_DEFAULTS = {"top_k": 5, "min_p": 0.3, "repetition_penalty": 1.5, "temperature": 0.7, "top_p": 0.8}
+PREFERRED = {"top_k": 5, "min_p": 0.3, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+
+
+@pytest.fixture(scope="module")
+def deployment(model_dir, tmp_path_factory):
+    """SGLang with --api-key and filtering defaults (model and server), the router with the same key."""
+    root = tmp_path_factory.mktemp("deployment")
+    model = root / "model"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, **MODEL_DEFAULTS}))
+    server = SGLangProcess(model, root / "sglang.log", "--api-key", KEY, "--preferred-sampling-params", json.dumps(PREFERRED))
+    try:
+        router = Router(root / "router.log", [server.url], api_key=KEY)
+    except Exception:
+        server.stop()
+        raise
+    yield server, router
+    router.stop()
+    server.stop()
+
+
+def probe(upstream: str, *flags: str, env: dict | None = None) -> tuple[int, dict]:
+    run = subprocess.run([sys.executable, "-m", "centerline", "probe", "--upstream", upstream, "--json", *flags],
+                         cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return run.returncode, json.loads(run.stdout)
+
+
+def sampled(server: SGLangProcess, path: str, raw: dict, endpoint: str, headers: dict) -> dict:
+    """The ``meta_info`` of ``raw`` as the proxy rewrites it (K = 20, unfiltered)."""
+    body = rewrite_body(orjson.dumps(raw), endpoint, Contract(20, 1.0, 1.0, -1, "selected", endpoint))
+    status, out = http("POST", server.url + path, orjson.loads(body), headers=headers)
+    assert status == 200, out
+    return out["choices"][0]["meta_info"] if endpoint == "chat" else out["meta_info"]
+
+
+NATIVE = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(("path", "endpoint", "raw"), [("/generate", "generate", NATIVE), ("/v1/chat/completions", "chat", CHAT)])
+def test_training_requests_sample_outside_the_default_top_k(deployment, path, endpoint, raw):
+    """The defaults keep every draw among each row's 5 most likely tokens (the next test shows it);
+    a training request states top_k -1 and min_p 0, so its draws leave them. The random model
+    puts about 0.7 of its mass outside the top 5, so 16 draws all inside would have p < 1e-8."""
+    server, _ = deployment
+    meta = sampled(server, path, raw, endpoint, AUTH)
+    ranks = [[c[1] for c in row].index(t[1]) if t[1] in [c[1] for c in row] else len(row)
+             for t, row in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]  # fmt: skip
+    assert len(ranks) == 16 and max(ranks) >= PREFERRED["top_k"], ranks
+
+
+def test_training_request_log_probs_equal_a_plain_servers_for_the_same_tokens(deployment, sglang):
+    """No penalty reaches the sampled distribution: the log-prob of each sampled token equals what a
+    server without any defaults gives the same sequence (same weights, teacher forcing)."""
+    server, _ = deployment
+    meta = sampled(server, "/generate", NATIVE, "generate", AUTH)
+    out = [t[1] for t in meta["output_token_logprobs"]]
+    prompt = NATIVE["input_ids"]
+    body = {"input_ids": prompt + out, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": len(prompt) - 1}
+    status, plain = http("POST", sglang.url + "/generate", body)
+    assert status == 200, plain
+    forced = plain["meta_info"]["input_token_logprobs"][1:]  # the window's first position has no log-prob
+    assert [t[1] for t in forced] == out
+    # float32 prefill (teacher forcing) and decode differ by ~1e-5; the penalties set here move log-probs by > 1e-2
+    assert [t[0] for t in forced] == pytest.approx([t[0] for t in meta["output_token_logprobs"]], abs=5e-5)
+
+
+def test_a_request_leaving_settings_unset_samples_with_the_server_defaults(deployment):
+    """The defect the rewrite removes, shown on the same server: unset settings are filled in."""
+    server, _ = deployment
+    body = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0},
+            "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "selected"}  # fmt: skip
+    status, out = http("POST", server.url + "/generate", body, headers=AUTH)
+    assert status == 200, out
+    assert max(len(r) for r in out["meta_info"]["output_token_sampling_mask"]) <= PREFERRED["top_k"]
+
+
+def test_probe_without_key_names_the_missing_api_key(deployment):
+    _, router = deployment
+    rc, report = probe(router.url, "--k", "128")
+    assert rc == 1
+    assert report["checks"][0]["name"] == "upstream reachable" and not report["checks"][0]["ok"]
+    assert "CENTERLINE_UPSTREAM_API_KEY" in report["cause"] and "401" in report["cause"]
+
+
+def test_probe_with_the_key_learns_the_vocabulary_and_passes_through_the_router(deployment):
+    _, router = deployment
+    rc, report = probe(router.url, "--k", "128", env={"CENTERLINE_UPSTREAM_API_KEY": KEY})
+    assert (rc, report["compatible"], report["vocab_size"]) == (0, True, VOCAB), report
+
+
+def test_proxy_with_its_upstream_key_becomes_ready_and_never_shows_the_key(deployment, tmp_path):
+    _, router = deployment
+    port = free_port()
+    log = tmp_path / "proxy.log"
+    cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", router.url, "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**ENV, "CENTERLINE_UPSTREAM_API_KEY": KEY}, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        status, ready = wait_until(lambda: (lambda r: r if r[0] == 200 else None)(http("GET", url + "/ready", timeout=5)), 120, "proxy ready", proc)
+        assert ready["ready"] is True
+        assert http("GET", url + "/get_model_info")[1]["vocab_size"] == VOCAB
+        body = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 4}}
+        status, out = http("POST", url + "/generate", body)
+        assert status == 200 and len(out["meta_info"]["output_top_logprobs"][0]) == 128
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    assert KEY not in log.read_text()
+
+
+def test_probe_refuses_k_above_the_vocabulary_before_sending_anything(sglang):
+    rc, report = probe(sglang.url, "--k", "300")
+    assert rc == 1
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert [c["name"] for c in failed] == ["K within the vocabulary"]
+    assert "K=300" in report["cause"] and f"vocabulary of {VOCAB}" in report["cause"]
+    assert http("GET", sglang.url + "/health", timeout=5)[0] == 200  # the server is alive
+
+
+def test_proxy_refuses_a_client_k_above_the_vocabulary_and_the_server_lives(sglang, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", sglang.url, "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(tmp_path / "proxy.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http("GET", url + "/liveness", timeout=5)[0] == 200, 60, "proxy", proc)
+        body = {"input_ids": [104], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True, "top_logprobs_num": 300}
+        status, out = http("POST", url + "/generate", body, headers={"X-Centerline-Eval": "1"})
+        assert status == 400
+        assert out["error"]["field"] == "top_logprobs_num" and out["error"]["limit"] == VOCAB
+        assert "vocabulary of 260" in out["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    assert http("GET", sglang.url + "/health", timeout=5)[0] == 200
