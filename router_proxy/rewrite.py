@@ -143,7 +143,7 @@ def rewrite_chat(body: dict, c: Contract) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise RequestRejected("response_format", "structured output is constrained decoding; only {\"type\": \"text\"} is allowed")
-    _set_sampling(body, c, min_tokens="min_tokens")
+    _set_sampling(body, c, min_tokens=None)
     for name in CHAT_OWNED:
         body.pop(name, None)
     body["logprobs"] = True
@@ -199,10 +199,13 @@ HARMLESS_DEFAULTS = frozenset({"max_new_tokens", "stop", "stop_token_ids", "igno
 STATED = frozenset({"temperature", "top_p", "top_k", *NEUTRAL, "min_new_tokens"})
 
 
-def _set_sampling(params: dict, c: Contract, *, min_tokens: str) -> None:
-    """State every sampling setting (``min_tokens``: the field's name on this endpoint)."""
+def _set_sampling(params: dict, c: Contract, *, min_tokens: str | None) -> None:
+    """State every sampling setting (``min_tokens``: the minimum length's name on this endpoint;
+    None on chat, where sglang-router 0.3.2 refuses ``min_tokens`` 0 and SGLang's chat layer
+    states its own 0 for a request without one)."""
     params["temperature"] = c.temperature
     params["top_p"] = c.top_p
     params["top_k"] = c.top_k if c.top_k > 0 else -1  # -1: SGLang's "whole vocabulary"
     params.update(NEUTRAL)
-    params[min_tokens] = 0
+    if min_tokens is not None:
+        params[min_tokens] = 0

@@ -54,7 +54,7 @@ FORWARDED_HEADERS = (b"x-request-id",)  # never authorization: see the module do
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
-PASS_THROUGH = {b"/health", b"/health_generate", b"/get_server_info", b"/server_info", b"/v1/models"}
+PASS_THROUGH = {b"/health", b"/health_generate", b"/v1/models"}
 MODEL_INFO = {b"/get_model_info", b"/model_info"}  # forwarded, with the learned vocab_size added
 # Engine and router administration: never reachable through the proxy (the trainer calls engines directly).
 ADMIN_PREFIXES = (
@@ -63,6 +63,7 @@ ADMIN_PREFIXES = (
     "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/shutdown", "/workers",
     "/add_worker", "/remove_worker", "/list_workers", "/start_profile", "/stop_profile", "/configure_logging",
     "/set_internal_state", "/load_lora_adapter", "/unload_lora_adapter", "/slow_down", "/open_session", "/close_session",
+    "/server_info", "/get_server_info",  # SGLang 0.5.23 shows its --admin-api-key and --api-key there, to anyone
 )  # fmt: skip
 SHUTDOWN_GRACE_S = 10.0  # requests in progress at SIGTERM get this long to finish
 
