@@ -81,6 +81,13 @@ def test_a_group_sampled_by_two_weight_versions_becomes_one_batch_per_version_wi
         check_batch(batch, vocab_size=VOCAB)
 
 
+def test_sglangs_initial_weight_version_default_is_version_0():
+    """SGLang reports "default" until an update names a version: it serves its --model-path, the trainer's version 0."""
+    initial = native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="default", text="A")
+    (sample,) = samples_from_response([initial], endpoint="generate", mode="selected", k=K)
+    assert sample.weight_version == 0
+
+
 def test_a_short_candidate_row_is_left_short_for_the_contract_to_reject():
     short = native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66)]], text="A")
     samples = samples_from_response([short, SELECTED[1]], endpoint="generate", mode="selected", k=K)
@@ -102,6 +109,7 @@ def test_a_missing_top_logprobs_field_packs_as_empty_rows():
     [
         (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67), (-3.5, 68)]]), "more than K=3"),
         (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version=None), "weight_version"),
+        (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="v1"), "'default' or a string of an int"),
         ({"text": "", "meta_info": {"weight_version": "0"}}, "output_token_logprobs"),
         ({"text": ""}, "no meta_info"),
         (native([(-0.5, 65)], tops=[]), "0 rows for 1 tokens"),
