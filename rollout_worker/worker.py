@@ -220,10 +220,12 @@ class Worker:
     async def _term(self, msg, task: PromptTask | None, reason: str, batch=None) -> None:
         task_id = task.task_id if task else None
         log.error("task rejected", extra={"fields": {"task_id": task_id, "reason": reason}})
-        if batch is not None and self.opts.dlq:
-            data = encode_batch(batch)
+        if self.opts.dlq and (batch is not None or task is not None):
+            # a batch that breaks the contract, else the task itself (a request SGLang refuses), with the reason
+            data = encode_batch(batch) if batch is not None else msg.data
             if len(data) <= self.nc.max_payload - 4096:
-                headers = {"Centerline-Reason": reason[:1000], "Centerline-Producer": self.opts.producer, "Centerline-Stage": "worker"}
+                headers = {"Centerline-Reason": reason[:1000], "Centerline-Producer": self.opts.producer, "Centerline-Stage": "worker",
+                           "Centerline-Kind": "batch" if batch is not None else "task"}  # fmt: skip
                 await self.js.publish(names.DLQ_SUBJECT, data, headers=headers)
         await msg.term()
         self._count("rejected")
@@ -244,6 +246,9 @@ class Worker:
             raise Transient(f"unusable response from the proxy: {exc}") from None
         if len(samples) != task.n:
             raise Transient(f"the proxy returned {len(samples)} samples for n={task.n}")
+        aborted = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
+        if aborted:  # cut off (a server stopping, requests aborted): sample the group again
+            raise Transient(f"samples {aborted} were aborted by SGLang (finish_reason abort)")
         try:
             rewards = score(task, [s.text for s in samples])
         except RewardError as exc:
@@ -280,8 +285,8 @@ class Worker:
                 status, body = resp.status, await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise Transient(f"{url}: {exc!r}") from None
-        if status == 400:
-            raise Rejected(f"the proxy refused the request: {body[:500].decode(errors='replace')}")
+        if status in (400, 413, 422):  # the proxy or SGLang refused the request itself: asking again cannot help
+            raise Rejected(f"the proxy refused the request with {status}: {body[:1000].decode(errors='replace')}")
         if status != 200:
             raise Transient(f"{url} answered {status}: {body[:500].decode(errors='replace')}")
         try:

@@ -38,7 +38,9 @@ from shared.contract import LOGPROB_TOL, MASS_TOL, ContractViolation, check_rows
 PROXY_RULES = {
     "malformed_response": "the upstream body is not the SGLang response shape (bad JSON, wrong types, missing fields)",
     "missing_token_ids": "a chat response carries no token ids (no choices[].meta_info), so it cannot be audited or trained on",
+    "upstream_refused": "the upstream refused the request as it is (400, 413 or 422): the same request would be refused again",
     "upstream_status": "the upstream answered a training request with an error status",
+    "sample_aborted": "the upstream aborted a sample (finish_reason abort): its output is cut off",
     "upstream_too_large": "the upstream's answer exceeded --max-upstream-response-bytes and was cut off",
     "upstream_unreachable": "the upstream could not be reached, broke off its answer, or did not speak HTTP/1.1",
     "vocab_unknown": "the vocabulary size is unknown (no vocab_size from the upstream, no --vocab-size)",
@@ -92,6 +94,7 @@ def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int) -> Au
     except orjson.JSONDecodeError as exc:
         raise malformed(f"the upstream body is not valid JSON ({exc})") from None
     metas = chat_metas(doc) if endpoint == "chat" else native_metas(doc)
+    check_not_aborted(metas)
     tokens = quick_accept(metas, mode=mode, k=k, vocab_size=vocab_size)
     if tokens is not None:
         return AuditResult(samples=len(metas), tokens=tokens)
@@ -153,6 +156,16 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
     except (TypeError, ValueError):  # an entry that is not a [logprob, id, text] list: the numpy path names the defect
         return None
     return tokens
+
+
+def check_not_aborted(metas: list[dict]) -> None:
+    """SGLang answers an aborted sample (server shutting down, requests aborted for a weight
+    update) with 200 and the output so far: a cut-off sample, never to be trained as complete."""
+    for i, meta in enumerate(metas):
+        reason = meta.get("finish_reason")
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            raise ContractViolation("sample_aborted", f"sample {i} was aborted by the upstream ({reason.get('message')!r}), its output "
+                                    "cut off; the request may be retried", sample=i)  # fmt: skip
 
 
 def native_metas(doc) -> list[dict]:

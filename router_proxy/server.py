@@ -65,6 +65,9 @@ ADMIN_PREFIXES = (
     "/set_internal_state", "/load_lora_adapter", "/unload_lora_adapter", "/slow_down", "/open_session", "/close_session",
     "/server_info", "/get_server_info",  # SGLang 0.5.23 shows its --admin-api-key and --api-key there, to anyone
 )  # fmt: skip
+# What SGLang and its router answer a request they will never serve as it is (a prompt longer
+# than the context, top_k above the sampling-mask limit, a field the router's schema refuses).
+REFUSED = frozenset({400, 413, 422})
 SHUTDOWN_GRACE_S = 10.0  # requests in progress at SIGTERM get this long to finish
 
 
@@ -226,14 +229,17 @@ class Proxy:
                 "samples": result.samples if result else None, "tokens": result.tokens if result else None,
                 "upstream_ms": upstream_s * 1e3, "added_ms": added_s * 1e3,
             })  # fmt: skip
-        if blocked:
-            return _error(502, violation)
+        if blocked:  # a refusal keeps its status: the same request would be refused again, the client must not retry it
+            return _error(status if violation.rule == "upstream_refused" else 502, violation)
         verdict = b"ok" if violation is None else _verdict(violation).encode()
         if status == 0:  # observe mode and no upstream answer: nothing to pass on
             return _error(502, violation, [(AUDIT_HEADER, verdict)])
         return status, body, ctype or JSON, [(AUDIT_HEADER, verdict)]
 
     def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes):
+        if status in REFUSED:
+            text = body[:1000].decode(errors="replace")
+            return ContractViolation("upstream_refused", f"the upstream refused the request with {status}: {text}", expected=200, found=status), None
         if status != 200:
             text = body[:300].decode(errors="replace")
             return ContractViolation("upstream_status", f"the upstream answered {status}: {text}", expected=200, found=status), None

@@ -160,3 +160,48 @@ def test_proxy_refuses_a_client_k_above_the_vocabulary_and_the_server_lives(sgla
         proc.terminate()
         proc.wait(timeout=15)
     assert http("GET", sglang.url + "/health", timeout=5)[0] == 200
+
+
+@pytest.fixture
+def proxy_to(tmp_path):
+    """``proxy_to(upstream)``: a `centerline proxy` process in front of ``upstream``, live; stopped after the test."""
+    procs = []
+
+    def start(upstream: str) -> str:
+        port = free_port()
+        cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", upstream, "--port", str(port)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(tmp_path / f"proxy{len(procs)}.log", "wb"), stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http("GET", url + "/liveness", timeout=5)[0] == 200, 60, "proxy", proc)
+        return url
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_a_request_sglang_refuses_keeps_its_400_and_sglangs_message(sglang, proxy_to):
+    """Deterministic refusals are not upstream failures: retried, they would be refused again."""
+    url = proxy_to(sglang.url)
+    status, out = http("POST", url + "/generate", {"input_ids": [104] * 1100, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 400
+    assert out["error"]["rule"] == "upstream_refused" and out["error"]["found"] == 400
+    assert "1100" in out["error"]["message"] and "context length" in out["error"]["message"].lower(), out
+
+
+def test_an_aborted_sample_is_never_passed_as_a_training_response(sglang, proxy_to):
+    """SGLang answers an aborted request with 200 and the output so far; the proxy blocks it."""
+    import threading
+
+    url = proxy_to(sglang.url)
+    answer = {}
+    body = {"input_ids": [104, 105], "rid": "to-abort", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: answer.update(reply=http("POST", url + "/generate", body, timeout=120)))
+    thread.start()
+    # abort the request once SGLang runs it: repeat until the answer came back
+    wait_until(lambda: http("POST", sglang.url + "/abort_request", {"rid": "to-abort"})[0] == 200 and not thread.is_alive(), 60, "abort")
+    thread.join()
+    status, out = answer["reply"]
+    assert status == 502 and out["error"]["rule"] == "sample_aborted" and out["error"]["sample"] == 0, out
