@@ -9,7 +9,9 @@ Publication (rank 0): ``POST /update_weights_from_disk {model_path, weight_versi
 on each engine URL directly (SGLang routers do not forward admin endpoints), with the engines'
 admin key as ``Authorization: Bearer`` when one is set (``shared/admin_key.py``), then
 ``weights.updated`` ``{version, path, sha256}`` on NATS (sha256 of the safetensors files in
-name order). An engine that fails after a few tries is logged and counted, and training
+name order). SGLang finishes the generations in flight before it loads, so a call that times
+out or breaks off is not yet a failure: the engine's own /model_info decides (``comes_to``).
+An engine that fails after a few tries is logged and counted, and training
 goes on: batches it samples with old weights are then rejected by the gate as ``stale``. An
 engine that refuses the key (401/403) is a configuration error, not a passing failure: it
 raises ``AdminKeyError`` naming the engine and the setting, and the trainer stops.
@@ -70,9 +72,12 @@ def sha256(path: Path) -> str:
 class WeightPublisher:
     """Tells every engine, then NATS, which version to serve."""
 
-    def __init__(self, js, engine_urls: list[str], *, attempts: int = 3, timeout: float = 300.0, admin_api_key: str | None = None):
-        """``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``)."""
-        self.js, self.engine_urls, self.attempts = js, list(engine_urls), attempts
+    def __init__(self, js, engine_urls: list[str], *, attempts: int = 3, timeout: float = 300.0, settle: float = 600.0,
+                 admin_api_key: str | None = None):  # fmt: skip
+        """``timeout``: seconds per update call; ``settle``: how long an engine whose call timed out
+        or broke off may take to report the version anyway (it waits for its generations in flight).
+        ``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``)."""
+        self.js, self.engine_urls, self.attempts, self.settle = js, list(engine_urls), attempts, settle
         key = admin_api_key or admin_key.key_from_env()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
@@ -104,11 +109,36 @@ class WeightPublisher:
                     problem = f"HTTP {resp.status}: {reply}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
+                # SGLang finishes the generations in flight before it loads: a timed-out or broken-off
+                # call may still have been carried out. The engine's own word decides.
+                if await self.comes_to(url, version):
+                    return True
             log.warning("engine %s did not load version %d (attempt %d/%d): %s", url, version, attempt, self.attempts, problem)
             if attempt < self.attempts:
                 await asyncio.sleep(0.5 * attempt)  # back-off between retries
         log.error("engine %s keeps serving old weights; its batches will be rejected as stale", url)
         return False
+
+    async def comes_to(self, url: str, version: int) -> bool:
+        """Whether ``url`` comes to report ``version`` within ``settle`` seconds, asked every
+        second; False at once when it does not answer (a dead engine carries nothing out)."""
+        deadline = asyncio.get_running_loop().time() + self.settle
+        while True:
+            serving = await self.serving(url)
+            if serving == str(version):
+                return True
+            if serving is None or asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(1.0)  # polling interval of the engine's own report
+
+    async def serving(self, url: str) -> str | None:
+        """The weight version ``url`` reports on /model_info, None when it cannot be asked."""
+        try:
+            async with self.session.get(url.rstrip("/") + "/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                info = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        return info.get("weight_version") if isinstance(info, dict) else None
 
     async def close(self) -> None:
         await self.session.close()

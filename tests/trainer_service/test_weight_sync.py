@@ -1,0 +1,35 @@
+"""Weight updates against real SGLang: /update_weights_from_disk waits for the generations in
+flight, so a call that times out on the trainer's side may still be carried out. The trainer
+asks the engine which version it serves before calling an update failed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tests.processes import http, wait_until
+from trainer_service.weights import WeightPublisher
+
+pytestmark = pytest.mark.integration
+
+
+def test_an_update_that_times_out_while_sglang_finishes_a_generation_counts_once_it_is_served(sglang, model_dir):
+    body = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    generation = threading.Thread(target=lambda: http("POST", sglang.url + "/generate", body, timeout=120))
+    generation.start()
+    wait_until(lambda: http("GET", sglang.url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1, 30, "generation running")
+
+    async def update():
+        publisher = WeightPublisher(None, [sglang.url], attempts=1, timeout=1.0)  # far shorter than the generation
+        try:
+            return await publisher.update(sglang.url, 5, model_dir)
+        finally:
+            await publisher.close()
+
+    try:
+        assert asyncio.run(update()) is True
+        assert sglang.weight_version() == "5"
+    finally:
+        generation.join()
