@@ -87,6 +87,18 @@ class Outcome:
     tokens: int = 0
 
 
+def served_prompt_ids(doc) -> list[int]:
+    """The prompt ids SGLang sampled a chat response on (``choices[0].prompt_token_ids``, asked
+    for by the proxy with ``return_prompt_token_ids``); the worker's own rendering of the chat
+    template may differ from the server's."""
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    ids = choices[0].get("prompt_token_ids") if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise Rejected("the chat response carries no prompt_token_ids (the router dropped return_prompt_token_ids?), so the "
+                       "prompt SGLang sampled on is unknown; use --rollout-endpoint generate or a router that keeps it")  # fmt: skip
+    return ids
+
+
 class Worker:
     def __init__(self, cfg: Config, tokenizer: Tokenizer, opts: WorkerOptions, metrics=None):
         self.cfg, self.tok, self.opts, self.metrics = cfg, tokenizer, opts, metrics
@@ -240,6 +252,8 @@ class Worker:
         endpoint = cfg.rollout_endpoint
         prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
         doc = await self.sample(task, prompt_ids)
+        if endpoint == "chat":  # SGLang renders the chat template itself: train on what it sampled on
+            prompt_ids = served_prompt_ids(doc)
         try:
             samples = samples_from_response(doc, endpoint=endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num)
         except ResponseError as exc:

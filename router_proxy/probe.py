@@ -220,6 +220,13 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
             report.add("response readable", False, f"{exc.rule}: {exc}")
         return report
     report.add("token ids returned", True, "meta_info present" + (" (return_meta_info kept)" if contract.endpoint == "chat" else ""))
+    if contract.endpoint == "chat":
+        choice = doc["choices"][0]
+        kept = isinstance(choice.get("prompt_token_ids"), list) and bool(choice["prompt_token_ids"])
+        if not report.add("prompt ids returned", kept, "choices[].prompt_token_ids present (return_prompt_token_ids kept)" if kept else
+                          "drops return_prompt_token_ids: the prompt SGLang rendered from the chat template is unknown, so it cannot be "
+                          "trained on; use --rollout-endpoint generate"):  # fmt: skip
+            return report
 
     meta = metas[0]
     if contract.mode == "support":

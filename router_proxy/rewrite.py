@@ -20,7 +20,7 @@ SGLANG_TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter" default
 
 # The log-prob fields the proxy sets or removes; a client's value for them never reaches the upstream.
 NATIVE_OWNED = ("return_logprob", "top_logprobs_num", "return_sampling_mask", "sampling_logprobs_mode")
-CHAT_OWNED = ("logprobs", "top_logprobs", "return_meta_info", "return_sampling_mask", "sampling_logprobs_mode")
+CHAT_OWNED = ("logprobs", "top_logprobs", "return_meta_info", "return_prompt_token_ids", "return_sampling_mask", "sampling_logprobs_mode")
 
 
 class RequestRejected(ValueError):
@@ -148,6 +148,7 @@ def rewrite_chat(body: dict, c: Contract) -> None:
         body.pop(name, None)
     body["logprobs"] = True
     body["return_meta_info"] = True  # the native meta_info carries the token ids chat output lacks
+    body["return_prompt_token_ids"] = True  # the prompt as SGLang rendered it, which is what is trained
     if c.mode == "selected":
         body["top_logprobs"] = c.k
     else:

@@ -205,3 +205,26 @@ def test_an_aborted_sample_is_never_passed_as_a_training_response(sglang, proxy_
     thread.join()
     status, out = answer["reply"]
     assert status == 502 and out["error"]["rule"] == "sample_aborted" and out["error"]["sample"] == 0, out
+
+
+def test_chat_training_responses_carry_the_prompt_ids_sglang_rendered(sglang, proxy_to, model_dir):
+    """The worker trains on these ids, not on its own rendering of the chat template."""
+    from transformers import AutoTokenizer
+
+    from rollout_worker.worker import served_prompt_ids
+
+    url = proxy_to(sglang.url)
+    messages = [{"role": "user", "content": "hello"}]
+    status, out = http("POST", url + "/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 3, "n": 2})
+    assert status == 200, out
+    rendered = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert served_prompt_ids(out) == rendered
+    assert [c["prompt_token_ids"] for c in out["choices"]] == [rendered, rendered]
+    assert out["choices"][0]["meta_info"]["prompt_tokens"] == len(rendered)
+
+
+def test_probe_of_chat_checks_the_prompt_ids_come_back(sglang):
+    rc, report = probe(sglang.url, "--k", "20", "--endpoint", "chat")
+    assert rc == 0, report
+    assert [c["name"] for c in report["checks"] if c["name"] == "prompt ids returned"] == ["prompt ids returned"]

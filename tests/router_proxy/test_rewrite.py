@@ -31,13 +31,14 @@ def test_generate_support_sets_support_fields_and_drops_top_logprobs():
 
 def test_chat_selected_overrides_client_logprob_fields():
     sent = rewrite({"messages": [], "logprobs": False, "top_logprobs": 3, "return_meta_info": False}, "chat")
-    assert sent == {"messages": [], "logprobs": True, "top_logprobs": 128, "return_meta_info": True, "temperature": 1.0, "top_p": 1.0,
+    assert sent == {"messages": [], "logprobs": True, "top_logprobs": 128, "return_meta_info": True, "return_prompt_token_ids": True,
+                    "temperature": 1.0, "top_p": 1.0,
                     "top_k": -1, **NEUTRAL}  # fmt: skip
 
 
 def test_chat_support_sets_support_fields_without_top_logprobs():
     sent = rewrite({"messages": [], "top_logprobs": 3}, "chat", SUPPORT)
-    assert sent == {"messages": [], "logprobs": True, "return_meta_info": True, "return_sampling_mask": True,
+    assert sent == {"messages": [], "logprobs": True, "return_meta_info": True, "return_prompt_token_ids": True, "return_sampling_mask": True,
                     "sampling_logprobs_mode": "support", "temperature": 0.7, "top_p": 0.9, "top_k": 50, **NEUTRAL}  # fmt: skip
 
 
