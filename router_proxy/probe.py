@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass, field
 
 import orjson
 
-from router_proxy.audit import audit_body, chat_metas, native_metas
+from router_proxy.audit import audit_body
 from router_proxy.rewrite import HARMLESS_DEFAULTS, STATED, Contract, rewrite_body
 from router_proxy.upstream import UpstreamPool
 from shared import admin_key
 from shared.contract import ContractViolation
+from shared.sglang_response import response_metas
 
 CANARY_TOKENS = 8
 CHAT_TOP_LOGPROBS_CAP = 20  # the PyPI sglang-router rejects chat top_logprobs above this
@@ -209,7 +210,7 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
 
     try:
         doc = orjson.loads(body)
-        metas = chat_metas(doc) if contract.endpoint == "chat" else native_metas(doc)
+        metas = response_metas(doc, contract.endpoint)
     except orjson.JSONDecodeError as exc:
         report.add("response readable", False, f"the response is not JSON ({exc})")
         return report

@@ -112,7 +112,7 @@ def test_a_missing_top_logprobs_field_packs_as_empty_rows():
         (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="v1"), "'default' or a string of an int"),
         ({"text": "", "meta_info": {"weight_version": "0"}}, "output_token_logprobs"),
         ({"text": ""}, "no meta_info"),
-        (native([(-0.5, 65)], tops=[]), "0 rows for 1 tokens"),
+        (native([(-0.5, 65)], tops=[]), "0 rows for 1 output tokens"),
     ],
 )
 def test_an_unusable_response_raises_response_error_naming_the_field(item, message):

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_proxy.audit import audit_body, full_audit, native_metas, quick_accept
+from router_proxy.audit import audit_body, full_audit, quick_accept
+from shared.sglang_response import native_metas
 from router_proxy.bench import native_response
 from shared.contract import ContractViolation
 

@@ -1,0 +1,237 @@
+"""SGLang responses parsed once, for everyone: the proxy audits what this returns, the worker
+packs it (one parser, so a fix reaches both).
+
+    parsed JSON -> per-sample meta_info -> flat Python lists -> numpy [N] / [N, K]
+
+Every sample of a response (a native object, a native list for batches or ``n > 1``, or the
+choices of a chat completion asked with ``return_meta_info``) becomes one sample of the
+arrays, ``offsets[i]:offsets[i+1]`` its tokens. Sampled tokens come from
+``meta_info.output_token_logprobs`` ([logprob, id, text] per token); candidates from
+``output_top_logprobs`` (selected mode) or ``output_token_sampling_mask`` +
+``output_token_sampling_logprobs`` (support mode). A missing candidate field becomes empty
+rows and a ``null`` row no candidates, so the contract reports it (``short_row``,
+``support_mass``) with its likely cause; nothing is padded into a full row or repaired.
+Besides the arrays: each sample's weight version (SGLang's ``"default"``, the initial
+weights, is version 0), finish reason and text.
+
+The conversion never loops over tokens in Python bytecode: each nested list is flattened
+with ``itertools.chain`` (C), types are checked with ``set(map(type, ...))`` (C), and numpy
+builds the arrays from flat lists. Defects of shape raise ``ContractViolation``
+(``malformed_response``, ``missing_token_ids``, ``sample_aborted``, ``shape``).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+
+from shared.contract import ContractViolation
+
+# SGLang's weight version until an update names one, and again after a restart: the server
+# then serves its --model-path, the trainer's initial model, which is version 0. Where that
+# is older than the trainer, the staleness rule rejects the batch; it is never trained as current.
+INITIAL_VERSION = "default"
+
+_NUMBER = {float, int}
+_INT = {int}
+
+
+def malformed(message: str) -> ContractViolation:
+    return ContractViolation("malformed_response", message)
+
+
+def response_metas(doc, endpoint: str) -> list[dict]:
+    """The ``meta_info`` of each sample of a parsed native (``endpoint="generate"``) or chat response."""
+    return chat_metas(doc) if endpoint == "chat" else native_metas(doc)
+
+
+def response_texts(doc, endpoint: str) -> list[str]:
+    """Each sample's decoded text (what rewards read), in sample order; "" where absent."""
+    if endpoint == "chat":
+        return [_text((c.get("message") or {}).get("content")) for c in doc["choices"]]
+    return [_text(item.get("text")) for item in (doc if isinstance(doc, list) else [doc])]
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def weight_versions(metas: list[dict]) -> list[int]:
+    """Each sample's weight version as the trainer numbers them."""
+    out = []
+    for i, meta in enumerate(metas):
+        version = meta.get("weight_version")
+        try:
+            out.append(0 if version == INITIAL_VERSION else int(version))
+        except (TypeError, ValueError):
+            raise malformed(f"sample {i}: meta_info.weight_version is {version!r}, expected {INITIAL_VERSION!r} or a string of an int "
+                            "(the trainer names versions 0, 1, ...)") from None  # fmt: skip
+    return out
+
+
+def finish_reasons(metas: list[dict]) -> list[str | None]:
+    """Each sample's ``finish_reason.type`` (``stop``, ``length``, ``abort``), None while unfinished."""
+    reasons = [meta.get("finish_reason") for meta in metas]
+    return [r.get("type") if isinstance(r, dict) else r for r in reasons]
+
+
+def check_not_aborted(metas: list[dict]) -> None:
+    """SGLang answers an aborted sample (server shutting down, requests aborted for a weight
+    update) with 200 and the output so far: a cut-off sample, never to be trained as complete."""
+    for i, meta in enumerate(metas):
+        reason = meta.get("finish_reason")
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            raise ContractViolation("sample_aborted", f"sample {i} was aborted by the upstream ({reason.get('message')!r}), its output "
+                                    "cut off; the request may be retried", sample=i)  # fmt: skip
+
+
+def native_metas(doc) -> list[dict]:
+    """The ``meta_info`` of each sample of a native /generate response (an object, or a list of them)."""
+    items = doc if isinstance(doc, list) else [doc]
+    metas = []
+    for i, item in enumerate(items):
+        meta = item.get("meta_info") if isinstance(item, dict) else None
+        if not isinstance(meta, dict):
+            raise malformed(f"sample {i} has no meta_info object")
+        metas.append(meta)
+    if not metas:
+        raise malformed("the response holds no samples")
+    return metas
+
+
+def chat_metas(doc) -> list[dict]:
+    """The native ``meta_info`` of each choice of a chat completion (requested with ``return_meta_info``)."""
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise malformed("the chat response has no choices list")
+    metas = []
+    for i, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            raise malformed(f"choices[{i}] is not an object")
+        meta = choice.get("meta_info")
+        if meta is None:
+            raise ContractViolation(
+                "missing_token_ids",
+                f"choices[{i}] has no meta_info, so the response carries no token ids (chat logprobs name tokens by text only); "
+                "the router probably dropped return_meta_info. Use --rollout-endpoint generate or a router that keeps it; run `centerline probe`",
+                sample=i,
+            )
+        if not isinstance(meta, dict):
+            raise malformed(f"choices[{i}].meta_info is not an object")
+        metas.append(meta)
+    return metas
+
+
+def to_arrays(metas: list[dict], *, mode: str, k: int):
+    """``(response_ids, sampled_logprobs, loss_mask, cand_ids [N, K], cand_logprobs [N, K], offsets)`` of the samples."""
+    sampled_rows = [_field(m, "output_token_logprobs", i, required=True) for i, m in enumerate(metas)]
+    lengths = [len(rows) for rows in sampled_rows]
+    offsets = np.zeros(len(metas) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    n = int(offsets[-1])
+    logprobs, ids = _entries(list(chain.from_iterable(sampled_rows)), "output_token_logprobs")
+
+    if mode == "selected":
+        rows = _rows(metas, "output_top_logprobs", lengths)
+        counts = _counts(rows, "output_top_logprobs")
+        cand_lp, cand_id = _entries(list(chain.from_iterable(rows)), "output_top_logprobs")
+    else:
+        rows = _rows(metas, "output_token_sampling_mask", lengths)
+        lp_rows = _rows(metas, "output_token_sampling_logprobs", lengths)
+        counts = _counts(rows, "output_token_sampling_mask")
+        if counts.tolist() != _counts(lp_rows, "output_token_sampling_logprobs").tolist():
+            raise malformed("output_token_sampling_mask and output_token_sampling_logprobs differ in row lengths")
+        cand_id = _column(list(chain.from_iterable(rows)), _INT, np.int64, "output_token_sampling_mask")
+        cand_lp = _column(list(chain.from_iterable(lp_rows)), _NUMBER, np.float64, "output_token_sampling_logprobs")
+
+    widest = int(counts.max()) if n else 0
+    if widest > k:
+        row = int(np.argmax(counts))
+        raise ContractViolation("shape", f"row {row} holds {widest} candidates, more than K={k}", row=row, expected=k, found=widest)
+    if n and widest == k and int(counts.min()) == k:
+        cand_ids, cand_logprobs = cand_id.reshape(n, k), cand_lp.reshape(n, k)
+    else:  # short rows: fill the leading slots, the rest stay empty (-1 / -inf) for check_rows to judge
+        cand_ids = np.full((n, k), -1, np.int64)
+        cand_logprobs = np.full((n, k), -np.inf, np.float64)
+        filled = np.arange(k) < counts[:, None]
+        cand_ids[filled] = cand_id
+        cand_logprobs[filled] = cand_lp
+    if mode == "support":
+        logprobs = _support_sampled_logprobs(ids, logprobs, cand_ids, cand_logprobs)
+    return ids, logprobs, np.ones(n, bool), cand_ids, cand_logprobs, offsets
+
+
+def _support_sampled_logprobs(ids, logprobs, cand_ids, cand_logprobs) -> np.ndarray:
+    """In support mode the sampled token's log-prob is its support (renormalised) one.
+
+    SGLang's ``output_token_logprobs`` is log_softmax(logits / T) before the top-k/top-p
+    filter (not renormalised), while the support row is the filtered, renormalised
+    distribution that was actually sampled; comparing the two would fail every filtered row.
+    The unfiltered value must still be a finite log-prob.
+    """
+    bad = ~np.isfinite(logprobs)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ContractViolation("non_finite", f"row {i} sampled log-prob is {logprobs[i]}; the sampler produced NaN/inf", row=i)
+    match = cand_ids == ids[:, None]
+    return np.where(match.any(axis=1), np.where(match, cand_logprobs, 0.0).sum(axis=1), logprobs)
+
+
+def _field(meta: dict, name: str, sample: int, *, required: bool):
+    value = meta.get(name)
+    if value is None:
+        if required:
+            raise malformed(f"sample {sample}: meta_info.{name} is missing (was return_logprob dropped?)")
+        return None
+    if not isinstance(value, list):
+        raise malformed(f"sample {sample}: meta_info.{name} is {type(value).__name__}, expected a list")
+    return value
+
+
+def _rows(metas: list[dict], name: str, lengths: list[int]) -> list:
+    """The per-token rows of ``name`` over all samples; a missing field is empty rows (judged by the contract)."""
+    out = []
+    for i, (meta, n) in enumerate(zip(metas, lengths)):
+        rows = _field(meta, name, i, required=False)
+        if rows is None:
+            rows = [[]] * n
+        elif len(rows) != n:
+            raise malformed(f"sample {i}: meta_info.{name} has {len(rows)} rows for {n} output tokens")
+        out.append(rows)
+    return list(chain.from_iterable(out))
+
+
+def _counts(rows: list, name: str) -> np.ndarray:
+    if None in rows:  # SGLang writes null for a position without top-logprobs: no candidates
+        rows[:] = [[] if r is None else r for r in rows]
+    if not set(map(type, rows)) <= {list}:
+        raise malformed(f"meta_info.{name} rows must be lists")
+    return np.fromiter(map(len, rows), np.int64, len(rows))
+
+
+def _entries(entries: list, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Log-probs (float64) and ids (int64) of ``[logprob, id, text]`` entries."""
+    if not entries:
+        return np.zeros(0, np.float64), np.zeros(0, np.int64)
+    try:  # entries that are not lists fail here or land non-numbers in the typed columns below
+        widths = set(map(len, entries))
+    except TypeError:
+        raise malformed(f"meta_info.{name} entries must be [logprob, id, text] lists") from None
+    if len(widths) != 1 or not {2, 3} >= widths:
+        raise malformed(f"meta_info.{name} entries must be [logprob, id, text], found lengths {sorted(widths)[:4]}")
+    flat = list(chain.from_iterable(entries))
+    width = widths.pop()
+    return _column(flat[0::width], _NUMBER, np.float64, name + " log-probs"), _column(flat[1::width], _INT, np.int64, name + " ids")
+
+
+def _column(values: list, allowed: set, dtype, name: str) -> np.ndarray:
+    """``values`` as a numpy array, after checking the exact Python types (no bool, str or null slips through)."""
+    found = set(map(type, values))
+    if not found <= allowed:
+        bad = sorted(t.__name__ for t in found - allowed)
+        raise malformed(f"{name} hold {', '.join(bad)} values, expected {' or '.join(sorted(t.__name__ for t in allowed))}")
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:
+        raise malformed(f"{name} hold a number out of range") from None
