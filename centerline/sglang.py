@@ -1,5 +1,6 @@
-"""`centerline sglang`: start a real SGLang server (the version pinned in pyproject.toml) the
-way this project needs it, on the CPU or a GPU. It execs ``python -m sglang.launch_server``;
+"""`centerline sglang`: start a real SGLang server with this project's recipe, CPU or GPU.
+
+It execs ``python -m sglang.launch_server`` (the sglang version pinned in pyproject.toml);
 nothing of SGLang is re-implemented here.
 
 Always set: ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` (log-probs are ``log_softmax(logits / T)``
