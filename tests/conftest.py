@@ -61,16 +61,7 @@ def sglang(sglang_server, model_dir):
     """The shared SGLang server, alive and serving ``model_dir`` at weight version "default":
     restarted if an earlier test stopped it, and its weights put back if one loaded others
     (a trainer loads its own versions). A test may load weights; it must not change flags."""
-    from tests.processes import http
-
-    if sglang_server.proc.poll() is not None or http("GET", sglang_server.url + "/health", timeout=5)[0] != 200:
-        sglang_server.stop()
-        sglang_server.start()
-    if sglang_server.weight_version() != "default":
-        body = {"model_path": str(model_dir), "weight_version": "default"}
-        status, reply = http("POST", sglang_server.url + "/update_weights_from_disk", body)
-        assert status == 200 and reply["success"], reply
-    return sglang_server
+    return sglang_server.serve(model_dir)
 
 
 @pytest.fixture(scope="session")
