@@ -105,8 +105,8 @@ class Gate:
             self.check(batch, version)
         except ContractViolation as exc:
             if exc.rule == "duplicate_batch" and self.is_redelivery(batch.batch_id, seq):
-                if batch.batch_id in self.ledger:  # trained and checkpointed, the ack was lost
-                    await self.consumer.ack(msg)
+                # trained and checkpointed, its ack was lost
+                if batch.batch_id in self.ledger and await self.settle(msg, batch.batch_id):
                     self.counts["duplicate"] += 1
                     log.info("redelivered batch %s (seq %d) was already trained; acked", batch.batch_id, seq)
                 return  # else: a redelivery of a message held right now; the held copy gets acked
@@ -147,9 +147,20 @@ class Gate:
                    names.MSG_ID_HEADER: f"dlq/{seq}"}  # fmt: skip
         await publish_acked(self.js, names.DLQ_SUBJECT, bytes(msg.data), headers, what=f"dead letter of {batch_id!r}")
         faults.hit("trainer.rejected")
-        await self.consumer.ack(msg)
-        self.counts[f"rejected:{rule}"] += 1
-        log.warning("batch %s dead-lettered (%s): %s", batch_id, rule, headers["reason"])
+        if await self.settle(msg, batch_id):
+            self.counts[f"rejected:{rule}"] += 1
+            log.warning("batch %s dead-lettered (%s): %s", batch_id, rule, headers["reason"])
+
+    async def settle(self, msg, batch_id: str) -> bool:
+        """Ack a message the trainer is done with without training it; False if the ack is lost
+        (NATS restarting): the message comes back and is dropped, or dead-lettered (the DLQ keeps
+        one copy by Nats-Msg-Id), again."""
+        try:
+            await self.consumer.ack(msg)
+            return True
+        except Exception as exc:  # noqa: BLE001 (every way an ack fails ends in the same redelivery)
+            log.warning("ack of batch %s failed (%s); it will be redelivered and settled again", batch_id, exc)
+            return False
 
     def ledger_with_held(self, step: int) -> dict:
         """The ledger as it is once the current step is committed (what its checkpoint saves)."""

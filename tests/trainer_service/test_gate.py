@@ -38,8 +38,15 @@ class Recorder:
         self.published.append((subject, data, headers))
 
 
-def gate(ledger=None) -> tuple[Gate, Recorder]:
-    rec = Recorder()
+class LosingAcks(Recorder):
+    """Every ack is lost, as while the NATS server restarts."""
+
+    async def ack(self, msg):
+        raise TimeoutError("nats: timeout")
+
+
+def gate(ledger=None, rec=None) -> tuple[Gate, Recorder]:
+    rec = rec or Recorder()
     return Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger=dict(ledger or {})), rec
 
 
@@ -65,6 +72,12 @@ def test_redelivery_of_a_trained_message_is_acked_silently():
     admit(g, msg)
     assert rec.acked == [msg] and rec.published == [] and g.held == {}
     assert g.take_counts() == {"duplicate": 1}
+
+
+def test_a_lost_ack_of_a_trained_redelivery_leaves_it_to_come_back_uncounted():
+    g, rec = gate(ledger={"b-0": [7, 2]}, rec=LosingAcks())
+    admit(g, Msg(encode_batch(batch()), seq=7))  # raises nothing: the next redelivery is dropped the same way
+    assert rec.published == [] and g.held == {} and g.take_counts() == {}
 
 
 def test_another_message_with_a_trained_batch_id_is_dead_lettered():
@@ -110,6 +123,15 @@ def test_rejected_batch_goes_to_the_dlq_unchanged_with_its_rule(make, rule):
     assert sent == data and headers["rule"] == rule and headers["reason"]
     assert len(rec.acked) == 1 and g.held == {}
     assert g.take_counts() == {f"rejected:{rule}": 1}
+
+
+def test_a_lost_ack_after_the_dead_letter_leaves_the_batch_to_come_back_uncounted():
+    g, rec = gate(rec=LosingAcks())
+    data = encode_batch(batch(version=1))
+    admit(g, Msg(data, seq=3))  # raises nothing: dead-lettered again on redelivery, the DLQ keeps one copy by dlq/3
+    [(_, sent, headers)] = rec.published
+    assert (sent, headers["rule"], headers[names.MSG_ID_HEADER]) == (data, "stale", "dlq/3")
+    assert g.held == {} and g.take_counts() == {}
 
 
 def test_undecodable_bytes_are_dead_lettered_as_wire():
