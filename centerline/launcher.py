@@ -1,19 +1,21 @@
 """`centerline up`: the whole system on one machine, on a verifiable toy task.
 
 Starts, each as its own process with its log in ``RUN_DIR/logs/``: the embedded NATS
-server, the embedded engine (model made by ``init-model --sft``, cached in ``--model-dir``),
-the proxy, ``--workers`` rollout workers and a ``--trainer-ranks``-rank trainer under
-torchrun. Every service reads one resolved configuration, ``RUN_DIR/config.toml``, so
-what ran is what the report shows. Held-out accuracy (exact match of one sample per prompt
-at the rollout temperature, fixed seed, ``--eval-prompts`` prompts) is measured on the
-engine before training and after every ``--eval-every`` steps. At the
-end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
+server, ``--engines`` real SGLang servers on the CPU (``centerline sglang``; model made by
+``init-model --sft``, cached in ``--model-dir``), the real SGLang router in front of them,
+the proxy in front of the router, ``--workers`` rollout workers and a
+``--trainer-ranks``-rank trainer under torchrun that loads every new weight version into
+each SGLang server directly. Every service reads one resolved configuration,
+``RUN_DIR/config.toml``, so what ran is what the report shows. Held-out accuracy (exact
+match of one sample per prompt at the rollout temperature, ``--eval-prompts`` prompts) is
+measured on the first SGLang server before training and after every ``--eval-every``
+steps. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
 NATS runs with shared/nats_auth.py's users, passwords made for this run: the launcher
 creates the streams as ``admin``, and each service gets only its own user and password, in its
-environment (``service_env``), never in ``config.toml``. Likewise the engine's admin key
-(``shared/admin_key.py``): a new one per run, in the environment of the engine and the
-trainer only.
+environment (``service_env``), never in ``config.toml``. Likewise the engines' admin key
+(``shared/admin_key.py``): a new one per run, in the environment of the SGLang servers and
+the trainer only.
 
 Progress: a live status line on a terminal, one JSON line per step otherwise. Ctrl-C or
 SIGTERM stops every process, trainer first (it commits or abandons its step), NATS last.
@@ -29,8 +31,7 @@ tokens, 300 steps. Measured (seed 0, 2 workers, 2 trainer ranks, 383 s): held-ou
 0.48 -> 0.64 on 200 prompts, train reward 0.46 -> 0.71 (30-step means).
 ``UP_DEFAULTS`` holds the shared settings this job changes.
 
-Left out on purpose: restarts of crashed services (use compose or Kubernetes for that),
-and more than one engine.
+Left out on purpose: restarts of crashed services (use compose or Kubernetes for that).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pathlib import Path
 import orjson
 
 from centerline import sglang
+from router_proxy.rewrite import NEUTRAL
 from shared import admin_key
 from shared import config as shared_config
 from shared import nats_auth
@@ -129,9 +131,12 @@ def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: f
 
 def evaluate(engine_url: str, pairs: list[tuple[str, str]], temperature: float, seed: int, reward: str = "exact") -> float:
     """Mean exact-match reward of one response per held-out prompt, sampled the way rollouts
-    sample (``temperature``, no filter) with a fixed seed, so successive evaluations share
-    their random numbers and differences come from the weights. Asked of the engine in one batch."""
-    params = {"temperature": temperature, "max_new_tokens": 8, "sampling_seed": seed}
+    sample (``temperature``, no filter, every setting stated so no server default applies).
+    Asked of one SGLang server in one batch. ``seed`` is sent, but SGLang honours it only with
+    deterministic inference, which it lacks on the CPU: there, successive evaluations draw
+    fresh random numbers (about +-0.035 on 200 prompts at accuracy 0.5)."""
+    params = {"temperature": temperature, "top_p": 1.0, "top_k": -1, **NEUTRAL, "min_new_tokens": 0, "max_new_tokens": 8,
+              "sampling_seed": seed}  # fmt: skip
     body = {"text": [p for p, _ in pairs], "sampling_params": params}
     request = urllib.request.Request(f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as resp:

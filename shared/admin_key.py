@@ -2,8 +2,8 @@
 
 As SGLang's ``--admin-api-key`` (0.5.23, ``sglang/srt/utils/auth.py``): with a key set, an
 admin endpoint answers 401 ``{"error": "Unauthorized"}`` unless the request carries
-``Authorization: Bearer <key>``; health, readiness and metrics never need it. The embedded
-engine does the same (``engine/server.py``); the trainer, the one client of those endpoints,
+``Authorization: Bearer <key>``; health, readiness and metrics never need it
+(``tests/sglang/test_admin_key.py``). ``centerline sglang`` passes the key to SGLang; the trainer, the one client of those endpoints,
 sends the key (``trainer_service/weights.py``); the proxy refuses admin paths and never
 forwards an ``Authorization`` header (``router_proxy/server.py``, DESIGN section 7).
 
@@ -67,10 +67,3 @@ def upstream_key_from_env(env: typing.Mapping[str, str] | None = None) -> str | 
 def new_key() -> str:
     """A random key (256 bits, URL-safe text)."""
     return secrets.token_urlsafe(32)
-
-
-def authorized(header: str | None, key: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <key>`` (scheme in any case), compared in
-    constant time; as bytes, so a non-ASCII header is a refusal rather than compare_digest's TypeError."""
-    scheme, _, token = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode("utf-8"))
