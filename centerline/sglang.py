@@ -10,10 +10,12 @@ engines' admin key, read from ``CENTERLINE_ENGINE_ADMIN_API_KEY`` or the file
 SGLang takes keys as flags only, so the key shows in the server's command line, never in this one's.
 
 The CPU recipe (``--device cpu``, docs/sglang.md): ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU
-switch), ``OMP_NUM_THREADS`` 1 unless set, ``--dtype float32 --max-total-tokens 2048
+switch), ``OMP_NUM_THREADS`` 1 unless set, ``--max-total-tokens 2048
 --sleep-on-idle``, and the import-only ``sgl_kernel`` stand-in (``centerline/sgl_kernel_stub``)
 on ``PYTHONPATH``: the package index has no CPU build of ``sgl_kernel``. On ``--device cuda``
-none of that applies and the dtype is SGLang's ``auto``.
+none of that applies. The dtype is the trainer's, float32, on both (SGLang's ``auto`` would
+serve a float32 model in float16, and the sampler's log-probs would then differ from the
+trainer's by the rounding); ``--dtype`` changes it.
 
 Flags after ``--`` go to SGLang unchanged (they win over the recipe's):
 
@@ -34,18 +36,17 @@ from shared import admin_key
 STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
 # Measured on 2 cores (docs/sglang.md): without these, a 15 GB KV cache is allocated in 33 s,
 # the idle scheduler busy-polls most of a core, and fp16 log-probs are off by about 1e-3.
-CPU_FLAGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--sleep-on-idle")
+CPU_FLAGS = ("--max-total-tokens", "2048", "--sleep-on-idle")
 
 
-def server_argv(model: Path | str, host: str, port: int, device: str, extra: list[str] = (), dtype: str | None = None) -> list[str]:
+def server_argv(model: Path | str, host: str, port: int, device: str, extra: list[str] = (), dtype: str = "float32") -> list[str]:
     """The ``sglang.launch_server`` command line, without any key. ``extra`` comes last, so an
     SGLang flag given there replaces the recipe's."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
             "--device", device]  # fmt: skip
+    argv += ["--dtype", dtype]
     if device == "cpu":
         argv += CPU_FLAGS
-    if dtype is not None:
-        argv += ["--dtype", dtype]
     return argv + list(extra)
 
 
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the CPU recipe above")
-    parser.add_argument("--dtype", default=None, help="SGLang --dtype; default float32 on cpu, auto on cuda")
+    parser.add_argument("--dtype", default="float32", help="SGLang --dtype: the trainer's float32 unless you choose otherwise")
     args = parser.parse_args(ours)
     try:
         key = admin_key.key_from_env()

@@ -148,7 +148,7 @@ def test_gpu_profile_runs_the_official_sglang_image_behind_the_router_and_update
     for name in servers:
         svc = doc["services"][name]
         assert svc["image"] == SGLANG_IMAGE
-        assert svc["command"] == ["--model-path", "/models/default", "--host", "0.0.0.0", "--port", "30000", "--enable-metrics"]
+        assert svc["command"] == ["--model-path", "/models/default", "--host", "0.0.0.0", "--port", "30000", "--dtype", "float32", "--enable-metrics"]
         assert svc["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
         assert svc["ipc"] == "host"
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -454,7 +454,7 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
     (container,) = spec["containers"]
     assert container["image"] == SGLANG_IMAGE
     assert container["command"] + container["args"] == ["python3", "-m", "sglang.launch_server", "--model-path", "/models/default", "--host", "0.0.0.0",
-                                                        "--port", "30000", "--enable-metrics", "--admin-api-key", "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"]  # fmt: skip
+                                                        "--port", "30000", "--dtype", "float32", "--enable-metrics", "--admin-api-key", "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"]  # fmt: skip
     assert {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "0"} in container["env"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
