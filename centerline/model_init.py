@@ -1,14 +1,16 @@
 """`centerline init-model --out DIR`: write the default small byte-level causal LM.
 
 The directory is a plain HF model (config.json, generation_config.json,
-model.safetensors, tokenizer files), so it loads in transformers, in SGLang and in the
-embedded engine alike. Weights are random, drawn from `--seed`; the same seed gives the
+model.safetensors, tokenizer files), so it loads in transformers and in SGLang, on the CPU
+and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from `--seed`; the same seed gives the
 same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
 task first (`centerline/sft.py`) so RL starts from a policy with some reward; the settings are
 recorded in `centerline_model.json`, and a directory already holding a model made with the
 same settings is left as it is. Held-out exact match at temperature 1 after the default
-steps (seed 0, `--eval`): copy 0.30 (150 steps, ~15 s), upper 0.34 (200, ~17 s), reverse
-0.265 (800, ~40-70 s on a loaded core), add 0.035 (600: a hard start; prefer the others).
+steps (seed 0, `--eval`, head dimension 64): copy 0.115 (150 steps), upper 0.115 (200),
+0.26 (300), 0.505 (400); `centerline up` learns from upper's 0.115 (README). Not yet
+re-measured since the head dimension went from 32 to 64: reverse (800 steps, was 0.265) and
+add (600, was 0.035: a hard start; prefer the others).
 
     centerline init-model --out runs/model --seed 0
     centerline init-model --sft --task upper --out runs/upper
