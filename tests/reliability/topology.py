@@ -126,7 +126,11 @@ class Topology:
     def close(self) -> None:
         for trainer in self.trainers:
             trainer.kill()
+        nats_down = self.server.proc is None or self.server.proc.poll() is not None
         for worker in self.workers:
+            if nats_down and worker.proc.poll() is None:  # SIGTERM would wait out its publish retries (30 s) for nothing
+                worker.proc.kill()
+                worker.proc.wait()
             worker.stop()
         self.server.stop()
 
