@@ -206,3 +206,22 @@ def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, work
     info = asyncio.run(_consumer_info(stack.nats))
     assert info.num_ack_pending == 0 and info.num_pending == 0
     assert f'"task_id": "{task.task_id}"' in rescuer.log() and '"task done"' in rescuer.log()
+
+
+def test_a_task_sglang_refuses_is_dead_lettered_at_once_with_sglangs_message(stack, workers):
+    """A prompt longer than the model's context: SGLang answers 400, the proxy keeps it, and the
+    worker dead-letters the task on its first delivery instead of retrying it max_deliver times."""
+    run = f"x{uuid.uuid4().hex[:6]}"
+    task = PromptTask(task_id=f"{run}/0/0", group_id=f"{run}/g0", prompt="up " + "a" * 1100 + "=", answer="A", reward="exact", n=2, step=0)
+    worker = workers("--rollout-max-new-tokens", "4", "--worker-id", "w-refused")
+    worker.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, [task]))
+
+    def dead_lettered():
+        return [m for m in asyncio.run(processes.stored_messages(stack.nats, names.DLQ_STREAM)) if m.data == task.to_bytes()]
+    (entry,) = processes.wait_until(dead_lettered, 60, "the task in the DLQ")
+    assert entry.headers["Centerline-Kind"] == "task" and entry.headers["Centerline-Producer"] == "w-refused"
+    assert "400" in entry.headers["Centerline-Reason"] and "context length" in entry.headers["Centerline-Reason"].lower()
+    info = asyncio.run(_consumer_info(stack.nats))
+    assert (info.num_ack_pending, info.num_pending, info.num_redelivered) == (0, 0, 0)
+    assert worker.log().count(f'"task_id": "{task.task_id}"') == 1  # one delivery, one rejection
