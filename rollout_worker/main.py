@@ -1,4 +1,4 @@
-"""`centerline worker`: a stateless rollout worker (DESIGN section 2); run any number of them.
+"""`centerline worker`: a stateless rollout worker (docs/design.md section 2); run any number of them.
 
     centerline worker --proxy-url http://127.0.0.1:30010 --nats-url nats://127.0.0.1:4222 \
         [--tokenizer DIR] [--vocab-size V] [--ack-wait 30] [--concurrency 2] [--metrics-port P] [config flags]

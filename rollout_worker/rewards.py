@@ -1,4 +1,4 @@
-"""Reward functions by name, and GRPO group advantages (DESIGN section 6).
+"""Reward functions by name, and GRPO group advantages (docs/design.md section 6).
 
 A task names its reward function (``PromptTask.reward``): a built-in of the toy tasks
 (``exact``, ``prefix``; ``shared/toy_tasks.py``) or ``"module:function"`` importable by the

@@ -1,4 +1,4 @@
-"""Training requests rewritten to the candidate contract (DESIGN section 7).
+"""Training requests rewritten to the candidate contract (docs/design.md section 7).
 
 The proxy owns the log-prob fields of a training request: whatever the client sent for them
 is replaced by what the configured contract needs, and every sampling setting is stated

@@ -1,4 +1,4 @@
-"""The router proxy (DESIGN section 7): the candidate contract enforced between rollouts and SGLang.
+"""The router proxy (docs/design.md section 7): the candidate contract enforced between rollouts and SGLang.
 
     centerline proxy --upstream http://127.0.0.1:30001 --port 30010 [--vocab-size V] [config flags]
 

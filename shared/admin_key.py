@@ -5,7 +5,7 @@ admin endpoint answers 401 ``{"error": "Unauthorized"}`` unless the request carr
 ``Authorization: Bearer <key>``; health, readiness and metrics never need it
 (``tests/sglang/test_admin_key.py``). ``centerline sglang`` passes the key to SGLang; the trainer, the one client of those endpoints,
 sends the key (``trainer_service/weights.py``); the proxy refuses admin paths and never
-forwards an ``Authorization`` header (``router_proxy/server.py``, DESIGN section 7).
+forwards an ``Authorization`` header (``router_proxy/server.py``, docs/design.md section 7).
 
 The same holds for the upstream API key (``upstream_key_from_env``): an SGLang router or
 server started with ``--api-key`` answers 401 to every request without it, so the proxy and

@@ -1,6 +1,6 @@
 """Typed configuration shared by every service, one documented field per setting.
 
-Sources, highest precedence first (DESIGN section 2): command-line flags, a TOML file
+Sources, highest precedence first (docs/design.md section 2): command-line flags, a TOML file
 (``--config FILE``), ``CENTERLINE_*`` environment variables, then the defaults below.
 Field ``rollout_top_logprobs_num`` is the flag ``--rollout-top-logprobs-num``, the TOML key
 ``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``.
@@ -44,7 +44,7 @@ class Config(BaseModel):
     rollout_max_new_tokens: int = Field(16, description="Longest response, in tokens.")
     rollout_n: int = Field(4, description="Samples per prompt group (GRPO group size).")
 
-    # Loss (DESIGN section 6).
+    # Loss (docs/design.md section 6).
     loss: Literal["score_centering", "reinforce", "tis"] = Field("score_centering", description="Policy loss: score centering, or a baseline (plain REINFORCE, REINFORCE with TIS).")
     score_centering_is: Literal["none", "tis", "mis"] = Field("none", description="Importance weight f on p/q: none, truncated (tis) or masked (mis).")
     score_centering_tis_clip: float = Field(2.0, description="Clip c of the truncated importance weight min(r, c).")

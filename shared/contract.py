@@ -1,4 +1,4 @@
-"""The completeness contract (DESIGN section 5): what a candidate batch must be to be trained on.
+"""The completeness contract (docs/design.md section 5): what a candidate batch must be to be trained on.
 
 Run by the worker before publishing, by the proxy on every response and by the trainer
 before a batch can reach a step. The first defect found raises ``ContractViolation``; the
@@ -16,7 +16,7 @@ import numpy as np
 
 from shared.wire import ARRAY_FIELDS, DTYPES, MODES, Batch
 
-# Probability-mass tolerance of the contract (DESIGN section 5). Log-probs may exceed 0 by
+# Probability-mass tolerance of the contract (docs/design.md section 5). Log-probs may exceed 0 by
 # the same amount: log_softmax in float32 can round a near-certain token to a tiny positive.
 MASS_TOL = 1e-5
 LOGPROB_TOL = 1e-5

@@ -1,4 +1,4 @@
-"""NATS names used by every service (DESIGN section 3): the one place they are spelled.
+"""NATS names used by every service (docs/design.md section 3): the one place they are spelled.
 
 A stream name is upper case, its subject is ``<area>.<what>``; a durable consumer name says
 who consumes. Change a name here and every producer and consumer follows.
@@ -32,5 +32,5 @@ TRAINER_CONSUMER = "trainer"
 # JetStream deduplicates on this header within the stream's duplicate window; its value is the batch_id.
 MSG_ID_HEADER = "Nats-Msg-Id"
 
-# The embedded server's max_payload (DESIGN section 3); nats-server refuses more than 64 MiB.
+# The embedded server's max_payload (docs/design.md section 3); nats-server refuses more than 64 MiB.
 DEFAULT_MAX_PAYLOAD = 8 << 20

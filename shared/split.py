@@ -1,6 +1,6 @@
 """Splitting a candidate batch by sample, so that each message fits the NATS ``max_payload``.
 
-DESIGN section 3: a message never exceeds the server's ``max_payload``; a producer splits a
+docs/design.md section 3: a message never exceeds the server's ``max_payload``; a producer splits a
 group across messages by sample, and a single sample too large for one message is an error
 that names the setting to raise. The split is deterministic, so a re-published batch
 produces the same message ids and JetStream deduplicates it.

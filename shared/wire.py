@@ -1,4 +1,4 @@
-"""Wire format v1 for `rollouts.batches` (DESIGN section 4).
+"""Wire format v1 for `rollouts.batches` (docs/design.md section 4).
 
 A batch is one msgpack map. Arrays are maps ``{"dtype", "shape", "data"}`` whose ``data``
 is little-endian C-order bytes; per-token arrays of all samples are concatenated and

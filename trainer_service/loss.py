@@ -1,4 +1,4 @@
-"""Score-centering loss and its two baselines (DESIGN section 6).
+"""Score-centering loss and its two baselines (docs/design.md section 6).
 
 For a trained position with sampled token ``a``, candidate set ``H`` (the non-empty slots,
 ``cand_ids >= 0``), detached advantage ``A``, sampler probabilities ``q_v = exp(cand_logprobs)``,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-EPS = 1e-6  # tail-mass floor of DESIGN section 6
+EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
 IS_MODES = ("none", "tis", "mis")
 _CHUNK_ELEMENTS = 1 << 22  # default chunk: ~16 MiB of float32 temporaries per chunk

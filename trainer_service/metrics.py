@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 log = logging.getLogger("centerline.trainer.metrics")
 
-# Step metrics exported as gauges (names as DESIGN section 6), prefixed centerline_trainer_.
+# Step metrics exported as gauges (names as docs/design.md section 6), prefixed centerline_trainer_.
 GAUGES = ("step", "version", "loss", "grad_norm", "trained_tokens", "samples", "reward_mean", "staleness_mean",
           "staleness_max", "sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio",
           "sc_importance_weight", "train_rollout_kl", "train_rollout_logprob_abs_diff", "step_s")  # fmt: skip

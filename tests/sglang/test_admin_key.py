@@ -82,7 +82,7 @@ def test_server_info_shows_the_admin_key_to_anyone(keyed):
 @pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
 def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
     """Whoever reaches the proxy is a rollout client, not the trainer: no answer of the proxy may
-    carry the engines' key (DESIGN section 7: admin powers are never reachable through it)."""
+    carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
     port = free_port()
     proxy = Process([sys.executable, "-m", "centerline", "proxy", "--upstream", keyed.url, "--port", str(port),
                      "--rollout-top-logprobs-num", "8", "--vocab-size", "260"], tmp_path / "proxy.log")  # fmt: skip

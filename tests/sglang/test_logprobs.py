@@ -1,4 +1,4 @@
-"""What the loss relies on in SGLang's native /generate (DESIGN section 8), checked against an
+"""What the loss relies on in SGLang's native /generate (docs/design.md section 8), checked against an
 independent float64 transformers forward of the same weights.
 
 Tolerance: the server runs in float32. A float32 forward of this model (4 layers, logits up to

@@ -1,4 +1,4 @@
-"""Independent dense reference for DESIGN section 6, in float64.
+"""Independent dense reference for docs/design.md section 6, in float64.
 
 Written to be obviously right rather than fast: a Python loop over tokens, the full
 softmax over the whole vocabulary, Python-float coefficients, the tail as an explicit sum

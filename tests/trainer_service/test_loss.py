@@ -98,7 +98,7 @@ def test_cases_exercise_both_branches_of_tis_and_mis():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_expected_update_under_q_is_zero_for_constant_reward(mode):
-    # H = the whole vocabulary, f = none: sum_a q_a * grad l(a) = 0 exactly (DESIGN section 6).
+    # H = the whole vocabulary, f = none: sum_a q_a * grad l(a) = 0 exactly (docs/design.md section 6).
     # Summed analytically over every token a, weighted by q_a; float64 leaves ~1e-16 residue.
     vocab = 9
     case = make_case(16, mode=mode, n=1, vocab=vocab, full_vocab=True)
