@@ -34,6 +34,8 @@ run: $(STAMP)
 
 # pytest exits 5 when it collected no tests; that must fail, never pass silently.
 test: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider; status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$status

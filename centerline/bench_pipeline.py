@@ -127,14 +127,23 @@ class Scraper:
 def duty_cycle(samples: list[tuple[float, float, float]], start: float, end: float) -> dict:
     """Share of ``[start, end]`` the scheduler was busy, from scrapes ``(t, idle_s, cpu_s)`` (module
     docstring). Measured between the first flush after ``start`` and the last before ``end``."""
-    flushes = [(t0, t1, idle) for (t0, _, c0), (t1, idle, c1) in zip(samples, samples[1:]) if c1 != c0 and t0 >= start and t1 <= end]
+    flushes = [
+        (t0, t1, idle)
+        for (t0, _, c0), (t1, idle, c1) in zip(samples, samples[1:])
+        if c1 != c0 and t0 >= start and t1 <= end
+    ]
     if len(flushes) < 2:
-        raise RuntimeError(f"SGLang flushed its idle counter {len(flushes)} times in the {end - start:.1f} s window, "
-                           "too few to measure (it flushes about once a second); raise --steps or --alone-seconds")  # fmt: skip
+        raise RuntimeError(
+            f"SGLang flushed its idle counter {len(flushes)} times in the {end - start:.1f} s window, "
+            "too few to measure (it flushes about once a second); raise --steps or --alone-seconds"
+        )
     (a0, a1, idle_a), (b0, b1, idle_b) = flushes[0], flushes[-1]
     window = (b0 + b1) / 2 - (a0 + a1) / 2
-    return {"duty_cycle": round(min(1.0, max(0.0, 1 - (idle_b - idle_a) / window)), 4), "duty_cycle_window_s": round(window, 3),
-            "duty_cycle_error_bound": round(((a1 - a0) / 2 + (b1 - b0) / 2) / window, 4)}  # fmt: skip
+    return {
+        "duty_cycle": round(min(1.0, max(0.0, 1 - (idle_b - idle_a) / window)), 4),
+        "duty_cycle_window_s": round(window, 3),
+        "duty_cycle_error_bound": round(((a1 - a0) / 2 + (b1 - b0) / 2) / window, 4),
+    }
 
 
 # ---------------------------------------------------------------------------- phase 1: the pipeline
@@ -144,10 +153,32 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
     """``centerline up`` to its end; returns its figures, its resolved configuration and its model."""
     from shared.config import load_toml
 
-    argv = [PYTHON, "-m", "centerline", "up", "--task", args.task, "--steps", str(args.steps), "--workers", str(args.workers),
-            "--trainer-ranks", str(args.trainer_ranks), "--prompts-per-step", str(args.prompts_per_step),
-            "--eval-prompts", str(args.eval_prompts), "--eval-every", str(args.steps), "--model-dir", str(args.model_dir),
-            "--run-dir", str(run_dir), "--sglang-args=--enable-metrics", *up_extra]  # fmt: skip
+    argv = [
+        PYTHON,
+        "-m",
+        "centerline",
+        "up",
+        "--task",
+        args.task,
+        "--steps",
+        str(args.steps),
+        "--workers",
+        str(args.workers),
+        "--trainer-ranks",
+        str(args.trainer_ranks),
+        "--prompts-per-step",
+        str(args.prompts_per_step),
+        "--eval-prompts",
+        str(args.eval_prompts),
+        "--eval-every",
+        str(args.steps),
+        "--model-dir",
+        str(args.model_dir),
+        "--run-dir",
+        str(run_dir),
+        "--sglang-args=--enable-metrics",
+        *up_extra,
+    ]
     log = run_dir / "up.log"
     started = time.monotonic()
     with open(log, "wb") as out:
@@ -159,7 +190,9 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
             _poll(up, log, args.poll)
         cfg = load_toml(str(config))
         if len(cfg["engine_urls"]) != 1:
-            raise RuntimeError(f"the bench measures one SGLang server; the run has {len(cfg['engine_urls'])} (--engines)")
+            raise RuntimeError(
+                f"the bench measures one SGLang server; the run has {len(cfg['engine_urls'])} (--engines)"
+            )
         engine = cfg["engine_urls"][0]
         wait_http(f"{engine}/health", "the run's SGLang server", up, log, 600)
         with urllib.request.urlopen(f"{engine}/get_model_info", timeout=10) as resp:
@@ -189,11 +222,20 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
     window = [s for s in steps if s["step"] > args.warmup_steps]
     start, end = seen[args.warmup_steps], seen[args.steps]
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
-    figures = {"pipeline_window_s": round(end - start, 3), "pipeline_steps": len(window), "samples_total": sum(s["samples"] for s in steps),
-               "pipeline_samples": samples, "pipeline_tokens": tokens,
-               "pipeline_samples_per_s": round(samples / (end - start), 3), "pipeline_tokens_per_s": round(tokens / (end - start), 3),
-               **{f"pipeline_{k}_mean": round(sum(s[k] for s in window) / len(window), 4) for k in ("step_s", "gather_s", "train_s")},
-               **duty_cycle(scraper.samples, start, end)}  # fmt: skip
+    figures = {
+        "pipeline_window_s": round(end - start, 3),
+        "pipeline_steps": len(window),
+        "samples_total": sum(s["samples"] for s in steps),
+        "pipeline_samples": samples,
+        "pipeline_tokens": tokens,
+        "pipeline_samples_per_s": round(samples / (end - start), 3),
+        "pipeline_tokens_per_s": round(tokens / (end - start), 3),
+        **{
+            f"pipeline_{k}_mean": round(sum(s[k] for s in window) / len(window), 4)
+            for k in ("step_s", "gather_s", "train_s")
+        },
+        **duty_cycle(scraper.samples, start, end),
+    }
     progress("pipeline", **figures)
     return figures, cfg, model
 
@@ -217,7 +259,8 @@ def _poll(up: subprocess.Popen, log: Path, interval: float) -> None:
 
 
 def request_bodies(cfg: dict, model: str, dataset: Path, count: int = 256) -> list[bytes]:
-    """The worker's native /generate request for the first ``count`` prompts of ``dataset``, as the proxy rewrites it."""
+    """The worker's native /generate request for the first ``count`` prompts of ``dataset``, as the proxy rewrites
+    it."""
     from transformers import AutoTokenizer
 
     from router_proxy.rewrite import Contract, rewrite_body
@@ -226,10 +269,19 @@ def request_bodies(cfg: dict, model: str, dataset: Path, count: int = 256) -> li
     config = Config(**cfg)
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [orjson.loads(line)["prompt"] for line in dataset.read_bytes().splitlines()[:count]]
-    sampling = {"n": config.rollout_n, "max_new_tokens": config.rollout_max_new_tokens, "temperature": config.rollout_temperature,
-                "top_p": config.rollout_top_p}  # fmt: skip
+    sampling = {
+        "n": config.rollout_n,
+        "max_new_tokens": config.rollout_max_new_tokens,
+        "temperature": config.rollout_temperature,
+        "top_p": config.rollout_top_p,
+    }
     contract = Contract.from_config(config)
-    return [rewrite_body(orjson.dumps({"input_ids": list(tok(p)["input_ids"]), "sampling_params": sampling}), "generate", contract) for p in prompts]
+    return [
+        rewrite_body(
+            orjson.dumps({"input_ids": list(tok(p)["input_ids"]), "sampling_params": sampling}), "generate", contract
+        )
+        for p in prompts
+    ]
 
 
 async def closed_loop(url: str, bodies: list[bytes], concurrency: int, warmup: float, seconds: float) -> dict:
@@ -243,7 +295,9 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, warmup: f
 
     async def client(session, i: int) -> None:
         while time.monotonic() < end:
-            async with session.post(url, data=bodies[i % len(bodies)], headers={"Content-Type": "application/json"}) as resp:
+            async with session.post(
+                url, data=bodies[i % len(bodies)], headers={"Content-Type": "application/json"}
+            ) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise RuntimeError(f"{url} answered {resp.status}: {body[:300]!r}")
@@ -271,17 +325,36 @@ def run_alone(args, cfg: dict, model: str, dataset: Path, run_dir: Path, seconds
     stack = Stack(run_dir / "logs", {})
     try:
         started = time.monotonic()
-        proc = stack.start("sglang-alone", [PYTHON, "-m", "centerline", "sglang", "--model", model, "--port", url.rsplit(":", 1)[1], "--", "--enable-metrics"])
+        proc = stack.start(
+            "sglang-alone",
+            [
+                PYTHON,
+                "-m",
+                "centerline",
+                "sglang",
+                "--model",
+                model,
+                "--port",
+                url.rsplit(":", 1)[1],
+                "--",
+                "--enable-metrics",
+            ],
+        )
         wait_http(f"{url}/health", "SGLang alone", proc, run_dir / "logs" / "sglang-alone.log", 300)
         progress("sglang_alone_ready", url=url, startup_s=round(time.monotonic() - started, 1), concurrency=concurrency)
         with Scraper(url, args.poll) as scraper:
             counts = asyncio.run(closed_loop(f"{url}/generate", bodies, concurrency, args.alone_warmup, seconds))
     finally:
         stack.stop()
-    figures = {"sglang_alone_window_s": round(seconds, 3), "sglang_alone_requests": counts["requests"],
-               "sglang_alone_samples": counts["samples"], "sglang_alone_tokens": counts["tokens"],
-               "sglang_alone_samples_per_s": round(counts["samples"] / seconds, 3), "sglang_alone_tokens_per_s": round(counts["tokens"] / seconds, 3),
-               **{f"sglang_alone_{k}": v for k, v in duty_cycle(scraper.samples, counts["start"], counts["end"]).items()}}  # fmt: skip
+    figures = {
+        "sglang_alone_window_s": round(seconds, 3),
+        "sglang_alone_requests": counts["requests"],
+        "sglang_alone_samples": counts["samples"],
+        "sglang_alone_tokens": counts["tokens"],
+        "sglang_alone_samples_per_s": round(counts["samples"] / seconds, 3),
+        "sglang_alone_tokens_per_s": round(counts["tokens"] / seconds, 3),
+        **{f"sglang_alone_{k}": v for k, v in duty_cycle(scraper.samples, counts["start"], counts["end"]).items()},
+    }
     progress("sglang_alone", **figures)
     return figures
 
@@ -290,22 +363,50 @@ def run_alone(args, cfg: dict, model: str, dataset: Path, run_dir: Path, seconds
 
 
 def bench_pipeline(argv: list[str]) -> int:
-    """Pipeline samples/s and tokens/s vs SGLang alone at the same concurrency, and SGLang's duty cycle; one JSON object."""
+    """Pipeline samples/s and tokens/s vs SGLang alone at the same concurrency, and SGLang's duty cycle; one JSON
+    object."""
     ours, up_extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="centerline bench pipeline", description=bench_pipeline.__doc__, epilog="flags after -- go to centerline up")
+    parser = argparse.ArgumentParser(
+        prog="centerline bench pipeline",
+        description=bench_pipeline.__doc__,
+        epilog="flags after -- go to centerline up",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
     parser.add_argument("--task", default="upper", help="toy task (centerline up's default)")
     parser.add_argument("--steps", type=int, default=20, help="trainer steps")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the window (start-up, first batches)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=2, help="first steps left out of the window (start-up, first batches)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="rollout worker processes")
     parser.add_argument("--trainer-ranks", type=int, default=2, help="torchrun processes of the trainer")
-    parser.add_argument("--prompts-per-step", type=int, default=16, help="prompt groups per step (centerline up's default)")
-    parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of the evaluations before and after, outside the window")
-    parser.add_argument("--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs (shared with centerline up)")
+    parser.add_argument(
+        "--prompts-per-step", type=int, default=16, help="prompt groups per step (centerline up's default)"
+    )
+    parser.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=8,
+        help="held-out prompts of the evaluations before and after, outside the window",
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs (shared with centerline up)"
+    )
     parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/bench-pipeline-<date-time>")
-    parser.add_argument("--alone-seconds", type=float, default=None, help="measured seconds of SGLang alone (default: the pipeline's window)")
-    parser.add_argument("--alone-warmup", type=float, default=3.0, help="seconds of SGLang alone before the measured ones")
-    parser.add_argument("--poll", type=float, default=0.25, help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics")
+    parser.add_argument(
+        "--alone-seconds",
+        type=float,
+        default=None,
+        help="measured seconds of SGLang alone (default: the pipeline's window)",
+    )
+    parser.add_argument(
+        "--alone-warmup", type=float, default=3.0, help="seconds of SGLang alone before the measured ones"
+    )
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=0.25,
+        help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics",
+    )
     args = parser.parse_args(ours)
     if not 1 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {args.steps}")
@@ -313,19 +414,33 @@ def bench_pipeline(argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         pipeline, cfg, model = run_pipeline(args, up_extra, run_dir)
-        alone = run_alone(args, cfg, model, run_dir / "train.jsonl", run_dir, args.alone_seconds or pipeline["pipeline_window_s"])
+        alone = run_alone(
+            args, cfg, model, run_dir / "train.jsonl", run_dir, args.alone_seconds or pipeline["pipeline_window_s"]
+        )
     except RuntimeError as exc:
         print(f"centerline bench pipeline: {exc}", file=sys.stderr)
         return 1
     from rollout_worker.worker import WorkerOptions
 
-    result = {"task": args.task, "model": model, "steps": args.steps, "warmup_steps": args.warmup_steps, "workers": args.workers,
-              "trainer_ranks": args.trainer_ranks, "prompts_per_step": args.prompts_per_step, "rollout_n": cfg["rollout_n"],
-              "rollout_max_new_tokens": cfg["rollout_max_new_tokens"], "rollout_top_logprobs_num": cfg["rollout_top_logprobs_num"],
-              "rollout_temperature": cfg["rollout_temperature"], "concurrent_requests": args.workers * WorkerOptions.concurrency,
-              "cpus": os.cpu_count(), "run_dir": str(run_dir), **pipeline, **alone,
-              "samples_per_s_ratio": round(pipeline["pipeline_samples_per_s"] / alone["sglang_alone_samples_per_s"], 4),
-              "tokens_per_s_ratio": round(pipeline["pipeline_tokens_per_s"] / alone["sglang_alone_tokens_per_s"], 4)}  # fmt: skip
+    result = {
+        "task": args.task,
+        "model": model,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "workers": args.workers,
+        "trainer_ranks": args.trainer_ranks,
+        "prompts_per_step": args.prompts_per_step,
+        "rollout_n": cfg["rollout_n"],
+        "rollout_max_new_tokens": cfg["rollout_max_new_tokens"],
+        "rollout_top_logprobs_num": cfg["rollout_top_logprobs_num"],
+        "rollout_temperature": cfg["rollout_temperature"],
+        "concurrent_requests": args.workers * WorkerOptions.concurrency,
+        "cpus": os.cpu_count(),
+        "run_dir": str(run_dir),
+        **pipeline,
+        **alone,
+        "samples_per_s_ratio": round(pipeline["pipeline_samples_per_s"] / alone["sglang_alone_samples_per_s"], 4),
+        "tokens_per_s_ratio": round(pipeline["pipeline_tokens_per_s"] / alone["sglang_alone_tokens_per_s"], 4),
+    }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
-

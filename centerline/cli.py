@@ -14,20 +14,38 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("centerline.bench:main", "run a benchmark and print one JSON object"),
     "config": ("shared.config:main", "print the resolved configuration as TOML"),
-    "up": ("centerline.launcher:main", "run the whole system on a toy task: NATS, SGLang, its router, proxy, workers, trainer"),
-    "experiment": ("centerline.experiment:main", "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)"),
+    "up": (
+        "centerline.launcher:main",
+        "run the whole system on a toy task: NATS, SGLang, its router, proxy, workers, trainer",
+    ),
+    "experiment": (
+        "centerline.experiment:main",
+        "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)",
+    ),
     "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("shared.nats:main", "run the embedded NATS server with JetStream"),
-    "nats-credentials": ("shared.nats_auth:main", "write random NATS passwords for compose or Kubernetes (keeps existing ones)"),
+    "nats-credentials": (
+        "shared.nats_auth:main",
+        "write random NATS passwords for compose or Kubernetes (keeps existing ones)",
+    ),
     "init-model": ("centerline.model_init:main", "write the default small byte-level model as an HF directory"),
     "sglang": ("centerline.sglang:main", "start a real SGLang server with this project's recipe (CPU or GPU)"),
     "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
     "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),
     "dataset": ("shared.toy_tasks:main", "write a deterministic JSONL dataset of a toy task (prompt, answer, reward)"),
-    "trainer": ("trainer_service.service:main", "drive prompts, gate batches, train with score centering, publish weights"),
-    "record": ("centerline.record:main", "save NATS messages (a live subject or a stream's sequence range) to a record file"),
-    "replay": ("centerline.replay:main", "replay a record file into NATS, into offline trainer steps, or as JSON lines"),
+    "trainer": (
+        "trainer_service.service:main",
+        "drive prompts, gate batches, train with score centering, publish weights",
+    ),
+    "record": (
+        "centerline.record:main",
+        "save NATS messages (a live subject or a stream's sequence range) to a record file",
+    ),
+    "replay": (
+        "centerline.replay:main",
+        "replay a record file into NATS, into offline trainer steps, or as JSON lines",
+    ),
 }
 
 # bench target -> (module:function, one-line help); each prints one JSON object with --json.
@@ -36,7 +54,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "contract": ("shared.bench:bench_contract", "completeness-contract check cost per batch"),
     "proxy": ("router_proxy.bench:bench_proxy", "proxy req/s and added latency vs direct, audit cost vs orjson parse"),
     "loss": ("trainer_service.bench:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
-    "pipeline": ("centerline.bench_pipeline:bench_pipeline", "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle"),
+    "pipeline": (
+        "centerline.bench_pipeline:bench_pipeline",
+        "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle",
+    ),
 }
 
 

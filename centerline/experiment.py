@@ -9,7 +9,8 @@ back from its ``metrics.jsonl``. Then ``OUT/report.html`` (self-contained) and
 ``OUT/plots/*.png`` compare, per (loss, staleness): train reward and ``train_rollout_kl``
 over steps, the recorded staleness, and held-out greedy accuracy before and after.
 
-    centerline experiment staleness --steps 40 --staleness 1,4,8 --losses score_centering,reinforce,tis --out runs/staleness
+    centerline experiment staleness --steps 40 --staleness 1,4,8 --losses score_centering,reinforce,tis --out
+    runs/staleness
 
 Any other flag is passed to every `centerline up` run unchanged (``--learning-rate 1e-3``,
 ``--task copy``...). Left out on purpose: repeated seeds and confidence intervals (each
@@ -52,10 +53,15 @@ def _loss_list(text: str) -> list[str]:
 
 
 def parse(argv: list[str]):
-    parser = argparse.ArgumentParser(prog="centerline experiment staleness", description=__doc__.split("\n")[0],
-                                     epilog="Other flags go to every `centerline up` run.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="centerline experiment staleness",
+        description=__doc__.split("\n")[0],
+        epilog="Other flags go to every `centerline up` run.",
+    )
     parser.add_argument("--steps", type=int, default=40, help="trainer steps of each run")
-    parser.add_argument("--staleness", type=_int_list, default=[1, 4, 8], help="max_inflight_steps values (= max_staleness)")
+    parser.add_argument(
+        "--staleness", type=_int_list, default=[1, 4, 8], help="max_inflight_steps values (= max_staleness)"
+    )
     parser.add_argument("--losses", type=_loss_list, default=list(LOSSES), help="losses to compare")
     parser.add_argument("--out", type=Path, default=None, help="default: runs/staleness-<date-time>")
     return parser.parse_known_args(argv)
@@ -67,14 +73,33 @@ def run_all(args, up_flags: list[str], stopping: list[str]) -> list[dict]:
     for staleness in args.staleness:
         for loss in args.losses:
             name = f"{loss}-s{staleness}"
-            argv = [*up_flags, "--steps", str(args.steps), "--eval-every", str(args.steps), "--loss", loss,
-                    "--max-inflight-steps", str(staleness), "--max-staleness", str(staleness),
-                    "--run-dir", str(args.out / "runs" / name)]  # fmt: skip
+            argv = [
+                *up_flags,
+                "--steps",
+                str(args.steps),
+                "--eval-every",
+                str(args.steps),
+                "--loss",
+                loss,
+                "--max-inflight-steps",
+                str(staleness),
+                "--max-staleness",
+                str(staleness),
+                "--run-dir",
+                str(args.out / "runs" / name),
+            ]
             up_args, cfg = launcher.parse(argv)
-            print(f"centerline experiment: run {len(results) + 1}/{len(args.staleness) * len(args.losses)}: {name}", file=sys.stderr, flush=True)
+            print(
+                f"centerline experiment: run {len(results) + 1}/{len(args.staleness) * len(args.losses)}: {name}",
+                file=sys.stderr,
+                flush=True,
+            )
             t0 = time.monotonic()
             (args.out / "runs" / name).mkdir(parents=True, exist_ok=True)
-            with open(args.out / "runs" / f"{name}.progress.jsonl", "w") as progress, contextlib.redirect_stdout(progress):
+            with (
+                open(args.out / "runs" / f"{name}.progress.jsonl", "w") as progress,
+                contextlib.redirect_stdout(progress),
+            ):
                 run_dir = launcher.launch(up_args, cfg, stopping)
             results.append(summarise(name, loss, staleness, run_dir, time.monotonic() - t0))
             print(orjson.dumps({k: v for k, v in results[-1].items() if k != "steps"}).decode(), flush=True)
@@ -88,19 +113,28 @@ def summarise(name: str, loss: str, staleness: int, run_dir: Path, wall_s: float
     rewards = [s["reward_mean"] for s in trained]
     tail = max(1, len(rewards) // 4)
     return {
-        "name": name, "loss": loss, "staleness": staleness, "run_dir": str(run_dir), "wall_s": round(wall_s, 1),
+        "name": name,
+        "loss": loss,
+        "staleness": staleness,
+        "run_dir": str(run_dir),
+        "wall_s": round(wall_s, 1),
         "steps": trained,
         "staleness_mean": sum(s["staleness_mean"] for s in trained) / len(trained),
         "staleness_max": max(s["staleness_max"] for s in trained),
-        "reward_first": sum(rewards[:tail]) / tail, "reward_last": sum(rewards[-tail:]) / tail,
+        "reward_first": sum(rewards[:tail]) / tail,
+        "reward_last": sum(rewards[-tail:]) / tail,
         "kl_mean": sum(abs(s["train_rollout_kl"]) for s in trained) / len(trained),
         "kl_max": max(abs(s["train_rollout_kl"]) for s in trained),
-        "accuracy_before": evals[0] if evals else None, "accuracy_after": evals[-1] if len(evals) > 1 else None,
-    }  # fmt: skip
+        "accuracy_before": evals[0] if evals else None,
+        "accuracy_after": evals[-1] if len(evals) > 1 else None,
+    }
 
 
 def _smooth(values: list[float]) -> list[float]:
-    return [sum(values[max(0, i - SMOOTH + 1) : i + 1]) / len(values[max(0, i - SMOOTH + 1) : i + 1]) for i in range(len(values))]
+    return [
+        sum(values[max(0, i - SMOOTH + 1) : i + 1]) / len(values[max(0, i - SMOOTH + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def render_plots(results: list[dict]) -> dict[str, tuple[str, bytes]]:
@@ -137,8 +171,13 @@ def render_plots(results: list[dict]) -> dict[str, tuple[str, bytes]]:
     width = 0.8 / len(losses)
     for i, loss in enumerate(losses):
         rows = [r for r in results if r["loss"] == loss]
-        ax.bar([stalenesses.index(r["staleness"]) + i * width for r in rows], [r["accuracy_after"] or 0 for r in rows],
-               width, color=colors[loss], label=loss)  # fmt: skip
+        ax.bar(
+            [stalenesses.index(r["staleness"]) + i * width for r in rows],
+            [r["accuracy_after"] or 0 for r in rows],
+            width,
+            color=colors[loss],
+            label=loss,
+        )
     before = [r["accuracy_before"] for r in results if r["accuracy_before"] is not None]
     if before:
         ax.axhline(sum(before) / len(before), color="k", linestyle="--", linewidth=1, label="before training")
@@ -159,25 +198,44 @@ def write_report(out: Path, results: list[dict], up_flags: list[str]) -> Path:
     (out / "plots").mkdir(parents=True, exist_ok=True)
     for name, (_, png) in plots.items():
         (out / "plots" / f"{name}.png").write_bytes(png)
-    columns = [("run", "name"), ("loss", "loss"), ("max_inflight_steps", "staleness"), ("staleness mean", "staleness_mean"),
-               ("staleness max", "staleness_max"), ("reward first ¼", "reward_first"), ("reward last ¼", "reward_last"),
-               ("|kl| mean", "kl_mean"), ("|kl| max", "kl_max"), ("held-out before", "accuracy_before"),
-               ("held-out after", "accuracy_after"), ("wall s", "wall_s")]  # fmt: skip
+    columns = [
+        ("run", "name"),
+        ("loss", "loss"),
+        ("max_inflight_steps", "staleness"),
+        ("staleness mean", "staleness_mean"),
+        ("staleness max", "staleness_max"),
+        ("reward first ¼", "reward_first"),
+        ("reward last ¼", "reward_last"),
+        ("|kl| mean", "kl_mean"),
+        ("|kl| max", "kl_max"),
+        ("held-out before", "accuracy_before"),
+        ("held-out after", "accuracy_after"),
+        ("wall s", "wall_s"),
+    ]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>centerline experiment: staleness</title>",
         "<style>body{font-family:sans-serif;max-width:80em;margin:2em auto;color:#222}img{max-width:100%}"
-        "table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}</style></head><body>",
+        "table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #ddd;"
+        "text-align:right}</style></head><body>",
         "<h1>centerline experiment: staleness</h1>",
         f"<p>{len(results)} runs of <code>centerline up</code>, one per (loss, staleness); extra flags: "
-        f"<code>{html.escape(' '.join(up_flags) or '(none)')}</code>. Each pair ran once: differences of a few points are noise.</p>",
-        "<table><tr>", *(f"<th>{html.escape(title)}</th>" for title, _ in columns), "</tr>",
+        f"<code>{html.escape(' '.join(up_flags) or '(none)')}</code>. Each pair ran once: differences of a few points "
+        "are noise.</p>",
+        "<table><tr>",
+        *(f"<th>{html.escape(title)}</th>" for title, _ in columns),
+        "</tr>",
         *("<tr>" + "".join(f"<td>{html.escape(_fmt(r[key]))}</td>" for _, key in columns) + "</tr>" for r in results),
         "</table>",
-        *(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-          for title, png in plots.values()),  # fmt: skip
+        *(
+            f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            for title, png in plots.values()
+        ),
         "</body></html>",
     ]
-    (out / "results.json").write_bytes(orjson.dumps([{k: v for k, v in r.items() if k != "steps"} for r in results], option=orjson.OPT_INDENT_2))
+    (out / "results.json").write_bytes(
+        orjson.dumps([{k: v for k, v in r.items() if k != "steps"} for r in results], option=orjson.OPT_INDENT_2)
+    )
     page = out / "report.html"
     page.write_text("\n".join(parts))
     return page
@@ -185,8 +243,11 @@ def write_report(out: Path, results: list[dict], up_flags: list[str]) -> Path:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] != "staleness":
-        print("usage: centerline experiment staleness [--steps N --staleness 1,4,8 --losses score_centering,reinforce,tis --out DIR] [up flags]",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "usage: centerline experiment staleness [--steps N --staleness 1,4,8 --losses "
+            "score_centering,reinforce,tis --out DIR] [up flags]",
+            file=sys.stderr,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     args, up_flags = parse(argv[1:])
     args.out = args.out or Path("runs") / time.strftime("staleness-%Y-%m-%d-%H%M%S")

@@ -53,9 +53,8 @@ import orjson
 
 from centerline import sglang
 from router_proxy.rewrite import NEUTRAL
-from shared import admin_key
+from shared import admin_key, nats_auth
 from shared import config as shared_config
-from shared import nats_auth
 from shared.nats import EmbeddedNats, free_port, provision
 from shared.toy_tasks import REWARDS, examples
 
@@ -83,10 +82,16 @@ class Stack:
         self.nats_passwords = nats_passwords
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str], nats_user: str | None = None, engine_key: str | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, argv: list[str], nats_user: str | None = None, engine_key: str | None = None
+    ) -> subprocess.Popen:
         """``engine_key``: the engine's admin key, for the engine and the trainer; no other process gets one."""
         log = open(self.log_dir / f"{name}.log", "wb")
-        env = {k: v for k, v in service_env(os.environ, nats_user, self.nats_passwords).items() if k not in admin_key.VARIABLES}
+        env = {
+            k: v
+            for k, v in service_env(os.environ, nats_user, self.nats_passwords).items()
+            if k not in admin_key.VARIABLES
+        }
         if engine_key is not None:
             env[admin_key.KEY_ENV] = engine_key
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -100,11 +105,11 @@ class Stack:
                 raise RuntimeError(f"{name} exited with status {proc.returncode}; see {self.log_dir / (name + '.log')}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        for name, proc in reversed(self.procs):
+        for _name, proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for name, proc in reversed(self.procs):
+        for _name, proc in reversed(self.procs):
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -129,16 +134,27 @@ def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: f
     raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s ({last}); see {log}")
 
 
-def evaluate(engine_url: str, pairs: list[tuple[str, str]], temperature: float, seed: int, reward: str = "exact") -> float:
+def evaluate(
+    engine_url: str, pairs: list[tuple[str, str]], temperature: float, seed: int, reward: str = "exact"
+) -> float:
     """Mean exact-match reward of one response per held-out prompt, sampled the way rollouts
     sample (``temperature``, no filter, every setting stated so no server default applies).
     Asked of one SGLang server in one batch. ``seed`` is sent, but SGLang honours it only with
     deterministic inference, which it lacks on the CPU: there, successive evaluations draw
     fresh random numbers (about +-0.035 on 200 prompts at accuracy 0.5)."""
-    params = {"temperature": temperature, "top_p": 1.0, "top_k": -1, **NEUTRAL, "min_new_tokens": 0, "max_new_tokens": 8,
-              "sampling_seed": seed}  # fmt: skip
+    params = {
+        "temperature": temperature,
+        "top_p": 1.0,
+        "top_k": -1,
+        **NEUTRAL,
+        "min_new_tokens": 0,
+        "max_new_tokens": 8,
+        "sampling_seed": seed,
+    }
     body = {"text": [p for p, _ in pairs], "sampling_params": params}
-    request = urllib.request.Request(f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as resp:
         outputs = orjson.loads(resp.read())
     fn = REWARDS[reward]
@@ -180,8 +196,18 @@ class Progress:
 def parse(argv: list[str]):
     parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="upper", help="toy task (shared/toy_tasks.py)")
-    parser.add_argument("--sft-steps", type=int, default=0, help="warm-start steps of the model (0 = the task's default in centerline/sft.py)")
-    parser.add_argument("--reward", choices=sorted(REWARDS), default="exact", help="training reward (held-out accuracy is always exact match)")
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="warm-start steps of the model (0 = the task's default in centerline/sft.py)",
+    )
+    parser.add_argument(
+        "--reward",
+        choices=sorted(REWARDS),
+        default="exact",
+        help="training reward (held-out accuracy is always exact match)",
+    )
     parser.add_argument("--steps", type=int, default=300, help="trainer steps")
     parser.add_argument("--workers", type=int, default=2, help="rollout worker processes")
     parser.add_argument("--engines", type=int, default=1, help="SGLang servers behind the router")
@@ -193,7 +219,11 @@ def parse(argv: list[str]):
     parser.add_argument("--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<date-time>")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each service to become ready")
-    parser.add_argument("--sglang-args", default="", help="extra flags for every SGLang server, one string: --sglang-args=--enable-metrics")
+    parser.add_argument(
+        "--sglang-args",
+        default="",
+        help="extra flags for every SGLang server, one string: --sglang-args=--enable-metrics",
+    )
     shared_config.add_arguments(parser)
     # The job's own defaults sit just above the shared ones: env, TOML and flags still override them.
     env = {**{shared_config.ENV_PREFIX + k.upper(): str(v) for k, v in UP_DEFAULTS.items()}, **os.environ}
@@ -242,10 +272,45 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
 
     model = args.model_dir / f"sft-{args.task}-seed{cfg.seed}"
     log(f"run directory {run_dir}; model {model} (made once, then cached)")
-    subprocess.run([PYTHON, "-m", "centerline", "init-model", "--sft", "--task", args.task, "--seed", str(cfg.seed),
-                    "--sft-steps", str(args.sft_steps), "--out", str(model)], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "centerline",
+            "init-model",
+            "--sft",
+            "--task",
+            args.task,
+            "--seed",
+            str(cfg.seed),
+            "--sft-steps",
+            str(args.sft_steps),
+            "--out",
+            str(model),
+        ],
+        check=True,
+    )
     dataset = run_dir / "train.jsonl"
-    subprocess.run([PYTHON, "-m", "centerline", "dataset", "--task", args.task, "--n", str(args.dataset_size), "--seed", str(cfg.seed), "--reward", args.reward, "--out", str(dataset)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "centerline",
+            "dataset",
+            "--task",
+            args.task,
+            "--n",
+            str(args.dataset_size),
+            "--seed",
+            str(cfg.seed),
+            "--reward",
+            args.reward,
+            "--out",
+            str(dataset),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
     nats.start()
     asyncio.run(provision(nats.url, **nats.credentials("admin")))  # workers and proxy may not create streams
@@ -260,18 +325,46 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     engines = []
     for i, url in enumerate(engine_urls):
         port = url.rsplit(":", 1)[1]
-        argv = [PYTHON, "-m", "centerline", "sglang", "--model", str(model), "--port", port, "--", *shlex.split(args.sglang_args)]
+        argv = [
+            PYTHON,
+            "-m",
+            "centerline",
+            "sglang",
+            "--model",
+            str(model),
+            "--port",
+            port,
+            "--",
+            *shlex.split(args.sglang_args),
+        ]
         engines.append(stack.start(f"sglang-{i}", argv, engine_key=engine_key))
     for i, (url, proc) in enumerate(zip(engine_urls, engines)):
-        wait_http(f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", args.startup_timeout)
+        wait_http(
+            f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", args.startup_timeout
+        )
     router_port = int(router_url.rsplit(":", 1)[1])
     router = stack.start("router", sglang.router_argv(engine_urls, "127.0.0.1", router_port, free_port()))
     wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", args.startup_timeout)
-    proxy = stack.start("proxy", [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--port", str(proxy_url.rsplit(":", 1)[1]), *common],
-                        nats_user="proxy")  # fmt: skip
+    proxy = stack.start(
+        "proxy",
+        [
+            PYTHON,
+            "-m",
+            "centerline",
+            "proxy",
+            "--upstream",
+            router_url,
+            "--port",
+            str(proxy_url.rsplit(":", 1)[1]),
+            *common,
+        ],
+        nats_user="proxy",
+    )
     wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", args.startup_timeout)
-    log(f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
-        f"(ready: the upstream returns complete candidate sets), NATS {nats.url}")
+    log(
+        f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
+        f"(ready: the upstream returns complete candidate sets), NATS {nats.url}"
+    )
 
     heldout = examples(args.task, args.eval_prompts, cfg.seed, "heldout")
     progress = Progress()
@@ -286,11 +379,36 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
 
     record_eval(0)
     for i in range(args.workers):
-        stack.start(f"worker-{i}", [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", *common], nats_user="worker")
-    trainer_argv = ["--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir), "--steps", str(args.steps),
-                    "--prompts-per-step", str(args.prompts_per_step), *common]  # fmt: skip
+        stack.start(
+            f"worker-{i}",
+            [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", *common],
+            nats_user="worker",
+        )
+    trainer_argv = [
+        "--model",
+        str(model),
+        "--dataset",
+        str(dataset),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(args.steps),
+        "--prompts-per-step",
+        str(args.prompts_per_step),
+        *common,
+    ]
     if args.trainer_ranks > 1:
-        launcher = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.trainer_ranks), "-m", "centerline", "trainer"]
+        launcher = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(args.trainer_ranks),
+            "-m",
+            "centerline",
+            "trainer",
+        ]
     else:
         launcher = [PYTHON, "-m", "centerline", "trainer"]
     trainer = stack.start("trainer", launcher + trainer_argv, nats_user="trainer", engine_key=engine_key)

@@ -2,7 +2,8 @@
 
 The directory is a plain HF model (config.json, generation_config.json,
 model.safetensors, tokenizer files), so it loads in transformers and in SGLang, on the CPU
-and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from `--seed`; the same seed gives the
+and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from `--seed`; the same
+seed gives the
 same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
 task first (`centerline/sft.py`) so RL starts from a policy with some reward; the settings are
 recorded in `centerline_model.json`, and a directory already holding a model made with the
@@ -98,7 +99,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="centerline init-model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory to write (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    parser.add_argument("--sft", action="store_true", help="warm-start on a toy task before writing (centerline/sft.py)")
+    parser.add_argument(
+        "--sft", action="store_true", help="warm-start on a toy task before writing (centerline/sft.py)"
+    )
     parser.add_argument("--task", default=None, help="toy task of the warm start (shared/toy_tasks.py)")
     parser.add_argument("--sft-steps", type=int, default=0, help="AdamW steps; 0 = the task's default")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")

@@ -75,8 +75,15 @@ class RecordWriter:
         self.fh.flush()
 
     def write(self, msg: Message) -> None:
-        self._frame({"subject": msg.subject, "seq": msg.seq, "time": msg.time, "headers": dict(msg.headers),
-                     "data": bytes(msg.data)})  # fmt: skip
+        self._frame(
+            {
+                "subject": msg.subject,
+                "seq": msg.seq,
+                "time": msg.time,
+                "headers": dict(msg.headers),
+                "data": bytes(msg.data),
+            }
+        )
         self.count += 1
 
     def close(self) -> None:
@@ -88,21 +95,25 @@ def read_record(path: Path) -> tuple[dict, list[Message]]:
     raw = Path(path).read_bytes()
     where = f"{path}"
     if raw[: len(MAGIC)] != MAGIC:
-        raise RecordFileError(f"{where}: offset 0: expected the magic {MAGIC!r} of a centerline record file, "
-                              f"found {raw[:len(MAGIC)]!r}")  # fmt: skip
+        raise RecordFileError(
+            f"{where}: offset 0: expected the magic {MAGIC!r} of a centerline record file, found {raw[: len(MAGIC)]!r}"
+        )
     if len(raw) < PREAMBLE or raw[len(MAGIC)] != VERSION:
         found = raw[len(MAGIC)] if len(raw) > len(MAGIC) else "end of file"
         raise RecordFileError(f"{where}: offset {len(MAGIC)}: expected format version {VERSION}, found {found}")
     frames, pos = [], PREAMBLE
     while pos < len(raw):
         if pos + LENGTH > len(raw):
-            raise RecordFileError(f"{where}: offset {pos}: expected a {LENGTH}-byte frame length, "
-                                  f"{len(raw) - pos} bytes left (truncated file)")  # fmt: skip
+            raise RecordFileError(
+                f"{where}: offset {pos}: expected a {LENGTH}-byte frame length, "
+                f"{len(raw) - pos} bytes left (truncated file)"
+            )
         n = int.from_bytes(raw[pos : pos + LENGTH], "big")
         start = pos + LENGTH
         if start + n > len(raw):
-            raise RecordFileError(f"{where}: offset {pos}: frame length says {n} bytes, "
-                                  f"{len(raw) - start} left (truncated file)")  # fmt: skip
+            raise RecordFileError(
+                f"{where}: offset {pos}: frame length says {n} bytes, {len(raw) - start} left (truncated file)"
+            )
         try:
             doc = msgpack.unpackb(raw[start : start + n], raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
@@ -124,8 +135,10 @@ def _message(where: str, offset: int, doc: dict) -> Message:
         value = doc.get(name)
         if not isinstance(value, kinds) or isinstance(value, bool):
             want = " or ".join({"dict": "map", "bytes": "bin"}.get(k.__name__, k.__name__) for k in kinds)
-            raise RecordFileError(f"{where}: offset {offset}: message field {name!r} is "
-                                  f"{type(value).__name__ if name in doc else 'missing'}, expected {want}")  # fmt: skip
+            raise RecordFileError(
+                f"{where}: offset {offset}: message field {name!r} is "
+                f"{type(value).__name__ if name in doc else 'missing'}, expected {want}"
+            )
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["headers"].items()):
         raise RecordFileError(f"{where}: offset {offset}: message headers must map str to str")
     return Message(doc["subject"], doc["seq"], float(doc["time"]), doc["headers"], doc["data"])
@@ -141,9 +154,16 @@ def summary(msg: Message) -> dict:
     except WireError as exc:
         return {**out, "batch": None, "not_a_batch": str(exc)}
     rewards = [float(r) for r in b.rewards]
-    out["batch"] = {"batch_id": b.batch_id, "producer": b.producer, "weight_version": b.weight_version, "mode": b.mode,
-                    "k": b.k, "samples": b.num_samples, "tokens": b.num_tokens,
-                    "reward_mean": sum(rewards) / len(rewards) if rewards else None}  # fmt: skip
+    out["batch"] = {
+        "batch_id": b.batch_id,
+        "producer": b.producer,
+        "weight_version": b.weight_version,
+        "mode": b.mode,
+        "k": b.k,
+        "samples": b.num_samples,
+        "tokens": b.num_tokens,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+    }
     return out
 
 
@@ -214,7 +234,7 @@ async def record_live(url: str, subject: str, count: int | None, timeout: float 
     print(f"centerline record: recording {subject} from {url}", file=sys.stderr, flush=True)
     try:
         await asyncio.wait_for(done.wait(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     await sub.unsubscribe()
     await nc.close()
@@ -240,8 +260,11 @@ def main(argv: list[str]) -> int:
         parser.error("--count and --timeout apply to --subject; a --stream range ends at --to-seq")
     if args.subject and (args.from_seq is not None or args.to_seq is not None):
         parser.error("--from-seq and --to-seq apply to --stream")
-    source = ({"stream": args.stream, "from_seq": args.from_seq, "to_seq": args.to_seq} if args.stream
-              else {"subject": args.subject}) | {"nats_url": redact(args.nats_url)}  # fmt: skip
+    source = (
+        {"stream": args.stream, "from_seq": args.from_seq, "to_seq": args.to_seq}
+        if args.stream
+        else {"subject": args.subject}
+    ) | {"nats_url": redact(args.nats_url)}
     writer = RecordWriter(args.out, source) if args.out else None
 
     def sink(msg: Message) -> None:

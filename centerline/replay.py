@@ -66,7 +66,9 @@ def parse(argv: list[str]):
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    parser.add_argument("--weight-sync-interval", type=int, default=1, help="the version advances every this many steps")
+    parser.add_argument(
+        "--weight-sync-interval", type=int, default=1, help="the version advances every this many steps"
+    )
     shared_config.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.train and args.checkpoint is None:
@@ -132,7 +134,7 @@ def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: i
     from shared.wire import WireError, decode_batch
 
     by_step = {}
-    for number, line in enumerate(steps_from.read_bytes().splitlines(), 1):
+    for _number, line in enumerate(steps_from.read_bytes().splitlines(), 1):
         record = orjson.loads(line) if line.strip() else {}
         if "batch_ids" in record:
             by_step[record["step"]] = record["batch_ids"]
@@ -150,8 +152,10 @@ def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: i
         missing = [b for b in by_step[step] if b not in index]
         if missing:
             if not groups:
-                raise ReplayError(f"step {step} of {steps_from} trained batch {missing[0]!r}, which is not in the "
-                                  "record file; record a sequence range that covers it")  # fmt: skip
+                raise ReplayError(
+                    f"step {step} of {steps_from} trained batch {missing[0]!r}, which is not in the "
+                    "record file; record a sequence range that covers it"
+                )
             log.info("step %d needs batch %s, not recorded: replay ends after step %d", step, missing[0], step - 1)
             break
         groups.append([index[b] for b in by_step[step]])
@@ -211,8 +215,14 @@ def train(args, cfg) -> int:
             if rank == 0:
                 print(f"centerline replay: {problem}", file=sys.stderr)
             return 2
-        policy = Policy(model_dir=args.checkpoint / "model", run_dir=run_dir, resume=args.checkpoint, cfg=cfg,
-                        strategy=args.strategy, max_grad_norm=args.max_grad_norm or None)  # fmt: skip
+        policy = Policy(
+            model_dir=args.checkpoint / "model",
+            run_dir=run_dir,
+            resume=args.checkpoint,
+            cfg=cfg,
+            strategy=args.strategy,
+            max_grad_norm=args.max_grad_norm or None,
+        )
         if rank != 0:
             policy.follow()
             return 0
@@ -232,8 +242,10 @@ def plan_replay(args, run_dir: Path):
     if (run_dir / "metrics.jsonl").exists():
         raise ReplayError(f"{run_dir / 'metrics.jsonl'} exists; choose another --run-dir or remove it")
     if not (args.checkpoint / "state.json").is_file():
-        raise ReplayError(f"{args.checkpoint} is not a complete checkpoint (no state.json); "
-                          "expected <run_dir>/checkpoints/step-NNNNNN")  # fmt: skip
+        raise ReplayError(
+            f"{args.checkpoint} is not a complete checkpoint (no state.json); "
+            "expected <run_dir>/checkpoints/step-NNNNNN"
+        )
     _, messages = read_record(args.file)
     state = checkpoint.load_state(args.checkpoint)
     groups = step_groups(messages, state, args.steps_from, args.steps) if args.steps_from else None
@@ -264,23 +276,37 @@ def replay_steps(args, cfg, policy, run_dir: Path, messages, state, groups) -> N
         held = list(gate.held.values())
         if len(held) < want:
             if groups is not None:
-                raise ReplayError(f"step {step + 1}: the gate accepted {len(held)} of the {want} batches the original "
-                                  f"step trained ({dict(gate.counts)}); see the warnings above")  # fmt: skip
+                raise ReplayError(
+                    f"step {step + 1}: the gate accepted {len(held)} of the {want} batches the original "
+                    f"step trained ({dict(gate.counts)}); see the warnings above"
+                )
             if held:
                 log.info("%d batches left over, fewer than --batches-per-step %d: not trained", len(held), want)
             break
         sync = (step + 1) % args.weight_sync_interval == 0
         batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
         cmd = StepCommand(step, version + sync, sync, encode_batch(batch))
-        state = {"step": step + 1, "version": version + sync, "next_task_step": max(state["next_task_step"], step + 1),
-                 "run_id": state["run_id"], "ledger": gate.ledger_with_held(step)}  # fmt: skip
+        state = {
+            "step": step + 1,
+            "version": version + sync,
+            "next_task_step": max(state["next_task_step"], step + 1),
+            "run_id": state["run_id"],
+            "ledger": gate.ledger_with_held(step),
+        }
         result = policy.run(cmd, state)
         result.pop("weights")
         gate.ledger, gate.held = state["ledger"], {}
         staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
-        record = {"step": step + 1, "version": cmd.version, **result, "staleness_mean": sum(staleness) / len(staleness),
-                  "staleness_max": max(staleness), **metrics.gate(gate.take_counts()),
-                  "step_s": time.perf_counter() - t0, "batch_ids": [h.batch.batch_id for h in held],
-                  "replay_of": str(args.file)}  # fmt: skip
+        record = {
+            "step": step + 1,
+            "version": cmd.version,
+            **result,
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            **metrics.gate(gate.take_counts()),
+            "step_s": time.perf_counter() - t0,
+            "batch_ids": [h.batch.batch_id for h in held],
+            "replay_of": str(args.file),
+        }
         metrics.step(record)
         step, version = step + 1, cmd.version

@@ -27,11 +27,23 @@ import orjson
 LINE_PLOTS = [
     ("reward", "Reward (mean over the step's samples)", [("reward_mean", "train reward")]),
     ("accuracy", "Held-out accuracy", [("eval_accuracy", "held-out exact match")]),
-    ("sc_correction", "Score-centering correction (L1 mass of centering coefficients)", [("sc_correction", "sc_correction")]),
-    ("head_mass", "Head mass: trainer P_H vs sampler Q_H", [("sc_train_head_mass", "train P_H"), ("sc_rollout_head_mass", "rollout Q_H")]),
+    (
+        "sc_correction",
+        "Score-centering correction (L1 mass of centering coefficients)",
+        [("sc_correction", "sc_correction")],
+    ),
+    (
+        "head_mass",
+        "Head mass: trainer P_H vs sampler Q_H",
+        [("sc_train_head_mass", "train P_H"), ("sc_rollout_head_mass", "rollout Q_H")],
+    ),
     ("tail_ratio", "Tail ratio rho = (1 - Q_H) / (1 - P_H)", [("sc_tail_ratio", "sc_tail_ratio")]),
     ("kl", "Train-rollout KL (k3 on sampled tokens)", [("train_rollout_kl", "train_rollout_kl")]),
-    ("staleness", "Staleness (weight versions behind the trainer)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
+    (
+        "staleness",
+        "Staleness (weight versions behind the trainer)",
+        [("staleness_mean", "mean"), ("staleness_max", "max")],
+    ),
 ]
 
 
@@ -73,7 +85,10 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
 
     plots = {}
     for name, title, series in LINE_PLOTS:
-        lines = [(label, [(s["step"], s[key]) for s in steps if isinstance(s.get(key), (int, float))]) for key, label in series]
+        lines = [
+            (label, [(s["step"], s[key]) for s in steps if isinstance(s.get(key), (int, float))])
+            for key, label in series
+        ]
         lines = [(label, points) for label, points in lines if points]
         if not lines:
             continue
@@ -142,12 +157,14 @@ def write_report(run_dir: Path) -> Path:
         "<!doctype html><html><head><meta charset='utf-8'><title>centerline run report</title>",
         "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
         "img{max-width:100%}table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
-        ".grid{display:grid;grid-template-columns:1fr 1fr;gap:1em}pre{background:#f6f6f6;padding:1em}</style></head><body>",
+        ".grid{display:grid;grid-template-columns:1fr 1fr;gap:1em}"
+        "pre{background:#f6f6f6;padding:1em}</style></head><body>",
         f"<h1>centerline run: {html.escape(run_dir.name)}</h1><table>",
         *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary(steps)),
         "</table><div class='grid'>",
         *(
-            f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'></figure>"
+            f"<figure><img alt='{html.escape(title)}' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'></figure>"
             for title, png in plots.values()
         ),
         "</div>",
@@ -161,7 +178,9 @@ def write_report(run_dir: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="centerline report", description="Write RUN_DIR/report.html and RUN_DIR/plots/*.png from a run's metrics.")
+    parser = argparse.ArgumentParser(
+        prog="centerline report", description="Write RUN_DIR/report.html and RUN_DIR/plots/*.png from a run's metrics."
+    )
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
     try:

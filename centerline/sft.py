@@ -133,7 +133,9 @@ def evaluate(model, task: str, n: int = 200, seed: int = 0, temperature: float =
             break
         mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
         position = position[:, -1:] + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+        )
         cache, logits = out.past_key_values, out.logits[:, -1]
     # an answer counts only if it ended with a special token (the engine stops there too)
     hits = [done[i] and bytes(a).decode(errors="replace") == ans for i, (a, (_, ans)) in enumerate(zip(answers, pairs))]

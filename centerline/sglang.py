@@ -39,11 +39,24 @@ STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
 CPU_FLAGS = ("--max-total-tokens", "2048", "--sleep-on-idle")
 
 
-def server_argv(model: Path | str, host: str, port: int, device: str, extra: list[str] = (), dtype: str = "float32") -> list[str]:
+def server_argv(
+    model: Path | str, host: str, port: int, device: str, extra: list[str] = (), dtype: str = "float32"
+) -> list[str]:
     """The ``sglang.launch_server`` command line, without any key. ``extra`` comes last, so an
     SGLang flag given there replaces the recipe's."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
-            "--device", device]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+    ]
     argv += ["--dtype", dtype]
     if device == "cpu":
         argv += CPU_FLAGS
@@ -67,26 +80,47 @@ def router_argv(worker_urls: list[str], host: str, port: int, metrics_port: int)
     with its own settings otherwise; Prometheus on ``metrics_port`` (its default 29000 would
     collide between routers on one machine)."""
     smg = Path(sys.executable).parent / "smg"
-    return [str(smg) if smg.exists() else "smg", "launch", "--worker-urls", *worker_urls, "--host", host, "--port", str(port),
-            "--prometheus-host", host, "--prometheus-port", str(metrics_port)]  # fmt: skip
+    return [
+        str(smg) if smg.exists() else "smg",
+        "launch",
+        "--worker-urls",
+        *worker_urls,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
+    ]
 
 
 def main(argv: list[str]) -> int:
-    ours, _, extra = (argv[: argv.index("--")], None, argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None, [])
-    parser = argparse.ArgumentParser(prog="centerline sglang", description=__doc__.split("\n")[0],
-                                     epilog="flags after -- are passed to sglang.launch_server")  # fmt: skip
+    ours, _, extra = (
+        (argv[: argv.index("--")], None, argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None, [])
+    )
+    parser = argparse.ArgumentParser(
+        prog="centerline sglang",
+        description=__doc__.split("\n")[0],
+        epilog="flags after -- are passed to sglang.launch_server",
+    )
     parser.add_argument("--model", required=True, type=Path, help="HF model directory (weight version 0)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the CPU recipe above")
-    parser.add_argument("--dtype", default="float32", help="SGLang --dtype: the trainer's float32 unless you choose otherwise")
+    parser.add_argument(
+        "--dtype", default="float32", help="SGLang --dtype: the trainer's float32 unless you choose otherwise"
+    )
     args = parser.parse_args(ours)
     try:
         key = admin_key.key_from_env()
     except admin_key.AdminKeyError as exc:
         parser.error(str(exc))
     if not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model}: no config.json there; make one with `centerline init-model --out {args.model}`")
+        parser.error(
+            f"--model {args.model}: no config.json there; make one with `centerline init-model --out {args.model}`"
+        )
     command = server_argv(args.model, args.host, args.port, args.device, extra, args.dtype)
     if key:
         command += ["--admin-api-key", key]

@@ -68,7 +68,7 @@ async def _answer(raw: bytes, split: int) -> tuple[int, bytes, bytes]:
     return await waiter
 
 
-def TestOneInput(data: bytes) -> None:  # noqa: N802 (libFuzzer's name)
+def TestOneInput(data: bytes) -> None:
     if len(data) < 2:
         return
     endpoint, mode = ENDPOINTS[data[0] & 1], MODES[data[0] >> 1 & 1]
@@ -94,7 +94,11 @@ def valid_body(endpoint: str, mode: str, tokens: int, seed: int) -> bytes:
         meta["output_token_sampling_logprobs"] = lps
         meta["output_token_logprobs"] = [[lp[0], r[0][1], None] for lp, r in zip(lps, rows)]
     if endpoint == "chat":
-        doc = {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "meta_info": meta}]}
+        doc = {
+            "id": "c",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "meta_info": meta}],
+        }
     return orjson.dumps(doc)
 
 
@@ -106,8 +110,16 @@ def seeds() -> list[bytes]:
             body = valid_body(endpoint, mode, tokens, seed=selector)
             if selector & 4:
                 chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
-                out.append(bytes([selector, 128]) + b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-                out.append(bytes([selector, 40]) + b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n" + chunked)
+                out.append(
+                    bytes([selector, 128])
+                    + b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(body), body)
+                )
+                out.append(
+                    bytes([selector, 40])
+                    + b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+                    + chunked
+                )
             else:
                 out.append(bytes([selector]) + body)
     return out

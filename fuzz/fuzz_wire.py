@@ -29,13 +29,20 @@ CORPUS = Path(__file__).resolve().parent / "corpus" / "wire"
 def seeds() -> list[bytes]:
     """Valid messages: what a producer sends, so mutations start deep inside the format."""
     shapes = [(1, 0, 1), (1, 1, 1), (2, 3, 4), (3, 2, 8), (1, 4, 64), (2, 2, 128)]
-    out = [encode_batch(make_batch(samples=b, tokens_per_sample=t, k=k, vocab_size=VOCAB, seed=i)) for i, (b, t, k) in enumerate(shapes)]
-    out += [encode_batch(make_batch(samples=b, tokens_per_sample=t, k=k, vocab_size=VOCAB, mode="support", top_k=max(1, k // 2)))
-            for b, t, k in shapes[1:4]]  # fmt: skip
+    out = [
+        encode_batch(make_batch(samples=b, tokens_per_sample=t, k=k, vocab_size=VOCAB, seed=i))
+        for i, (b, t, k) in enumerate(shapes)
+    ]
+    out += [
+        encode_batch(
+            make_batch(samples=b, tokens_per_sample=t, k=k, vocab_size=VOCAB, mode="support", top_k=max(1, k // 2))
+        )
+        for b, t, k in shapes[1:4]
+    ]
     return out
 
 
-def TestOneInput(data: bytes) -> None:  # noqa: N802 (libFuzzer's name)
+def TestOneInput(data: bytes) -> None:
     try:
         check_batch(decode_batch(data), vocab_size=VOCAB)
     except (WireError, ContractViolation):

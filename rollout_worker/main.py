@@ -33,7 +33,12 @@ log = logging.getLogger("centerline.worker")
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        doc = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         doc.update(getattr(record, "fields", {}))
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
@@ -47,12 +52,21 @@ class WorkerMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
-        self.tasks = Counter("centerline_worker_tasks", "Tasks finished, by outcome (ok, nak, rejected, ack_lost)", ["outcome"], registry=self.registry)
+        self.tasks = Counter(
+            "centerline_worker_tasks",
+            "Tasks finished, by outcome (ok, nak, rejected, ack_lost)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.samples = Counter("centerline_worker_samples", "Samples published", registry=self.registry)
         self.tokens = Counter("centerline_worker_tokens", "Response tokens published", registry=self.registry)
-        self.reward = Histogram("centerline_worker_reward", "Per-sample reward", buckets=(0, 0.25, 0.5, 0.75, 1.0), registry=self.registry)
+        self.reward = Histogram(
+            "centerline_worker_reward", "Per-sample reward", buckets=(0, 0.25, 0.5, 0.75, 1.0), registry=self.registry
+        )
         self.latency = Histogram("centerline_worker_task_seconds", "Task latency, fetch to ack", registry=self.registry)
-        self.weight_version = Gauge("centerline_worker_weight_version", "Weight version of the last published batch", registry=self.registry)
+        self.weight_version = Gauge(
+            "centerline_worker_weight_version", "Weight version of the last published batch", registry=self.registry
+        )
 
     def done(self, outcome, latency: float) -> None:
         self.tasks.labels("ok").inc()
@@ -104,13 +118,27 @@ def vocab_size_of(info: dict, tokenizer_path: str | None) -> int | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="centerline worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokenizer", default=None, help="HF tokenizer directory; default: the upstream's tokenizer_path")
-    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for the contract check; default: from the model")
+    parser.add_argument(
+        "--tokenizer", default=None, help="HF tokenizer directory; default: the upstream's tokenizer_path"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary size for the contract check; default: from the model"
+    )
     parser.add_argument("--worker-id", default=None, help="producer id in batches; default: host-pid")
     parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked task is redelivered")
     parser.add_argument("--concurrency", type=int, default=2, help="tasks in flight")
-    parser.add_argument("--nak-delay", type=float, default=2.0, help="seconds before a NAKed task is redelivered (doubling per delivery, up to 60)")
-    parser.add_argument("--max-deliver", type=int, default=10, help="deliveries of a task before JetStream gives up on it and reports it in the ADVISORIES stream")
+    parser.add_argument(
+        "--nak-delay",
+        type=float,
+        default=2.0,
+        help="seconds before a NAKed task is redelivered (doubling per delivery, up to 60)",
+    )
+    parser.add_argument(
+        "--max-deliver",
+        type=int,
+        default=10,
+        help="deliveries of a task before JetStream gives up on it and reports it in the ADVISORIES stream",
+    )
     parser.add_argument("--shutdown-grace", type=float, default=30.0, help="SIGTERM: seconds to finish tasks in flight")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per proxy request")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -126,23 +154,35 @@ def main(argv: list[str]) -> int:
     info = {} if args.tokenizer and args.vocab_size else model_info(cfg.proxy_url)
     tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
     if not tokenizer_path:
-        print("centerline worker: no tokenizer: pass --tokenizer DIR (the upstream reports no tokenizer_path)", file=sys.stderr)
+        print(
+            "centerline worker: no tokenizer: pass --tokenizer DIR (the upstream reports no tokenizer_path)",
+            file=sys.stderr,
+        )
         return 2
     tokenizer, hf_tok = load_tokenizer(tokenizer_path)
     vocab = args.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
     if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab:
-        print(f"centerline worker: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above the model's vocabulary of "
-              f"{vocab}: rows cannot hold K candidates (and SGLang takes its server down on such a request); set K <= {vocab}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"centerline worker: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above the model's "
+            "vocabulary of "
+            f"{vocab}: rows cannot hold K candidates (and SGLang takes its server down on such a request); set K <= "
+            f"{vocab}",
+            file=sys.stderr,
+        )
         return 2
 
     from rollout_worker.worker import Worker, WorkerOptions
 
     opts = WorkerOptions(
-        producer=args.worker_id or f"{socket.gethostname()}-{os.getpid()}", vocab_size=vocab, ack_wait=args.ack_wait,
-        concurrency=args.concurrency, request_timeout=args.request_timeout, nak_delay=args.nak_delay,
-        shutdown_grace=args.shutdown_grace, max_deliver=args.max_deliver,
-    )  # fmt: skip
+        producer=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        vocab_size=vocab,
+        ack_wait=args.ack_wait,
+        concurrency=args.concurrency,
+        request_timeout=args.request_timeout,
+        nak_delay=args.nak_delay,
+        shutdown_grace=args.shutdown_grace,
+        max_deliver=args.max_deliver,
+    )
     metrics = WorkerMetrics()
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

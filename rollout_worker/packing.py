@@ -56,8 +56,15 @@ def samples_from_response(doc, *, endpoint: str, mode: str, k: int) -> list[Samp
     cand_ids, cand_logprobs = cand_ids.astype(np.int32), cand_logprobs.astype(np.float32)
     bounds = offsets.tolist()
     return [
-        Sample(text=texts[i], response_ids=ids[a:b], sampled_logprobs=logprobs[a:b], cand_ids=cand_ids[a:b],
-               cand_logprobs=cand_logprobs[a:b], weight_version=versions[i], finish_reason=reasons[i])  # fmt: skip
+        Sample(
+            text=texts[i],
+            response_ids=ids[a:b],
+            sampled_logprobs=logprobs[a:b],
+            cand_ids=cand_ids[a:b],
+            cand_logprobs=cand_logprobs[a:b],
+            weight_version=versions[i],
+            finish_reason=reasons[i],
+        )
         for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
     ]
 
@@ -91,28 +98,30 @@ def pack_group(
         offsets = np.zeros(len(part) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         prompt = np.asarray(prompt_ids, dtype=np.int32)
-        batches.append(Batch(
-            batch_id=task.task_id if len(versions) == 1 else f"{task.task_id}/w{version}",
-            producer=producer,
-            weight_version=version,
-            mode=mode,
-            k=k,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=int(top_k),
-            sample_ids=[f"{task.task_id}/{i}" for i in idx],
-            group_ids=[task.group_id] * len(part),
-            rewards=np.asarray(rewards, dtype=np.float32)[idx],
-            advantages=np.asarray(advantages, dtype=np.float32)[idx],
-            offsets=offsets,
-            prompt_offsets=np.arange(len(part) + 1, dtype=np.int64) * len(prompt),
-            prompt_ids=np.tile(prompt, len(part)),
-            response_ids=_cat([s.response_ids for s in part], np.int32, (0,)),
-            sampled_logprobs=_cat([s.sampled_logprobs for s in part], np.float32, (0,)),
-            loss_mask=np.ones(int(offsets[-1]), dtype=np.uint8),  # every generated token is trained
-            cand_ids=_cat([s.cand_ids for s in part], np.int32, (0, k)),
-            cand_logprobs=_cat([s.cand_logprobs for s in part], np.float32, (0, k)),
-        ))  # fmt: skip
+        batches.append(
+            Batch(
+                batch_id=task.task_id if len(versions) == 1 else f"{task.task_id}/w{version}",
+                producer=producer,
+                weight_version=version,
+                mode=mode,
+                k=k,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                sample_ids=[f"{task.task_id}/{i}" for i in idx],
+                group_ids=[task.group_id] * len(part),
+                rewards=np.asarray(rewards, dtype=np.float32)[idx],
+                advantages=np.asarray(advantages, dtype=np.float32)[idx],
+                offsets=offsets,
+                prompt_offsets=np.arange(len(part) + 1, dtype=np.int64) * len(prompt),
+                prompt_ids=np.tile(prompt, len(part)),
+                response_ids=_cat([s.response_ids for s in part], np.int32, (0,)),
+                sampled_logprobs=_cat([s.sampled_logprobs for s in part], np.float32, (0,)),
+                loss_mask=np.ones(int(offsets[-1]), dtype=np.uint8),  # every generated token is trained
+                cand_ids=_cat([s.cand_ids for s in part], np.int32, (0, k)),
+                cand_logprobs=_cat([s.cand_logprobs for s in part], np.float32, (0, k)),
+            )
+        )
     return batches
 
 

@@ -35,7 +35,9 @@ def load_reward(name: str) -> RewardFn:
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise RewardError(f"reward {name!r} cannot be loaded: {exc}; is the module on the worker's PYTHONPATH?") from None
+        raise RewardError(
+            f"reward {name!r} cannot be loaded: {exc}; is the module on the worker's PYTHONPATH?"
+        ) from None
     if not callable(fn):
         raise RewardError(f"reward {name!r} is not callable")
     return fn
@@ -47,7 +49,9 @@ def score(task: PromptTask, texts: list[str]) -> np.ndarray:
     try:
         return np.array([float(fn(text, task)) for text in texts], dtype=np.float64)
     except Exception as exc:  # a user's function: any failure is reported with its name
-        raise RewardError(f"reward {task.reward!r} failed on task {task.task_id!r}: {type(exc).__name__}: {exc}") from exc
+        raise RewardError(
+            f"reward {task.reward!r} failed on task {task.task_id!r}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def group_advantages(rewards: np.ndarray, *, std_norm: bool = False) -> np.ndarray:

@@ -92,10 +92,16 @@ def served_prompt_ids(doc) -> list[int]:
     for by the proxy with ``return_prompt_token_ids``); the worker's own rendering of the chat
     template may differ from the server's."""
     choices = doc.get("choices") if isinstance(doc, dict) else None
-    ids = choices[0].get("prompt_token_ids") if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    ids = (
+        choices[0].get("prompt_token_ids")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+        else None
+    )
     if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-        raise Rejected("the chat response carries no prompt_token_ids (the router dropped return_prompt_token_ids?), so the "
-                       "prompt SGLang sampled on is unknown; use --rollout-endpoint generate or a router that keeps it")  # fmt: skip
+        raise Rejected(
+            "the chat response carries no prompt_token_ids (the router dropped return_prompt_token_ids?), so the "
+            "prompt SGLang sampled on is unknown; use --rollout-endpoint generate or a router that keeps it"
+        )
     return ids
 
 
@@ -114,11 +120,26 @@ class Worker:
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
         self.consumer: PullConsumer = await pull_consumer(
-            self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT, ack_wait=self.opts.ack_wait,
+            self.js,
+            names.PROMPTS_STREAM,
+            names.WORKERS_CONSUMER,
+            filter_subject=names.PROMPTS_SUBJECT,
+            ack_wait=self.opts.ack_wait,
             max_deliver=self.opts.max_deliver,
-        )  # fmt: skip
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.opts.request_timeout, sock_connect=10))
-        log.info("worker ready", extra={"fields": {"producer": self.opts.producer, "proxy": self.cfg.proxy_url, "nats": redact(self.cfg.nats_url)}})
+        )
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.opts.request_timeout, sock_connect=10)
+        )
+        log.info(
+            "worker ready",
+            extra={
+                "fields": {
+                    "producer": self.opts.producer,
+                    "proxy": self.cfg.proxy_url,
+                    "nats": redact(self.cfg.nats_url),
+                }
+            },
+        )
         inflight: set[asyncio.Task] = set()
         try:
             while not self.stopping.is_set():
@@ -150,12 +171,16 @@ class Worker:
             # not drain(): nats-py's drain waits forever on a pull subscription's queue
             await self.consumer.close()
             await self.nc.flush(timeout=5)
-        except Exception as exc:  # noqa: BLE001 (whatever the cause, the server has what it has)
-            log.warning("NATS unreachable while stopping; tasks not acked come back after ack_wait",
-                        extra={"fields": {"reason": repr(exc)}})  # fmt: skip
+        # whatever the cause, the server has what it has
+        except Exception as exc:  # noqa: BLE001
+            log.warning(
+                "NATS unreachable while stopping; tasks not acked come back after ack_wait",
+                extra={"fields": {"reason": repr(exc)}},
+            )
         try:
             await self.nc.close()
-        except Exception:  # noqa: BLE001 (nats-py re-raises the reset of a connection it was still retrying)
+        # nats-py re-raises the reset of a connection it was still retrying
+        except Exception:  # noqa: BLE001
             pass
 
     # ------------------------------------------------------------------ one task
@@ -183,7 +208,9 @@ class Worker:
             self._count("nak")
             return
         except (PublishError, PayloadTooLargeError) as exc:
-            log.warning("publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}})
+            log.warning(
+                "publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}}
+            )
             await msg.nak(delay=self.retry_delay(msg))
             self._count("nak")
             return
@@ -197,10 +224,14 @@ class Worker:
         latency = time.perf_counter() - started
         versions = [b.weight_version for b in outcome.batches]
         fields = {
-            "task_id": task.task_id, "samples": int(outcome.rewards.size), "tokens": outcome.tokens,
-            "reward_mean": float(outcome.rewards.mean()), "weight_version": versions[0] if len(versions) == 1 else versions,
-            "batches": [b.batch_id for b in outcome.batches], "latency_s": round(latency, 4),
-        }  # fmt: skip
+            "task_id": task.task_id,
+            "samples": int(outcome.rewards.size),
+            "tokens": outcome.tokens,
+            "reward_mean": float(outcome.rewards.mean()),
+            "weight_version": versions[0] if len(versions) == 1 else versions,
+            "batches": [b.batch_id for b in outcome.batches],
+            "latency_s": round(latency, 4),
+        }
         log.info("task done", extra={"fields": fields})
         if self.metrics is not None:
             self.metrics.done(outcome, latency)
@@ -218,7 +249,8 @@ class Worker:
         try:
             await PullConsumer.ack(msg)
             return True
-        except Exception as exc:  # noqa: BLE001 (every way an ack fails ends in the same redelivery)
+        # every way an ack fails ends in the same redelivery
+        except Exception as exc:  # noqa: BLE001
             fields = {"task_id": task.task_id, "batches": [b.batch_id for b in outcome.batches], "reason": repr(exc)}
             log.warning("task ack lost; its batches are stored, the task will come back", extra={"fields": fields})
             self._count("ack_lost")
@@ -236,8 +268,12 @@ class Worker:
             # a batch that breaks the contract, else the task itself (a request SGLang refuses), with the reason
             data = encode_batch(batch) if batch is not None else msg.data
             if len(data) <= self.nc.max_payload - 4096:
-                headers = {"Centerline-Reason": reason[:1000], "Centerline-Producer": self.opts.producer, "Centerline-Stage": "worker",
-                           "Centerline-Kind": "batch" if batch is not None else "task"}  # fmt: skip
+                headers = {
+                    "Centerline-Reason": reason[:1000],
+                    "Centerline-Producer": self.opts.producer,
+                    "Centerline-Stage": "worker",
+                    "Centerline-Kind": "batch" if batch is not None else "task",
+                }
                 await self.js.publish(names.DLQ_SUBJECT, data, headers=headers)
         await msg.term()
         self._count("rejected")
@@ -255,7 +291,9 @@ class Worker:
         if endpoint == "chat":  # SGLang renders the chat template itself: train on what it sampled on
             prompt_ids = served_prompt_ids(doc)
         try:
-            samples = samples_from_response(doc, endpoint=endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num)
+            samples = samples_from_response(
+                doc, endpoint=endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num
+            )
         except ResponseError as exc:
             raise Transient(f"unusable response from the proxy: {exc}") from None
         if len(samples) != task.n:
@@ -269,9 +307,18 @@ class Worker:
             raise Rejected(str(exc)) from None
         advantages = group_advantages(rewards, std_norm=cfg.advantage_std_norm)
         batches = pack_group(
-            task, prompt_ids, samples, rewards, advantages, producer=self.opts.producer, mode=cfg.rollout_logprobs_mode,
-            k=cfg.rollout_top_logprobs_num, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
-        )  # fmt: skip
+            task,
+            prompt_ids,
+            samples,
+            rewards,
+            advantages,
+            producer=self.opts.producer,
+            mode=cfg.rollout_logprobs_mode,
+            k=cfg.rollout_top_logprobs_num,
+            temperature=cfg.rollout_temperature,
+            top_p=cfg.rollout_top_p,
+            top_k=cfg.rollout_top_k,
+        )
         for batch in batches:
             try:
                 check_batch(batch, vocab_size=self.opts.vocab_size)
@@ -286,18 +333,29 @@ class Worker:
         if cfg.rollout_top_k > 0:
             sampling["top_k"] = cfg.rollout_top_k
         if cfg.rollout_endpoint == "chat":
-            return {"model": "default", "messages": [{"role": "user", "content": task.prompt}], "n": task.n,
-                    "max_tokens": cfg.rollout_max_new_tokens, **sampling}  # fmt: skip
-        return {"input_ids": prompt_ids, "sampling_params": {"n": task.n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling}}
+            return {
+                "model": "default",
+                "messages": [{"role": "user", "content": task.prompt}],
+                "n": task.n,
+                "max_tokens": cfg.rollout_max_new_tokens,
+                **sampling,
+            }
+        return {
+            "input_ids": prompt_ids,
+            "sampling_params": {"n": task.n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling},
+        }
 
     async def sample(self, task: PromptTask, prompt_ids: list[int]):
         path = "/v1/chat/completions" if self.cfg.rollout_endpoint == "chat" else "/generate"
         url = self.cfg.proxy_url.rstrip("/") + path
         try:
-            async with self.session.post(url, data=orjson.dumps(self.request_body(task, prompt_ids)),
-                                         headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+            async with self.session.post(
+                url,
+                data=orjson.dumps(self.request_body(task, prompt_ids)),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
                 status, body = resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{url}: {exc!r}") from None
         if status in (400, 413, 422):  # the proxy or SGLang refused the request itself: asking again cannot help
             raise Rejected(f"the proxy refused the request with {status}: {body[:1000].decode(errors='replace')}")

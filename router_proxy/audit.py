@@ -22,14 +22,16 @@ from dataclasses import dataclass
 
 import orjson
 
-from shared.contract import LOGPROB_TOL, MASS_TOL, ContractViolation, check_rows
+from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
 from shared.sglang_response import check_not_aborted, malformed, response_metas, to_arrays
 
 # Rules the proxy adds to shared.contract.RULES for responses that cannot even be read.
 PROXY_RULES = {
     "malformed_response": "the upstream body is not the SGLang response shape (bad JSON, wrong types, missing fields)",
-    "missing_token_ids": "a chat response carries no token ids (no choices[].meta_info), so it cannot be audited or trained on",
-    "upstream_refused": "the upstream refused the request as it is (400, 413 or 422): the same request would be refused again",
+    "missing_token_ids": "a chat response carries no token ids (no choices[].meta_info), so it cannot be audited or "
+    "trained on",
+    "upstream_refused": "the upstream refused the request as it is (400, 413 or 422): the same request would be "
+    "refused again",
     "upstream_status": "the upstream answered a training request with an error status",
     "sample_aborted": "the upstream aborted a sample (finish_reason abort): its output is cut off",
     "upstream_too_large": "the upstream's answer exceeded --max-upstream-response-bytes and was cut off",
@@ -52,7 +54,9 @@ class AuditResult:
     tokens: int
 
 
-def audit_body(body: bytes, *, endpoint: str, mode: str, k: int, vocab_size: int, content_type: bytes | None = None) -> AuditResult:
+def audit_body(
+    body: bytes, *, endpoint: str, mode: str, k: int, vocab_size: int, content_type: bytes | None = None
+) -> AuditResult:
     """Raise ``ContractViolation`` for the first defect of an upstream response body; else say what was checked.
 
     ``content_type``, when given, must be JSON: SGLang answers ``application/json``, and a
@@ -112,18 +116,32 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
             sampled = meta.get("output_token_logprobs")
             rows = meta.get("output_top_logprobs" if selected else "output_token_sampling_mask")
             lp_rows = rows if selected else meta.get("output_token_sampling_logprobs")
-            if type(sampled) is not list or type(rows) is not list or type(lp_rows) is not list or not len(sampled) == len(rows) == len(lp_rows):
+            if (
+                type(sampled) is not list
+                or type(rows) is not list
+                or type(lp_rows) is not list
+                or not len(sampled) == len(rows) == len(lp_rows)
+            ):
                 return None
-            for (lp, token, _), row, lp_row in zip(sampled, rows, lp_rows):  # [logprob, id, text]: 3 items, else ValueError
+            for (lp, token, _), row, lp_row in zip(
+                sampled, rows, lp_rows
+            ):  # [logprob, id, text]: 3 items, else ValueError
                 if type(row) is not list or type(lp_row) is not list or len(row) != len(lp_row):
                     return None
                 budget -= len(row)
                 if budget < 0 or (len(row) != need if selected else not 0 < len(row) <= k):
                     return None
-                if type(lp) is not float or type(token) is not int or not 0 <= token < vocab_size or (selected and lp > LOGPROB_TOL):
+                if (
+                    type(lp) is not float
+                    or type(token) is not int
+                    or not 0 <= token < vocab_size
+                    or (selected and lp > LOGPROB_TOL)
+                ):
                     return None
                 seen, mass = {}, 0.0  # id -> log-prob; fewer entries than the row means a duplicate
-                for clp, cid, _ in row if selected else zip(lp_row, row, row):  # selected: exactly 3 items, else ValueError
+                for clp, cid, _ in (
+                    row if selected else zip(lp_row, row, row)
+                ):  # selected: exactly 3 items, else ValueError
                     if type(clp) is not float or type(cid) is not int or not 0 <= cid < vocab_size or clp > LOGPROB_TOL:
                         return None
                     seen[cid] = clp
@@ -140,5 +158,3 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
     except (TypeError, ValueError):  # an entry that is not a [logprob, id, text] list: the numpy path names the defect
         return None
     return tokens
-
-

@@ -44,8 +44,16 @@ def native_response(tokens: int, k: int, vocab_size: int, seed: int = 0) -> byte
     top = np.argsort(-logp, axis=1)[:, :k]
     rows = [[[float(logp[i, v]), int(v), None] for v in top[i]] for i in range(tokens)]
     sampled = [[rows[i][0][0], rows[i][0][1], None] for i in range(tokens)]
-    meta = {"id": "bench", "finish_reason": {"type": "length", "length": tokens}, "prompt_tokens": 3, "completion_tokens": tokens,
-            "cached_tokens": 0, "weight_version": "default", "output_token_logprobs": sampled, "output_top_logprobs": rows}  # fmt: skip
+    meta = {
+        "id": "bench",
+        "finish_reason": {"type": "length", "length": tokens},
+        "prompt_tokens": 3,
+        "completion_tokens": tokens,
+        "cached_tokens": 0,
+        "weight_version": "default",
+        "output_token_logprobs": sampled,
+        "output_top_logprobs": rows,
+    }
     return orjson.dumps({"text": "x" * tokens, "output_ids": [s[1] for s in sampled], "meta_info": meta})
 
 
@@ -73,7 +81,8 @@ def serve_aiohttp(port: int, generate_body: bytes, vocab_size: int) -> None:
 
 
 def serve_fixed(port: int, generate_body: bytes, vocab_size: int) -> None:
-    """``--upstream raw``: answer POST /generate with ``generate_body`` from a bare asyncio protocol, as fast as Python can."""
+    """``--upstream raw``: answer POST /generate with ``generate_body`` from a bare asyncio protocol, as fast as Python
+    can."""
     import uvloop
 
     def reply(body: bytes) -> bytes:
@@ -91,7 +100,11 @@ def serve_fixed(port: int, generate_body: bytes, vocab_size: int) -> None:
             while (end := self.buf.find(b"\r\n\r\n")) >= 0:
                 head = self.buf[:end].lower()
                 at = head.find(b"content-length:")
-                length = int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None]) if at >= 0 else 0
+                length = (
+                    int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
+                    if at >= 0
+                    else 0
+                )
                 if len(self.buf) < end + 4 + length:
                     return
                 self.buf = self.buf[end + 4 + length :]
@@ -115,7 +128,9 @@ class _Client(asyncio.Protocol):
     must carry Content-Length (both the upstream and the proxy send it).
     """
 
-    def __init__(self, request: bytes, deadline: float, warm_until: float, latencies: list, errors: list, done: asyncio.Future):
+    def __init__(
+        self, request: bytes, deadline: float, warm_until: float, latencies: list, errors: list, done: asyncio.Future
+    ):
         self.request, self.deadline, self.warm_until = request, deadline, warm_until
         self.latencies, self.errors, self.done = latencies, errors, done
         self.buf = b""
@@ -162,7 +177,10 @@ def load(port: int, concurrency: int, seconds: float, warmup: float = 0.5) -> di
     import uvloop
 
     body = b'{"text":"The capital of France is","sampling_params":{"max_new_tokens":4}}'
-    request = b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    request = (
+        b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
     latencies: list[float] = []
     errors: list[str] = []
 
@@ -173,14 +191,22 @@ def load(port: int, concurrency: int, seconds: float, warmup: float = 0.5) -> di
         for _ in range(concurrency):
             done = loop.create_future()
             dones.append(done)
-            await loop.create_connection(lambda: _Client(request, start + warmup + seconds, start + warmup, latencies, errors, done), "127.0.0.1", port)
+            await loop.create_connection(
+                lambda done=done: _Client(request, start + warmup + seconds, start + warmup, latencies, errors, done),
+                "127.0.0.1",
+                port,
+            )
         await asyncio.gather(*dones)
 
     uvloop.run(run())
     if errors:
         raise RuntimeError(f"{len(errors)} requests to port {port} failed, first: {errors[0]}")
     ms = np.array(latencies) * 1e3
-    return {"rps": round(len(latencies) / seconds, 1), "p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+    return {
+        "rps": round(len(latencies) / seconds, 1),
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+    }
 
 
 # ---------------------------------------------------------------------------- the benchmark
@@ -223,8 +249,14 @@ def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int =
             if i:
                 times[fn].append(time.perf_counter() - t)
     parse, audit = statistics.median(times[parse_fn]) * 1e3, statistics.median(times[audit_fn]) * 1e3
-    return {"audit_tokens": tokens, "audit_k": k, "audit_body_bytes": len(body), "audit_ms": round(audit, 3),
-            "parse_ms": round(parse, 3), "audit_to_parse_ratio": round(audit / parse, 3)}  # fmt: skip
+    return {
+        "audit_tokens": tokens,
+        "audit_k": k,
+        "audit_body_bytes": len(body),
+        "audit_ms": round(audit, 3),
+        "parse_ms": round(parse, 3),
+        "audit_to_parse_ratio": round(audit / parse, 3),
+    }
 
 
 def bench_proxy(argv: list[str]) -> int:
@@ -232,17 +264,33 @@ def bench_proxy(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="centerline bench proxy", description=bench_proxy.__doc__)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per run")
-    parser.add_argument("--rounds", type=int, default=3, help="paired direct/proxy runs per concurrency; figures are medians over rounds")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="paired direct/proxy runs per concurrency; figures are medians over rounds",
+    )
     parser.add_argument("--tokens", type=int, default=4, help="tokens in the fixed upstream response")
     parser.add_argument("--k", type=int, default=8, help="candidates per token in the fixed response (the proxy's K)")
-    parser.add_argument("--upstream", choices=("aiohttp", "raw"), default="aiohttp",
-                        help="aiohttp: an aiohttp.web server (~the 8k req/s upstream the reference figures used); raw: a bare asyncio protocol")
+    parser.add_argument(
+        "--upstream",
+        choices=("aiohttp", "raw"),
+        default="aiohttp",
+        help="aiohttp: an aiohttp.web server (~the 8k req/s upstream the reference figures used); "
+        "raw: a bare asyncio protocol",
+    )
     parser.add_argument("--repeats", type=int, default=15, help="audit-cost repetitions (median)")
     args = parser.parse_args(argv)
     vocab = 64
-    result: dict = {"upstream": f"{args.upstream} on uvloop, fixed valid native response", "proxy": "centerline proxy (httptools protocols on uvloop, keep-alive upstream pool)",
-                    "load_generator": "asyncio protocols on uvloop, one keep-alive connection per client, closed loop", "processes": 3, "cpus": os.cpu_count(),
-                    "response_tokens": args.tokens, "response_k": args.k}  # fmt: skip
+    result: dict = {
+        "upstream": f"{args.upstream} on uvloop, fixed valid native response",
+        "proxy": "centerline proxy (httptools protocols on uvloop, keep-alive upstream pool)",
+        "load_generator": "asyncio protocols on uvloop, one keep-alive connection per client, closed loop",
+        "processes": 3,
+        "cpus": os.cpu_count(),
+        "response_tokens": args.tokens,
+        "response_k": args.k,
+    }
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -252,12 +300,41 @@ def bench_proxy(argv: list[str]) -> int:
                 f.write(native_response(args.tokens, args.k, vocab))
             result["response_bytes"] = os.path.getsize(body_path)
             up_log, proxy_log = os.path.join(tmp, "upstream.log"), os.path.join(tmp, "proxy.log")
-            procs.append(subprocess.Popen([sys.executable, "-m", "router_proxy.bench", "upstream", args.upstream, str(up_port), body_path, str(vocab)],
-                                          stdout=open(up_log, "wb"), stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "router_proxy.bench",
+                        "upstream",
+                        args.upstream,
+                        str(up_port),
+                        body_path,
+                        str(vocab),
+                    ],
+                    stdout=open(up_log, "wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             _wait_http(f"http://127.0.0.1:{up_port}/model_info", procs[0], 30, up_log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "centerline.cli", "proxy", "--upstream", f"http://127.0.0.1:{up_port}",
-                                           "--port", str(proxy_port), "--rollout-top-logprobs-num", str(args.k)],
-                                          stdout=open(proxy_log, "wb"), stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "centerline.cli",
+                        "proxy",
+                        "--upstream",
+                        f"http://127.0.0.1:{up_port}",
+                        "--port",
+                        str(proxy_port),
+                        "--rollout-top-logprobs-num",
+                        str(args.k),
+                    ],
+                    stdout=open(proxy_log, "wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             _wait_http(f"http://127.0.0.1:{proxy_port}/ready", procs[1], 60, proxy_log)
             rounds = {}
             for c in (1, 32):

@@ -27,11 +27,34 @@ class ProxyMetrics:
 
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.requests = Counter("centerline_proxy_requests", "Requests by endpoint and kind (training, eval, rejected)", ["endpoint", "kind"], registry=self.registry)
-        self.verdicts = Counter("centerline_proxy_audit_verdicts", "Audited training responses by verdict: ok or the rule broken", ["verdict"], registry=self.registry)
-        self.added_latency = Histogram("centerline_proxy_added_latency_seconds", "Time spent in the proxy per training request, upstream time excluded", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.ready = Gauge("centerline_proxy_ready", "1 when the last capability probe found the upstream compatible", registry=self.registry)
-        self.events_dropped = Counter("centerline_proxy_audit_events_dropped", "Audit events not published because NATS lagged or was down", registry=self.registry)
+        self.requests = Counter(
+            "centerline_proxy_requests",
+            "Requests by endpoint and kind (training, eval, rejected)",
+            ["endpoint", "kind"],
+            registry=self.registry,
+        )
+        self.verdicts = Counter(
+            "centerline_proxy_audit_verdicts",
+            "Audited training responses by verdict: ok or the rule broken",
+            ["verdict"],
+            registry=self.registry,
+        )
+        self.added_latency = Histogram(
+            "centerline_proxy_added_latency_seconds",
+            "Time spent in the proxy per training request, upstream time excluded",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ready = Gauge(
+            "centerline_proxy_ready",
+            "1 when the last capability probe found the upstream compatible",
+            registry=self.registry,
+        )
+        self.events_dropped = Counter(
+            "centerline_proxy_audit_events_dropped",
+            "Audit events not published because NATS lagged or was down",
+            registry=self.registry,
+        )
         self._counts: dict = {}  # (family, labels) -> increments not yet applied
         self._added: list[float] = []  # latencies not yet observed
 
@@ -95,12 +118,14 @@ class AuditPublisher:
         while self.nc is None:
             try:
                 self.nc = await connect(self.url, name="router_proxy", connect_timeout=2)
-            except Exception as exc:  # keep serving; events queue (and drop when full) until NATS is there
+            # keep serving; events queue (and drop when full) until NATS is there
+            except Exception as exc:  # noqa: BLE001
                 log.warning("audit events: NATS at %s unavailable (%s); retrying", self.url, exc)
                 await asyncio.sleep(2.0)
         try:
             await ensure_streams(self.nc.jetstream())
-        except Exception as exc:  # publishing still reaches the AUDIT stream if someone else made it
+        # publishing still reaches the AUDIT stream if someone else made it
+        except Exception as exc:  # noqa: BLE001
             log.warning("audit events: could not ensure the AUDIT stream: %s", exc)
         while True:
             events = [await self.queue.get()]
@@ -109,7 +134,7 @@ class AuditPublisher:
             for event in events:
                 try:
                     await self.nc.publish(names.AUDIT_SUBJECT, orjson.dumps(event))
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 (an event lost is counted, never a request)
                     self.metrics.events_dropped.inc()
                     log.warning("audit event not published: %s", exc)
 

@@ -63,7 +63,9 @@ class _Connection(asyncio.Protocol):
         self.serving = False  # a task is answering this connection's queue
         self.closing = False
         self.paused = False
-        self.rejection: tuple[int, bytes] | None = None  # the answer to a refused request, once those before it are answered
+        self.rejection: tuple[int, bytes] | None = (
+            None  # the answer to a refused request, once those before it are answered
+        )
 
     def connection_made(self, transport):
         self.transport = transport
@@ -116,7 +118,9 @@ class _Connection(asyncio.Protocol):
         if self.rejection is not None:  # the rest of a refused request, parsed from the same read
             return
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.queue.append(Request(self.parser.get_method(), self.target, self.headers, body, self.parser.should_keep_alive()))
+        self.queue.append(
+            Request(self.parser.get_method(), self.target, self.headers, body, self.parser.should_keep_alive())
+        )
         if not self.serving:
             self.serving = True
             self.loop.create_task(self._serve())
@@ -133,8 +137,15 @@ class _Connection(asyncio.Protocol):
             try:
                 status, body, ctype, extra = await self.handler(request)
             except Exception:
-                log.exception("unhandled error answering %s %s", request.method.decode(), request.target.decode("latin-1"))
-                status, body, ctype, extra = 500, b'{"error": {"rule": "internal", "message": "internal proxy error"}}', b"application/json", []
+                log.exception(
+                    "unhandled error answering %s %s", request.method.decode(), request.target.decode("latin-1")
+                )
+                status, body, ctype, extra = (
+                    500,
+                    b'{"error": {"rule": "internal", "message": "internal proxy error"}}',
+                    b"application/json",
+                    [],
+                )
             if self.closing:  # the client went away meanwhile
                 break
             self._write(status, body, ctype, extra, request.keep_alive)
@@ -149,7 +160,10 @@ class _Connection(asyncio.Protocol):
             self._close_rejected()
 
     def _write(self, status: int, body: bytes, ctype: bytes, extra: list, keep_alive: bool) -> None:
-        head = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (status, REASONS.get(status, b"Unknown"), ctype, len(body))]
+        head = [
+            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+            % (status, REASONS.get(status, b"Unknown"), ctype, len(body))
+        ]
         head += [b"%s: %s\r\n" % pair for pair in extra]
         if not keep_alive:
             head.append(b"connection: close\r\n")
@@ -165,7 +179,8 @@ class _Connection(asyncio.Protocol):
         self._reject(413, "request_too_large", message, limit=self.max_body_bytes)
 
     def _reject(self, status: int, rule: str, message: str, **extra) -> None:
-        """A request that cannot be served: answered after the requests before it, then the connection drains and closes."""
+        """A request that cannot be served: answered after the requests before it, then the connection drains and
+        closes."""
         if self.rejection is not None:
             return
         self.rejection = (status, orjson.dumps({"error": {"rule": rule, "message": message, **extra}}))
@@ -194,7 +209,9 @@ class Front:
 
     async def start(self, host: str, port: int, *, backlog: int = 2048) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Connection(self.handler, self.connections, self.max_body_bytes), host, port, backlog=backlog)
+        self.server = await loop.create_server(
+            lambda: _Connection(self.handler, self.connections, self.max_body_bytes), host, port, backlog=backlog
+        )
 
     async def shutdown(self, grace: float) -> None:
         """Stop accepting, let requests in progress finish for up to ``grace`` seconds, then close every connection."""

@@ -69,7 +69,9 @@ class ProbeReport:
 
     def table(self) -> str:
         width = max(len(c.name) for c in self.checks)
-        head = f"upstream {self.upstream}  endpoint {self.endpoint}  mode {self.mode}  K {self.k}  vocab {self.vocab_size}"
+        head = (
+            f"upstream {self.upstream}  endpoint {self.endpoint}  mode {self.mode}  K {self.k}  vocab {self.vocab_size}"
+        )
         rows = [f"  {'PASS' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}" for c in self.checks]
         verdict = "COMPATIBLE" if self.compatible else f"INCOMPATIBLE: {self.cause}"
         return "\n".join([head, *rows, verdict])
@@ -107,7 +109,9 @@ async def learn_vocab_size(upstream: UpstreamPool) -> int | None:
     found = VOCAB_BOUND.search(message)
     if found and 0 < int(found.group(1)) <= largest:
         vocab = int(found.group(1))
-        if (await _token_id_accepted(upstream, vocab - 1))[0] == 200 and (await _token_id_accepted(upstream, vocab))[0] == 400:
+        if (await _token_id_accepted(upstream, vocab - 1))[0] == 200 and (await _token_id_accepted(upstream, vocab))[
+            0
+        ] == 400:
             return vocab
     low, high = 0, largest  # id `low` is accepted (0 always is), `high` refused
     if (await _token_id_accepted(upstream, 0))[0] != 200:
@@ -126,9 +130,16 @@ VOCAB_BOUND = re.compile(r"valid range is \[0, (\d+)\)")
 
 async def _token_id_accepted(upstream: UpstreamPool, token_id: int) -> tuple[int | None, str]:
     """``(status, error message)`` of a generation-free request asking for ``token_id``'s log-prob."""
-    body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "token_ids_logprob": [token_id]}
+    body = {
+        "input_ids": [0],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "token_ids_logprob": [token_id],
+    }
     try:
-        status, reply, _ = await upstream.request(b"POST", b"/generate", orjson.dumps(body), [(b"content-type", b"application/json")])
+        status, reply, _ = await upstream.request(
+            b"POST", b"/generate", orjson.dumps(body), [(b"content-type", b"application/json")]
+        )
     except OSError:
         return None, ""
     return status, reply[:500].decode(errors="replace")
@@ -152,9 +163,17 @@ def _unstated_defaults(info_body: bytes) -> list[str]:
 def canary_body(contract: Contract) -> bytes:
     """A small training request, rewritten to the contract like any proxied one."""
     if contract.endpoint == "chat":
-        body = {"model": "default", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": CANARY_TOKENS, "ignore_eos": True}
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": CANARY_TOKENS,
+            "ignore_eos": True,
+        }
         return rewrite_body(orjson.dumps(body), "chat", contract)
-    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": CANARY_TOKENS, "ignore_eos": True}}
+    body = {
+        "text": "The capital of France is",
+        "sampling_params": {"max_new_tokens": CANARY_TOKENS, "ignore_eos": True},
+    }
     return rewrite_body(orjson.dumps(body), "generate", contract)
 
 
@@ -167,33 +186,54 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
     except OSError as exc:
         report.add("upstream reachable", False, f"cannot reach {upstream.url}/get_model_info: {exc}")
         return report
-    if not report.add("upstream reachable", info_status not in (401, 403), f"GET /get_model_info answered {info_status}"
-                      + (": the upstream wants an API key; set CENTERLINE_UPSTREAM_API_KEY (or _FILE)" if info_status in (401, 403) else "")):
+    if not report.add(
+        "upstream reachable",
+        info_status not in (401, 403),
+        f"GET /get_model_info answered {info_status}"
+        + (
+            ": the upstream wants an API key; set CENTERLINE_UPSTREAM_API_KEY (or _FILE)"
+            if info_status in (401, 403)
+            else ""
+        ),
+    ):
         return report
 
     defaults = _unstated_defaults(info_body) if info_status == 200 else []
-    if not report.add("server sampling defaults overridable", not defaults,
-                      "every default the server may fill is stated by each training request" if not defaults else
-                      f"--preferred-sampling-params sets {', '.join(defaults)}, which a request cannot override through a router "
-                      "and which changes what is sampled; start SGLang without them"):  # fmt: skip
+    detail = "every default the server may fill is stated by each training request"
+    if defaults:
+        detail = (
+            f"--preferred-sampling-params sets {', '.join(defaults)}, which a request cannot override through a "
+            "router and which changes what is sampled; start SGLang without them"
+        )
+    if not report.add("server sampling defaults overridable", not defaults, detail):
         return report
 
     # Learned before the canary is sent: top_logprobs_num above the vocabulary takes an SGLang server down.
     report.vocab_size = vocab_size or await learn_vocab_size(upstream)
-    if not report.add("vocab size known", report.vocab_size is not None,
-                      f"{report.vocab_size}" if report.vocab_size else "the upstream neither reports vocab_size nor range-checks "
-                      "token_ids_logprob (not SGLang?); pass --vocab-size"):  # fmt: skip
+    if not report.add(
+        "vocab size known",
+        report.vocab_size is not None,
+        f"{report.vocab_size}"
+        if report.vocab_size
+        else "the upstream neither reports vocab_size nor range-checks "
+        "token_ids_logprob (not SGLang?); pass --vocab-size",
+    ):
         return report
-    if contract.mode == "selected" and not report.add(
-        "K within the vocabulary", contract.k <= report.vocab_size,
-        f"K={contract.k} <= vocab {report.vocab_size}" if contract.k <= report.vocab_size else
-        f"K={contract.k} is above the model's vocabulary of {report.vocab_size}: SGLang 0.5.23 takes its server down on "
-        f"top_logprobs_num above the vocabulary, so nothing is sent; lower --rollout-top-logprobs-num to at most {report.vocab_size}",
-    ):  # fmt: skip
+    vocab = report.vocab_size
+    detail = f"K={contract.k} <= vocab {vocab}"
+    if contract.k > vocab:
+        detail = (
+            f"K={contract.k} is above the model's vocabulary of {vocab}: SGLang 0.5.23 takes its server down on "
+            "top_logprobs_num above the vocabulary, so nothing is sent; lower --rollout-top-logprobs-num "
+            f"to at most {vocab}"
+        )
+    if contract.mode == "selected" and not report.add("K within the vocabulary", contract.k <= vocab, detail):
         return report
 
     try:
-        status, body, ctype = await upstream.request(b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")])
+        status, body, ctype = await upstream.request(
+            b"POST", path.encode(), canary_body(contract), [(b"content-type", b"application/json")]
+        )
     except OSError as exc:
         report.add("request answered", False, f"POST {path} to {upstream.url} failed: {exc}")
         return report
@@ -201,7 +241,10 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
     if status != 200:
         text = body[:300].decode(errors="replace")
         if contract.endpoint == "chat" and contract.k > CHAT_TOP_LOGPROBS_CAP and status in (400, 422):
-            detail = f"router rejects top_logprobs above {CHAT_TOP_LOGPROBS_CAP} (chat top_logprobs={contract.k} answered {status}: {text}); use --rollout-endpoint generate or K <= {CHAT_TOP_LOGPROBS_CAP}"
+            detail = (
+                f"router rejects top_logprobs above {CHAT_TOP_LOGPROBS_CAP} (chat top_logprobs={contract.k} answered "
+                f"{status}: {text}); use --rollout-endpoint generate or K <= {CHAT_TOP_LOGPROBS_CAP}"
+            )
         else:
             detail = f"the canary request was answered {status}: {text}"
         report.add("request accepted", False, detail)
@@ -216,37 +259,72 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
         return report
     except ContractViolation as exc:
         if exc.rule == "missing_token_ids":
-            report.add("token ids returned", False, "drops token ids on chat: no choices[].meta_info (return_meta_info was dropped), and chat logprobs name tokens by text only")
+            report.add(
+                "token ids returned",
+                False,
+                "drops token ids on chat: no choices[].meta_info (return_meta_info was dropped), and chat logprobs "
+                "name tokens by text only",
+            )
         else:
             report.add("response readable", False, f"{exc.rule}: {exc}")
         return report
-    report.add("token ids returned", True, "meta_info present" + (" (return_meta_info kept)" if contract.endpoint == "chat" else ""))
+    report.add(
+        "token ids returned",
+        True,
+        "meta_info present" + (" (return_meta_info kept)" if contract.endpoint == "chat" else ""),
+    )
     if contract.endpoint == "chat":
         choice = doc["choices"][0]
         kept = isinstance(choice.get("prompt_token_ids"), list) and bool(choice["prompt_token_ids"])
-        if not report.add("prompt ids returned", kept, "choices[].prompt_token_ids present (return_prompt_token_ids kept)" if kept else
-                          "drops return_prompt_token_ids: the prompt SGLang rendered from the chat template is unknown, so it cannot be "
-                          "trained on; use --rollout-endpoint generate"):  # fmt: skip
+        detail = "choices[].prompt_token_ids present (return_prompt_token_ids kept)"
+        if not kept:
+            detail = (
+                "drops return_prompt_token_ids: the prompt SGLang rendered from the chat template is unknown, "
+                "so it cannot be trained on; use --rollout-endpoint generate"
+            )
+        if not report.add("prompt ids returned", kept, detail):
             return report
 
     meta = metas[0]
     if contract.mode == "support":
-        kept = isinstance(meta.get("output_token_sampling_mask"), list) and isinstance(meta.get("output_token_sampling_logprobs"), list)
-        detail = "output_token_sampling_mask and output_token_sampling_logprobs present" if kept else (
-            "drops sampling_logprobs_mode/return_sampling_mask: the response has no output_token_sampling_mask/"
-            "output_token_sampling_logprobs, so filtered rollouts would carry no support")
+        kept = isinstance(meta.get("output_token_sampling_mask"), list) and isinstance(
+            meta.get("output_token_sampling_logprobs"), list
+        )
+        detail = (
+            "output_token_sampling_mask and output_token_sampling_logprobs present"
+            if kept
+            else (
+                "drops sampling_logprobs_mode/return_sampling_mask: the response has no output_token_sampling_mask/"
+                "output_token_sampling_logprobs, so filtered rollouts would carry no support"
+            )
+        )
     else:
         kept = isinstance(meta.get("output_top_logprobs"), list)
-        detail = "output_top_logprobs present" if kept else "drops top_logprobs_num/return_logprob: the response has no output_top_logprobs"
+        detail = (
+            "output_top_logprobs present"
+            if kept
+            else "drops top_logprobs_num/return_logprob: the response has no output_top_logprobs"
+        )
     if not report.add("candidate fields returned", kept, detail):
         return report
 
     tokens = len(meta.get("output_token_logprobs") or [])
-    if not report.add("tokens generated", tokens > 0, f"{tokens} tokens" if tokens else "the canary generated no tokens, nothing to check"):
+    if not report.add(
+        "tokens generated",
+        tokens > 0,
+        f"{tokens} tokens" if tokens else "the canary generated no tokens, nothing to check",
+    ):
         return report
 
     try:
-        result = audit_body(body, endpoint=contract.endpoint, mode=contract.mode, k=contract.k, vocab_size=report.vocab_size, content_type=ctype)
+        result = audit_body(
+            body,
+            endpoint=contract.endpoint,
+            mode=contract.mode,
+            k=contract.k,
+            vocab_size=report.vocab_size,
+            content_type=ctype,
+        )
     except ContractViolation as exc:
         report.add("complete candidate sets", False, _cause(exc))
         return report
@@ -292,7 +370,9 @@ def main(argv: list[str]) -> int:
     return 0 if report.compatible else 1
 
 
-async def _probe_once(upstream: str, contract: Contract, vocab_size: int | None, timeout: float, api_key: str | None) -> ProbeReport:
+async def _probe_once(
+    upstream: str, contract: Contract, vocab_size: int | None, timeout: float, api_key: str | None
+) -> ProbeReport:
     pool = UpstreamPool(upstream, timeout=timeout, api_key=api_key)
     try:
         return await probe(pool, contract, vocab_size=vocab_size)

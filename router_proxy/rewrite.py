@@ -2,7 +2,8 @@
 
 The proxy owns the log-prob fields of a training request: whatever the client sent for them
 is replaced by what the configured contract needs, and every sampling setting is stated
-(``_set_sampling``), so nothing is left for the server to fill from its defaults. Sampling settings that would change the
+(``_set_sampling``), so nothing is left for the server to fill from its defaults. Sampling settings that would change
+the
 distribution the trainer assumes (another temperature, min-p, penalties, constrained
 decoding, streaming that cannot be audited) are refused with ``RequestRejected``, which
 names the field; the server turns it into HTTP 400.
@@ -20,7 +21,14 @@ SGLANG_TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter" default
 
 # The log-prob fields the proxy sets or removes; a client's value for them never reaches the upstream.
 NATIVE_OWNED = ("return_logprob", "top_logprobs_num", "return_sampling_mask", "sampling_logprobs_mode")
-CHAT_OWNED = ("logprobs", "top_logprobs", "return_meta_info", "return_prompt_token_ids", "return_sampling_mask", "sampling_logprobs_mode")
+CHAT_OWNED = (
+    "logprobs",
+    "top_logprobs",
+    "return_meta_info",
+    "return_prompt_token_ids",
+    "return_sampling_mask",
+    "sampling_logprobs_mode",
+)
 
 
 class RequestRejected(ValueError):
@@ -50,7 +58,7 @@ class Contract:
     endpoint: str  # "generate" | "chat": the endpoint the probe checks
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "Contract":
+    def from_config(cls, cfg: Config) -> Contract:
         return cls(
             k=cfg.rollout_top_logprobs_num,
             temperature=cfg.rollout_temperature,
@@ -61,7 +69,9 @@ class Contract:
         )
 
 
-def rewrite_body(raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None, vocab_size: int | None = None) -> bytes:
+def rewrite_body(
+    raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None, vocab_size: int | None = None
+) -> bytes:
     """The request body ``raw`` for ``endpoint`` ("generate" | "chat") rewritten to ``contract``;
     a client's K above ``max_k`` is refused even though the contract's K replaces it
     (``vocab_size``, when ``max_k`` is the vocabulary, names it in the refusal)."""
@@ -89,7 +99,10 @@ def check_k(body: dict, endpoint: str, max_k: int, vocab_size: int | None = None
     for k in value if isinstance(value, list) else (value,):
         if isinstance(k, (int, float)) and not isinstance(k, bool) and k > max_k:
             if max_k == vocab_size:
-                why = f"above the model's vocabulary of {vocab_size} (SGLang takes its server down on such a request); ask for at most {vocab_size}"
+                why = (
+                    f"above the model's vocabulary of {vocab_size} (SGLang takes its server down on such a request); "
+                    f"ask for at most {vocab_size}"
+                )
             else:
                 why = f"above the proxy's limit of {max_k} candidates per token (--max-top-logprobs-num)"
             raise RequestRejected(name, f"is {k}, {why}", value=k, limit=max_k)
@@ -109,9 +122,13 @@ def check_eval_body(raw: bytes, endpoint: str, max_k: int, vocab_size: int | Non
 def rewrite_generate(body: dict, c: Contract) -> None:
     """Native /generate, in place: ``return_logprob`` plus top-K or the support fields."""
     if body.get("stream"):
-        raise RequestRejected("stream", "a streamed response cannot be audited before it reaches the client; send stream=false")
+        raise RequestRejected(
+            "stream", "a streamed response cannot be audited before it reaches the client; send stream=false"
+        )
     if body.get("custom_logit_processor"):
-        raise RequestRejected("custom_logit_processor", "a custom logit processor changes the sampling distribution the trainer assumes")
+        raise RequestRejected(
+            "custom_logit_processor", "a custom logit processor changes the sampling distribution the trainer assumes"
+        )
     params = body.get("sampling_params")
     if params is None:
         params = body["sampling_params"] = {}
@@ -120,7 +137,10 @@ def rewrite_generate(body: dict, c: Contract) -> None:
     _check_sampling(params, c, prefix="sampling_params.")
     for name in ("json_schema", "regex", "ebnf", "structural_tag"):
         if params.get(name) is not None:
-            raise RequestRejected(f"sampling_params.{name}", "constrained decoding samples from a masked distribution the candidates do not describe")
+            raise RequestRejected(
+                f"sampling_params.{name}",
+                "constrained decoding samples from a masked distribution the candidates do not describe",
+            )
     _set_sampling(params, c, min_tokens="min_new_tokens")
     for name in NATIVE_OWNED:
         body.pop(name, None)
@@ -133,16 +153,23 @@ def rewrite_generate(body: dict, c: Contract) -> None:
 
 
 def rewrite_chat(body: dict, c: Contract) -> None:
-    """/v1/chat/completions, in place: ``logprobs``, top-K or the support fields, and ``return_meta_info`` for token ids."""
+    """/v1/chat/completions, in place: ``logprobs``, top-K or the support fields, and ``return_meta_info`` for token
+    ids."""
     if body.get("stream"):
-        raise RequestRejected("stream", "a streamed response cannot be audited before it reaches the client; send stream=false")
+        raise RequestRejected(
+            "stream", "a streamed response cannot be audited before it reaches the client; send stream=false"
+        )
     _check_sampling(body, c, prefix="")
     for name in ("regex", "ebnf", "json_schema"):
         if body.get(name) is not None:
-            raise RequestRejected(name, "constrained decoding samples from a masked distribution the candidates do not describe")
+            raise RequestRejected(
+                name, "constrained decoding samples from a masked distribution the candidates do not describe"
+            )
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        raise RequestRejected("response_format", "structured output is constrained decoding; only {\"type\": \"text\"} is allowed")
+        raise RequestRejected(
+            "response_format", 'structured output is constrained decoding; only {"type": "text"} is allowed'
+        )
     _set_sampling(body, c, min_tokens=None)
     for name in CHAT_OWNED:
         body.pop(name, None)
@@ -167,7 +194,11 @@ def _check_sampling(params: dict, c: Contract, *, prefix: str) -> None:
 
     t = number("temperature")
     if t is not None and abs(t - c.temperature) > 1e-9:
-        raise RequestRejected(prefix + "temperature", f"is {t}, the contract samples at {c.temperature} (--rollout-temperature); the trainer divides its logits by that value")
+        raise RequestRejected(
+            prefix + "temperature",
+            f"is {t}, the contract samples at {c.temperature} (--rollout-temperature); the trainer divides its logits "
+            "by that value",
+        )
     p = number("top_p")
     if p is not None and abs(p - c.top_p) > 1e-9:
         raise RequestRejected(prefix + "top_p", f"is {p}, the contract samples with top_p {c.top_p} (--rollout-top-p)")
@@ -176,15 +207,27 @@ def _check_sampling(params: dict, c: Contract, *, prefix: str) -> None:
     if k is not None and not (k == c.top_k or (c.top_k == -1 and k in off)):
         raise RequestRejected(prefix + "top_k", f"is {k}, the contract samples with top_k {c.top_k} (--rollout-top-k)")
     if number("min_p") not in (None, 0):
-        raise RequestRejected(prefix + "min_p", f"is {params['min_p']}; min-p filtering is not supported by the contract (its support is not recorded)")
+        raise RequestRejected(
+            prefix + "min_p",
+            f"is {params['min_p']}; min-p filtering is not supported by the contract (its support is not recorded)",
+        )
     for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)):
         if number(name) not in (None, neutral):
-            raise RequestRejected(prefix + name, f"is {params[name]}; penalties change the sampled distribution, only {neutral} is allowed")
+            raise RequestRejected(
+                prefix + name,
+                f"is {params[name]}; penalties change the sampled distribution, only {neutral} is allowed",
+            )
     if params.get("logit_bias"):
-        raise RequestRejected(prefix + "logit_bias", "a logit bias changes the sampled distribution the candidates describe")
+        raise RequestRejected(
+            prefix + "logit_bias", "a logit bias changes the sampled distribution the candidates describe"
+        )
     for name in ("min_new_tokens", "min_tokens"):
         if number(name) not in (None, 0):
-            raise RequestRejected(prefix + name, f"is {params[name]}; a minimum length masks the end-of-sequence token, a distribution the candidates do not describe")
+            raise RequestRejected(
+                prefix + name,
+                f"is {params[name]}; a minimum length masks the end-of-sequence token, a distribution the candidates "
+                "do not describe",
+            )
 
 
 # Every setting SGLang's sampler reads, stated in each training request. A setting left unset
@@ -195,8 +238,20 @@ NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "rep
 # Settings of --preferred-sampling-params that change neither what is sampled nor what its
 # candidates describe; any other one there cannot be overridden through a router (it drops
 # logit_bias, custom_params, ...), so the probe refuses such an upstream.
-HARMLESS_DEFAULTS = frozenset({"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                               "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed", "stream_interval"})  # fmt: skip
+HARMLESS_DEFAULTS = frozenset(
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "n",
+        "sampling_seed",
+        "stream_interval",
+    }
+)
 STATED = frozenset({"temperature", "top_p", "top_k", *NEUTRAL, "min_new_tokens"})
 
 

@@ -58,13 +58,35 @@ PASS_THROUGH = {b"/health", b"/health_generate", b"/v1/models"}
 MODEL_INFO = {b"/get_model_info", b"/model_info"}  # forwarded, with the learned vocab_size added
 # Engine and router administration: never reachable through the proxy (the trainer calls engines directly).
 ADMIN_PREFIXES = (
-    "/update_weight", "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-    "/end_weight_update", "/get_weight_version", "/flush_cache", "/pause_generation", "/continue_generation",
-    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/shutdown", "/workers",
-    "/add_worker", "/remove_worker", "/list_workers", "/start_profile", "/stop_profile", "/configure_logging",
-    "/set_internal_state", "/load_lora_adapter", "/unload_lora_adapter", "/slow_down", "/open_session", "/close_session",
-    "/server_info", "/get_server_info",  # SGLang 0.5.23 shows its --admin-api-key and --api-key there, to anyone
-)  # fmt: skip
+    "/update_weight",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/get_weight_version",
+    "/flush_cache",
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/abort_request",
+    "/shutdown",
+    "/workers",
+    "/add_worker",
+    "/remove_worker",
+    "/list_workers",
+    "/start_profile",
+    "/stop_profile",
+    "/configure_logging",
+    "/set_internal_state",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/slow_down",
+    "/open_session",
+    "/close_session",
+    "/server_info",
+    "/get_server_info",  # SGLang 0.5.23 shows its --admin-api-key and --api-key there, to anyone
+)
 # What SGLang and its router answer a request they will never serve as it is (a prompt longer
 # than the context, top_k above the sampling-mask limit, a field the router's schema refuses).
 REFUSED = frozenset({400, 413, 422})
@@ -74,11 +96,27 @@ SHUTDOWN_GRACE_S = 10.0  # requests in progress at SIGTERM get this long to fini
 class Proxy:
     """The routes and their state: contract, upstream pool, readiness, metrics and audit events."""
 
-    def __init__(self, upstream: str, contract: Contract, *, audit_mode: str = "enforce", vocab_size: int | None = None,
-                 nats_url: str | None = None, upstream_timeout: float = 1800.0, max_connections: int = 512,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, max_k: int = MAX_TOP_LOGPROBS_NUM, upstream_api_key: str | None = None):  # fmt: skip
-        self.pool = UpstreamPool(upstream, timeout=upstream_timeout, max_connections=max_connections, max_response_bytes=max_response_bytes,
-                                 api_key=upstream_api_key)  # fmt: skip
+    def __init__(
+        self,
+        upstream: str,
+        contract: Contract,
+        *,
+        audit_mode: str = "enforce",
+        vocab_size: int | None = None,
+        nats_url: str | None = None,
+        upstream_timeout: float = 1800.0,
+        max_connections: int = 512,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        max_k: int = MAX_TOP_LOGPROBS_NUM,
+        upstream_api_key: str | None = None,
+    ):
+        self.pool = UpstreamPool(
+            upstream,
+            timeout=upstream_timeout,
+            max_connections=max_connections,
+            max_response_bytes=max_response_bytes,
+            api_key=upstream_api_key,
+        )
         self.max_k = max_k
         self.upstream = self.pool.url
         self.contract = contract
@@ -108,9 +146,19 @@ class Proxy:
         report = await probe(self.pool, self.contract, vocab_size=self.vocab_flag)
         if report.vocab_size:
             self.vocab_size = report.vocab_size
-        if report.compatible != self.ready or (self.report and report.cause != self.report.cause) or self.report is None:
+        if (
+            report.compatible != self.ready
+            or (self.report and report.cause != self.report.cause)
+            or self.report is None
+        ):
             if report.compatible:
-                log.warning("upstream %s is compatible with the contract (%s, %s, K=%d): ready", self.upstream, self.contract.endpoint, self.contract.mode, self.contract.k)
+                log.warning(
+                    "upstream %s is compatible with the contract (%s, %s, K=%d): ready",
+                    self.upstream,
+                    self.contract.endpoint,
+                    self.contract.mode,
+                    self.contract.k,
+                )
             else:
                 log.warning("upstream %s is NOT compatible, proxy not ready: %s", self.upstream, report.cause)
         self.report = report
@@ -130,12 +178,18 @@ class Proxy:
             return await self.training(endpoint, req)
         path = req.path.decode("latin-1")
         if path.startswith(ADMIN_PREFIXES):
-            message = f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"
+            message = (
+                f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"
+            )
             return 403, orjson.dumps({"error": {"rule": "admin_forbidden", "message": message}}), JSON, []
         if req.method == b"GET":
             if path == "/ready":
                 report = self.report
-                body = {"ready": self.ready, "cause": report.cause if report else "capability probe not finished", "upstream": self.upstream}
+                body = {
+                    "ready": self.ready,
+                    "cause": report.cause if report else "capability probe not finished",
+                    "upstream": self.upstream,
+                }
                 return 200 if self.ready else 503, orjson.dumps(body), JSON, []
             if path == "/liveness":
                 return 200, b'{"status":"ok"}', JSON, []
@@ -147,7 +201,14 @@ class Proxy:
                 return await self.model_info(req)
             if req.path in PASS_THROUGH:
                 return await self.forward(req.method, req.target, None, req.headers)
-        return 404, orjson.dumps({"error": {"rule": "not_found", "message": f"{req.method.decode()} {path} is not served by the proxy"}}), JSON, []
+        return (
+            404,
+            orjson.dumps(
+                {"error": {"rule": "not_found", "message": f"{req.method.decode()} {path} is not served by the proxy"}}
+            ),
+            JSON,
+            [],
+        )
 
     async def model_info(self, req: Request) -> Reply:
         """The upstream's model info with ``vocab_size`` added where it reports none (SGLang does
@@ -173,7 +234,9 @@ class Proxy:
 
     def _unreachable(self, target: bytes, exc: OSError) -> ContractViolation:
         if isinstance(exc, UpstreamTooLarge):
-            return ContractViolation("upstream_too_large", f"{self.upstream}{target.decode('latin-1')}: {exc}", expected=exc.limit)
+            return ContractViolation(
+                "upstream_too_large", f"{self.upstream}{target.decode('latin-1')}: {exc}", expected=exc.limit
+            )
         return ContractViolation("upstream_unreachable", f"{self.upstream}{target.decode('latin-1')}: {exc}")
 
     async def known_vocab(self) -> int | None:
@@ -198,9 +261,27 @@ class Proxy:
         started = time.perf_counter()
         if vocab is not None and self.contract.mode == "selected" and self.contract.k > vocab:
             self.metrics.count(self.metrics.requests, endpoint, "rejected")
-            message = (f"the proxy's K={self.contract.k} (--rollout-top-logprobs-num) is above the model's vocabulary of {vocab}: "
-                       f"nothing was sent (SGLang takes its server down on top_logprobs_num above the vocabulary); restart the proxy with K <= {vocab}")  # fmt: skip
-            return 503, orjson.dumps({"error": {"rule": "k_above_vocab", "message": message, "expected": vocab, "found": self.contract.k}}), JSON, []
+            message = (
+                f"the proxy's K={self.contract.k} (--rollout-top-logprobs-num) is above the model's vocabulary of "
+                f"{vocab}: "
+                "nothing was sent (SGLang takes its server down on top_logprobs_num above the vocabulary); restart "
+                f"the proxy with K <= {vocab}"
+            )
+            return (
+                503,
+                orjson.dumps(
+                    {
+                        "error": {
+                            "rule": "k_above_vocab",
+                            "message": message,
+                            "expected": vocab,
+                            "found": self.contract.k,
+                        }
+                    }
+                ),
+                JSON,
+                [],
+            )
         try:
             sent = rewrite_body(req.body, endpoint, self.contract, max_k=limit, vocab_size=vocab)
         except RequestRejected as exc:
@@ -222,13 +303,23 @@ class Proxy:
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
         blocked = violation is not None and self.audit_mode == "enforce"
         if self.publisher.enabled:
-            self.publisher.emit({
-                "ts": time.time(), "path": req.path.decode("latin-1"), "mode": self.contract.mode, "k": self.contract.k,
-                "audit_mode": self.audit_mode, "verdict": "fail" if violation else "ok", "action": "blocked" if blocked else "passed",
-                "error": violation.to_dict() if violation else None, "upstream_status": status,
-                "samples": result.samples if result else None, "tokens": result.tokens if result else None,
-                "upstream_ms": upstream_s * 1e3, "added_ms": added_s * 1e3,
-            })  # fmt: skip
+            self.publisher.emit(
+                {
+                    "ts": time.time(),
+                    "path": req.path.decode("latin-1"),
+                    "mode": self.contract.mode,
+                    "k": self.contract.k,
+                    "audit_mode": self.audit_mode,
+                    "verdict": "fail" if violation else "ok",
+                    "action": "blocked" if blocked else "passed",
+                    "error": violation.to_dict() if violation else None,
+                    "upstream_status": status,
+                    "samples": result.samples if result else None,
+                    "tokens": result.tokens if result else None,
+                    "upstream_ms": upstream_s * 1e3,
+                    "added_ms": added_s * 1e3,
+                }
+            )
         if blocked:  # a refusal keeps its status: the same request would be refused again, the client must not retry it
             return _error(status if violation.rule == "upstream_refused" else 502, violation)
         verdict = b"ok" if violation is None else _verdict(violation).encode()
@@ -239,19 +330,37 @@ class Proxy:
     def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes):
         if status in REFUSED:
             text = body[:1000].decode(errors="replace")
-            return ContractViolation("upstream_refused", f"the upstream refused the request with {status}: {text}", expected=200, found=status), None
+            return ContractViolation(
+                "upstream_refused",
+                f"the upstream refused the request with {status}: {text}",
+                expected=200,
+                found=status,
+            ), None
         if status != 200:
             text = body[:300].decode(errors="replace")
-            return ContractViolation("upstream_status", f"the upstream answered {status}: {text}", expected=200, found=status), None
+            return ContractViolation(
+                "upstream_status", f"the upstream answered {status}: {text}", expected=200, found=status
+            ), None
         if self.vocab_size is None:
-            return ContractViolation("vocab_unknown", "the upstream reports no vocab_size; start the proxy with --vocab-size"), None
+            return ContractViolation(
+                "vocab_unknown", "the upstream reports no vocab_size; start the proxy with --vocab-size"
+            ), None
         try:
-            return None, audit_body(body, endpoint=endpoint, mode=self.contract.mode, k=self.contract.k, vocab_size=self.vocab_size, content_type=ctype)
+            return None, audit_body(
+                body,
+                endpoint=endpoint,
+                mode=self.contract.mode,
+                k=self.contract.k,
+                vocab_size=self.vocab_size,
+                content_type=ctype,
+            )
         except ContractViolation as exc:
             return exc, None
         except Exception as exc:  # a shape no check anticipated is still a malformed response, never a 500
             log.exception("audit failed on an unexpected response shape")
-            return ContractViolation("malformed_response", f"the response could not be audited ({type(exc).__name__}: {exc})"), None
+            return ContractViolation(
+                "malformed_response", f"the response could not be audited ({type(exc).__name__}: {exc})"
+            ), None
 
 
 def _sent_headers(headers: dict) -> list:
@@ -260,7 +369,11 @@ def _sent_headers(headers: dict) -> list:
 
 
 def _verdict(v: ContractViolation) -> str:
-    parts = [f"fail; rule={v.rule}"] + [f"{name}={value}" for name, value in (("sample", v.sample), ("row", v.row), ("expected", v.expected), ("found", v.found)) if value is not None]
+    parts = [f"fail; rule={v.rule}"] + [
+        f"{name}={value}"
+        for name, value in (("sample", v.sample), ("row", v.row), ("expected", v.expected), ("found", v.found))
+        if value is not None
+    ]
     return "; ".join(parts)
 
 
@@ -277,7 +390,8 @@ async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_BODY
     await proxy.start()
     front = Front(proxy.handle, max_body_bytes=max_body_bytes)
     await front.start(host, port)
-    gc.freeze()  # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
+    # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
+    gc.freeze()
     log.warning("proxy on http://%s:%d -> %s (%s)", host, port, proxy.upstream, proxy.contract)
     await stopping.wait()
     await front.shutdown(SHUTDOWN_GRACE_S)
@@ -290,21 +404,36 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--upstream", required=True, help="SGLang router or server URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30010)
-    parser.add_argument("--vocab-size", type=int, default=None, help="used when the upstream's /model_info reports none")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="used when the upstream's /model_info reports none"
+    )
     parser.add_argument("--upstream-timeout", type=float, default=1800.0, help="seconds per upstream request")
-    parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies are refused with 413")
-    parser.add_argument("--max-upstream-response-bytes", type=int, default=MAX_RESPONSE_BYTES,
-                        help="larger upstream answers are cut off and become 502 upstream_too_large")  # fmt: skip
-    parser.add_argument("--max-top-logprobs-num", type=int, default=MAX_TOP_LOGPROBS_NUM,
-                        help="largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400")  # fmt: skip
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies are refused with 413"
+    )
+    parser.add_argument(
+        "--max-upstream-response-bytes",
+        type=int,
+        default=MAX_RESPONSE_BYTES,
+        help="larger upstream answers are cut off and become 502 upstream_too_large",
+    )
+    parser.add_argument(
+        "--max-top-logprobs-num",
+        type=int,
+        default=MAX_TOP_LOGPROBS_NUM,
+        help="largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400",
+    )
     add_arguments(parser)
     args, cfg = parse_args(parser, argv)
     for name in ("max_request_body_bytes", "max_upstream_response_bytes", "max_top_logprobs_num"):
         if getattr(args, name) <= 0:
             parser.exit(2, f"{parser.prog}: --{name.replace('_', '-')} {getattr(args, name)}: must be positive\n")
     if cfg.rollout_top_logprobs_num > args.max_top_logprobs_num:
-        parser.exit(2, f"{parser.prog}: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above --max-top-logprobs-num "
-                       f"{args.max_top_logprobs_num}; raise the limit or lower K\n")  # fmt: skip
+        parser.exit(
+            2,
+            f"{parser.prog}: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above --max-top-logprobs-num "
+            f"{args.max_top_logprobs_num}; raise the limit or lower K\n",
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:
@@ -313,9 +442,17 @@ def main(argv: list[str]) -> int:
         print(f"centerline proxy: {exc}", file=sys.stderr)
         return 2
     try:
-        proxy = Proxy(args.upstream, Contract.from_config(cfg), audit_mode=cfg.proxy_audit_mode, vocab_size=args.vocab_size,
-                      nats_url=nats_url, upstream_timeout=args.upstream_timeout, max_response_bytes=args.max_upstream_response_bytes,
-                      max_k=args.max_top_logprobs_num, upstream_api_key=api_key)  # fmt: skip
+        proxy = Proxy(
+            args.upstream,
+            Contract.from_config(cfg),
+            audit_mode=cfg.proxy_audit_mode,
+            vocab_size=args.vocab_size,
+            nats_url=nats_url,
+            upstream_timeout=args.upstream_timeout,
+            max_response_bytes=args.max_upstream_response_bytes,
+            max_k=args.max_top_logprobs_num,
+            upstream_api_key=api_key,
+        )
     except ValueError as exc:
         print(f"centerline proxy: --upstream: {exc}", file=sys.stderr)
         return 2
@@ -330,6 +467,3 @@ def _nats_configured(args: argparse.Namespace) -> bool:
     if "nats_url" in vars(args) or ENV_PREFIX + "NATS_URL" in os.environ:
         return True
     return "config" in vars(args) and "nats_url" in load_toml(args.config)
-
-
-

@@ -1,7 +1,8 @@
 """The proxy's HTTP/1.1 client: a keep-alive connection pool to one upstream (an SGLang router or server).
 
     pool = UpstreamPool("http://127.0.0.1:30001", timeout=1800, max_connections=512)
-    status, body, content_type = await pool.request(b"POST", b"/generate", body, [(b"content-type", b"application/json")])
+    headers = [(b"content-type", b"application/json")]
+    status, body, content_type = await pool.request(b"POST", b"/generate", body, headers)
 
 Each connection is an asyncio ``Protocol`` whose bytes go through ``httptools.HttpResponseParser``
 (llhttp, C): one ``write`` per request, no stream objects, no per-request task. Bodies may be
@@ -43,9 +44,10 @@ class UpstreamTooLarge(UpstreamError):
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection; at most one request in flight (no pipelining: one slow generation would stall the rest)."""
+    """One keep-alive connection; at most one request in flight (no pipelining: one slow generation would stall the
+    rest)."""
 
-    def __init__(self, pool: "UpstreamPool"):
+    def __init__(self, pool: UpstreamPool):
         self.pool = pool
         self.parser = httptools.HttpResponseParser(self)
         self.transport = None
@@ -73,13 +75,17 @@ class _Connection(asyncio.Protocol):
         limit = self.pool.max_response_bytes
         if self.received > limit:
             self.chunks = []
-            self._fail(UpstreamTooLarge(f"the upstream's answer exceeds {limit} bytes (--max-upstream-response-bytes)", limit))
+            self._fail(
+                UpstreamTooLarge(f"the upstream's answer exceeds {limit} bytes (--max-upstream-response-bytes)", limit)
+            )
             self.transport.abort()
             return
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._fail(UpstreamError(f"the upstream answered something that is not HTTP/1.1 ({type(exc).__name__}: {exc})"))
+            self._fail(
+                UpstreamError(f"the upstream answered something that is not HTTP/1.1 ({type(exc).__name__}: {exc})")
+            )
             self.transport.abort()
 
     def connection_lost(self, exc):
@@ -141,7 +147,9 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
             return
         self.timer.cancel()
-        waiter.set_result((self.parser.get_status_code(), chunks[0] if len(chunks) == 1 else b"".join(chunks), self.content_type))
+        waiter.set_result(
+            (self.parser.get_status_code(), chunks[0] if len(chunks) == 1 else b"".join(chunks), self.content_type)
+        )
         if keep and not self.closed:
             self.reused = True
             self.pool._release(self)
@@ -166,8 +174,16 @@ class _Retry(Exception):
 class UpstreamPool:
     """Keep-alive connections to ``url`` (``http://`` or ``https://``, optionally with a path prefix)."""
 
-    def __init__(self, url: str, *, timeout: float = 1800.0, connect_timeout: float = 10.0, max_connections: int = 512,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, api_key: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 1800.0,
+        connect_timeout: float = 10.0,
+        max_connections: int = 512,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        api_key: str | None = None,
+    ):
         """``api_key``: sent as ``Authorization: Bearer`` on every request (an upstream started with ``--api-key``)."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -186,12 +202,20 @@ class UpstreamPool:
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    async def request(self, method: bytes, path: bytes, body: bytes | None = None, headers=()) -> tuple[int, bytes, bytes]:
-        """``(status, body, content type)`` of one request (content type ``b""`` when absent); ``headers`` are ``(name, value)`` byte pairs."""
+    async def request(
+        self, method: bytes, path: bytes, body: bytes | None = None, headers=()
+    ) -> tuple[int, bytes, bytes]:
+        """``(status, body, content type)`` of one request (content type ``b""`` when absent); ``headers`` are ``(name,
+        value)`` byte pairs."""
         head = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s%s%s\r\n" % (
-            method, self.prefix, path, self.host_header, self.auth, b"".join([b"%s: %s\r\n" % pair for pair in headers]),
+            method,
+            self.prefix,
+            path,
+            self.host_header,
+            self.auth,
+            b"".join([b"%s: %s\r\n" % pair for pair in headers]),
             b"" if body is None else b"content-length: %d\r\n" % len(body),
-        )  # fmt: skip
+        )
         for attempt in (0, 1):
             conn = await self._acquire(fresh=attempt == 1)
             try:
@@ -232,9 +256,10 @@ class UpstreamPool:
         self.opened += 1
         try:
             _, conn = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl), self.connect_timeout
+                self.loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl),
+                self.connect_timeout,
             )
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             self.opened -= 1
             self._wake(None)
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from None

@@ -1,7 +1,7 @@
 """Write docs/config.md from the config schema (shared/config.py), or check it is current.
 
-    python scripts/gen_config_docs.py          # rewrite docs/config.md
-    python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is stale (run by make test)
+python scripts/gen_config_docs.py          # rewrite docs/config.md
+python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is stale (run by make test)
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import admin_key, nats_auth  # noqa: E402
-from shared.config import ENV_PREFIX, Config, flag  # noqa: E402
+from shared import admin_key, nats_auth
+from shared.config import ENV_PREFIX, Config, flag
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -64,9 +64,11 @@ def render() -> str:
         "",
         "| variable | meaning |",
         "|---|---|",
-        f"| `{admin_key.KEY_ENV}` | the admin key: `centerline sglang` gives it to SGLang as `--admin-api-key`, the trainer sends it; unset = none |",
+        f"| `{admin_key.KEY_ENV}` | the admin key: `centerline sglang` gives it to SGLang as `--admin-api-key`, the "
+        "trainer sends it; unset = none |",
         f"| `{admin_key.KEY_FILE_ENV}` | a file holding the admin key (a mounted secret), instead of the above |",
-        f"| `{admin_key.UPSTREAM_KEY_ENV}` | the upstream's `--api-key`, sent by the proxy and the probe; unset = none |",
+        f"| `{admin_key.UPSTREAM_KEY_ENV}` | the upstream's `--api-key`, sent by the proxy and the probe; unset = none "
+        "|",
         f"| `{admin_key.UPSTREAM_KEY_FILE_ENV}` | a file holding the upstream key, instead of the above |",
     ]
     return "\n".join(lines) + "\n"

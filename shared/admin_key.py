@@ -3,7 +3,8 @@
 As SGLang's ``--admin-api-key`` (0.5.23, ``sglang/srt/utils/auth.py``): with a key set, an
 admin endpoint answers 401 ``{"error": "Unauthorized"}`` unless the request carries
 ``Authorization: Bearer <key>``; health, readiness and metrics never need it
-(``tests/sglang/test_admin_key.py``). ``centerline sglang`` passes the key to SGLang; the trainer, the one client of those endpoints,
+(``tests/sglang/test_admin_key.py``). ``centerline sglang`` passes the key to SGLang; the trainer, the one client of
+those endpoints,
 sends the key (``trainer_service/weights.py``); the proxy refuses admin paths and never
 forwards an ``Authorization`` header (``router_proxy/server.py``, docs/design.md section 7).
 
@@ -36,7 +37,9 @@ class AdminKeyError(RuntimeError):
     """An admin key that is contradictory, unreadable or refused; the message names the setting and the fix."""
 
 
-def key_from_env(env: typing.Mapping[str, str] | None = None, *, variable: str = KEY_ENV, file_variable: str = KEY_FILE_ENV) -> str | None:
+def key_from_env(
+    env: typing.Mapping[str, str] | None = None, *, variable: str = KEY_ENV, file_variable: str = KEY_FILE_ENV
+) -> str | None:
     """The key from ``variable`` or the file ``file_variable`` names (trailing newline dropped);
     None when neither is set (an empty value counts as unset). The defaults are the admin key's."""
     env = os.environ if env is None else env
@@ -60,7 +63,9 @@ def upstream_key_from_env(env: typing.Mapping[str, str] | None = None) -> str | 
     ``CENTERLINE_UPSTREAM_API_KEY_FILE`` names. The proxy's own, never a client's."""
     key = key_from_env(env, variable=UPSTREAM_KEY_ENV, file_variable=UPSTREAM_KEY_FILE_ENV)
     if key is not None and not all(33 <= ord(c) < 127 for c in key):  # it goes into an HTTP header line as it is
-        raise AdminKeyError(f"{UPSTREAM_KEY_ENV}: the key holds whitespace, control or non-ASCII characters; use printable ASCII")
+        raise AdminKeyError(
+            f"{UPSTREAM_KEY_ENV}: the key holds whitespace, control or non-ASCII characters; use printable ASCII"
+        )
     return key
 
 

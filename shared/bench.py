@@ -41,7 +41,9 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
     parser.add_argument("--samples", type=int, default=16, help="samples B the tokens are split into")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--sizes", default="256,16384", help="extra token counts to report (bench wire), comma-separated; '' for none")
+    parser.add_argument(
+        "--sizes", default="256,16384", help="extra token counts to report (bench wire), comma-separated; '' for none"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     return parser
 
@@ -65,7 +67,10 @@ def wire_figures(batch, repeats: int) -> dict:
     memcpy_prealloc = _median_seconds(lambda: np.copyto(dst, src), repeats=repeats, inner=5)
 
     def nested():
-        doc = {name: getattr(batch, name).tolist() for name in ("response_ids", "sampled_logprobs", "cand_ids", "cand_logprobs")}
+        doc = {
+            name: getattr(batch, name).tolist()
+            for name in ("response_ids", "sampled_logprobs", "cand_ids", "cand_logprobs")
+        }
         back = msgpack.unpackb(msgpack.packb(doc))
         return {name: np.asarray(value, dtype=getattr(batch, name).dtype) for name, value in back.items()}
 
@@ -88,7 +93,10 @@ def bench_wire(argv: list[str]) -> int:
     args = _parser("centerline bench wire", bench_wire.__doc__).parse_args(argv)
     result = {"bench": "wire", **wire_figures(_batch(args), args.repeats)}
     sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
-    result["sizes"] = [wire_figures(make_batch(samples=4, tokens_per_sample=n // 4, k=args.k, vocab_size=args.vocab), args.repeats) for n in sizes]
+    result["sizes"] = [
+        wire_figures(make_batch(samples=4, tokens_per_sample=n // 4, k=args.k, vocab_size=args.vocab), args.repeats)
+        for n in sizes
+    ]
     print(json.dumps(result))
     return 0
 
@@ -97,9 +105,19 @@ def bench_contract(argv: list[str]) -> int:
     """Cost of the full completeness contract on one batch (selected and support mode)."""
     args = _parser("centerline bench contract", bench_contract.__doc__).parse_args(argv)
     batch = _batch(args)
-    seconds = _median_seconds(lambda: check_batch(batch, vocab_size=args.vocab, current_version=0, max_staleness=1, seen=()), repeats=args.repeats)
+    seconds = _median_seconds(
+        lambda: check_batch(batch, vocab_size=args.vocab, current_version=0, max_staleness=1, seen=()),
+        repeats=args.repeats,
+    )
     per_sample = max(1, args.tokens // args.samples)
-    support = make_batch(samples=args.samples, tokens_per_sample=per_sample, k=args.k, vocab_size=args.vocab, mode="support", top_k=args.k)
+    support = make_batch(
+        samples=args.samples,
+        tokens_per_sample=per_sample,
+        k=args.k,
+        vocab_size=args.vocab,
+        mode="support",
+        top_k=args.k,
+    )
     support_s = _median_seconds(lambda: check_batch(support, vocab_size=args.vocab), repeats=args.repeats)
     result = {
         "bench": "contract",

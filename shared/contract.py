@@ -79,7 +79,9 @@ def check_batch(
     check_shapes(batch)
     if seen is not None and batch.batch_id in seen:
         raise ContractViolation(
-            "duplicate_batch", f"batch {batch.batch_id!r} was already trained on; a redelivery is dropped", found=batch.batch_id
+            "duplicate_batch",
+            f"batch {batch.batch_id!r} was already trained on; a redelivery is dropped",
+            found=batch.batch_id,
         )
     if current_version is not None:
         _check_version(batch.weight_version, current_version, max_staleness)
@@ -139,7 +141,10 @@ def check_shapes(batch: Batch) -> None:
     }
     for name, shape in expected.items():
         if getattr(batch, name).shape != shape:
-            fail(f"{name} has shape {list(getattr(batch, name).shape)}, expected {list(shape)} (B={b}, N={n}, K={batch.k})")
+            fail(
+                f"{name} has shape {list(getattr(batch, name).shape)}, expected {list(shape)} (B={b}, N={n}, "
+                f"K={batch.k})"
+            )
     if batch.prompt_ids.ndim != 1:
         fail(f"prompt_ids has shape {list(batch.prompt_ids.shape)}, expected one dimension")
     for name, total in (("offsets", n), ("prompt_offsets", batch.prompt_ids.shape[0])):
@@ -190,7 +195,12 @@ def check_rows(
     bad = (response_ids < 0) | (response_ids >= vocab_size)
     if bad.any():
         i = where.first(bad)
-        raise where.violation("bad_token", i, f"sampled token id {int(response_ids[i])} is outside [0, {vocab_size})", found=int(response_ids[i]))
+        raise where.violation(
+            "bad_token",
+            i,
+            f"sampled token id {int(response_ids[i])} is outside [0, {vocab_size})",
+            found=int(response_ids[i]),
+        )
 
     empty = cand_ids == -1
     bad = ((cand_ids < -1) | (cand_ids >= vocab_size)).any(axis=1)
@@ -198,7 +208,10 @@ def check_rows(
         i = where.first(bad)
         col = int(np.flatnonzero((cand_ids[i] < -1) | (cand_ids[i] >= vocab_size))[0])
         raise where.violation(
-            "bad_candidate", i, f"candidate {col} has id {int(cand_ids[i, col])}, outside [-1, {vocab_size})", found=int(cand_ids[i, col])
+            "bad_candidate",
+            i,
+            f"candidate {col} has id {int(cand_ids[i, col])}, outside [-1, {vocab_size})",
+            found=int(cand_ids[i, col]),
         )
 
     finite = np.isfinite(cand_logprobs)
@@ -219,7 +232,9 @@ def check_rows(
     if bad.any():
         i = where.first(bad)
         found = float(max(cand_logprobs[i].max(), sampled_logprobs[i]))
-        raise where.violation("positive_logprob", i, f"log-prob {found} is above 0: these are not log-probabilities", found=found)
+        raise where.violation(
+            "positive_logprob", i, f"log-prob {found} is above 0: these are not log-probabilities", found=found
+        )
 
     counts = k - empty.sum(axis=1)
     if mode == "selected":
@@ -228,22 +243,33 @@ def check_rows(
         if bad.any():
             i = where.first(bad)
             raise where.violation(
-                "short_row", i, f"has {int(counts[i])} candidates, expected {need}" + _short_row_cause(int(counts[i]), need),
-                expected=need, found=int(counts[i]),
-            )  # fmt: skip
+                "short_row",
+                i,
+                f"has {int(counts[i])} candidates, expected {need}" + _short_row_cause(int(counts[i]), need),
+                expected=need,
+                found=int(counts[i]),
+            )
 
     ordered = np.sort(cand_ids, axis=1)
     bad = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)
     if bad.any():
         i = where.first(bad)
         dup = ordered[i, 1:][(ordered[i, 1:] == ordered[i, :-1]) & (ordered[i, 1:] >= 0)][0]
-        raise where.violation("duplicate_candidate", i, f"candidate id {int(dup)} appears more than once", found=int(dup))
+        raise where.violation(
+            "duplicate_candidate", i, f"candidate id {int(dup)} appears more than once", found=int(dup)
+        )
 
     mass = np.exp(cand_logprobs).sum(axis=1)
     bad = mass > 1 + MASS_TOL
     if bad.any():
         i = where.first(bad)
-        raise where.violation("row_mass", i, f"candidate probabilities sum to {float(mass[i]):.7f}, above 1 + {MASS_TOL}", expected=1.0, found=float(mass[i]))
+        raise where.violation(
+            "row_mass",
+            i,
+            f"candidate probabilities sum to {float(mass[i]):.7f}, above 1 + {MASS_TOL}",
+            expected=1.0,
+            found=float(mass[i]),
+        )
 
     match = cand_ids == response_ids[:, None]
     in_row = match.any(axis=1)
@@ -252,14 +278,27 @@ def check_rows(
         if bad.any():
             i = where.first(bad)
             raise where.violation(
-                "support_mass", i, f"support probabilities sum to {float(mass[i]):.7f}, expected 1 within {MASS_TOL}"
-                + (" (empty support: the router probably dropped sampling_logprobs_mode/return_sampling_mask; run `centerline probe`)" if counts[i] == 0 else ""),
-                expected=1.0, found=float(mass[i]),
-            )  # fmt: skip
+                "support_mass",
+                i,
+                f"support probabilities sum to {float(mass[i]):.7f}, expected 1 within {MASS_TOL}"
+                + (
+                    " (empty support: the router probably dropped sampling_logprobs_mode/return_sampling_mask; run "
+                    "`centerline probe`)"
+                    if counts[i] == 0
+                    else ""
+                ),
+                expected=1.0,
+                found=float(mass[i]),
+            )
         bad = loss_mask & ~in_row
         if bad.any():
             i = where.first(bad)
-            raise where.violation("sampled_not_in_support", i, f"sampled token {int(response_ids[i])} is not in the recorded support", found=int(response_ids[i]))
+            raise where.violation(
+                "sampled_not_in_support",
+                i,
+                f"sampled token {int(response_ids[i])} is not in the recorded support",
+                found=int(response_ids[i]),
+            )
 
     sampled_cand = np.where(match, cand_logprobs, 0).sum(axis=1)
     bad = in_row & (np.abs(sampled_cand - sampled_logprobs) > MASS_TOL)
@@ -268,8 +307,10 @@ def check_rows(
         raise where.violation(
             "sampled_mismatch",
             i,
-            f"sampled token {int(response_ids[i])} has candidate log-prob {float(sampled_cand[i]):.7f} but sampled log-prob "
-            f"{float(sampled_logprobs[i]):.7f}; the two come from different distributions (temperature or filter applied to one only)",
+            f"sampled token {int(response_ids[i])} has candidate log-prob {float(sampled_cand[i]):.7f} but sampled "
+            "log-prob "
+            f"{float(sampled_logprobs[i]):.7f}; the two come from different distributions (temperature or filter "
+            "applied to one only)",
             expected=float(sampled_logprobs[i]),
             found=float(sampled_cand[i]),
         )
@@ -277,7 +318,10 @@ def check_rows(
 
 def _short_row_cause(found: int, need: int) -> str:
     if found == 0:
-        return ": the upstream returned no top-logprobs; the router probably dropped top_logprobs_num/return_logprob. Run `centerline probe`"
+        return (
+            ": the upstream returned no top-logprobs; the router probably dropped top_logprobs_num/return_logprob. "
+            "Run `centerline probe`"
+        )
     if found == 20 and need > 20:
         return f": the router probably caps top_logprobs at 20; run `centerline probe --k {need}`"
     return ": the upstream or a router truncated the candidate list; run `centerline probe`"

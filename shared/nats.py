@@ -143,7 +143,11 @@ class EmbeddedNats:
             "  sync_interval: always  # fsync before every ack: acked means on disk",
             "}",
         ]
-        no_auth = "no_auth_user: admin  # no passwords given: a connection without credentials is admin\n" if self.passwords is None else ""
+        no_auth = (
+            "no_auth_user: admin  # no passwords given: a connection without credentials is admin\n"
+            if self.passwords is None
+            else ""
+        )
         return "\n".join(lines) + "\n" + nats_auth.accounts_config() + no_auth
 
     def credentials(self, user: str) -> dict[str, str]:
@@ -266,19 +270,32 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
 
     return [
         stream(names.PROMPTS_STREAM, names.PROMPTS_SUBJECT, retention=RetentionPolicy.WORK_QUEUE),
-        stream(names.ROLLOUTS_STREAM, names.ROLLOUTS_SUBJECT, max_age=limits.rollouts_max_age,
-               max_bytes=limits.rollouts_max_bytes),
+        stream(
+            names.ROLLOUTS_STREAM,
+            names.ROLLOUTS_SUBJECT,
+            max_age=limits.rollouts_max_age,
+            max_bytes=limits.rollouts_max_bytes,
+        ),
         stream(names.DLQ_STREAM, names.DLQ_SUBJECT, max_age=limits.dlq_max_age),
         stream(names.WEIGHTS_STREAM, names.WEIGHTS_SUBJECT, per_subject=1),
         stream(names.AUDIT_STREAM, names.AUDIT_SUBJECT, max_age=limits.audit_max_age, max_bytes=limits.audit_max_bytes),
         stream(names.ADVISORIES_STREAM, names.ADVISORIES_SUBJECTS, max_age=limits.advisories_max_age),
-    ]  # fmt: skip
+    ]
 
 
 # Fields compared with an existing stream; JetStream refuses to change the first two in place.
 FIXED_FIELDS = ("retention", "storage")
-COMPARED_FIELDS = (*FIXED_FIELDS, "subjects", "discard", "max_msgs", "max_bytes", "max_age",
-                   "max_msgs_per_subject", "duplicate_window", "num_replicas")  # fmt: skip
+COMPARED_FIELDS = (
+    *FIXED_FIELDS,
+    "subjects",
+    "discard",
+    "max_msgs",
+    "max_bytes",
+    "max_age",
+    "max_msgs_per_subject",
+    "duplicate_window",
+    "num_replicas",
+)
 
 
 async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> dict[str, str]:
@@ -296,31 +313,40 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
             try:
                 await js.add_stream(want)
             except nats.errors.TimeoutError:
-                raise StreamConfigError(f"stream {want.name} does not exist and the request to create it got no answer: "
-                                        + _REFUSED) from None  # fmt: skip
+                raise StreamConfigError(
+                    f"stream {want.name} does not exist and the request to create it got no answer: " + _REFUSED
+                ) from None
             outcome[want.name] = "created"
             continue
-        diffs = {f: (getattr(have, f), getattr(want, f)) for f in COMPARED_FIELDS if getattr(have, f) != getattr(want, f)}
+        diffs = {
+            f: (getattr(have, f), getattr(want, f)) for f in COMPARED_FIELDS if getattr(have, f) != getattr(want, f)
+        }
         if not diffs:
             outcome[want.name] = "unchanged"
             continue
         fixed = {f: d for f, d in diffs.items() if f in FIXED_FIELDS}
         if fixed:
-            raise StreamConfigError(_diff_message(want.name, fixed) + "; JetStream cannot change this in place: "
-                                    "delete the stream (its messages are lost) or change the setting back")  # fmt: skip
+            raise StreamConfigError(
+                _diff_message(want.name, fixed) + "; JetStream cannot change this in place: "
+                "delete the stream (its messages are lost) or change the setting back"
+            )
         try:
             await js.update_stream(replace(have, **{f: getattr(want, f) for f in diffs}))
         except APIError as exc:
             raise StreamConfigError(_diff_message(want.name, diffs) + f"; the update was refused: {exc}") from exc
         except nats.errors.TimeoutError:
-            raise StreamConfigError(_diff_message(want.name, diffs) + "; the update got no answer: " + _REFUSED) from None
+            raise StreamConfigError(
+                _diff_message(want.name, diffs) + "; the update got no answer: " + _REFUSED
+            ) from None
         outcome[want.name] = "updated"
     return outcome
 
 
 # nats-server drops a request the user's permissions refuse (the client logs a "Permissions Violation").
-_REFUSED = ("this NATS user is probably not allowed to manage streams (shared/nats_auth.py). The trainer, "
-            "`centerline up` and the admin user create them: start the trainer first, or fix the setting as admin")  # fmt: skip
+_REFUSED = (
+    "this NATS user is probably not allowed to manage streams (shared/nats_auth.py). The trainer, "
+    "`centerline up` and the admin user create them: start the trainer first, or fix the setting as admin"
+)
 
 
 def _diff_message(stream: str, diffs: dict) -> str:
@@ -329,8 +355,9 @@ def _diff_message(stream: str, diffs: dict) -> str:
     return f"stream {stream}: {parts}"
 
 
-async def connect(url: str, *, name: str | None = None, user: str | None = None, password: str | None = None,
-                  **options) -> nats.NATS:  # fmt: skip
+async def connect(
+    url: str, *, name: str | None = None, user: str | None = None, password: str | None = None, **options
+) -> nats.NATS:
     """Connect with reconnects that never give up, so a server restart does not end a service.
 
     Logs in as ``user``, else as ``CENTERLINE_NATS_USER`` with ``CENTERLINE_NATS_PASSWORD`` (or
@@ -370,11 +397,15 @@ async def connect(url: str, *, name: str | None = None, user: str | None = None,
 def _refused(url: str, user: str | None) -> CredentialsError:
     where = f"NATS at {nats_auth.redact(url)}"
     if user is None:
-        return CredentialsError(f"{where} requires a user and password: set {nats_auth.USER_ENV} and "
-                                f"{nats_auth.PASSWORD_ENV} (or {nats_auth.PASSWORD_FILE_ENV})")  # fmt: skip
-    return CredentialsError(f"{where} refused user {user!r} (Authorization Violation): an unknown user, or a password "
-                            f"({nats_auth.PASSWORD_ENV} or {nats_auth.PASSWORD_FILE_ENV}) that differs from the "
-                            f"server's {nats_auth.password_variable(user)}")  # fmt: skip
+        return CredentialsError(
+            f"{where} requires a user and password: set {nats_auth.USER_ENV} and "
+            f"{nats_auth.PASSWORD_ENV} (or {nats_auth.PASSWORD_FILE_ENV})"
+        )
+    return CredentialsError(
+        f"{where} refused user {user!r} (Authorization Violation): an unknown user, or a password "
+        f"({nats_auth.PASSWORD_ENV} or {nats_auth.PASSWORD_FILE_ENV}) that differs from the "
+        f"server's {nats_auth.password_variable(user)}"
+    )
 
 
 async def _log_error(exc: Exception) -> None:
@@ -411,12 +442,30 @@ async def publish_batch(
         parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
     else:
         parts = split_batch(decode_batch(batch), limit)
-    return [await publish_acked(js, subject, part.data, {names.MSG_ID_HEADER: part.batch_id}, what=f"batch {part.batch_id!r}",
-                                timeout=timeout, attempts=attempts) for part in parts]  # fmt: skip
+    return [
+        await publish_acked(
+            js,
+            subject,
+            part.data,
+            {names.MSG_ID_HEADER: part.batch_id},
+            what=f"batch {part.batch_id!r}",
+            timeout=timeout,
+            attempts=attempts,
+        )
+        for part in parts
+    ]
 
 
-async def publish_acked(js: JetStreamContext, subject: str, data: bytes, headers: dict | None = None, *, what: str = "message",
-                        timeout: float = 10.0, attempts: int = 3) -> PubAck:
+async def publish_acked(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    headers: dict | None = None,
+    *,
+    what: str = "message",
+    timeout: float = 10.0,
+    attempts: int = 3,
+) -> PubAck:
     """JetStream-publish and wait for the PubAck, repeating a publish that got none (lost in
     a server restart or a reconnect, or stored with its PubAck lost) ``attempts`` times in all,
     then raise ``PublishError`` naming ``what``. Repeating is safe only where a second copy is
@@ -426,8 +475,10 @@ async def publish_acked(js: JetStreamContext, subject: str, data: bytes, headers
             return await js.publish(subject, data, timeout=timeout, headers=headers)
         except nats.errors.TimeoutError:
             if attempt == attempts:
-                raise PublishError(f"no PubAck for {what} on {subject!r} after {attempts} attempts of {timeout}s: "
-                                   "is the NATS server reachable?") from None  # fmt: skip
+                raise PublishError(
+                    f"no PubAck for {what} on {subject!r} after {attempts} attempts of {timeout}s: "
+                    "is the NATS server reachable?"
+                ) from None
     raise AssertionError("unreachable")
 
 
@@ -444,7 +495,7 @@ class PullConsumer:
         """Up to ``max_msgs`` messages, fewer (or none) if ``timeout`` seconds pass first."""
         try:
             return await self.sub.fetch(max_msgs, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either, by code path
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either, by code path
             return []
 
     @staticmethod
@@ -505,11 +556,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--http-port", type=int, default=None, help="monitoring port (/healthz, /varz)")
     parser.add_argument("--max-payload", type=int, default=names.DEFAULT_MAX_PAYLOAD, help="bytes per message")
     args = parser.parse_args(argv)
-    server = EmbeddedNats(args.data_dir, host=args.host, port=args.port, http_port=args.http_port,
-                          max_payload=args.max_payload)  # fmt: skip
+    server = EmbeddedNats(
+        args.data_dir, host=args.host, port=args.port, http_port=args.http_port, max_payload=args.max_payload
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with server:
-        streams = asyncio.run(provision(server.url, **server.credentials("admin")))  # not this shell's CENTERLINE_NATS_USER
+        streams = asyncio.run(
+            provision(server.url, **server.credentials("admin"))
+        )  # not this shell's CENTERLINE_NATS_USER
         print(json.dumps({"url": server.url, "streams": streams}), flush=True)
         try:
             return 0 if server.proc.wait() == 0 else 1  # the server stopped on its own

@@ -5,10 +5,12 @@ system account. Each service connects as its own user and may touch only its own
 
 | user | publishes | consumes (durable pull consumer) | stream admin |
 |---|---|---|---|
-| ``trainer`` | ``prompts.tasks``, ``weights.updated``, ``rollouts.dlq`` | ROLLOUTS via ``trainer`` | create, update, info |
+| ``trainer`` | ``prompts.tasks``, ``weights.updated``, ``rollouts.dlq`` | ROLLOUTS via ``trainer`` | create, update,
+info |
 | ``worker`` | ``rollouts.batches``, ``rollouts.dlq`` (contract failures) | PROMPTS via ``rollout_workers`` | info |
 | ``proxy`` | ``audit.proxy`` (core publish) | none | info |
-| ``admin`` | everything in the account: operator tools (``centerline record``/``replay``, the ``nats`` CLI), stream provisioning, tests | | all |
+| ``admin`` | everything in the account: operator tools (``centerline record``/``replay``, the ``nats`` CLI), stream
+provisioning, tests | | all |
 
 Nobody but ``admin`` may delete or purge a stream, and no user but ``admin`` can see another's
 replies: a user's inbox is ``_INBOX_<user>.>`` (``shared.nats.connect`` sets nats-py's
@@ -71,9 +73,14 @@ def _consumer(stream: str, durable: str, filter_subject: str) -> list[str]:
     """JetStream API and ack subjects of one durable pull consumer: create or update it (the
     legacy durable form nats-py sends, and the 2.9+ named form), read its info, fetch, ack."""
     api = "$JS.API.CONSUMER"
-    return [f"{api}.DURABLE.CREATE.{stream}.{durable}", f"{api}.CREATE.{stream}.{durable}",
-            f"{api}.CREATE.{stream}.{durable}.{filter_subject}", f"{api}.INFO.{stream}.{durable}",
-            f"{api}.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]  # fmt: skip
+    return [
+        f"{api}.DURABLE.CREATE.{stream}.{durable}",
+        f"{api}.CREATE.{stream}.{durable}",
+        f"{api}.CREATE.{stream}.{durable}.{filter_subject}",
+        f"{api}.INFO.{stream}.{durable}",
+        f"{api}.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    ]
 
 
 STREAM_INFO = "$JS.API.STREAM.INFO.*"  # ensure_streams reads every stream's settings first
@@ -85,16 +92,26 @@ def permissions() -> dict[str, dict[str, list[str]]]:
     return {
         "admin": {"publish": [">"], "subscribe": [">"]},
         "trainer": {
-            "publish": [names.PROMPTS_SUBJECT, names.WEIGHTS_SUBJECT, names.DLQ_SUBJECT, STREAM_INFO,
-                        "$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*",
-                        *_consumer(names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER, names.ROLLOUTS_SUBJECT)],
+            "publish": [
+                names.PROMPTS_SUBJECT,
+                names.WEIGHTS_SUBJECT,
+                names.DLQ_SUBJECT,
+                STREAM_INFO,
+                "$JS.API.STREAM.CREATE.*",
+                "$JS.API.STREAM.UPDATE.*",
+                *_consumer(names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER, names.ROLLOUTS_SUBJECT),
+            ],
             "subscribe": [inbox_prefix("trainer") + ".>"],
-        },  # fmt: skip
+        },
         "worker": {
-            "publish": [names.ROLLOUTS_SUBJECT, names.DLQ_SUBJECT, STREAM_INFO,
-                        *_consumer(names.PROMPTS_STREAM, names.WORKERS_CONSUMER, names.PROMPTS_SUBJECT)],
+            "publish": [
+                names.ROLLOUTS_SUBJECT,
+                names.DLQ_SUBJECT,
+                STREAM_INFO,
+                *_consumer(names.PROMPTS_STREAM, names.WORKERS_CONSUMER, names.PROMPTS_SUBJECT),
+            ],
             "subscribe": [inbox_prefix("worker") + ".>"],
-        },  # fmt: skip
+        },
         "proxy": {"publish": [names.AUDIT_SUBJECT, STREAM_INFO], "subscribe": [inbox_prefix("proxy") + ".>"]},
     }
 
@@ -117,15 +134,25 @@ def accounts_config() -> str:
             if len(perms[action]) == 1:
                 lines.append(f"        {action}: [{q(perms[action][0])}]")
             else:
-                lines += [f"        {action}: [", *(f"          {q(subject)}" for subject in perms[action]), "        ]"]
+                lines += [
+                    f"        {action}: [",
+                    *(f"          {q(subject)}" for subject in perms[action]),
+                    "        ]",
+                ]
         lines.append("      }}")
-    lines += ["    ]", "  }", f"  {SYSTEM_ACCOUNT} {{}}  # the server's own account; add a user here for `nats server` commands", "}",
-              f"system_account: {SYSTEM_ACCOUNT}"]  # fmt: skip
+    lines += [
+        "    ]",
+        "  }",
+        f"  {SYSTEM_ACCOUNT} {{}}  # the server's own account; add a user here for `nats server` commands",
+        "}",
+        f"system_account: {SYSTEM_ACCOUNT}",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def new_password() -> str:
-    """A random password nats-server reads back unchanged from its environment: a letter, then 32 URL-safe characters."""
+    """A random password nats-server reads back unchanged from its environment: a letter, then 32 URL-safe
+    characters."""
     return secrets.choice(string.ascii_letters) + secrets.token_urlsafe(24)
 
 
@@ -159,7 +186,9 @@ def credentials_from_env(env: typing.Mapping[str, str] | None = None) -> tuple[s
         try:
             password = Path(path).read_text().rstrip("\r\n")
         except OSError as exc:
-            raise CredentialsError(f"{PASSWORD_FILE_ENV}={path}: cannot read the password file ({exc.strerror})") from None
+            raise CredentialsError(
+                f"{PASSWORD_FILE_ENV}={path}: cannot read the password file ({exc.strerror})"
+            ) from None
     if user is None and password is not None:
         raise CredentialsError(f"a NATS password is set but no user: set {USER_ENV} (trainer, worker, proxy or admin)")
     if user is not None and not password:
@@ -207,8 +236,11 @@ def _write_private(path: Path, text: str) -> None:
 
 def main(argv: list[str]) -> int:
     """``centerline nats-credentials DIR``: random NATS passwords for compose and Kubernetes."""
-    parser = argparse.ArgumentParser(prog="centerline nats-credentials", description=main.__doc__,
-                                     epilog="Existing passwords are kept; delete a user's directory to rotate it.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="centerline nats-credentials",
+        description=main.__doc__,
+        epilog="Existing passwords are kept; delete a user's directory to rotate it.",
+    )
     parser.add_argument("dir", type=Path, help="credentials directory: <user>/password and nats.env")
     args = parser.parse_args(argv)
     print(json.dumps({"dir": str(args.dir), **write_credentials(args.dir)}))

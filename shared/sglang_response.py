@@ -65,8 +65,11 @@ def weight_versions(metas: list[dict]) -> list[int]:
         try:
             out.append(0 if version == INITIAL_VERSION else int(version))
         except (TypeError, ValueError):
-            raise malformed(f"sample {i}: meta_info.weight_version is {version!r}, expected {INITIAL_VERSION!r} or a string of an int "
-                            "(the trainer names versions 0, 1, ...)") from None  # fmt: skip
+            raise malformed(
+                f"sample {i}: meta_info.weight_version is {version!r}, expected {INITIAL_VERSION!r} or a string of an "
+                "int "
+                "(the trainer names versions 0, 1, ...)"
+            ) from None
     return out
 
 
@@ -82,8 +85,12 @@ def check_not_aborted(metas: list[dict]) -> None:
     for i, meta in enumerate(metas):
         reason = meta.get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort":
-            raise ContractViolation("sample_aborted", f"sample {i} was aborted by the upstream ({reason.get('message')!r}), its output "
-                                    "cut off; the request may be retried", sample=i)  # fmt: skip
+            raise ContractViolation(
+                "sample_aborted",
+                f"sample {i} was aborted by the upstream ({reason.get('message')!r}), its output "
+                "cut off; the request may be retried",
+                sample=i,
+            )
 
 
 def native_metas(doc) -> list[dict]:
@@ -113,8 +120,10 @@ def chat_metas(doc) -> list[dict]:
         if meta is None:
             raise ContractViolation(
                 "missing_token_ids",
-                f"choices[{i}] has no meta_info, so the response carries no token ids (chat logprobs name tokens by text only); "
-                "the router probably dropped return_meta_info. Use --rollout-endpoint generate or a router that keeps it; run `centerline probe`",
+                f"choices[{i}] has no meta_info, so the response carries no token ids (chat logprobs name tokens by "
+                "text only); "
+                "the router probably dropped return_meta_info. Use --rollout-endpoint generate or a router that keeps "
+                "it; run `centerline probe`",
                 sample=i,
             )
         if not isinstance(meta, dict):
@@ -124,7 +133,8 @@ def chat_metas(doc) -> list[dict]:
 
 
 def to_arrays(metas: list[dict], *, mode: str, k: int):
-    """``(response_ids, sampled_logprobs, loss_mask, cand_ids [N, K], cand_logprobs [N, K], offsets)`` of the samples."""
+    """``(response_ids, sampled_logprobs, loss_mask, cand_ids [N, K], cand_logprobs [N, K], offsets)`` of the
+    samples."""
     sampled_rows = [_field(m, "output_token_logprobs", i, required=True) for i, m in enumerate(metas)]
     lengths = [len(rows) for rows in sampled_rows]
     offsets = np.zeros(len(metas) + 1, np.int64)
@@ -148,7 +158,9 @@ def to_arrays(metas: list[dict], *, mode: str, k: int):
     widest = int(counts.max()) if n else 0
     if widest > k:
         row = int(np.argmax(counts))
-        raise ContractViolation("shape", f"row {row} holds {widest} candidates, more than K={k}", row=row, expected=k, found=widest)
+        raise ContractViolation(
+            "shape", f"row {row} holds {widest} candidates, more than K={k}", row=row, expected=k, found=widest
+        )
     if n and widest == k and int(counts.min()) == k:
         cand_ids, cand_logprobs = cand_id.reshape(n, k), cand_lp.reshape(n, k)
     else:  # short rows: fill the leading slots, the rest stay empty (-1 / -inf) for check_rows to judge
@@ -173,7 +185,9 @@ def _support_sampled_logprobs(ids, logprobs, cand_ids, cand_logprobs) -> np.ndar
     bad = ~np.isfinite(logprobs)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ContractViolation("non_finite", f"row {i} sampled log-prob is {logprobs[i]}; the sampler produced NaN/inf", row=i)
+        raise ContractViolation(
+            "non_finite", f"row {i} sampled log-prob is {logprobs[i]}; the sampler produced NaN/inf", row=i
+        )
     match = cand_ids == ids[:, None]
     return np.where(match.any(axis=1), np.where(match, cand_logprobs, 0.0).sum(axis=1), logprobs)
 
@@ -222,7 +236,9 @@ def _entries(entries: list, name: str) -> tuple[np.ndarray, np.ndarray]:
         raise malformed(f"meta_info.{name} entries must be [logprob, id, text], found lengths {sorted(widths)[:4]}")
     flat = list(chain.from_iterable(entries))
     width = widths.pop()
-    return _column(flat[0::width], _NUMBER, np.float64, name + " log-probs"), _column(flat[1::width], _INT, np.int64, name + " ids")
+    return _column(flat[0::width], _NUMBER, np.float64, name + " log-probs"), _column(
+        flat[1::width], _INT, np.int64, name + " ids"
+    )
 
 
 def _column(values: list, allowed: set, dtype, name: str) -> np.ndarray:
@@ -230,7 +246,9 @@ def _column(values: list, allowed: set, dtype, name: str) -> np.ndarray:
     found = set(map(type, values))
     if not found <= allowed:
         bad = sorted(t.__name__ for t in found - allowed)
-        raise malformed(f"{name} hold {', '.join(bad)} values, expected {' or '.join(sorted(t.__name__ for t in allowed))}")
+        raise malformed(
+            f"{name} hold {', '.join(bad)} values, expected {' or '.join(sorted(t.__name__ for t in allowed))}"
+        )
     try:
         return np.array(values, dtype=dtype)
     except OverflowError:

@@ -37,7 +37,11 @@ def make_batch(
         logits = rng.standard_normal((min(256, n - start), vocab_size)) * 2.0
         top_logit = logits.max(axis=1, keepdims=True)
         logp = logits - (top_logit + np.log(np.exp(logits - top_logit).sum(axis=1, keepdims=True)))
-        top = np.argpartition(-logp, width - 1, axis=1)[:, :width] if width < vocab_size else np.tile(np.arange(vocab_size), (len(logp), 1))
+        top = (
+            np.argpartition(-logp, width - 1, axis=1)[:, :width]
+            if width < vocab_size
+            else np.tile(np.arange(vocab_size), (len(logp), 1))
+        )
         top_lp = np.take_along_axis(logp, top, axis=1)
         order = np.argsort(-top_lp, axis=1, kind="stable")
         head[start : start + len(logp)] = np.take_along_axis(top, order, axis=1)

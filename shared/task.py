@@ -31,7 +31,7 @@ class PromptTask:
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "PromptTask":
+    def from_bytes(cls, data: bytes) -> PromptTask:
         try:
             doc = orjson.loads(data)
         except orjson.JSONDecodeError as exc:

@@ -60,7 +60,12 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"add {a}+{b}=", str(a + b)
 
 
-TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"reverse": _reverse, "copy": _copy, "upper": _upper, "add": _add}
+TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
+    "reverse": _reverse,
+    "copy": _copy,
+    "upper": _upper,
+    "add": _add,
+}
 
 
 def is_heldout(prompt: str) -> bool:
@@ -68,7 +73,8 @@ def is_heldout(prompt: str) -> bool:
 
 
 def examples(task: str, n: int, seed: int, split: str = "train") -> list[tuple[str, str]]:
-    """``n`` (prompt, answer) pairs of ``task`` from ``split`` ("train" | "heldout"); a pure function of its arguments."""
+    """``n`` (prompt, answer) pairs of ``task`` from ``split`` ("train" | "heldout"); a pure function of its
+    arguments."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
     if split not in ("train", "heldout"):
@@ -115,7 +121,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task", required=True, choices=sorted(TASKS))
     parser.add_argument("--n", type=int, required=True, help="rows to write")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", choices=("train", "heldout"), default="train", help="heldout: prompts with crc32 %% 10 == 0")
+    parser.add_argument(
+        "--split", choices=("train", "heldout"), default="train", help="heldout: prompts with crc32 %% 10 == 0"
+    )
     parser.add_argument("--reward", choices=sorted(REWARDS), default="exact", help="reward function named in each row")
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     args = parser.parse_args(argv)
@@ -126,8 +134,14 @@ def main(argv: list[str]) -> int:
     rows = examples(args.task, args.n, args.seed, args.split)
     with open(args.out, "wb") as f:
         for i, (prompt, answer) in enumerate(rows):
-            row = {"id": f"{args.task}/{args.split}/{args.seed}/{i}", "prompt": prompt, "answer": answer,
-                   "reward": args.reward, "task": args.task, "split": args.split}  # fmt: skip
+            row = {
+                "id": f"{args.task}/{args.split}/{args.seed}/{i}",
+                "prompt": prompt,
+                "answer": answer,
+                "reward": args.reward,
+                "task": args.task,
+                "split": args.split,
+            }
             f.write(orjson.dumps(row) + b"\n")
     print(f"wrote {len(rows)} {args.split} rows of {args.task} to {args.out}")
     return 0

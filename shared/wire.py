@@ -126,7 +126,10 @@ def encode_batch(batch: Batch) -> bytes:
     head["top_p"] = float(batch.top_p)
     for name in LIST_FIELDS:
         head[name] = list(getattr(batch, name))
-    parts = [_map_header(len(head) + len(ARRAY_FIELDS)), msgpack.packb(head, use_bin_type=True)[_map_header_len(len(head)) :]]
+    parts = [
+        _map_header(len(head) + len(ARRAY_FIELDS)),
+        msgpack.packb(head, use_bin_type=True)[_map_header_len(len(head)) :],
+    ]
     for name, dtype in ARRAY_FIELDS.items():
         arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
         # A C-contiguous array is its own buffer: join copies its bytes straight into the message.
@@ -181,7 +184,9 @@ def decode_batch(data: bytes | bytearray | memoryview, *, limits: WireLimits = W
 
 def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
     version = doc.get("v")
-    if type(version) is not int or version != WIRE_VERSION:  # an array-shaped map is read as an ndarray: compare no such thing
+    if (
+        type(version) is not int or version != WIRE_VERSION
+    ):  # an array-shaped map is read as an ndarray: compare no such thing
         shown = repr(version) if version is None or type(version) in (int, str) else type(version).__name__
         raise WireError(f"wire format version {shown} is not supported; this decoder reads version {WIRE_VERSION}")
     values: dict = {}
@@ -231,7 +236,9 @@ def _array_from_doc(name: str, spec, expected_dtype: str, limits: WireLimits) ->
     if len(shape) > limits.max_ndim:
         raise WireError(f"array field {name!r} has {len(shape)} dimensions, above max_ndim={limits.max_ndim}")
     if any(d > limits.max_message_bytes for d in shape):
-        raise WireError(f"array field {name!r} has shape {shape}: a dimension above max_message_bytes={limits.max_message_bytes}")
+        raise WireError(
+            f"array field {name!r} has shape {shape}: a dimension above max_message_bytes={limits.max_message_bytes}"
+        )
     if not isinstance(data, (bytes, memoryview)):
         raise WireError(f"array field {name!r} has data of type {type(data).__name__}, expected bin")
     np_dtype = DTYPES[dtype]
@@ -240,7 +247,8 @@ def _array_from_doc(name: str, spec, expected_dtype: str, limits: WireLimits) ->
         count *= d
     if count * np_dtype.itemsize != len(data):
         raise WireError(
-            f"array field {name!r}: shape {shape} of {dtype} needs {count * np_dtype.itemsize} bytes, data has {len(data)}"
+            f"array field {name!r}: shape {shape} of {dtype} needs {count * np_dtype.itemsize} bytes, data has "
+            f"{len(data)}"
         )
     return np.ndarray(shape, np_dtype, buffer=data)  # a view: no copy
 
@@ -360,7 +368,10 @@ class _Reader:
 
     def map(self, n: int, depth: int) -> dict:
         if n > self.limits.max_map_len or 2 * n > self.end - self.pos:
-            raise WireError(f"map of {n} entries at offset {self.pos} exceeds max_map_len={self.limits.max_map_len} or the bytes left")
+            raise WireError(
+                f"map of {n} entries at offset {self.pos} exceeds max_map_len={self.limits.max_map_len} or the bytes "
+                "left"
+            )
         out = {}
         raw = self.raw
         for _ in range(n):

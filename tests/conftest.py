@@ -29,9 +29,32 @@ def up_run(tmp_path_factory) -> UpRun:
     read the same finished run instead of starting their own (each start costs a minute here)."""
     tmp = tmp_path_factory.mktemp("up")
     run_dir = tmp / "run"
-    argv = [sys.executable, "-m", "centerline", "up", "--task", "copy", "--steps", "3", "--workers", "2",
-            "--trainer-ranks", "2", "--prompts-per-step", "3", "--rollout-n", "2", "--eval-prompts", "8",
-            "--eval-every", "2", "--model-dir", str(tmp / "models"), "--run-dir", str(run_dir)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "up",
+        "--task",
+        "copy",
+        "--steps",
+        "3",
+        "--workers",
+        "2",
+        "--trainer-ranks",
+        "2",
+        "--prompts-per-step",
+        "3",
+        "--rollout-n",
+        "2",
+        "--eval-prompts",
+        "8",
+        "--eval-every",
+        "2",
+        "--model-dir",
+        str(tmp / "models"),
+        "--run-dir",
+        str(run_dir),
+    ]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return UpRun(run_dir=run_dir, model_dir=tmp / "models" / "sft-copy-seed0", stdout=run.stdout)

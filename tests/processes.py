@@ -27,7 +27,9 @@ def free_port() -> int:
 def http(method: str, url: str, body=None, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, object]:
     """One HTTP request with a JSON body; returns (status, parsed JSON or text)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -61,7 +63,9 @@ class Process:
     def __init__(self, cmd: list[str], log_path: Path, env: dict | None = None):
         """``env`` adds to the tests' environment (a key, say)."""
         self.log_path = log_path
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**ENV, **(env or {})}, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env={**ENV, **(env or {})}, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -91,11 +95,17 @@ class SGLangProcess(Process):
     def start(self) -> None:
         """Start (again, after `stop`) on the same port with the same flags."""
         cmd = [sys.executable, "-m", "centerline", "sglang", "--model", str(self.model_dir), "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd + (["--", *self.extra] if self.extra else []), cwd=REPO, env={**ENV, **self.env},
-                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd + (["--", *self.extra] if self.extra else []),
+            cwd=REPO,
+            env={**ENV, **self.env},
+            stdout=open(self.log_path, "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_until(lambda: http("GET", self.url + "/health", timeout=2)[0] == 200, 180, "SGLang", self.proc)
-        except Exception:
+        except Exception:  # noqa: BLE001 (whatever went wrong, the log says more than the exception)
             self.stop()
             raise RuntimeError(f"SGLang failed to start:\n{self.log()[-6000:]}") from None
 
@@ -118,7 +128,7 @@ class SGLangProcess(Process):
     def weight_version(self) -> str:
         return http("GET", self.url + "/model_info", timeout=30)[1]["weight_version"]
 
-    def serve(self, model_dir: Path) -> "SGLangProcess":
+    def serve(self, model_dir: Path) -> SGLangProcess:
         """Alive (started again if it died) and serving ``model_dir`` at weight version "default":
         what the ``sglang`` fixture hands over, for fixtures of a wider scope than a test."""
         if self.proc.poll() is not None or http("GET", self.url + "/health", timeout=5)[0] != 200:
@@ -148,9 +158,10 @@ class Router(Process):
         def routes():
             body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
             return http("POST", self.url + "/generate", body, timeout=5, headers=headers)[0] == 200
+
         try:
             wait_until(routes, 120, "sglang-router", self.proc)
-        except Exception:
+        except Exception:  # noqa: BLE001 (whatever went wrong, the log says more than the exception)
             self.stop()
             raise RuntimeError(f"router failed to start:\n{self.log()[-6000:]}") from None
 
@@ -171,6 +182,10 @@ async def stored_messages(nats_url: str, stream: str) -> list:
     js = nc.jetstream()
     try:
         state = (await js.stream_info(stream)).state
-        return [await js.get_msg(stream, seq) for seq in range(state.first_seq, state.last_seq + 1)] if state.messages else []
+        return (
+            [await js.get_msg(stream, seq) for seq in range(state.first_seq, state.last_seq + 1)]
+            if state.messages
+            else []
+        )
     finally:
         await nc.close()

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def centerline(*argv):
-    return subprocess.run([sys.executable, "-m", "centerline", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "centerline", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 @pytest.mark.parametrize("table", [COMMANDS, BENCHES])

@@ -18,13 +18,15 @@ from shared.nats import EmbeddedNats, connect
 from shared.wire import decode_batch
 
 
-
 async def stream_state(url: str) -> dict:
     nc = await connect(url)
     js = nc.jetstream()
     try:
         rollouts = await js.stream_info(names.ROLLOUTS_STREAM)
-        batches = [decode_batch((await js.get_msg(names.ROLLOUTS_STREAM, seq)).data) for seq in range(rollouts.state.first_seq, rollouts.state.last_seq + 1)]
+        batches = [
+            decode_batch((await js.get_msg(names.ROLLOUTS_STREAM, seq)).data)
+            for seq in range(rollouts.state.first_seq, rollouts.state.last_seq + 1)
+        ]
         return {
             "batches": batches,
             "dlq": (await js.stream_info(names.DLQ_STREAM)).state.messages,

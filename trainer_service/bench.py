@@ -95,8 +95,10 @@ def peak_mb(fn, inputs, kwargs) -> float:
         prof.export_chrome_trace(path)
         with open(path) as fh:
             events = json.load(fh)["traceEvents"]
-    events = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                    key=lambda e: e["ts"])
+    events = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+        key=lambda e: e["ts"],
+    )
     if not events:
         return 0.0
     # The running total is process-wide; measure from its value just before the first event.
@@ -122,14 +124,24 @@ def bench_loss(argv: list[str]) -> int:
     inputs = make_inputs(args.tokens, args.vocab, args.k)
     if args.mode == "support":  # a full support per row: renormalise the head
         inputs["cand_logprobs"] = torch.log_softmax(inputs["cand_logprobs"], 1)
-        inputs["sampled_logprobs"] = inputs["cand_logprobs"].gather(
-            1, (inputs["cand_ids"] == inputs["response_ids"][:, None]).int().argmax(1, keepdim=True)).squeeze(1)
+        inputs["sampled_logprobs"] = (
+            inputs["cand_logprobs"]
+            .gather(1, (inputs["cand_ids"] == inputs["response_ids"][:, None]).int().argmax(1, keepdim=True))
+            .squeeze(1)
+        )
     common = {"temperature": args.temperature, "chunk_size": args.chunk_size}
     sc_kwargs = {"mode": args.mode, "is_mode": args.is_mode, **common}
-    figures = {"tokens": args.tokens, "vocab": args.vocab, "k": args.k, "mode": args.mode, "is_mode": args.is_mode,
-               "threads": torch.get_num_threads()}
-    ms = median_ms({"reinforce": (reinforce_loss, common), "sc": (score_centering_loss, sc_kwargs)}, inputs,
-                   args.repeats)
+    figures = {
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "k": args.k,
+        "mode": args.mode,
+        "is_mode": args.is_mode,
+        "threads": torch.get_num_threads(),
+    }
+    ms = median_ms(
+        {"reinforce": (reinforce_loss, common), "sc": (score_centering_loss, sc_kwargs)}, inputs, args.repeats
+    )
     figures["reinforce_ms"], figures["sc_ms"] = ms["reinforce"], ms["sc"]
     figures["time_ratio"] = figures["sc_ms"] / figures["reinforce_ms"]
     figures["reinforce_peak_mb"] = peak_mb(reinforce_loss, inputs, common)
@@ -138,8 +150,9 @@ def bench_loss(argv: list[str]) -> int:
     figures["logits_mb"] = inputs["logits"].numel() * 4 / 2**20
     if not args.no_autograd_reference:
         ref = {"temperature": args.temperature}
-        figures["autograd_reinforce_ms"] = median_ms({"ref": (autograd_reinforce, ref)}, inputs,
-                                                     max(1, args.repeats // 2))["ref"]
+        figures["autograd_reinforce_ms"] = median_ms(
+            {"ref": (autograd_reinforce, ref)}, inputs, max(1, args.repeats // 2)
+        )["ref"]
         figures["autograd_reinforce_peak_mb"] = peak_mb(autograd_reinforce, inputs, ref)
     print(json.dumps(figures))
     return 0

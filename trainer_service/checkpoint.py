@@ -37,7 +37,7 @@ def is_writer() -> bool:
 
 def fsync_tree(path: Path) -> None:
     """fsync every file under ``path`` and every directory, deepest first."""
-    for root, dirs, files in os.walk(path, topdown=False):
+    for root, _dirs, files in os.walk(path, topdown=False):
         for name in files:
             with open(os.path.join(root, name), "rb") as fh:
                 os.fsync(fh.fileno())

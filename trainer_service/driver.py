@@ -54,8 +54,10 @@ def load_dataset(path: str | Path) -> list[Example]:
                 raise DatasetError(f"{path}:{number}: a line must be a JSON object, found {type(doc).__name__}")
             for key in REQUIRED:
                 if not isinstance(doc.get(key), str):
-                    raise DatasetError(f"{path}:{number}: field {key!r} is {doc.get(key)!r}, expected a string "
-                                       f"(a line needs {', '.join(REQUIRED)}; `centerline dataset` writes them)")
+                    raise DatasetError(
+                        f"{path}:{number}: field {key!r} is {doc.get(key)!r}, expected a string "
+                        f"(a line needs {', '.join(REQUIRED)}; `centerline dataset` writes them)"
+                    )
             meta = {k: v for k, v in doc.items() if k not in REQUIRED}
             examples.append(Example(doc["prompt"], doc["answer"], doc["reward"], meta))
     if not examples:
@@ -66,8 +68,9 @@ def load_dataset(path: str | Path) -> list[Example]:
 class Driver:
     """Turns steps into prompt tasks; ``next_step`` is the data cursor saved in checkpoints."""
 
-    def __init__(self, examples: list[Example], *, run_id: str, seed: int, prompts_per_step: int, n: int,
-                 next_step: int = 0):  # fmt: skip
+    def __init__(
+        self, examples: list[Example], *, run_id: str, seed: int, prompts_per_step: int, n: int, next_step: int = 0
+    ):
         self.examples, self.run_id, self.seed = examples, run_id, seed
         self.prompts_per_step, self.n, self.next_step = prompts_per_step, n, next_step
         self._orders: dict[int, np.ndarray] = {}
@@ -84,8 +87,18 @@ class Driver:
             epoch, index = divmod(position, len(self.examples))
             ex = self.examples[int(self._order(epoch)[index])]
             task_id = f"{self.run_id}/{step}/{j}"
-            out.append(PromptTask(task_id=task_id, group_id=task_id, prompt=ex.prompt, answer=ex.answer,
-                                  reward=ex.reward, n=self.n, step=step, meta=ex.meta))  # fmt: skip
+            out.append(
+                PromptTask(
+                    task_id=task_id,
+                    group_id=task_id,
+                    prompt=ex.prompt,
+                    answer=ex.answer,
+                    reward=ex.reward,
+                    n=self.n,
+                    step=step,
+                    meta=ex.meta,
+                )
+            )
         return out
 
     async def publish_until(self, js, trained_steps: int, inflight: int, last_step: int) -> int:
@@ -102,7 +115,12 @@ class Driver:
         by ``max_deliver`` or terminated by a worker), so that the run goes on with new data."""
         tasks = self.tasks(self.next_step)
         for task in tasks:
-            await publish_acked(js, names.PROMPTS_SUBJECT, task.to_bytes(), {names.MSG_ID_HEADER: task.task_id},
-                                what=f"task {task.task_id!r}")  # fmt: skip
+            await publish_acked(
+                js,
+                names.PROMPTS_SUBJECT,
+                task.to_bytes(),
+                {names.MSG_ID_HEADER: task.task_id},
+                what=f"task {task.task_id!r}",
+            )
         self.next_step += 1
         return len(tasks)

@@ -71,8 +71,9 @@ class Gate:
     def held_samples(self) -> int:
         return sum(h.batch.num_samples for h in self.held.values())
 
-    async def gather(self, target: int, version: int, timeout: float, stopping: asyncio.Event, min_samples: int = 1,
-                     starved=None):  # fmt: skip
+    async def gather(
+        self, target: int, version: int, timeout: float, stopping: asyncio.Event, min_samples: int = 1, starved=None
+    ):
         """Hold accepted batches until they carry ``target`` samples, or ``timeout`` seconds
         passed with at least ``min_samples`` held; returns them in arrival order. Each
         ``timeout`` that passes with fewer than ``min_samples`` held, ``starved()`` is awaited
@@ -81,10 +82,17 @@ class Gate:
         while self.held_samples < target and not stopping.is_set():
             if time.monotonic() > deadline:
                 if self.held_samples >= min_samples:
-                    log.warning("step closes short after %.0fs: %d of %d samples arrived", timeout, self.held_samples, target)
+                    log.warning(
+                        "step closes short after %.0fs: %d of %d samples arrived", timeout, self.held_samples, target
+                    )
                     break
-                log.warning("%d of %d samples after another %.0fs: are rollout workers running? (were tasks given up? "
-                            "see the ADVISORIES stream)", self.held_samples, target, timeout)  # fmt: skip
+                log.warning(
+                    "%d of %d samples after another %.0fs: are rollout workers running? (were tasks given up? "
+                    "see the ADVISORIES stream)",
+                    self.held_samples,
+                    target,
+                    timeout,
+                )
                 if starved is not None:
                     await starved()
                 deadline = time.monotonic() + timeout
@@ -119,8 +127,13 @@ class Gate:
         """Raise ``ContractViolation`` unless ``batch`` may join the current step: the whole
         contract (staleness against ``version``, the ledger and held ids) and ``settings``.
         No I/O, so ``centerline replay --train`` gates recorded batches with it offline."""
-        check_batch(batch, vocab_size=self.vocab_size, current_version=version,
-                    max_staleness=self.cfg.max_staleness, seen=_Seen(self.ledger, self.held))  # fmt: skip
+        check_batch(
+            batch,
+            vocab_size=self.vocab_size,
+            current_version=version,
+            max_staleness=self.cfg.max_staleness,
+            seen=_Seen(self.ledger, self.held),
+        )
         self.check_settings(batch)
 
     def is_redelivery(self, batch_id: str, seq: int) -> bool:
@@ -130,21 +143,33 @@ class Gate:
 
     def check_settings(self, batch: Batch) -> None:
         cfg = self.cfg
-        want = {"mode": (cfg.rollout_logprobs_mode, "--rollout-logprobs-mode"),
-                "k": (cfg.rollout_top_logprobs_num, "--rollout-top-logprobs-num"),
-                "temperature": (cfg.rollout_temperature, "--rollout-temperature"),
-                "top_p": (cfg.rollout_top_p, "--rollout-top-p"), "top_k": (cfg.rollout_top_k, "--rollout-top-k")}  # fmt: skip
+        want = {
+            "mode": (cfg.rollout_logprobs_mode, "--rollout-logprobs-mode"),
+            "k": (cfg.rollout_top_logprobs_num, "--rollout-top-logprobs-num"),
+            "temperature": (cfg.rollout_temperature, "--rollout-temperature"),
+            "top_p": (cfg.rollout_top_p, "--rollout-top-p"),
+            "top_k": (cfg.rollout_top_k, "--rollout-top-k"),
+        }
         for name, (value, flag) in want.items():
             found = getattr(batch, name)
             if found != value and not (isinstance(value, float) and math.isclose(found, value, rel_tol=1e-6)):
-                raise ContractViolation("settings", f"batch {batch.batch_id!r} was sampled with {name}={found!r}, the "
-                                        f"trainer runs {flag} {value!r}; start workers and trainer with the same "
-                                        "configuration", expected=value, found=found)  # fmt: skip
+                raise ContractViolation(
+                    "settings",
+                    f"batch {batch.batch_id!r} was sampled with {name}={found!r}, the "
+                    f"trainer runs {flag} {value!r}; start workers and trainer with the same "
+                    "configuration",
+                    expected=value,
+                    found=found,
+                )
 
     async def reject(self, msg, seq: int, rule: str, reason: str, batch_id: str) -> None:
         """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost)."""
-        headers = {"rule": rule, "reason": " ".join(reason.split())[:REASON_MAX], "batch_id": batch_id or "?",
-                   names.MSG_ID_HEADER: f"dlq/{seq}"}  # fmt: skip
+        headers = {
+            "rule": rule,
+            "reason": " ".join(reason.split())[:REASON_MAX],
+            "batch_id": batch_id or "?",
+            names.MSG_ID_HEADER: f"dlq/{seq}",
+        }
         await publish_acked(self.js, names.DLQ_SUBJECT, bytes(msg.data), headers, what=f"dead letter of {batch_id!r}")
         faults.hit("trainer.rejected")
         if await self.settle(msg, batch_id):
@@ -158,7 +183,8 @@ class Gate:
         try:
             await self.consumer.ack(msg)
             return True
-        except Exception as exc:  # noqa: BLE001 (every way an ack fails ends in the same redelivery)
+        # every way an ack fails ends in the same redelivery
+        except Exception as exc:  # noqa: BLE001
             log.warning("ack of batch %s failed (%s); it will be redelivered and settled again", batch_id, exc)
             return False
 
@@ -173,15 +199,19 @@ class Gate:
         for h in held:
             try:
                 await self.consumer.ack(h.msg)
-            except Exception as exc:  # noqa: BLE001 (a lost ack only means a redelivery, dropped by the ledger)
-                log.warning("ack of batch %s failed (%s); its redelivery will be dropped by the ledger", h.batch.batch_id, exc)
+            # a lost ack only means a redelivery, dropped by the ledger
+            except Exception as exc:  # noqa: BLE001
+                log.warning(
+                    "ack of batch %s failed (%s); its redelivery will be dropped by the ledger", h.batch.batch_id, exc
+                )
 
     async def release(self) -> None:
         """Abandon the current step: ask for redelivery of every held message, ack none."""
         for h in self.held.values():
             try:
                 await self.consumer.nak(h.msg)
-            except Exception:  # noqa: BLE001 (unacked messages come back after ack_wait anyway)
+            # unacked messages come back after ack_wait anyway
+            except Exception:  # noqa: BLE001
                 pass
         self.held = {}
 
@@ -192,7 +222,8 @@ class Gate:
             for h in list(self.held.values()):
                 try:
                     await self.consumer.in_progress(h.msg)
-                except Exception as exc:  # noqa: BLE001 (the redelivery that follows is dropped by the gate)
+                # the redelivery that follows is dropped by the gate
+                except Exception as exc:  # noqa: BLE001
                     log.warning("in-progress ack for %s failed: %s", h.batch.batch_id, exc)
 
     def take_counts(self) -> Counter:
@@ -209,14 +240,22 @@ def concat_batches(batches: list[Batch], batch_id: str) -> Batch:
         if name in ("offsets", "prompt_offsets"):
             continue
         arrays[name] = np.concatenate([getattr(b, name) for b in batches])
-    for name, per_token in (("offsets", "response_ids"), ("prompt_offsets", "prompt_ids")):
+    for name, _per_token in (("offsets", "response_ids"), ("prompt_offsets", "prompt_ids")):
         lengths = np.concatenate([np.diff(getattr(b, name)) for b in batches])
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         arrays[name] = offsets
     return Batch(
-        batch_id=batch_id, producer="trainer", weight_version=min(b.weight_version for b in batches),
-        mode=first.mode, k=first.k, temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
-        sample_ids=[s for b in batches for s in b.sample_ids], group_ids=[g for b in batches for g in b.group_ids],
-        extra={"batch_ids": [b.batch_id for b in batches]}, **arrays,
-    )  # fmt: skip
+        batch_id=batch_id,
+        producer="trainer",
+        weight_version=min(b.weight_version for b in batches),
+        mode=first.mode,
+        k=first.k,
+        temperature=first.temperature,
+        top_p=first.top_p,
+        top_k=first.top_k,
+        sample_ids=[s for b in batches for s in b.sample_ids],
+        group_ids=[g for b in batches for g in b.group_ids],
+        extra={"batch_ids": [b.batch_id for b in batches]},
+        **arrays,
+    )

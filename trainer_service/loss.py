@@ -33,9 +33,22 @@ class NonFiniteInput(ValueError):
 
 
 def score_centering_loss(
-    logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask, *,
-    mode="selected", is_mode="none", temperature=1.0, tis_clip=2.0, mis_low=0.5, mis_high=5.0,
-    token_count=None, chunk_size=None,
+    logits,
+    response_ids,
+    sampled_logprobs,
+    cand_ids,
+    cand_logprobs,
+    advantages,
+    loss_mask,
+    *,
+    mode="selected",
+    is_mode="none",
+    temperature=1.0,
+    tis_clip=2.0,
+    mis_low=0.5,
+    mis_high=5.0,
+    token_count=None,
+    chunk_size=None,
 ):
     """Score-centering loss (6.1) and its metrics.
 
@@ -65,8 +78,18 @@ def score_centering_loss(
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
     f = _weight_fn(is_mode, tis_clip, mis_low, mis_high)
-    rows = _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
-                    loss_mask, temperature, chunk_size, with_candidates=True)
+    rows = _prepare(
+        logits,
+        response_ids,
+        sampled_logprobs,
+        cand_ids,
+        cand_logprobs,
+        advantages,
+        loss_mask,
+        temperature,
+        chunk_size,
+        with_candidates=True,
+    )
     mask, valid = rows["mask"], rows["valid"]
     lq_a, lq_h, logp_a, logp_h = rows["lq_a"], rows["lq_h"], rows["logp_a"], rows["logp_h"]
     q_h = lq_h.exp()  # 0 in empty slots
@@ -75,8 +98,10 @@ def score_centering_loss(
         in_support = ((rows["cand_ids"] == rows["ids_a"][:, None]) & valid).any(1) | ~mask
         if not bool(in_support.all()):
             i = int((~in_support).nonzero()[0, 0])
-            raise ValueError(f"support mode: sampled token response_ids[{i}] = {int(rows['ids_a'][i])} is not "
-                             f"in the recorded support cand_ids[{i}]; the batch violates the support contract")
+            raise ValueError(
+                f"support mode: sampled token response_ids[{i}] = {int(rows['ids_a'][i])} is not "
+                f"in the recorded support cand_ids[{i}]; the batch violates the support contract"
+            )
         log_head = torch.where(mask, logp_h.logsumexp(1), 0.0)  # log P_H; renormalise over H
         logp_a = logp_a - log_head
         logp_h = logp_h - log_head[:, None]
@@ -106,8 +131,18 @@ def score_centering_loss(
     else:
         dense = torch.zeros_like(total)
         coef_h = coef_h - total[:, None] * p_h
-    loss = _SparseScoreLoss.apply(logits, loss_value, rows["ids_a"], coef_a, rows["cand_ids"], coef_h,
-                                  dense, mask, float(temperature), rows["chunk"])
+    loss = _SparseScoreLoss.apply(
+        logits,
+        loss_value,
+        rows["ids_a"],
+        coef_a,
+        rows["cand_ids"],
+        coef_h,
+        dense,
+        mask,
+        float(temperature),
+        rows["chunk"],
+    )
     metrics = _sampled_metrics(logp_a, lq_a, w_a, mask)
     metrics.update(_mean(c_h.abs().sum(1), mask, "sc_correction"))
     metrics.update(_mean(p_head, mask, "sc_train_head_mass"))
@@ -116,40 +151,112 @@ def score_centering_loss(
     return loss, metrics
 
 
-def reinforce_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask, *,
-                   mode="selected", is_mode="none", temperature=1.0, tis_clip=2.0, mis_low=0.5, mis_high=5.0,
-                   token_count=None, chunk_size=None):
+def reinforce_loss(
+    logits,
+    response_ids,
+    sampled_logprobs,
+    cand_ids,
+    cand_logprobs,
+    advantages,
+    loss_mask,
+    *,
+    mode="selected",
+    is_mode="none",
+    temperature=1.0,
+    tis_clip=2.0,
+    mis_low=0.5,
+    mis_high=5.0,
+    token_count=None,
+    chunk_size=None,
+):
     """Plain policy gradient ``l = -A * log p_a``, same signature, checks and reduction as
     ``score_centering_loss``; ``mode``/``is_mode`` and candidates are accepted and unused
     (candidates are still checked). Metrics: the sampled-token ones
     (``sc_importance_weight`` is 1.0)."""
-    return _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
-                               loss_mask, _weight_fn("none", tis_clip, mis_low, mis_high), temperature,
-                               token_count, chunk_size)
+    return _sampled_token_loss(
+        logits,
+        response_ids,
+        sampled_logprobs,
+        cand_ids,
+        cand_logprobs,
+        advantages,
+        loss_mask,
+        _weight_fn("none", tis_clip, mis_low, mis_high),
+        temperature,
+        token_count,
+        chunk_size,
+    )
 
 
-def tis_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask, *,
-             mode="selected", is_mode="tis", temperature=1.0, tis_clip=2.0, mis_low=0.5, mis_high=5.0,
-             token_count=None, chunk_size=None):
+def tis_loss(
+    logits,
+    response_ids,
+    sampled_logprobs,
+    cand_ids,
+    cand_logprobs,
+    advantages,
+    loss_mask,
+    *,
+    mode="selected",
+    is_mode="tis",
+    temperature=1.0,
+    tis_clip=2.0,
+    mis_low=0.5,
+    mis_high=5.0,
+    token_count=None,
+    chunk_size=None,
+):
     """REINFORCE with a truncated importance weight: ``l = -A * min(p_a/q_a, tis_clip) * log p_a``
     (weight detached). Same signature, checks and reduction as ``score_centering_loss``."""
-    return _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages,
-                               loss_mask, _weight_fn("tis", tis_clip, mis_low, mis_high), temperature,
-                               token_count, chunk_size)
+    return _sampled_token_loss(
+        logits,
+        response_ids,
+        sampled_logprobs,
+        cand_ids,
+        cand_logprobs,
+        advantages,
+        loss_mask,
+        _weight_fn("tis", tis_clip, mis_low, mis_high),
+        temperature,
+        token_count,
+        chunk_size,
+    )
 
 
-def _sampled_token_loss(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
-                        f, temperature, token_count, chunk_size):
-    rows = _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
-                    temperature, chunk_size, with_candidates=False)
+def _sampled_token_loss(
+    logits,
+    response_ids,
+    sampled_logprobs,
+    cand_ids,
+    cand_logprobs,
+    advantages,
+    loss_mask,
+    f,
+    temperature,
+    token_count,
+    chunk_size,
+):
+    rows = _prepare(
+        logits,
+        response_ids,
+        sampled_logprobs,
+        cand_ids,
+        cand_logprobs,
+        advantages,
+        loss_mask,
+        temperature,
+        chunk_size,
+        with_candidates=False,
+    )
     mask, adv = rows["mask"], rows["adv"]
     logp_a = rows["logp_a"]
     w_a = f((logp_a - rows["lq_a"]).exp())
     count = _count(token_count, mask)
     loss_value = torch.where(mask, -adv * w_a * logp_a, 0.0).sum() / count
     coef_a = torch.where(mask, -adv * w_a / count, 0.0)
-    loss = _SparseScoreLoss.apply(logits, loss_value, rows["ids_a"], coef_a, None, None, -coef_a,
-                                  mask, float(temperature), rows["chunk"])
+    loss = _SparseScoreLoss.apply(
+        logits, loss_value, rows["ids_a"], coef_a, None, None, -coef_a, mask, float(temperature), rows["chunk"]
+    )
     return loss, _sampled_metrics(logp_a, rows["lq_a"], w_a, mask)
 
 
@@ -163,22 +270,39 @@ def _weight_fn(is_mode, tis_clip, mis_low, mis_high):
         return lambda r: r.clamp_max(tis_clip)
     if is_mode == "mis":
         if not 0 <= mis_low <= mis_high:
-            raise ValueError(f"mis_low={mis_low}, mis_high={mis_high}; need 0 <= low <= high "
-                             "(--score-centering-mis-low/-high)")
+            raise ValueError(
+                f"mis_low={mis_low}, mis_high={mis_high}; need 0 <= low <= high (--score-centering-mis-low/-high)"
+            )
         return lambda r: torch.where((r >= mis_low) & (r <= mis_high), r, 0.0)
     raise ValueError(f"is_mode={is_mode!r}; expected one of {IS_MODES} (--score-centering-is)")
 
 
-def _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, advantages, loss_mask,
-             temperature, chunk_size, *, with_candidates):
+def _prepare(
+    logits,
+    response_ids,
+    sampled_logprobs,
+    cand_ids,
+    cand_logprobs,
+    advantages,
+    loss_mask,
+    temperature,
+    chunk_size,
+    *,
+    with_candidates,
+):
     """Validate inputs and gather everything (6.1) needs, detached, in the compute dtype."""
     if logits.dim() != 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [N, V]")
     n, vocab = logits.shape
     k = cand_ids.shape[1] if cand_ids.dim() == 2 else -1
-    for name, t, shape in (("response_ids", response_ids, (n,)), ("sampled_logprobs", sampled_logprobs, (n,)),
-                           ("advantages", advantages, (n,)), ("loss_mask", loss_mask, (n,)),
-                           ("cand_ids", cand_ids, (n, k)), ("cand_logprobs", cand_logprobs, (n, k))):
+    for name, t, shape in (
+        ("response_ids", response_ids, (n,)),
+        ("sampled_logprobs", sampled_logprobs, (n,)),
+        ("advantages", advantages, (n,)),
+        ("loss_mask", loss_mask, (n,)),
+        ("cand_ids", cand_ids, (n, k)),
+        ("cand_logprobs", cand_logprobs, (n, k)),
+    ):
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} for logits of shape {(n, vocab)}")
     if not temperature > 0:
@@ -191,10 +315,16 @@ def _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, ad
     _raise_first("sampled_logprobs", mask & ~torch.isfinite(sampled_logprobs), sampled_logprobs)
     valid = cand_ids >= 0
     empty_ok = ~valid & (cand_logprobs == -torch.inf)
-    _raise_first("cand_logprobs", mask[:, None] & ~torch.isfinite(cand_logprobs) & ~empty_ok, cand_logprobs,
-                 "finite (-inf only in empty slots, cand_ids == -1)")
+    _raise_first(
+        "cand_logprobs",
+        mask[:, None] & ~torch.isfinite(cand_logprobs) & ~empty_ok,
+        cand_logprobs,
+        "finite (-inf only in empty slots, cand_ids == -1)",
+    )
     if with_candidates:
-        _raise_first("cand_ids", mask[:, None] & (cand_ids >= vocab), cand_ids, f"-1 or a token id < {vocab}", ValueError)
+        _raise_first(
+            "cand_ids", mask[:, None] & (cand_ids >= vocab), cand_ids, f"-1 or a token id < {vocab}", ValueError
+        )
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
     ids_a = torch.where(mask, ids, 0)
@@ -205,22 +335,30 @@ def _prepare(logits, response_ids, sampled_logprobs, cand_ids, cand_logprobs, ad
     with torch.no_grad():
         buf = None
         for s in range(0, n, chunk_size):
-            block = logits[s:s + chunk_size].detach()
+            block = logits[s : s + chunk_size].detach()
             buf = _log_softmax_rows(block, dtype, inv_t, buf)
-            logp_a[s:s + chunk_size] = buf.gather(1, ids_a[s:s + chunk_size, None]).squeeze(1)
+            logp_a[s : s + chunk_size] = buf.gather(1, ids_a[s : s + chunk_size, None]).squeeze(1)
             if with_candidates:
-                logp_h[s:s + chunk_size] = buf.gather(1, ids_h[s:s + chunk_size])
+                logp_h[s : s + chunk_size] = buf.gather(1, ids_h[s : s + chunk_size])
         del buf
         _check_logits(logits, "the sampled token", logp_a, mask, ids_a[:, None])
-        out = {"mask": mask, "ids_a": ids_a, "chunk": chunk_size,
-               "logp_a": torch.where(mask, logp_a, 0.0),
-               "adv": torch.where(mask, advantages.to(dtype), 0.0),
-               "lq_a": torch.where(mask, sampled_logprobs.to(dtype), 0.0)}
+        out = {
+            "mask": mask,
+            "ids_a": ids_a,
+            "chunk": chunk_size,
+            "logp_a": torch.where(mask, logp_a, 0.0),
+            "adv": torch.where(mask, advantages.to(dtype), 0.0),
+            "lq_a": torch.where(mask, sampled_logprobs.to(dtype), 0.0),
+        }
         if with_candidates:
             valid = valid & mask[:, None]
             _check_logits(logits, "every candidate", torch.where(valid, logp_h, 0.0), mask, ids_h)
-            out.update(valid=valid, cand_ids=cand_ids, logp_h=torch.where(valid, logp_h, -torch.inf),
-                       lq_h=torch.where(valid, cand_logprobs.to(dtype), -torch.inf))
+            out.update(
+                valid=valid,
+                cand_ids=cand_ids,
+                logp_h=torch.where(valid, logp_h, -torch.inf),
+                lq_h=torch.where(valid, cand_logprobs.to(dtype), -torch.inf),
+            )
     return out
 
 
@@ -243,16 +381,20 @@ def _check_logits(logits, where, gathered, mask, columns):
         row = logits[i].detach()
         nan_or_inf = torch.isnan(row) | (row == torch.inf)
         j = int(nan_or_inf.nonzero()[0, 0]) if bool(nan_or_inf.any()) else int(columns[i, slot])
-        raise NonFiniteInput(f"logits[{i}, {j}] is {float(row[j])} at a trained position (loss_mask[{i}] is True); "
-                             f"the trainer's log-probs must be finite at {where}")
+        raise NonFiniteInput(
+            f"logits[{i}, {j}] is {float(row[j])} at a trained position (loss_mask[{i}] is True); "
+            f"the trainer's log-probs must be finite at {where}"
+        )
 
 
 def _raise_first(name, bad, values, expected="finite", exc=NonFiniteInput):
     """Raise ``exc`` naming ``name`` and the first index where ``bad`` holds."""
     if bool(bad.any()):
         index = tuple(int(x) for x in bad.nonzero()[0])
-        raise exc(f"{name}[{', '.join(map(str, index))}] is {values[index].item()} at a trained position "
-                  f"(loss_mask[{index[0]}] is True); expected {expected}")
+        raise exc(
+            f"{name}[{', '.join(map(str, index))}] is {values[index].item()} at a trained position "
+            f"(loss_mask[{index[0]}] is True); expected {expected}"
+        )
 
 
 def _count(token_count, mask):
@@ -302,8 +444,11 @@ class _SparseScoreLoss(torch.autograd.Function):
             if logits.dtype == dtype:
                 part = grad[s:e]
             else:
-                buf = part = buf if buf is not None and buf.shape[0] == e - s else torch.empty(
-                    (e - s, logits.shape[1]), dtype=dtype, device=logits.device)
+                buf = part = (
+                    buf
+                    if buf is not None and buf.shape[0] == e - s
+                    else torch.empty((e - s, logits.shape[1]), dtype=dtype, device=logits.device)
+                )
             if dense_any:
                 if inv_t == 1.0 and logits.dtype == dtype:
                     torch.ops.aten._softmax.out(logits[s:e].detach(), 1, False, out=part)

@@ -17,20 +17,46 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 log = logging.getLogger("centerline.trainer.metrics")
 
 # Step metrics exported as gauges (names as docs/design.md section 6), prefixed centerline_trainer_.
-GAUGES = ("step", "version", "loss", "grad_norm", "trained_tokens", "samples", "reward_mean", "staleness_mean",
-          "staleness_max", "sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio",
-          "sc_importance_weight", "train_rollout_kl", "train_rollout_logprob_abs_diff", "step_s")  # fmt: skip
+GAUGES = (
+    "step",
+    "version",
+    "loss",
+    "grad_norm",
+    "trained_tokens",
+    "samples",
+    "reward_mean",
+    "staleness_mean",
+    "staleness_max",
+    "sc_correction",
+    "sc_train_head_mass",
+    "sc_rollout_head_mass",
+    "sc_tail_ratio",
+    "sc_importance_weight",
+    "train_rollout_kl",
+    "train_rollout_logprob_abs_diff",
+    "step_s",
+)
 
 
 class Metrics:
     def __init__(self, run_dir: Path, port: int | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.registry = CollectorRegistry()
-        self.gauges = {name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES}
-        self.accepted = Counter("centerline_trainer_gate_accepted", "batches accepted by the gate", registry=self.registry)
-        self.rejected = Counter("centerline_trainer_gate_rejected", "batches dead-lettered, by rule", ["rule"], registry=self.registry)
-        self.duplicate = Counter("centerline_trainer_gate_duplicate", "redeliveries of trained batches, acked", registry=self.registry)
-        self.weight_failures = Gauge("centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry)
+        self.gauges = {
+            name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES
+        }
+        self.accepted = Counter(
+            "centerline_trainer_gate_accepted", "batches accepted by the gate", registry=self.registry
+        )
+        self.rejected = Counter(
+            "centerline_trainer_gate_rejected", "batches dead-lettered, by rule", ["rule"], registry=self.registry
+        )
+        self.duplicate = Counter(
+            "centerline_trainer_gate_duplicate", "redeliveries of trained batches, acked", registry=self.registry
+        )
+        self.weight_failures = Gauge(
+            "centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry
+        )
         if port is not None:
             try:
                 start_http_server(port, registry=self.registry)
@@ -44,7 +70,11 @@ class Metrics:
         self.duplicate.inc(counts.get("duplicate", 0))
         for rule, n in rejected.items():
             self.rejected.labels(rule).inc(n)
-        return {"gate_accepted": counts.get("accepted", 0), "gate_rejected": rejected, "gate_duplicate": counts.get("duplicate", 0)}
+        return {
+            "gate_accepted": counts.get("accepted", 0),
+            "gate_rejected": rejected,
+            "gate_duplicate": counts.get("duplicate", 0),
+        }
 
     def recover(self, state: dict) -> None:
         """Make ``metrics.jsonl`` agree with the checkpoint ``state`` the trainer resumes from.
@@ -69,7 +99,9 @@ class Metrics:
             return
         batch_ids = [bid for bid, (_, trained_at) in state["ledger"].items() if trained_at == step - 1]
         log.warning("step %d is checkpointed but has no metrics line; rebuilt from its checkpoint", step)
-        self.step({"step": step, "version": state["version"], **state["metrics"], "batch_ids": batch_ids, "recovered": True})
+        self.step(
+            {"step": step, "version": state["version"], **state["metrics"], "batch_ids": batch_ids, "recovered": True}
+        )
 
     def step(self, record: dict) -> None:
         """Log and store one step's record (a flat dict of JSON values)."""

@@ -81,8 +81,17 @@ def agree(value):
 
 
 class Policy:
-    def __init__(self, *, model_dir: Path, run_dir: Path, resume: Path | None, cfg, strategy: str, max_grad_norm: float | None,
-                 keep_checkpoints: int = checkpoint.KEEP):
+    def __init__(
+        self,
+        *,
+        model_dir: Path,
+        run_dir: Path,
+        resume: Path | None,
+        cfg,
+        strategy: str,
+        max_grad_norm: float | None,
+        keep_checkpoints: int = checkpoint.KEEP,
+    ):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.initial, self.run_dir, self.max_grad_norm, self.keep = model_dir, run_dir, max_grad_norm, keep_checkpoints
         torch.manual_seed(cfg.seed)
@@ -90,8 +99,13 @@ class Policy:
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
             checkpoint.load_optimizer(resume, self.model, self.optimizer)
-        self.settings = LossSettings(cfg.loss, cfg.score_centering_is, cfg.score_centering_tis_clip,
-                                     cfg.score_centering_mis_low, cfg.score_centering_mis_high)  # fmt: skip
+        self.settings = LossSettings(
+            cfg.loss,
+            cfg.score_centering_is,
+            cfg.score_centering_tis_clip,
+            cfg.score_centering_mis_low,
+            cfg.score_centering_mis_high,
+        )
 
     @property
     def world_size(self) -> int:
@@ -109,8 +123,9 @@ class Policy:
         if world()[1] > 1 and world()[0] == 0:
             agree(cmd)
         t0 = time.perf_counter()
-        metrics = train_step(self.model, self.optimizer, decode_batch(cmd.batch), self.settings,
-                             max_grad_norm=self.max_grad_norm)  # fmt: skip
+        metrics = train_step(
+            self.model, self.optimizer, decode_batch(cmd.batch), self.settings, max_grad_norm=self.max_grad_norm
+        )
         t1 = time.perf_counter()
         rank0 = world()[0] == 0  # failpoints fire on rank 0 only, as in a crash of its machine
         if rank0:
@@ -119,7 +134,9 @@ class Policy:
         if rank0:
             faults.hit("trainer.before_checkpoint", cmd.step + 1)
         state = {**state, "metrics": metrics} if state else {"step": cmd.step + 1}
-        checkpoint.save(self.run_dir / "checkpoints", self.model, self.optimizer, state, weights_dir=weights, keep=self.keep)
+        checkpoint.save(
+            self.run_dir / "checkpoints", self.model, self.optimizer, state, weights_dir=weights, keep=self.keep
+        )
         return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1, "weights": weights}
 
     def follow(self) -> None:
@@ -132,4 +149,3 @@ class Policy:
         if world()[1] > 1:
             agree(StepCommand(-1, -1, False, None))
             dist.barrier()
-

@@ -52,18 +52,31 @@ def parse(argv: list[str]):
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (rank 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    parser.add_argument("--max-deliver", type=int, default=20, help="deliveries of a batch (each crash of the trainer "
-                        "holding it is one) before JetStream gives up on it and reports it in the ADVISORIES stream")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept, newest first (0 keeps all)")
+    parser.add_argument(
+        "--max-deliver",
+        type=int,
+        default=20,
+        help="deliveries of a batch (each crash of the trainer "
+        "holding it is one) before JetStream gives up on it and reports it in the ADVISORIES stream",
+    )
+    parser.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="complete checkpoints kept, newest first (0 keeps all)"
+    )
     shared_config.add_arguments(parser)
     args, cfg = shared_config.parse_args(parser, argv)
-    for flag, value, ok, want in (("--steps", args.steps, args.steps >= 0, "0 or more"),
-                                  ("--prompts-per-step", args.prompts_per_step, args.prompts_per_step >= 1, "at least 1"),
-                                  ("--weight-sync-interval", args.weight_sync_interval, args.weight_sync_interval >= 1, "at least 1"),
-                                  ("--ack-wait", args.ack_wait, args.ack_wait > 0, "more than 0 seconds"),
-                                  ("--keep-checkpoints", args.keep_checkpoints, args.keep_checkpoints >= 0, "0 (keep all) or more"),
-                                  ("--max-deliver", args.max_deliver, args.max_deliver == -1 or args.max_deliver >= 1,
-                                   "at least 1, or -1 for no limit")):  # fmt: skip
+    for flag, value, ok, want in (
+        ("--steps", args.steps, args.steps >= 0, "0 or more"),
+        ("--prompts-per-step", args.prompts_per_step, args.prompts_per_step >= 1, "at least 1"),
+        ("--weight-sync-interval", args.weight_sync_interval, args.weight_sync_interval >= 1, "at least 1"),
+        ("--ack-wait", args.ack_wait, args.ack_wait > 0, "more than 0 seconds"),
+        ("--keep-checkpoints", args.keep_checkpoints, args.keep_checkpoints >= 0, "0 (keep all) or more"),
+        (
+            "--max-deliver",
+            args.max_deliver,
+            args.max_deliver == -1 or args.max_deliver >= 1,
+            "at least 1, or -1 for no limit",
+        ),
+    ):
         if not ok:
             parser.error(f"{flag} {value}: must be {want}")
     return args, cfg
@@ -80,13 +93,21 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     from trainer_service.metrics import Metrics
     from trainer_service.policy import StepCommand
 
-    state = checkpoint.load_state(resume) if resume else {"step": 0, "version": 0, "next_task_step": 0, "ledger": {},
-                                                           "run_id": run_id(args.run_dir)}  # fmt: skip
+    state = (
+        checkpoint.load_state(resume)
+        if resume
+        else {"step": 0, "version": 0, "next_task_step": 0, "ledger": {}, "run_id": run_id(args.run_dir)}
+    )
     step, version = state["step"], state["version"]
     if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > policy.vocab_size:
         logging.getLogger("centerline.trainer").error(
-            "--rollout-top-logprobs-num %d is above the model's vocabulary of %d: no row can hold K candidates (and SGLang "
-            "takes its server down on such a request); set K <= %d", cfg.rollout_top_logprobs_num, policy.vocab_size, policy.vocab_size)
+            "--rollout-top-logprobs-num %d is above the model's vocabulary of %d: no row can hold K candidates (and "
+            "SGLang "
+            "takes its server down on such a request); set K <= %d",
+            cfg.rollout_top_logprobs_num,
+            policy.vocab_size,
+            policy.vocab_size,
+        )
         policy.stop()
         return 2
     stopping = asyncio.Event()
@@ -95,11 +116,23 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     nc = await connect(cfg.nats_url, name="centerline-trainer")
     js = nc.jetstream()
     await ensure_streams(js)
-    consumer = await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER,
-                                   filter_subject=names.ROLLOUTS_SUBJECT, ack_wait=args.ack_wait, max_deliver=args.max_deliver)  # fmt: skip
+    consumer = await pull_consumer(
+        js,
+        names.ROLLOUTS_STREAM,
+        names.TRAINER_CONSUMER,
+        filter_subject=names.ROLLOUTS_SUBJECT,
+        ack_wait=args.ack_wait,
+        max_deliver=args.max_deliver,
+    )
     gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=state["ledger"])
-    driver = Driver(load_dataset(args.dataset), run_id=state["run_id"], seed=cfg.seed,
-                    prompts_per_step=args.prompts_per_step, n=cfg.rollout_n, next_step=state["next_task_step"])  # fmt: skip
+    driver = Driver(
+        load_dataset(args.dataset),
+        run_id=state["run_id"],
+        seed=cfg.seed,
+        prompts_per_step=args.prompts_per_step,
+        n=cfg.rollout_n,
+        next_step=state["next_task_step"],
+    )
     publisher = weights.WeightPublisher(js, cfg.engine_urls)
     metrics = Metrics(args.run_dir, args.metrics_port)
     metrics.recover(state)  # the line of a step whose checkpoint was written just before a crash
@@ -107,13 +140,21 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     await publisher.publish(version, weights.version_dir(args.run_dir / "weights", version) if version else args.model)
     keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
     target = args.prompts_per_step * cfg.rollout_n
-    logging.getLogger("centerline.trainer").info("run %s resumes at step %d, version %d", state["run_id"], step, version)
+    logging.getLogger("centerline.trainer").info(
+        "run %s resumes at step %d, version %d", state["run_id"], step, version
+    )
 
     while step < args.steps and not stopping.is_set():
         t0 = time.perf_counter()
         await driver.publish_until(js, step, cfg.max_inflight_steps, args.steps)
-        held = await gate.gather(target, version, args.step_timeout, stopping, min_samples=policy.world_size,
-                                 starved=lambda: driver.publish_next(js))  # fmt: skip
+        held = await gate.gather(
+            target,
+            version,
+            args.step_timeout,
+            stopping,
+            min_samples=policy.world_size,
+            starved=lambda: driver.publish_next(js),
+        )
         if stopping.is_set():
             await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
             break
@@ -122,8 +163,13 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         sync = (step + 1) % args.weight_sync_interval == 0
         batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
         cmd = StepCommand(step, version + sync, sync, encode_batch(batch))
-        state = {"step": step + 1, "version": version + sync, "next_task_step": driver.next_step,
-                 "run_id": state["run_id"], "ledger": gate.ledger_with_held(step)}  # fmt: skip
+        state = {
+            "step": step + 1,
+            "version": version + sync,
+            "next_task_step": driver.next_step,
+            "run_id": state["run_id"],
+            "ledger": gate.ledger_with_held(step),
+        }
         result = await asyncio.to_thread(policy.run, cmd, state)
         faults.hit("trainer.after_checkpoint", step + 1)
         await gate.commit(step)  # step, checkpoint and ledger are durable: ack its batches
@@ -133,10 +179,18 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
             await publisher.publish(cmd.version, result.pop("weights"))
         staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
         # "step" counts completed steps, like --steps: the first step logs step 1.
-        record = {"step": step + 1, "version": cmd.version, **{k: v for k, v in result.items() if k != "weights"},
-                  "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-                  **metrics.gate(gate.take_counts()), "gather_s": t1 - t0, "weights_s": time.perf_counter() - t2,
-                  "step_s": time.perf_counter() - t0, "batch_ids": [h.batch.batch_id for h in held]}  # fmt: skip
+        record = {
+            "step": step + 1,
+            "version": cmd.version,
+            **{k: v for k, v in result.items() if k != "weights"},
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            **metrics.gate(gate.take_counts()),
+            "gather_s": t1 - t0,
+            "weights_s": time.perf_counter() - t2,
+            "step_s": time.perf_counter() - t0,
+            "batch_ids": [h.batch.batch_id for h in held],
+        }
         metrics.weight_failures.set(publisher.failures)
         metrics.step(record)
         step, version = step + 1, cmd.version
@@ -148,7 +202,8 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         await publisher.close()
         await nc.flush(timeout=5)  # naks are plain publishes; acks were confirmed one by one
         await nc.close()
-    except Exception as exc:  # noqa: BLE001 (NATS down at the end: what was not acked comes back after ack_wait)
+    # NATS down at the end: what was not acked comes back after ack_wait
+    except Exception as exc:  # noqa: BLE001
         log.warning("NATS unreachable while stopping (%r); batches not acked are redelivered after --ack-wait", exc)
     finally:
         policy.stop()  # last: the other ranks then leave with this one
@@ -172,11 +227,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     import torch
     import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
 
     from trainer_service import checkpoint
     from trainer_service.policy import Policy, agree, in_world
-
-    from transformers.utils import logging as hf_logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per step and rank otherwise
@@ -189,8 +243,15 @@ def main(argv: list[str]) -> int:
             (args.run_dir / "config.toml").write_text(shared_config.to_toml(cfg))
             checkpoint.remove_partial(args.run_dir / "checkpoints")
         resume = agree(checkpoint.latest(args.run_dir / "checkpoints") if rank == 0 else None)
-        policy = Policy(model_dir=args.model, run_dir=args.run_dir, resume=resume, cfg=cfg, strategy=args.strategy,
-                        max_grad_norm=args.max_grad_norm or None, keep_checkpoints=args.keep_checkpoints)  # fmt: skip
+        policy = Policy(
+            model_dir=args.model,
+            run_dir=args.run_dir,
+            resume=resume,
+            cfg=cfg,
+            strategy=args.strategy,
+            max_grad_norm=args.max_grad_norm or None,
+            keep_checkpoints=args.keep_checkpoints,
+        )
         if rank != 0:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank

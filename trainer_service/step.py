@@ -32,8 +32,15 @@ from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
 from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
 
 LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
-METRICS = ("sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio", "sc_importance_weight",
-           "train_rollout_kl", "train_rollout_logprob_abs_diff")
+METRICS = (
+    "sc_correction",
+    "sc_train_head_mass",
+    "sc_rollout_head_mass",
+    "sc_tail_ratio",
+    "sc_importance_weight",
+    "train_rollout_kl",
+    "train_rollout_logprob_abs_diff",
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,10 @@ def rank_and_world() -> tuple[int, int]:
 def shard(num_samples: int, rank: int, world: int) -> range:
     """Rank ``rank``'s contiguous block of samples; block sizes differ by at most one."""
     if num_samples < world:
-        raise ValueError(f"the batch has {num_samples} samples for {world} ranks; every rank needs at least one "
-                         "(raise the rollout batch size or run fewer ranks)")
+        raise ValueError(
+            f"the batch has {num_samples} samples for {world} ranks; every rank needs at least one "
+            "(raise the rollout batch size or run fewer ranks)"
+        )
     bounds = np.linspace(0, num_samples, world + 1).round().astype(int)
     return range(int(bounds[rank]), int(bounds[rank + 1]))
 
@@ -66,10 +75,12 @@ def shard(num_samples: int, rank: int, world: int) -> range:
 def sample_inputs(batch, i: int, device) -> dict:
     """Sample ``i``'s token ids and the loss inputs of its response tokens (advantage broadcast)."""
     rows = batch.sample_slice(i)
-    prompt = batch.prompt_ids[int(batch.prompt_offsets[i]):int(batch.prompt_offsets[i + 1])]
+    prompt = batch.prompt_ids[int(batch.prompt_offsets[i]) : int(batch.prompt_offsets[i + 1])]
     if len(prompt) == 0:
-        raise ValueError(f"sample {batch.sample_ids[i]!r} has an empty prompt; the first response token has no "
-                         "position predicting it")
+        raise ValueError(
+            f"sample {batch.sample_ids[i]!r} has an empty prompt; the first response token has no "
+            "position predicting it"
+        )
     response = batch.response_ids[rows]
     as_tensor = lambda a, dtype: torch.as_tensor(np.array(a), dtype=dtype, device=device)  # noqa: E731 (copies a read-only view)
     return {
@@ -138,10 +149,22 @@ def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(),
             x = inputs[j]
             logits = response_logits(model, x["input_ids"], x["prompt_len"])
             loss, metrics = loss_fn(
-                logits, x["response_ids"], x["sampled_logprobs"], x["cand_ids"], x["cand_logprobs"], x["advantages"],
-                x["loss_mask"], mode=batch.mode, is_mode=settings.is_mode, temperature=batch.temperature,
-                tis_clip=settings.tis_clip, mis_low=settings.mis_low, mis_high=settings.mis_high,
-                token_count=global_count, chunk_size=settings.chunk_size)
+                logits,
+                x["response_ids"],
+                x["sampled_logprobs"],
+                x["cand_ids"],
+                x["cand_logprobs"],
+                x["advantages"],
+                x["loss_mask"],
+                mode=batch.mode,
+                is_mode=settings.is_mode,
+                temperature=batch.temperature,
+                tis_clip=settings.tis_clip,
+                mis_low=settings.mis_low,
+                mis_high=settings.mis_high,
+                token_count=global_count,
+                chunk_size=settings.chunk_size,
+            )
             (loss * world).backward()  # DDP/FSDP2 divide the summed gradient by world
         n = int(inputs[j]["loss_mask"].sum())
         sums[0] += float(loss.detach())
@@ -153,8 +176,13 @@ def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(),
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    out = {"loss": float(sums[0]), "grad_norm": float(grad_norm), "trained_tokens": global_count,
-           "samples": batch.num_samples, "reward_mean": float(np.mean(batch.rewards)) if batch.num_samples else 0.0}
+    out = {
+        "loss": float(sums[0]),
+        "grad_norm": float(grad_norm),
+        "trained_tokens": global_count,
+        "samples": batch.num_samples,
+        "reward_mean": float(np.mean(batch.rewards)) if batch.num_samples else 0.0,
+    }
     for k, name in enumerate(METRICS):
         if settings.loss == "score_centering" or not name.startswith("sc_") or name == "sc_importance_weight":
             out[name] = float(sums[1 + k]) / global_count if global_count else 0.0

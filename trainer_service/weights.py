@@ -52,7 +52,12 @@ def save_version(root: Path, version: int, model, initial: Path) -> Path:
     save_model(model, str(tmp))
     if is_writer():
         for f in initial.iterdir():  # tokenizer and anything else the engine needs besides the weights
-            if f.is_file() and f.name not in MODEL_FILES and not f.name.startswith("model") and not (tmp / f.name).exists():
+            if (
+                f.is_file()
+                and f.name not in MODEL_FILES
+                and not f.name.startswith("model")
+                and not (tmp / f.name).exists()
+            ):
                 shutil.copy2(f, tmp / f.name)
         publish_dir(tmp, final)
         for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
@@ -72,8 +77,16 @@ def sha256(path: Path) -> str:
 class WeightPublisher:
     """Tells every engine, then NATS, which version to serve."""
 
-    def __init__(self, js, engine_urls: list[str], *, attempts: int = 3, timeout: float = 300.0, settle: float = 600.0,
-                 admin_api_key: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        js,
+        engine_urls: list[str],
+        *,
+        attempts: int = 3,
+        timeout: float = 300.0,
+        settle: float = 600.0,
+        admin_api_key: str | None = None,
+    ):
         """``timeout``: seconds per update call; ``settle``: how long an engine whose call timed out
         or broke off may take to report the version anyway (it waits for its generations in flight).
         ``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``)."""
@@ -98,22 +111,30 @@ class WeightPublisher:
         body = {"model_path": str(path), "weight_version": str(version)}
         for attempt in range(1, self.attempts + 1):
             try:
-                async with self.session.post(url.rstrip("/") + "/update_weights_from_disk", json=body, headers=self.headers) as resp:
+                async with self.session.post(
+                    url.rstrip("/") + "/update_weights_from_disk", json=body, headers=self.headers
+                ) as resp:
                     if resp.status in (401, 403):  # no retry: a wrong key stays wrong
-                        problem = "not the engine's --admin-api-key" if self.headers else "unset, and the engine requires one"
-                        raise admin_key.AdminKeyError(f"engine {url} refused the weight update with HTTP {resp.status}: the trainer's "
-                                                      f"admin key ({admin_key.KEY_ENV} or {admin_key.KEY_FILE_ENV}) is {problem}")  # fmt: skip
+                        problem = (
+                            "not the engine's --admin-api-key" if self.headers else "unset, and the engine requires one"
+                        )
+                        raise admin_key.AdminKeyError(
+                            f"engine {url} refused the weight update with HTTP {resp.status}: the trainer's "
+                            f"admin key ({admin_key.KEY_ENV} or {admin_key.KEY_FILE_ENV}) is {problem}"
+                        )
                     reply = await resp.json(content_type=None)
                     if resp.status == 200 and isinstance(reply, dict) and reply.get("success"):
                         return True
                     problem = f"HTTP {resp.status}: {reply}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
                 # SGLang finishes the generations in flight before it loads: a timed-out or broken-off
                 # call may still have been carried out. The engine's own word decides.
                 if await self.comes_to(url, version):
                     return True
-            log.warning("engine %s did not load version %d (attempt %d/%d): %s", url, version, attempt, self.attempts, problem)
+            log.warning(
+                "engine %s did not load version %d (attempt %d/%d): %s", url, version, attempt, self.attempts, problem
+            )
             if attempt < self.attempts:
                 await asyncio.sleep(0.5 * attempt)  # back-off between retries
         log.error("engine %s keeps serving old weights; its batches will be rejected as stale", url)
@@ -134,9 +155,11 @@ class WeightPublisher:
     async def serving(self, url: str) -> str | None:
         """The weight version ``url`` reports on /model_info, None when it cannot be asked."""
         try:
-            async with self.session.get(url.rstrip("/") + "/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with self.session.get(
+                url.rstrip("/") + "/model_info", timeout=aiohttp.ClientTimeout(total=30)
+            ) as resp:
                 info = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
         return info.get("weight_version") if isinstance(info, dict) else None
 

@@ -15,11 +15,34 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.slow
 def test_experiment_runs_each_pair_and_writes_the_comparison(tmp_path):
     out = tmp_path / "exp"
-    argv = [sys.executable, "-m", "centerline", "experiment", "staleness", "--steps", "2", "--staleness", "2",
-            "--losses", "score_centering,reinforce", "--out", str(out),
-            # passed through to every `centerline up` run
-            "--workers", "1", "--trainer-ranks", "1", "--prompts-per-step", "2", "--rollout-n", "2", "--eval-prompts", "8",
-            "--model-dir", str(tmp_path / "models")]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "experiment",
+        "staleness",
+        "--steps",
+        "2",
+        "--staleness",
+        "2",
+        "--losses",
+        "score_centering,reinforce",
+        "--out",
+        str(out),
+        # passed through to every `centerline up` run
+        "--workers",
+        "1",
+        "--trainer-ranks",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--rollout-n",
+        "2",
+        "--eval-prompts",
+        "8",
+        "--model-dir",
+        str(tmp_path / "models"),
+    ]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
 

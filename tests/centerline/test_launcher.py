@@ -5,8 +5,14 @@ from shared import nats_auth
 
 PASSWORDS = {"admin": "pa", "trainer": "pt", "worker": "pw", "proxy": "pp"}
 # What a launcher's own environment may hold: somebody else's credentials, among ordinary variables.
-BASE = {"PATH": "/usr/bin", "CENTERLINE_SEED": "3", "CENTERLINE_NATS_USER": "admin", "CENTERLINE_NATS_PASSWORD": "x",
-        "CENTERLINE_NATS_PASSWORD_FILE": "/f", **nats_auth.server_env({u: "x" for u in nats_auth.USERS})}  # fmt: skip
+BASE = {
+    "PATH": "/usr/bin",
+    "CENTERLINE_SEED": "3",
+    "CENTERLINE_NATS_USER": "admin",
+    "CENTERLINE_NATS_PASSWORD": "x",
+    "CENTERLINE_NATS_PASSWORD_FILE": "/f",
+    **nats_auth.server_env({u: "x" for u in nats_auth.USERS}),
+}
 
 
 def nats_variables(env: dict) -> dict:

@@ -5,7 +5,10 @@ import sys
 from centerline.launcher import Stack
 from shared import admin_key
 
-SHOW = "import os; print(os.environ.get('CENTERLINE_ENGINE_ADMIN_API_KEY'), os.environ.get('CENTERLINE_ENGINE_ADMIN_API_KEY_FILE'))"
+SHOW = (
+    "import os; print(os.environ.get('CENTERLINE_ENGINE_ADMIN_API_KEY'), "
+    "os.environ.get('CENTERLINE_ENGINE_ADMIN_API_KEY_FILE'))"
+)
 
 
 def test_only_the_processes_given_the_key_hold_it(tmp_path, monkeypatch):
@@ -16,7 +19,13 @@ def test_only_the_processes_given_the_key_hold_it(tmp_path, monkeypatch):
     for name, key in given.items():
         stack.start(name, [sys.executable, "-c", SHOW], engine_key=key).wait(60)
     shown = {name: (tmp_path / f"{name}.log").read_text().strip() for name in given}
-    assert shown == {"sglang-0": "k1 None", "trainer": "k1 None", "router": "None None", "proxy": "None None", "worker-0": "None None"}
+    assert shown == {
+        "sglang-0": "k1 None",
+        "trainer": "k1 None",
+        "router": "None None",
+        "proxy": "None None",
+        "worker-0": "None None",
+    }
 
 
 def test_each_run_gets_a_new_random_key():

@@ -30,14 +30,32 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 # Fields that depend on the batches and the model only (not on timings).
-REPRODUCED = ("step", "version", "loss", "grad_norm", "trained_tokens", "samples", "reward_mean", "sc_correction",
-              "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio", "sc_importance_weight", "train_rollout_kl",
-              "train_rollout_logprob_abs_diff", "staleness_mean", "staleness_max", "gate_accepted", "batch_ids")  # fmt: skip
+REPRODUCED = (
+    "step",
+    "version",
+    "loss",
+    "grad_norm",
+    "trained_tokens",
+    "samples",
+    "reward_mean",
+    "sc_correction",
+    "sc_train_head_mass",
+    "sc_rollout_head_mass",
+    "sc_tail_ratio",
+    "sc_importance_weight",
+    "train_rollout_kl",
+    "train_rollout_logprob_abs_diff",
+    "staleness_mean",
+    "staleness_max",
+    "gate_accepted",
+    "batch_ids",
+)
 
 
 def centerline(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "centerline", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "centerline", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def lines(path: Path) -> list[dict]:
@@ -55,8 +73,9 @@ def run(up_run, tmp_path_factory):
     run_dir = up_run.run_dir
     nats = EmbeddedNats(run_dir / "nats").start()  # the persisted JetStream store, on a new port
     try:
-        record = centerline("record", "--stream", "ROLLOUTS", "--from-seq", "1", "--out", str(tmp / "seg.clrec"),
-                            "--nats-url", nats.url)  # fmt: skip
+        record = centerline(
+            "record", "--stream", "ROLLOUTS", "--from-seq", "1", "--out", str(tmp / "seg.clrec"), "--nats-url", nats.url
+        )
         assert record.returncode == 0, record.stderr
         yield tmp, run_dir, nats
     finally:
@@ -77,9 +96,23 @@ def test_record_holds_every_stream_message_unchanged(run):
 def test_replay_train_reproduces_the_step_bit_for_bit(run):
     tmp, run_dir, _ = run
     out = tmp / "replayed"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "centerline", "replay", str(tmp / "seg.clrec"),
-           "--train", "--checkpoint", str(run_dir / "checkpoints" / "step-000002"),
-           "--steps-from", str(run_dir / "metrics.jsonl"), "--run-dir", str(out)]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "centerline",
+        "replay",
+        str(tmp / "seg.clrec"),
+        "--train",
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "step-000002"),
+        "--steps-from",
+        str(run_dir / "metrics.jsonl"),
+        "--run-dir",
+        str(out),
+    ]
     replay = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr[-3000:]
 
@@ -96,8 +129,9 @@ def test_replay_train_reproduces_the_step_bit_for_bit(run):
     assert a["state"].keys() == b["state"].keys()
     assert all(torch.equal(a["state"][k][s], b["state"][k][s]) for k in a["state"] for s in a["state"][k])
     # betas come back from set_optimizer_state_dict as a list, not a tuple: the same values
-    assert [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in a["param_groups"]] == \
-        [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in b["param_groups"]]
+    assert [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in a["param_groups"]] == [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in b["param_groups"]
+    ]
     assert orjson.loads((mine / "state.json").read_bytes()) == orjson.loads((theirs / "state.json").read_bytes())
 
 
@@ -110,7 +144,12 @@ def test_replay_to_a_fresh_server_delivers_the_same_messages(run, tmp_path):
         delivered = asyncio.run(stream_messages(fresh.url))
     _, messages = read_record(tmp / "seg.clrec")
     assert delivered == [(m.subject, m.headers, m.data) for m in messages]
-    assert orjson.loads(first.stdout) == {"published": len(messages), "stored": len(messages), "duplicates": 0, "to": fresh.url}
+    assert orjson.loads(first.stdout) == {
+        "published": len(messages),
+        "stored": len(messages),
+        "duplicates": 0,
+        "to": fresh.url,
+    }
     assert orjson.loads(again.stdout)["duplicates"] == len(messages)
 
 
@@ -131,8 +170,20 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
 
 def test_live_recording_stops_after_count_messages(tmp_path):
     with EmbeddedNats(tmp_path / "nats") as server:
-        cmd = [sys.executable, "-m", "centerline", "record", "--subject", names.ROLLOUTS_SUBJECT, "--count", "2",
-               "--out", str(tmp_path / "live.clrec"), "--nats-url", server.url]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "centerline",
+            "record",
+            "--subject",
+            names.ROLLOUTS_SUBJECT,
+            "--count",
+            "2",
+            "--out",
+            str(tmp_path / "live.clrec"),
+            "--nats-url",
+            server.url,
+        ]
         rec = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
         assert "recording" in rec.stderr.readline()  # subscribed: what is published now is recorded
 
@@ -162,8 +213,10 @@ def test_live_recording_stops_after_count_messages(tmp_path):
         (MAGIC + b"\x01\x00\x00", "offset 6: expected a 4-byte frame length, 2 bytes left"),
         (MAGIC + b"\x01\x00\x00\x00\x09\x80", "offset 6: frame length says 9 bytes, 1 left"),
         (MAGIC + b"\x01\x00\x00\x00\x01\x80\x00\x00\x00\x01\x07", "offset 15: expected a msgpack map, found int"),
-        (MAGIC + b"\x01\x00\x00\x00\x01\x80\x00\x00\x00\x01\x80",
-         "offset 15: message field 'subject' is missing, expected str"),
+        (
+            MAGIC + b"\x01\x00\x00\x00\x01\x80\x00\x00\x00\x01\x80",
+            "offset 15: message field 'subject' is missing, expected str",
+        ),
     ],
 )
 def test_malformed_record_file_names_the_offset_and_what_was_expected(tmp_path, content, expected):

@@ -15,18 +15,30 @@ def write_metrics(run_dir: Path, steps: int) -> None:
     with open(run_dir / "metrics.jsonl", "wb") as fh:
         for step in range(1, steps + 1):
             record = {
-                "step": step, "version": step, "reward_mean": 0.2 + 0.1 * step, "eval_accuracy": 0.1 * step,
-                "sc_correction": 0.01, "sc_train_head_mass": 0.9, "sc_rollout_head_mass": 0.91, "sc_tail_ratio": 1.1,
-                "train_rollout_kl": 0.001 * step, "staleness_mean": 0.5, "staleness_max": 1, "gate_accepted": 4,
-                "gate_rejected": {"short_row": 1} if step == 2 else {}, "gate_duplicate": 0,
-            }  # fmt: skip
+                "step": step,
+                "version": step,
+                "reward_mean": 0.2 + 0.1 * step,
+                "eval_accuracy": 0.1 * step,
+                "sc_correction": 0.01,
+                "sc_train_head_mass": 0.9,
+                "sc_rollout_head_mass": 0.91,
+                "sc_tail_ratio": 1.1,
+                "train_rollout_kl": 0.001 * step,
+                "staleness_mean": 0.5,
+                "staleness_max": 1,
+                "gate_accepted": 4,
+                "gate_rejected": {"short_row": 1} if step == 2 else {},
+                "gate_duplicate": 0,
+            }
             fh.write(orjson.dumps(record) + b"\n")
 
 
 def test_report_has_every_plot_inline_and_as_png(tmp_path):
     write_metrics(tmp_path, 3)
     (tmp_path / "config.toml").write_text('loss = "score_centering"\n')
-    run = subprocess.run([sys.executable, "-m", "centerline", "report", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "report", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr
     names = {"reward", "accuracy", "sc_correction", "head_mass", "tail_ratio", "kl", "staleness", "gate"}
     assert {p.stem for p in (tmp_path / "plots").glob("*.png")} == names
@@ -39,10 +51,12 @@ def test_report_has_every_plot_inline_and_as_png(tmp_path):
     assert "http://" not in page and "https://" not in page  # self-contained
     assert "reward_mean</td><td>0.3 → 0.5" in page
     assert "batches accepted / rejected</td><td>12 / 1" in page
-    assert 'loss = &quot;score_centering&quot;' in page
+    assert "loss = &quot;score_centering&quot;" in page
 
 
 def test_report_on_a_directory_without_metrics_names_the_file(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "centerline", "report", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "report", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert run.returncode == 2
     assert f"{tmp_path / 'metrics.jsonl'} does not exist" in run.stderr

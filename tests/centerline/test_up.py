@@ -103,9 +103,32 @@ def _nats_users(pids: list[int]) -> dict[str, set]:
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(up_run, tmp_path):
     run_dir = tmp_path / "interrupted"
-    argv = [sys.executable, "-m", "centerline", "up", "--task", "copy", "--steps", "50", "--workers", "2",
-            "--trainer-ranks", "2", "--prompts-per-step", "2", "--rollout-n", "2", "--eval-prompts", "4",
-            "--eval-every", "100", "--model-dir", str(up_run.model_dir.parent), "--run-dir", str(run_dir)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "up",
+        "--task",
+        "copy",
+        "--steps",
+        "50",
+        "--workers",
+        "2",
+        "--trainer-ranks",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--rollout-n",
+        "2",
+        "--eval-prompts",
+        "4",
+        "--eval-every",
+        "100",
+        "--model-dir",
+        str(up_run.model_dir.parent),
+        "--run-dir",
+        str(run_dir),
+    ]
     launcher = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics = run_dir / "metrics.jsonl"
@@ -115,8 +138,14 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
         # session of its own that its children share (SGLang's scheduler names no path of the run).
         services = descendants(launcher.pid)
         users = _nats_users([launcher.pid, *services])
-        assert users == {"up": {None}, "sglang": {None}, "router": {None}, "proxy": {"proxy"}, "worker": {"worker"},
-                         "trainer": {"trainer"}}  # fmt: skip
+        assert users == {
+            "up": {None},
+            "sglang": {None},
+            "router": {None},
+            "proxy": {"proxy"},
+            "worker": {"worker"},
+            "trainer": {"trainer"},
+        }
         sessions = {os.getsid(pid) for pid in services} - {os.getsid(0)}
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process
         _, err = launcher.communicate(timeout=120)

@@ -56,12 +56,18 @@ def resolved(profiles: tuple[str, ...]) -> dict:
     """The project with only the services these profiles enable, as `docker compose config`
     shows it: a dependency on a disabled service is dropped when `required: false`, an error otherwise."""
     doc = compose_file()
-    on = {name: svc for name, svc in doc["services"].items() if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+    on = {
+        name: svc
+        for name, svc in doc["services"].items()
+        if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)
+    }
     for name, svc in on.items():
         deps = svc.get("depends_on", {})
         for dep, cond in list(deps.items()):
             if dep not in on:
-                assert cond.get("required", True) is False, f"{name} depends on {dep}, which profiles {profiles} disable"
+                assert cond.get("required", True) is False, (
+                    f"{name} depends on {dep}, which profiles {profiles} disable"
+                )
                 del deps[dep]
     doc["services"] = on
     return doc
@@ -78,7 +84,10 @@ def test_compose_matches_the_compose_specification(profiles):
     import jsonschema
 
     doc = resolved(profiles)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc)
+    ]
     assert errors == []
     compose_spec.PyCompose.from_yaml(yaml.safe_dump(doc)).validate()
 
@@ -96,7 +105,11 @@ def test_env_file_makes_cpu_the_default_profile():
 
 
 def upstream_of(doc: dict) -> list[str]:
-    return [name for name, svc in doc["services"].items() if "upstream" in svc.get("networks", {}).get("default", {}).get("aliases", [])]
+    return [
+        name
+        for name, svc in doc["services"].items()
+        if "upstream" in svc.get("networks", {}).get("default", {}).get("aliases", [])
+    ]
 
 
 def trainer_engine_urls(doc: dict) -> list[str]:
@@ -119,7 +132,16 @@ def test_cpu_profile_runs_sglang_on_the_cpu_behind_the_router_and_updates_each_s
     urls = ["http://sglang_0:30000", "http://sglang_1:30000"]
     for name in servers:
         svc = doc["services"][name]
-        assert svc["command"] == ["centerline", "sglang", "--model", "/models/default", "--host", "0.0.0.0", "--port", "30000"]
+        assert svc["command"] == [
+            "centerline",
+            "sglang",
+            "--model",
+            "/models/default",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "30000",
+        ]
         assert svc["image"] == "centerline:dev" and "deploy" not in svc
         assert svc["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/health"
         assert {v.split(":")[1] for v in svc["volumes"]} == {"/models", "/runs", "/run/centerline/engine-admin"}
@@ -148,12 +170,25 @@ def test_gpu_profile_runs_the_official_sglang_image_behind_the_router_and_update
     for name in servers:
         svc = doc["services"][name]
         assert svc["image"] == SGLANG_IMAGE
-        assert svc["command"] == ["--model-path", "/models/default", "--host", "0.0.0.0", "--port", "30000", "--dtype", "float32", "--enable-metrics"]
+        assert svc["command"] == [
+            "--model-path",
+            "/models/default",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "30000",
+            "--dtype",
+            "float32",
+            "--enable-metrics",
+        ]
         assert svc["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
         assert svc["ipc"] == "host"
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert [svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for svc in map(doc["services"].get, servers)] == [["0"], ["1"]]
+    assert [
+        svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for svc in map(doc["services"].get, servers)
+    ] == [["0"], ["1"]]
 
 
 def images() -> list[tuple[str, str]]:
@@ -162,15 +197,24 @@ def images() -> list[tuple[str, str]]:
     for prefix, docs in (("k8s", k8s_documents()), ("k8s-gpu", [k8s_gpu_sglang()])):
         for doc in docs:
             spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-            found += [(f"{prefix}:{doc['metadata']['name']}/{c['name']}", c["image"]) for c in spec.get("initContainers", []) + spec.get("containers", [])]
+            found += [
+                (f"{prefix}:{doc['metadata']['name']}/{c['name']}", c["image"])
+                for c in spec.get("initContainers", []) + spec.get("containers", [])
+            ]
     return found
 
 
 def test_sglang_image_is_pyprojects_sglang_pin_and_no_image_is_latest():
     assert SGLANG_IMAGE == "lmsysorg/sglang:v0.5.23"
     sglang = [(where, image) for where, image in images() if image.startswith("lmsysorg/sglang")]
-    assert sglang == [("compose:sglang_gpu_0", SGLANG_IMAGE), ("compose:sglang_gpu_1", SGLANG_IMAGE), ("k8s-gpu:sglang/sglang", SGLANG_IMAGE)]
-    untagged = [(where, image) for where, image in images() if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")]
+    assert sglang == [
+        ("compose:sglang_gpu_0", SGLANG_IMAGE),
+        ("compose:sglang_gpu_1", SGLANG_IMAGE),
+        ("k8s-gpu:sglang/sglang", SGLANG_IMAGE),
+    ]
+    untagged = [
+        (where, image) for where, image in images() if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")
+    ]
     assert untagged == []
 
 
@@ -209,7 +253,9 @@ def test_nats_server_accepts_the_config(where, tmp_path):
     env = {"PATH": "/usr/bin:/bin", **nats_auth.server_env(nats_auth.new_passwords())}  # what the Secret / nats.env set
     out = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    missing = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30, env={})
+    missing = subprocess.run(
+        [server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30, env={}
+    )
     assert "variable reference for 'CENTERLINE_NATS_ADMIN_PASSWORD'" in missing.stderr  # no password, no server
 
 
@@ -217,29 +263,46 @@ def test_nats_server_accepts_the_config(where, tmp_path):
 def test_nats_config_carries_centerlines_users_unchanged(where):
     from shared.nats_auth import accounts_config
 
-    assert nats_configs()[where].endswith("\n" + accounts_config()), "re-render the block with shared.nats_auth.accounts_config()"
+    assert nats_configs()[where].endswith("\n" + accounts_config()), (
+        "re-render the block with shared.nats_auth.accounts_config()"
+    )
     assert "no_auth_user" not in nats_configs()[where]
 
 
-COMPOSE_NATS_USERS = {"trainer": "trainer", "trainer_gpu": "trainer", "router_proxy": "proxy", "rollout_worker": "worker"}
+COMPOSE_NATS_USERS = {
+    "trainer": "trainer",
+    "trainer_gpu": "trainer",
+    "router_proxy": "proxy",
+    "rollout_worker": "worker",
+}
 
 
 def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password():
     services = compose_file()["services"]
-    mounts = {name: [v for v in svc.get("volumes", []) if isinstance(v, dict) and v["source"] == "nats-credentials"]
-              for name, svc in services.items()}  # fmt: skip
+    mounts = {
+        name: [v for v in svc.get("volumes", []) if isinstance(v, dict) and v["source"] == "nats-credentials"]
+        for name, svc in services.items()
+    }
     for name, user in COMPOSE_NATS_USERS.items():
         (mount,) = mounts[name]
         env = services[name]["environment"]
         assert (env["CENTERLINE_NATS_USER"], mount["volume"]["subpath"], mount["read_only"]) == (user, user, True)
         assert env["CENTERLINE_NATS_PASSWORD_FILE"] == mount["target"] + "/password"
     # Only the server and the one-shot that writes them see every password.
-    whole = {name for name, svc in services.items() for v in svc.get("volumes", []) if isinstance(v, str) and v.startswith("nats-credentials:")}
+    whole = {
+        name
+        for name, svc in services.items()
+        for v in svc.get("volumes", [])
+        if isinstance(v, str) and v.startswith("nats-credentials:")
+    }
     assert whole == {"nats", "nats_credentials"}
     assert {name for name, m in mounts.items() if m} == set(COMPOSE_NATS_USERS)
     assert services["nats_credentials"]["command"] == ["centerline", "nats-credentials", "/credentials"]
     assert "nats-credentials:/etc/nats/credentials:ro" in services["nats"]["volumes"]
-    assert ". /etc/nats/credentials/nats.env && exec nats-server --config /etc/nats/nats.conf" in services["nats"]["entrypoint"][-1]
+    assert (
+        ". /etc/nats/credentials/nats.env && exec nats-server --config /etc/nats/nats.conf"
+        in services["nats"]["entrypoint"][-1]
+    )
     assert services["nats"]["depends_on"]["nats_credentials"] == {"condition": "service_completed_successfully"}
 
 
@@ -271,16 +334,34 @@ def test_k8s_services_log_in_as_their_own_nats_user_with_only_their_password():
 
 def test_compose_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
     services = compose_file()["services"]
-    holders = {name for name, svc in services.items() if any(str(v).startswith("engine-admin-key:") for v in svc.get("volumes", []))}
-    assert holders == {"engine_admin_key", "sglang_0", "sglang_1", "trainer", "sglang_gpu_0", "sglang_gpu_1", "trainer_gpu"}
+    holders = {
+        name
+        for name, svc in services.items()
+        if any(str(v).startswith("engine-admin-key:") for v in svc.get("volumes", []))
+    }
+    assert holders == {
+        "engine_admin_key",
+        "sglang_0",
+        "sglang_1",
+        "trainer",
+        "sglang_gpu_0",
+        "sglang_gpu_1",
+        "trainer_gpu",
+    }
     for name in ("sglang_0", "sglang_1", "trainer", "trainer_gpu"):  # `centerline sglang` reads the file
         assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
         assert "engine-admin-key:/run/centerline/engine-admin:ro" in services[name]["volumes"]
-    for name in ("sglang_gpu_0", "sglang_gpu_1"):  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
+    for name in (
+        "sglang_gpu_0",
+        "sglang_gpu_1",
+    ):  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
         entrypoint = services[name]["entrypoint"]
         assert entrypoint[-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"] and "'--admin-api-key', key" in entrypoint[2]
     for name, svc in services.items():
-        assert not any(k.startswith("CENTERLINE_ENGINE_ADMIN_API_KEY") for k in svc.get("environment", {})) or name in holders, name
+        assert (
+            not any(k.startswith("CENTERLINE_ENGINE_ADMIN_API_KEY") for k in svc.get("environment", {}))
+            or name in holders
+        ), name
     assert services["engine_admin_key"]["volumes"] == ["engine-admin-key:/credentials"]
 
 
@@ -291,11 +372,17 @@ def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_el
             for e in c.get("env", []):
                 if e["name"].startswith("CENTERLINE_ENGINE_ADMIN_API_KEY"):
                     holders[doc["metadata"]["name"]] = e
-    ref = {"name": "CENTERLINE_ENGINE_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "engine-admin-key", "key": "admin-api-key"}}}
+    ref = {
+        "name": "CENTERLINE_ENGINE_ADMIN_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "engine-admin-key", "key": "admin-api-key"}},
+    }
     assert holders == {"sglang": ref, "trainer": ref}
     # The GPU overlay keeps the key in the environment and hands it to SGLang as a flag.
     (gpu,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
-    assert ref in gpu["env"] and gpu["args"][gpu["args"].index("--admin-api-key") + 1] == "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
+    assert (
+        ref in gpu["env"]
+        and gpu["args"][gpu["args"].index("--admin-api-key") + 1] == "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
+    )
     kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     assert {"name": "engine-admin-key", "envs": ["engine-admin-key.env"]} in kustomization["secretGenerator"]
     assert "deploy/k8s/engine-admin-key.env" in (ROOT / ".gitignore").read_text().splitlines()
@@ -304,11 +391,15 @@ def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_el
 def test_centerline_toml_files_resolve():
     from shared.config import Config, load_toml
 
-    (config,) = [d for d in k8s_documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "centerline-config"]
+    (config,) = [
+        d for d in k8s_documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "centerline-config"
+    ]
     k8s = tomllib.loads(config["data"]["centerline.toml"])
     compose = load_toml(str(DEPLOY / "centerline.toml"))
     Config(**k8s), Config(**compose)
-    assert {k: v for k, v in k8s.items() if not k.endswith("_url")} == {k: v for k, v in compose.items() if not k.endswith("_url")}
+    assert {k: v for k, v in k8s.items() if not k.endswith("_url")} == {
+        k: v for k, v in compose.items() if not k.endswith("_url")
+    }
     assert (compose["proxy_url"], k8s["proxy_url"]) == ("http://router_proxy:30010", "http://router-proxy:30010")
 
 
@@ -334,12 +425,20 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
     # (`smg`), then the project: in that order.
     torch = re.search(r"pip install --quiet (torch==\S+ torchvision==\S+)\n", (ROOT / "Makefile").read_text())[1]
     (router,) = [r for r in PYPROJECT["project"]["optional-dependencies"]["dev"] if r.startswith("sglang-router==")]
-    steps = [f"pip install --no-cache-dir {torch} --index-url https://download.pytorch.org/whl/cpu",
-             "pip install --no-cache-dir -r deploy/sglang-cpu.txt", f"pip install --no-cache-dir --no-deps {SGLANG_PIN}",
-             f"pip install --no-cache-dir {router}", "pip install --no-cache-dir /app"]  # fmt: skip
+    steps = [
+        f"pip install --no-cache-dir {torch} --index-url https://download.pytorch.org/whl/cpu",
+        "pip install --no-cache-dir -r deploy/sglang-cpu.txt",
+        f"pip install --no-cache-dir --no-deps {SGLANG_PIN}",
+        f"pip install --no-cache-dir {router}",
+        "pip install --no-cache-dir /app",
+    ]
     assert [text.count(step) for step in steps] == [1] * len(steps)
     assert [text.index(step) for step in steps] == sorted(text.index(step) for step in steps)
-    assert (torch, SGLANG_PIN, router) == ("torch==2.14.1 torchvision==0.29.1", "sglang==0.5.23", "sglang-router==0.3.2")
+    assert (torch, SGLANG_PIN, router) == (
+        "torch==2.14.1 torchvision==0.29.1",
+        "sglang==0.5.23",
+        "sglang-router==0.3.2",
+    )
     assert "\nCOPY deploy/sglang-cpu.txt deploy/\n" in text and "\n!deploy/sglang-cpu.txt\n" in dockerignore
     packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in {p.rstrip("*") for p in packages}:
@@ -384,15 +483,27 @@ def test_k8s_topology():
     assert docs[("Deployment", "rollout-worker")]["spec"]["replicas"] == 2
     nats = docs[("StatefulSet", "nats")]["spec"]
     assert nats["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    probes = {(kind, name): docs[(kind, name)]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
-              for kind, name in (("StatefulSet", "sglang"), ("Deployment", "sglang-router"), ("Deployment", "router-proxy"))}  # fmt: skip
-    assert probes == {("StatefulSet", "sglang"): "/health", ("Deployment", "sglang-router"): "/readiness", ("Deployment", "router-proxy"): "/ready"}
+    probes = {
+        (kind, name): docs[(kind, name)]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"][
+            "path"
+        ]
+        for kind, name in (("StatefulSet", "sglang"), ("Deployment", "sglang-router"), ("Deployment", "router-proxy"))
+    }
+    assert probes == {
+        ("StatefulSet", "sglang"): "/health",
+        ("Deployment", "sglang-router"): "/readiness",
+        ("Deployment", "router-proxy"): "/ready",
+    }
     assert {("Service", n) for n in ("nats", "sglang", "sglang-router", "router-proxy")} <= set(docs)
     assert {kind for kind, name in docs if name in ("trainer", "model-init")} >= {"Job"}
 
 
 def k8s_command(name: str) -> list[str]:
-    (doc,) = [d for d in k8s_documents() if d["kind"] in ("Deployment", "StatefulSet", "Job") and d["metadata"]["name"] == name]
+    (doc,) = [
+        d
+        for d in k8s_documents()
+        if d["kind"] in ("Deployment", "StatefulSet", "Job") and d["metadata"]["name"] == name
+    ]
     (container,) = doc["spec"]["template"]["spec"]["containers"]
     return container["command"]
 
@@ -402,8 +513,21 @@ def test_k8s_router_and_trainer_name_each_sglang_server_and_the_proxy_the_router
 
     docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_documents()}
     sglang, service = docs[("StatefulSet", "sglang")]["spec"], docs[("Service", "sglang")]["spec"]
-    assert (sglang["serviceName"], service["clusterIP"], sglang["replicas"]) == ("sglang", "None", 2)  # headless: one name per pod
-    assert k8s_command("sglang") == ["centerline", "sglang", "--model", "/models/default", "--host", "0.0.0.0", "--port", "30000"]
+    assert (sglang["serviceName"], service["clusterIP"], sglang["replicas"]) == (
+        "sglang",
+        "None",
+        2,
+    )  # headless: one name per pod
+    assert k8s_command("sglang") == [
+        "centerline",
+        "sglang",
+        "--model",
+        "/models/default",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+    ]
     urls = ["http://sglang-0.sglang:30000", "http://sglang-1.sglang:30000"]  # <pod>.<headless Service>, one per replica
     assert k8s_command("sglang-router") == router_argv(urls)
     (wait,) = docs[("Deployment", "sglang-router")]["spec"]["template"]["spec"]["initContainers"]
@@ -423,7 +547,9 @@ def apply_json_patch(doc: dict, ops: list[dict]) -> dict:
     for op in ops:
         *parents, last = op["path"].split("/")[1:]
         node = functools.reduce(lambda n, key: n[int(key)] if isinstance(n, list) else n[key], parents, doc)
-        assert op["op"] in ("add", "replace") and (op["op"] == "add" or (last in node if isinstance(node, dict) else int(last) < len(node))), op
+        assert op["op"] in ("add", "replace") and (
+            op["op"] == "add" or (last in node if isinstance(node, dict) else int(last) < len(node))
+        ), op
         if isinstance(node, list) and op["op"] == "add":
             node.insert(len(node) if last == "-" else int(last), op["value"])
         else:
@@ -453,12 +579,29 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
     spec = doc["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert container["image"] == SGLANG_IMAGE
-    assert container["command"] + container["args"] == ["python3", "-m", "sglang.launch_server", "--model-path", "/models/default", "--host", "0.0.0.0",
-                                                        "--port", "30000", "--dtype", "float32", "--enable-metrics", "--admin-api-key", "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"]  # fmt: skip
+    assert container["command"] + container["args"] == [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/default",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--dtype",
+        "float32",
+        "--enable-metrics",
+        "--admin-api-key",
+        "$(CENTERLINE_ENGINE_ADMIN_API_KEY)",
+    ]
     assert {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "0"} in container["env"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert container["ports"] == [{"name": "http", "containerPort": 30000}] and container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert (
+        container["ports"] == [{"name": "http", "containerPort": 30000}]
+        and container["readinessProbe"]["httpGet"]["path"] == "/health"
+    )
     # The servers keep their names, so the router's and the trainer's URLs hold unchanged.
     (base,) = [d for d in k8s_documents() if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "sglang"]
     assert (doc["metadata"], doc["spec"]["serviceName"], doc["spec"]["replicas"]) == (base["metadata"], "sglang", 2)
@@ -467,7 +610,11 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
 # ---------------------------------------------------------------- commands
 def containers() -> list[tuple[str, list[str]]]:
     """(where, argv) of every container in compose (all profiles) and Kubernetes."""
-    found = [(f"compose:{name}", svc.get("entrypoint", []) + svc["command"]) for name, svc in compose_file()["services"].items() if "command" in svc]
+    found = [
+        (f"compose:{name}", svc.get("entrypoint", []) + svc["command"])
+        for name, svc in compose_file()["services"].items()
+        if "command" in svc
+    ]
     for doc in k8s_documents():
         spec = doc.get("spec", {}).get("template", {}).get("spec", {})
         for c in spec.get("initContainers", []) + spec.get("containers", []):
@@ -484,7 +631,9 @@ def centerline_argv(argv: list[str]) -> list[str] | None:
     return None
 
 
-CENTERLINE_COMMANDS = [(where, centerline_argv(argv)) for where, argv in containers() if centerline_argv(argv) is not None]
+CENTERLINE_COMMANDS = [
+    (where, centerline_argv(argv)) for where, argv in containers() if centerline_argv(argv) is not None
+]
 
 
 @functools.cache
@@ -528,13 +677,15 @@ def test_command_is_a_centerline_subcommand_with_valid_flags(where, argv):
     assert argv[0] in COMMANDS, f"{where}: `centerline {argv[0]}` is not a registered subcommand"
     help_out = help_text("-m", "centerline", argv[0])
     assert_flags_listed(argv[1:], help_out)
-    assert required_flags(help_out) <= set(flags(argv)), f"{where}: missing required {required_flags(help_out) - set(flags(argv))}"
+    assert required_flags(help_out) <= set(flags(argv)), (
+        f"{where}: missing required {required_flags(help_out) - set(flags(argv))}"
+    )
 
 
 def test_torchrun_flags_are_torchruns():
     # torchrun's parser source, read rather than run: `torchrun --help` pays for `import torch`.
     source = (Path(importlib.util.find_spec("torch").origin).parent / "distributed/run.py").read_text()
-    for where, argv in containers():
+    for _where, argv in containers():
         if argv[:1] == ["torchrun"]:
             assert_flags_listed(argv[1 : argv.index("-m")], "\n".join(re.findall(r"add_argument\(([^)]*)", source)))
 
@@ -543,7 +694,11 @@ ROUTERS = [(where, argv) for where, argv in containers() if argv[:1] == ["smg"]]
 
 
 def test_routers_are_deployed_everywhere():
-    assert [where for where, _ in ROUTERS] == ["compose:sglang_router", "compose:sglang_router_gpu", "k8s:sglang-router/sglang-router"]
+    assert [where for where, _ in ROUTERS] == [
+        "compose:sglang_router",
+        "compose:sglang_router_gpu",
+        "k8s:sglang-router/sglang-router",
+    ]
 
 
 @pytest.mark.parametrize("where,argv", ROUTERS, ids=[w for w, _ in ROUTERS])
@@ -555,8 +710,11 @@ def test_sglang_router_flags_are_the_routers(where, argv):
 def sglang_servers() -> list[tuple[str, list[str]]]:
     """(where, flags) of every official-image SGLang server: compose's gpu profile (the entrypoint
     adds --admin-api-key) and the Kubernetes GPU overlay."""
-    found = [(f"compose:{name}", svc["command"] + ["--admin-api-key"]) for name, svc in compose_file()["services"].items()
-             if svc.get("image", "").startswith("lmsysorg/sglang")]  # fmt: skip
+    found = [
+        (f"compose:{name}", svc["command"] + ["--admin-api-key"])
+        for name, svc in compose_file()["services"].items()
+        if svc.get("image", "").startswith("lmsysorg/sglang")
+    ]
     (container,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["python3", "-m", "sglang.launch_server"]
     return found + [("k8s-gpu:sglang", container["args"])]
@@ -576,7 +734,11 @@ def exported_series() -> set[str]:
 
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     names = {f"centerline_trainer_{g}" for g in GAUGES}
-    names |= {"centerline_trainer_gate_accepted_total", "centerline_trainer_gate_rejected_total", "centerline_trainer_gate_duplicate_total"}
+    names |= {
+        "centerline_trainer_gate_accepted_total",
+        "centerline_trainer_gate_rejected_total",
+        "centerline_trainer_gate_duplicate_total",
+    }
     for registry in (ProxyMetrics().registry, WorkerMetrics().registry):
         for family in registry.collect():
             names |= {family.name + s for s in suffixes[family.type]}
@@ -589,7 +751,17 @@ def test_dashboard_queries_only_exported_metrics():
     used = {name for expr in exprs for name in re.findall(r"centerline_\w+", expr)}
     assert used - exported_series() == set()
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for needed in ("reward", "sc_correction", "head mass", "sc_tail_ratio", "kl", "staleness", "gate", "audit verdicts", "added latency"):
+    for needed in (
+        "reward",
+        "sc_correction",
+        "head mass",
+        "sc_tail_ratio",
+        "kl",
+        "staleness",
+        "gate",
+        "audit verdicts",
+        "added latency",
+    ):
         assert needed in titles, needed
     for name in ("sc_train_head_mass", "sc_rollout_head_mass", "train_rollout_kl", "audit_verdicts", "gate_rejected"):
         assert any(name in e for e in exprs), name
@@ -599,7 +771,14 @@ def test_trainer_gate_counters_are_the_ones_the_dashboard_reads(tmp_path):
     from trainer_service.metrics import Metrics
 
     families = {f.name: f.type for f in Metrics(tmp_path).registry.collect()}
-    assert {families[n] for n in ("centerline_trainer_gate_accepted", "centerline_trainer_gate_rejected", "centerline_trainer_gate_duplicate")} == {"counter"}
+    assert {
+        families[n]
+        for n in (
+            "centerline_trainer_gate_accepted",
+            "centerline_trainer_gate_rejected",
+            "centerline_trainer_gate_duplicate",
+        )
+    } == {"counter"}
 
 
 def test_grafana_datasource_is_the_dashboards():
@@ -612,7 +791,21 @@ def test_grafana_datasource_is_the_dashboards():
 def test_prometheus_scrapes_compose_services():
     config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
     services = set(compose_file()["services"])
-    hosts = {t.split(":")[0] for job in config["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
+    hosts = {
+        t.split(":")[0]
+        for job in config["scrape_configs"]
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    }
     hosts |= {n for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", []) for n in sd["names"]}
     assert hosts - {"localhost"} <= services
-    assert {"trainer", "trainer_gpu", "router_proxy", "rollout_worker", "sglang_gpu_0", "sglang_gpu_1", "sglang_router", "sglang_router_gpu"} <= hosts
+    assert {
+        "trainer",
+        "trainer_gpu",
+        "router_proxy",
+        "rollout_worker",
+        "sglang_gpu_0",
+        "sglang_gpu_1",
+        "sglang_router",
+        "sglang_router_gpu",
+    } <= hosts

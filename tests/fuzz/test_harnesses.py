@@ -20,7 +20,16 @@ HARNESSES = {"fuzz.fuzz_wire": fuzz_wire, "fuzz.fuzz_proxy_audit": fuzz_proxy_au
 @pytest.mark.parametrize("module", sorted(HARNESSES))
 def test_harness_runs_under_atheris(module, tmp_path):
     corpus = tmp_path / "corpus"
-    cmd = [sys.executable, "-m", module, "-runs=400", "-rss_limit_mb=1024", "-timeout=10", f"-artifact_prefix={tmp_path}/", str(corpus)]
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "-runs=400",
+        "-rss_limit_mb=1024",
+        "-timeout=10",
+        f"-artifact_prefix={tmp_path}/",
+        str(corpus),
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "Done 400 runs" in out.stderr

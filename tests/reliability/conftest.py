@@ -1,4 +1,5 @@
-"""The proxy in front of the session's SGLang server, shared by every reliability test; each test brings its own NATS server."""
+"""The proxy in front of the session's SGLang server, shared by every reliability test; each test brings its own NATS
+server."""
 
 import pytest
 

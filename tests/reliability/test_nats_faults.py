@@ -35,8 +35,8 @@ from shared.task import PromptTask
 from shared.wire import decode_batch, encode_batch
 from tests.processes import wait_until
 from tests.reliability.relay import ACK, Relay
-from tests.trainer_service.service_stack import descendants
 from tests.reliability.topology import Figures, consumers, run_accounting, server_sync_always, stream_messages
+from tests.trainer_service.service_stack import descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,8 +50,12 @@ class Publisher:
 
     def __init__(self, nc, js):
         self.nc, self.js = nc, js
-        self.data = [encode_batch(make_batch(samples=4, tokens_per_sample=6, k=16, vocab_size=260, seed=i,
-                                             batch_id=f"pub/{i:03d}")) for i in range(BATCHES)]  # fmt: skip
+        self.data = [
+            encode_batch(
+                make_batch(samples=4, tokens_per_sample=6, k=16, vocab_size=260, seed=i, batch_id=f"pub/{i:03d}")
+            )
+            for i in range(BATCHES)
+        ]
         self.acked: dict[str, bool] = {}
         self.failed: list[str] = []  # batch_id of each failed attempt
         self.errors: Counter = Counter()  # exception types of failed attempts
@@ -69,10 +73,12 @@ class Publisher:
                     await self.go.wait()
                     self.idle.clear()
                 try:
-                    [ack] = await publish_batch(self.js, data, max_payload=self.nc.max_payload, batch_id=batch_id,
-                                                timeout=1.0, attempts=1)  # fmt: skip
+                    [ack] = await publish_batch(
+                        self.js, data, max_payload=self.nc.max_payload, batch_id=batch_id, timeout=1.0, attempts=1
+                    )
                     self.acked[batch_id] = bool(ack.duplicate)
-                except Exception as exc:  # noqa: BLE001 (counted by type; the test requires PublishError)
+                # counted by type; the test requires PublishError
+                except Exception as exc:  # noqa: BLE001
                     self.errors[type(exc).__name__] += 1
                     self.failed.append(batch_id)
                     if self.hold:  # the test decides when the retry goes out
@@ -154,9 +160,14 @@ def test_every_acked_batch_survives_sigkill_and_is_stored_once(tmp_path):
     acked = publisher.acked
     ids = Counter(decode_batch(bytes(data)).batch_id for _, _, data in stored)
     by_id = {decode_batch(bytes(data)).batch_id: data for _, _, data in stored}
-    figures = Figures(faults=len(kills), published=len(stored), acked=len(acked), lost=len(set(acked) - set(ids)),
-                      duplicated=sum(n - 1 for n in ids.values()),
-                      notes={"kills": kills, "failed_publishes": dict(publisher.errors), "sync_always": sync_always})  # fmt: skip
+    figures = Figures(
+        faults=len(kills),
+        published=len(stored),
+        acked=len(acked),
+        lost=len(set(acked) - set(ids)),
+        duplicated=sum(n - 1 for n in ids.values()),
+        notes={"kills": kills, "failed_publishes": dict(publisher.errors), "sync_always": sync_always},
+    )
     print("\n" + figures.summary("nats-publisher"))
     assert len(kills) == 4 and len(acked) == BATCHES
     assert (figures.lost, figures.duplicated, figures.published) == (0, 0, BATCHES)
@@ -180,7 +191,8 @@ async def until_stored(url: str, batch_id: str, deadline_s: float = 10.0) -> Non
                 msg = await js.get_last_msg(names.ROLLOUTS_STREAM, names.ROLLOUTS_SUBJECT)
                 if decode_batch(bytes(msg.data)).batch_id == batch_id:
                     return
-            except Exception:  # noqa: BLE001 (the stalled server answers late)
+            # the stalled server answers late
+            except Exception:  # noqa: BLE001
                 pass
             if time.monotonic() > end:
                 raise TimeoutError(f"{batch_id} not stored after {deadline_s}s")
@@ -268,8 +280,15 @@ def test_a_lost_task_ack_is_logged_and_the_task_comes_back_stored_once(topology)
         worker = topology.add_worker("w0", nats_url=relay.url)
         worker.wait_ready()
         relay.arm("client", names.ROLLOUTS_SUBJECT)
-        task = PromptTask(task_id="lost-ack/0/0", group_id="lost-ack/0/0", prompt="copy abc=", answer="abc", reward="exact",
-                          n=4, step=0)  # fmt: skip
+        task = PromptTask(
+            task_id="lost-ack/0/0",
+            group_id="lost-ack/0/0",
+            prompt="copy abc=",
+            answer="abc",
+            reward="exact",
+            n=4,
+            step=0,
+        )
         asyncio.run(publish_task(topology.nats, task))
         wait_until(relay.tripped.is_set, 60, "the worker publishing the task's batch", worker.proc)
         relay.drop()
@@ -330,6 +349,8 @@ def test_a_trainer_stopped_while_the_server_is_down_exits_0(topology):
     worker.wait_ready()
     wait_until(lambda: topology.steps_done() >= 1, 120, "step 1", trainer.proc)
     topology.server.kill()
-    os.kill(rank_0(trainer), signal.SIGTERM)  # SIGTERM to torchrun itself would make torchrun exit 1 whatever the ranks do
+    os.kill(
+        rank_0(trainer), signal.SIGTERM
+    )  # SIGTERM to torchrun itself would make torchrun exit 1 whatever the ranks do
     assert trainer.wait(90) == 0, trainer.log()
     assert "Traceback" not in trainer.log()

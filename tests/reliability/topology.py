@@ -40,8 +40,18 @@ from tests.trainer_service.service_stack import Trainer, dead_letters
 
 ACK_WAIT = "3"  # seconds, workers and trainer alike: a dead holder's message is back this fast
 PROMPTS_PER_STEP, ROLLOUT_N = 2, 4
-TRAINER_FLAGS = ("--prompts-per-step", str(PROMPTS_PER_STEP), "--rollout-n", str(ROLLOUT_N), "--ack-wait", ACK_WAIT,
-                 "--step-timeout", "180", "--learning-rate", "1e-3")  # fmt: skip
+TRAINER_FLAGS = (
+    "--prompts-per-step",
+    str(PROMPTS_PER_STEP),
+    "--rollout-n",
+    str(ROLLOUT_N),
+    "--ack-wait",
+    ACK_WAIT,
+    "--step-timeout",
+    "180",
+    "--learning-rate",
+    "1e-3",
+)
 WORKER_FLAGS = ("--rollout-max-new-tokens", "6", "--ack-wait", ACK_WAIT, "--nak-delay", "0.5", "--shutdown-grace", "30")
 
 
@@ -92,14 +102,25 @@ class Topology:
     def add_worker(self, name: str, *flags: str, nats_url: str | None = None) -> WorkerProcess:
         """Start ``centerline worker --worker-id name``; ``nats_url`` routes it through a relay."""
         extra = ("--nats-url", nats_url) if nats_url else ()
-        worker = WorkerProcess(self, self.dir / f"worker-{name}.log", *WORKER_FLAGS, "--worker-id", name, *extra, *flags)
+        worker = WorkerProcess(
+            self, self.dir / f"worker-{name}.log", *WORKER_FLAGS, "--worker-id", name, *extra, *flags
+        )
         self.workers.append(worker)
         return worker
 
     def start_trainer(self, steps: int, *flags: str, nats_url: str | None = None) -> Trainer:
         """``centerline trainer`` under torchrun, 2 ranks; ``nats_url`` routes it through a relay."""
-        trainer = Trainer(self.dir / "run", self.model, self.dataset(), nats_url or self.nats, self.upstream.engine.url,
-                          "--steps", str(steps), *TRAINER_FLAGS, *flags)  # fmt: skip
+        trainer = Trainer(
+            self.dir / "run",
+            self.model,
+            self.dataset(),
+            nats_url or self.nats,
+            self.upstream.engine.url,
+            "--steps",
+            str(steps),
+            *TRAINER_FLAGS,
+            *flags,
+        )
         self.trainers.append(trainer)
         return trainer
 
@@ -128,7 +149,9 @@ class Topology:
             trainer.kill()
         nats_down = self.server.proc is None or self.server.proc.poll() is not None
         for worker in self.workers:
-            if nats_down and worker.proc.poll() is None:  # SIGTERM would wait out its publish retries (30 s) for nothing
+            if (
+                nats_down and worker.proc.poll() is None
+            ):  # SIGTERM would wait out its publish retries (30 s) for nothing
                 worker.proc.kill()
                 worker.proc.wait()
             worker.stop()
@@ -166,8 +189,10 @@ class Figures:
     def summary(self, test: str) -> str:
         """One line for the closing note; ``pytest -s`` shows it."""
         show = lambda v: "-" if v is None else v  # noqa: E731
-        counts = " ".join(f"{k}={show(getattr(self, k))}" for k in ("faults", "published", "acked", "trained", "dead_lettered",
-                                                                     "lost", "duplicated"))  # fmt: skip
+        counts = " ".join(
+            f"{k}={show(getattr(self, k))}"
+            for k in ("faults", "published", "acked", "trained", "dead_lettered", "lost", "duplicated")
+        )
         return f"RELIABILITY {test}: {counts}" + "".join(f" {k}={v}" for k, v in self.notes.items())
 
 
@@ -182,7 +207,10 @@ async def consumers(nats_url: str) -> dict:
     js = nc.jetstream()
     try:
         out = {}
-        for stream, durable in ((names.PROMPTS_STREAM, names.WORKERS_CONSUMER), (names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)):
+        for stream, durable in (
+            (names.PROMPTS_STREAM, names.WORKERS_CONSUMER),
+            (names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER),
+        ):
             try:
                 info = await js.consumer_info(stream, durable)
             except NotFoundError:
@@ -196,9 +224,14 @@ async def consumers(nats_url: str) -> dict:
 def published_and_acked(workers: list[WorkerProcess]) -> set[str]:
     """batch_ids whose publish JetStream acknowledged, from the workers' logs: those of a
     ``task done`` line, and those of a ``task ack lost`` line (stored, the task's own ack lost)."""
-    return {bid for w in workers for line in w.log().splitlines() if line.startswith("{")
-            and json.loads(line)["msg"] in ("task done", "task ack lost; its batches are stored, the task will come back")
-            for bid in json.loads(line)["batches"]}  # fmt: skip
+    return {
+        bid
+        for w in workers
+        for line in w.log().splitlines()
+        if line.startswith("{")
+        and json.loads(line)["msg"] in ("task done", "task ack lost; its batches are stored, the task will come back")
+        for bid in json.loads(line)["batches"]
+    }
 
 
 def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[WorkerProcess]) -> tuple[Figures, dict]:
@@ -221,15 +254,28 @@ def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[Worke
     lines = [orjson.loads(x) for x in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     batches = [bid for m in lines for bid in m["batch_ids"]]
     trained = Counter(s for bid in batches for s in by_id[bid].sample_ids)
-    expected = {f"{run_id}/{s}/{j}/{i}" for s in range(steps) for j in range(PROMPTS_PER_STEP) for i in range(ROLLOUT_N)}
+    expected = {
+        f"{run_id}/{s}/{j}/{i}" for s in range(steps) for j in range(PROMPTS_PER_STEP) for i in range(ROLLOUT_N)
+    }
     acked = published_and_acked(workers)
     figures = Figures(
-        published=len(stored), acked=len(acked), trained=len(batches), dead_lettered=len(asyncio.run(dead_letters(nats_url))),
+        published=len(stored),
+        acked=len(acked),
+        trained=len(batches),
+        dead_lettered=len(asyncio.run(dead_letters(nats_url))),
         lost=len(expected - set(trained)) + len(acked - set(ids)),
         duplicated=sum(n - 1 for n in trained.values()) + sum(n - 1 for n in ids.values()),
-    )  # fmt: skip
+    )
     ledger_ok = set(ledger) == set(batches) and all(by_seq[seq].batch_id == bid for bid, (seq, _) in ledger.items())
-    details = {"state": state, "trained": trained, "expected": expected, "acked": acked, "stored_ids": ids, "metrics": lines,
-               "consumers": asyncio.run(consumers(nats_url)), "ledger_matches_stream": ledger_ok,
-               "producers": {bid: b.producer for bid, b in by_id.items()}}  # fmt: skip
+    details = {
+        "state": state,
+        "trained": trained,
+        "expected": expected,
+        "acked": acked,
+        "stored_ids": ids,
+        "metrics": lines,
+        "consumers": asyncio.run(consumers(nats_url)),
+        "ledger_matches_stream": ledger_ok,
+        "producers": {bid: b.producer for bid, b in by_id.items()},
+    }
     return figures, details

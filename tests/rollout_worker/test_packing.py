@@ -18,8 +18,12 @@ TASK = PromptTask(task_id="run/0/7", group_id="run/g7", prompt="up a=", answer="
 
 def native(tokens, tops=None, support=None, version="3", text="", finish="stop"):
     """A native /generate item as the engine (SGLang 0.5.23) returns it."""
-    meta = {"id": "x", "finish_reason": {"type": finish}, "weight_version": version,
-            "output_token_logprobs": [[lp, t, None] for lp, t in tokens]}  # fmt: skip
+    meta = {
+        "id": "x",
+        "finish_reason": {"type": finish},
+        "weight_version": version,
+        "output_token_logprobs": [[lp, t, None] for lp, t in tokens],
+    }
     if tops is not None:
         meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row] for row in tops]
     if support is not None:
@@ -29,15 +33,30 @@ def native(tokens, tops=None, support=None, version="3", text="", finish="stop")
 
 
 SELECTED = [
-    native([(-0.5, 65), (-0.1, 256)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)], [(-0.1, 256), (-3.0, 65), (-4.0, 66)]], text="A"),
+    native(
+        [(-0.5, 65), (-0.1, 256)],
+        tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)], [(-0.1, 256), (-3.0, 65), (-4.0, 66)]],
+        text="A",
+    ),
     native([(-1.5, 66)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], text="B", finish="length"),
 ]
 
 
 def pack(samples, rewards=(1.0, 0.0), mode="selected"):
     rewards = np.array(rewards)
-    return pack_group(TASK, [117, 112, 32, 97, 61], samples, rewards, group_advantages(rewards), producer="w0", mode=mode,
-                      k=K, temperature=1.0, top_p=1.0 if mode == "selected" else 0.9, top_k=-1 if mode == "selected" else 2)  # fmt: skip
+    return pack_group(
+        TASK,
+        [117, 112, 32, 97, 61],
+        samples,
+        rewards,
+        group_advantages(rewards),
+        producer="w0",
+        mode=mode,
+        k=K,
+        temperature=1.0,
+        top_p=1.0 if mode == "selected" else 0.9,
+        top_k=-1 if mode == "selected" else 2,
+    )
 
 
 def test_selected_mode_packs_sampled_tokens_and_top_k_candidates():
@@ -109,7 +128,10 @@ def test_a_missing_top_logprobs_field_packs_as_empty_rows():
     [
         (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67), (-3.5, 68)]]), "more than K=3"),
         (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version=None), "weight_version"),
-        (native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="v1"), "'default' or a string of an int"),
+        (
+            native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="v1"),
+            "'default' or a string of an int",
+        ),
         ({"text": "", "meta_info": {"weight_version": "0"}}, "output_token_logprobs"),
         ({"text": ""}, "no meta_info"),
         (native([(-0.5, 65)], tops=[]), "0 rows for 1 output tokens"),
@@ -121,7 +143,11 @@ def test_an_unusable_response_raises_response_error_naming_the_field(item, messa
 
 
 def test_chat_choices_are_read_from_their_native_meta_info():
-    doc = {"choices": [{"index": i, "message": {"role": "assistant", "content": s["text"]}, "meta_info": s["meta_info"]}
-                       for i, s in enumerate(SELECTED)]}  # fmt: skip
+    doc = {
+        "choices": [
+            {"index": i, "message": {"role": "assistant", "content": s["text"]}, "meta_info": s["meta_info"]}
+            for i, s in enumerate(SELECTED)
+        ]
+    }
     samples = samples_from_response(doc, endpoint="chat", mode="selected", k=K)
     assert [s.text for s in samples] == ["A", "B"] and samples[0].response_ids.tolist() == [65, 256]

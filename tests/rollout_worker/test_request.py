@@ -10,12 +10,19 @@ TASK = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", r
 
 
 def worker(**cfg) -> Worker:
-    return Worker(Config(**cfg), Tokenizer(lambda p: list(p.encode()), lambda p: list(p.encode())), WorkerOptions(producer="w", vocab_size=260))
+    return Worker(
+        Config(**cfg),
+        Tokenizer(lambda p: list(p.encode()), lambda p: list(p.encode())),
+        WorkerOptions(producer="w", vocab_size=260),
+    )
 
 
 def test_native_request_is_one_generate_call_with_n_samples_and_the_configured_sampling():
     body = worker(rollout_max_new_tokens=12).request_body(TASK, [117, 112])
-    assert body == {"input_ids": [117, 112], "sampling_params": {"n": 4, "max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0}}
+    assert body == {
+        "input_ids": [117, 112],
+        "sampling_params": {"n": 4, "max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0},
+    }
 
 
 def test_filtered_request_carries_top_k_and_top_p():

@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from shared.task import PromptTask
-from shared.toy_tasks import TASKS, examples, is_heldout, main as dataset_main
+from shared.toy_tasks import TASKS, examples, is_heldout
+from shared.toy_tasks import main as dataset_main
 
 
 def solve(prompt: str) -> str:
@@ -43,7 +44,15 @@ def test_dataset_command_writes_jsonl_rows_the_trainer_can_turn_into_tasks(tmp_p
     assert len(rows) == 5 and rows[0]["id"] == "reverse/heldout/2/0"
     assert [(r["prompt"], r["answer"]) for r in rows] == examples("reverse", 5, 2, "heldout")
     assert {r["reward"] for r in rows} == {"exact"} and {r["split"] for r in rows} == {"heldout"}
-    task = PromptTask(task_id="run/0/0", group_id="g", prompt=rows[0]["prompt"], answer=rows[0]["answer"], reward=rows[0]["reward"], n=4, step=0)
+    task = PromptTask(
+        task_id="run/0/0",
+        group_id="g",
+        prompt=rows[0]["prompt"],
+        answer=rows[0]["answer"],
+        reward=rows[0]["reward"],
+        n=4,
+        step=0,
+    )
     assert PromptTask.from_bytes(task.to_bytes()) == task
     again = tmp_path / "e.jsonl"
     dataset_main(["--task", "reverse", "--n", "5", "--seed", "2", "--out", str(again), "--split", "heldout"])
@@ -51,7 +60,8 @@ def test_dataset_command_writes_jsonl_rows_the_trainer_can_turn_into_tasks(tmp_p
 
 
 def test_init_model_sft_is_cached_by_its_settings(tmp_path, capsys):
-    from centerline.model_init import SETTINGS_FILE, main as init_main
+    from centerline.model_init import SETTINGS_FILE
+    from centerline.model_init import main as init_main
 
     out = tmp_path / "m"
     flags = ["--out", str(out), "--sft", "--task", "copy", "--sft-steps", "3"]

@@ -9,7 +9,6 @@ advantages from the rewards. Synchronisation is by polling with deadlines, never
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -67,9 +66,25 @@ async def _ensure(url: str) -> None:
 class WorkerProcess:
     def __init__(self, stack, log_path: Path, *flags: str):
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "centerline", "worker", "--proxy-url", stack.proxy, "--nats-url", stack.nats,
-               "--vocab-size", str(VOCAB), "--tokenizer", str(stack.model), *CONFIG, *flags]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=processes.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "-m",
+            "centerline",
+            "worker",
+            "--proxy-url",
+            stack.proxy,
+            "--nats-url",
+            stack.nats,
+            "--vocab-size",
+            str(VOCAB),
+            "--tokenizer",
+            str(stack.model),
+            *CONFIG,
+            *flags,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=processes.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -105,8 +120,18 @@ def workers(stack, tmp_path):
 def _tasks(run: str, count: int, n: int) -> list[PromptTask]:
     prompts = ["up abc=", "rev hello=", "copy xyz=", "add 2+3="]
     answers = ["ABC", "olleh", "xyz", "5"]
-    return [PromptTask(task_id=f"{run}/0/{i}", group_id=f"{run}/g{i}", prompt=prompts[i % 4], answer=answers[i % 4],
-                       reward="exact", n=n, step=0) for i in range(count)]  # fmt: skip
+    return [
+        PromptTask(
+            task_id=f"{run}/0/{i}",
+            group_id=f"{run}/g{i}",
+            prompt=prompts[i % 4],
+            answer=answers[i % 4],
+            reward="exact",
+            n=n,
+            step=0,
+        )
+        for i in range(count)
+    ]
 
 
 async def _publish_tasks(url: str, tasks: list[PromptTask]) -> None:
@@ -122,13 +147,15 @@ async def _collect(url: str, run: str, want_groups: int, deadline_s: float, sett
     of further polling, to see duplicates that should not come)."""
     nc = await connect(url)
     js = nc.jetstream()
-    sub = await js.pull_subscribe(names.ROLLOUTS_SUBJECT, durable=f"t{uuid.uuid4().hex[:8]}", stream=names.ROLLOUTS_STREAM)
+    sub = await js.pull_subscribe(
+        names.ROLLOUTS_SUBJECT, durable=f"t{uuid.uuid4().hex[:8]}", stream=names.ROLLOUTS_STREAM
+    )
     batches, end, settled = [], time.monotonic() + deadline_s, None
     try:
         while time.monotonic() < end:
             try:
                 msgs = await sub.fetch(10, timeout=0.5)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 msgs = []
             for m in msgs:
                 b = decode_batch(bytes(m.data))
@@ -183,6 +210,7 @@ def test_two_workers_publish_each_task_group_once_and_drain_the_queue(stack, wor
     def drained():
         info = asyncio.run(_consumer_info(stack.nats))
         return info.num_pending == 0 and info.num_ack_pending == 0
+
     processes.wait_until(drained, 20, "task queue drained and acked")
     assert [w.stop() for w in pool] == [0, 0]  # SIGTERM: clean exit
     done = [line for w in pool for line in w.log().splitlines() if '"task done"' in line]
@@ -196,7 +224,9 @@ def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, work
     victim = workers(*flags, "--worker-id", "victim")
     victim.wait_ready()
     asyncio.run(_publish_tasks(stack.nats, [task]))
-    processes.wait_until(lambda: asyncio.run(_consumer_info(stack.nats)).num_ack_pending == 1, 20, "task taken by the victim")
+    processes.wait_until(
+        lambda: asyncio.run(_consumer_info(stack.nats)).num_ack_pending == 1, 20, "task taken by the victim"
+    )
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
     rescuer = workers(*flags, "--worker-id", "rescuer")
@@ -212,16 +242,29 @@ def test_a_task_sglang_refuses_is_dead_lettered_at_once_with_sglangs_message(sta
     """A prompt longer than the model's context: SGLang answers 400, the proxy keeps it, and the
     worker dead-letters the task on its first delivery instead of retrying it max_deliver times."""
     run = f"x{uuid.uuid4().hex[:6]}"
-    task = PromptTask(task_id=f"{run}/0/0", group_id=f"{run}/g0", prompt="up " + "a" * 1100 + "=", answer="A", reward="exact", n=2, step=0)
+    task = PromptTask(
+        task_id=f"{run}/0/0",
+        group_id=f"{run}/g0",
+        prompt="up " + "a" * 1100 + "=",
+        answer="A",
+        reward="exact",
+        n=2,
+        step=0,
+    )
     worker = workers("--rollout-max-new-tokens", "4", "--worker-id", "w-refused")
     worker.wait_ready()
     asyncio.run(_publish_tasks(stack.nats, [task]))
 
     def dead_lettered():
-        return [m for m in asyncio.run(processes.stored_messages(stack.nats, names.DLQ_STREAM)) if m.data == task.to_bytes()]
+        return [
+            m for m in asyncio.run(processes.stored_messages(stack.nats, names.DLQ_STREAM)) if m.data == task.to_bytes()
+        ]
+
     (entry,) = processes.wait_until(dead_lettered, 60, "the task in the DLQ")
     assert entry.headers["Centerline-Kind"] == "task" and entry.headers["Centerline-Producer"] == "w-refused"
-    assert "400" in entry.headers["Centerline-Reason"] and "context length" in entry.headers["Centerline-Reason"].lower()
+    assert (
+        "400" in entry.headers["Centerline-Reason"] and "context length" in entry.headers["Centerline-Reason"].lower()
+    )
     info = asyncio.run(_consumer_info(stack.nats))
     assert (info.num_ack_pending, info.num_pending, info.num_redelivered) == (0, 0, 0)
     assert worker.log().count(f'"task_id": "{task.task_id}"') == 1  # one delivery, one rejection

@@ -21,7 +21,10 @@ class Double(Process):
     def __init__(self, log_path: Path, *flags: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__([sys.executable, str(REPO / "tests/router_proxy/upstream_double.py"), "--port", str(self.port), *flags], log_path)
+        super().__init__(
+            [sys.executable, str(REPO / "tests/router_proxy/upstream_double.py"), "--port", str(self.port), *flags],
+            log_path,
+        )
         wait_until(lambda: http("GET", self.url + "/health", timeout=2)[0] == 200, 30, "upstream double", self.proc)
 
     def next(self, body: str, status: int = 200) -> None:
@@ -42,15 +45,17 @@ class ProxyProcess(Process):
         super().__init__(cmd, log_path)
         try:
             wait_until(lambda: http("GET", self.url + "/liveness", timeout=2)[0] == 200, 60, "proxy", self.proc)
-        except Exception:
+        except Exception:  # noqa: BLE001 (whatever went wrong, the log says more than the exception)
             self.stop()
             raise RuntimeError(f"proxy failed to start:\n{self.log()}") from None
 
     def wait_probed(self, deadline: float = 60.0) -> tuple[int, dict]:
         """/ready once the first capability probe has finished (ready or not, with its cause)."""
+
         def probed():
             status, body = http("GET", self.url + "/ready", timeout=5)
             return (status, body) if body.get("cause") != "capability probe not finished" else None
+
         return wait_until(probed, deadline, "first capability probe", self.proc)
 
 

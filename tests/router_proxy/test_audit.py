@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router_proxy.audit import audit_body, full_audit, quick_accept
-from shared.sglang_response import native_metas
 from router_proxy.bench import native_response
 from shared.contract import ContractViolation
+from shared.sglang_response import native_metas
 
 VOCAB = 300
 
@@ -21,7 +21,13 @@ def valid(tokens: int = 6, k: int = 128) -> dict:
 
 
 def audit(doc, *, endpoint="generate", mode="selected", k=128):
-    return audit_body(json.dumps(doc).encode() if not isinstance(doc, bytes) else doc, endpoint=endpoint, mode=mode, k=k, vocab_size=VOCAB)
+    return audit_body(
+        json.dumps(doc).encode() if not isinstance(doc, bytes) else doc,
+        endpoint=endpoint,
+        mode=mode,
+        k=k,
+        vocab_size=VOCAB,
+    )
 
 
 def violation(doc, **kw) -> ContractViolation:
@@ -116,12 +122,24 @@ def test_malformed_response_is_named_malformed(body):
     assert v.rule == "malformed_response"
 
 
-JUNK = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.sampled_from(["NaN", "-Infinity", "0.5"]),
-                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))  # fmt: skip
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.text(max_size=5),
+    st.sampled_from(["NaN", "-Infinity", "0.5"]),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(junk=JUNK, row=st.integers(0, 5), col=st.integers(0, 127), slot=st.integers(0, 1), where=st.sampled_from(["top", "sampled"]))
+@given(
+    junk=JUNK,
+    row=st.integers(0, 5),
+    col=st.integers(0, 127),
+    slot=st.integers(0, 1),
+    where=st.sampled_from(["top", "sampled"]),
+)
 def test_a_wrongly_typed_number_anywhere_is_malformed(junk, row, col, slot, where):
     doc = valid()
     meta = doc["meta_info"]
@@ -132,7 +150,14 @@ def test_a_wrongly_typed_number_anywhere_is_malformed(junk, row, col, slot, wher
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["meta_info", "output_token_logprobs", "output_top_logprobs", "choices", "x"]), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["meta_info", "output_token_logprobs", "output_top_logprobs", "choices", "x"]),
+            inner,
+            max_size=4,
+        )
+    ),
     max_leaves=30,
 )
 
@@ -143,9 +168,22 @@ def test_arbitrary_json_is_a_violation_or_an_empty_valid_response(doc, endpoint,
     try:
         result = audit(doc, endpoint=endpoint, mode=mode)
     except ContractViolation as v:
-        assert v.rule in {"malformed_response", "missing_token_ids", "short_row", "support_mass", "shape", "bad_token",
-                          "bad_candidate", "non_finite", "positive_logprob", "padding", "duplicate_candidate", "row_mass",
-                          "sampled_not_in_support", "sampled_mismatch"}  # fmt: skip
+        assert v.rule in {
+            "malformed_response",
+            "missing_token_ids",
+            "short_row",
+            "support_mass",
+            "shape",
+            "bad_token",
+            "bad_candidate",
+            "non_finite",
+            "positive_logprob",
+            "padding",
+            "duplicate_candidate",
+            "row_mass",
+            "sampled_not_in_support",
+            "sampled_mismatch",
+        }
     else:
         assert result.tokens == 0
 
@@ -173,7 +211,9 @@ def support(doc: dict, width: int) -> dict:
     lps = [[e[0] - math.log(sum(math.exp(c[0]) for c in r)) for e in r] for r in rows]
     meta["output_token_sampling_mask"] = [[e[1] for e in r] for r in rows]
     meta["output_token_sampling_logprobs"] = lps
-    meta["output_token_logprobs"] = [[lp[0] - 0.3, r[0][1], None] for lp, r in zip(lps, rows)]  # unfiltered: lower than the support one
+    meta["output_token_logprobs"] = [
+        [lp[0] - 0.3, r[0][1], None] for lp, r in zip(lps, rows)
+    ]  # unfiltered: lower than the support one
     return doc
 
 
@@ -192,7 +232,11 @@ def mutated(draw):
     meta = doc["meta_info"]
     rows = meta["output_top_logprobs" if mode == "selected" else "output_token_sampling_mask"]
     n = len(meta["output_token_logprobs"])
-    kind = draw(st.sampled_from(["none", "sampled_lp", "sampled_id", "cand_lp", "cand_id", "mass", "drop", "width", "field", "type"]))
+    kind = draw(
+        st.sampled_from(
+            ["none", "sampled_lp", "sampled_id", "cand_lp", "cand_id", "mass", "drop", "width", "field", "type"]
+        )
+    )
     if kind == "none" or n == 0:
         return doc, mode, k
     i = draw(st.integers(0, n - 1))
@@ -200,15 +244,25 @@ def mutated(draw):
     edge, sign = draw(st.sampled_from(EDGES)), draw(st.sampled_from([1, -1]))
     junk = draw(st.sampled_from([None, True, 1, 0, -1, "0.5", 1.5, -1.5, VOCAB, VOCAB - 1, 2**70, []]))
     if kind == "sampled_lp":
-        meta["output_token_logprobs"][i][0] = draw(st.sampled_from([edge * sign, meta["output_token_logprobs"][i][0] + edge * sign, junk]))
+        meta["output_token_logprobs"][i][0] = draw(
+            st.sampled_from([edge * sign, meta["output_token_logprobs"][i][0] + edge * sign, junk])
+        )
     elif kind == "sampled_id":
-        meta["output_token_logprobs"][i][1] = draw(st.sampled_from([junk, rows[i][j][1] if mode == "selected" else rows[i][j]]))
+        meta["output_token_logprobs"][i][1] = draw(
+            st.sampled_from([junk, rows[i][j][1] if mode == "selected" else rows[i][j]])
+        )
     elif kind in ("cand_lp", "cand_id", "mass"):
         if mode == "selected":
             entry = rows[i][j]
-            value = {"cand_lp": draw(st.sampled_from([edge * sign, entry[0] + edge * sign, junk])),
-                     "cand_id": junk if draw(st.booleans()) else rows[i][(j + 1) % len(rows[i])][1],  # a duplicate when the row has 2+
-                     "mass": math.log(max(1e-300, 1 + edge * sign - sum(math.exp(e[0]) for e in rows[i]) + math.exp(entry[0])))}[kind]
+            value = {
+                "cand_lp": draw(st.sampled_from([edge * sign, entry[0] + edge * sign, junk])),
+                "cand_id": junk
+                if draw(st.booleans())
+                else rows[i][(j + 1) % len(rows[i])][1],  # a duplicate when the row has 2+
+                "mass": math.log(
+                    max(1e-300, 1 + edge * sign - sum(math.exp(e[0]) for e in rows[i]) + math.exp(entry[0]))
+                ),
+            }[kind]
             entry[0 if kind != "cand_id" else 1] = value
         elif kind == "cand_id":
             rows[i][j] = junk if draw(st.booleans()) else rows[i][(j + 1) % len(rows[i])]
@@ -221,7 +275,16 @@ def mutated(draw):
         target = meta["output_token_logprobs"][i] if draw(st.booleans()) or mode == "support" else rows[i][j]
         target.pop() if draw(st.booleans()) else target.append(None)
     elif kind == "field":
-        name = draw(st.sampled_from(["output_token_logprobs", "output_top_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs"]))
+        name = draw(
+            st.sampled_from(
+                [
+                    "output_token_logprobs",
+                    "output_top_logprobs",
+                    "output_token_sampling_mask",
+                    "output_token_sampling_logprobs",
+                ]
+            )
+        )
         meta[name] = draw(st.sampled_from([None, [], junk, (meta.get(name) or [])[:-1]]))
     else:
         rows[i] = junk
@@ -244,11 +307,33 @@ def test_quick_path_accepts_valid_small_responses(mode):
 
 @pytest.mark.parametrize("ctype", [b"application/json", b"application/json; charset=utf-8", b"Application/JSON"])
 def test_json_content_type_is_audited(ctype):
-    assert audit_body(json.dumps(valid()).encode(), endpoint="generate", mode="selected", k=128, vocab_size=VOCAB, content_type=ctype).tokens == 6
+    assert (
+        audit_body(
+            json.dumps(valid()).encode(),
+            endpoint="generate",
+            mode="selected",
+            k=128,
+            vocab_size=VOCAB,
+            content_type=ctype,
+        ).tokens
+        == 6
+    )
 
 
-@pytest.mark.parametrize("ctype, shown", [(b"text/html", "'text/html'"), (b"", "'none'"), (b"application/jsonx", "'application/jsonx'")])
+@pytest.mark.parametrize(
+    "ctype, shown", [(b"text/html", "'text/html'"), (b"", "'none'"), (b"application/jsonx", "'application/jsonx'")]
+)
 def test_another_content_type_is_malformed_even_with_a_valid_body(ctype, shown):
     with pytest.raises(ContractViolation) as info:
-        audit_body(json.dumps(valid()).encode(), endpoint="generate", mode="selected", k=128, vocab_size=VOCAB, content_type=ctype)
-    assert (info.value.rule, str(info.value)) == ("malformed_response", f"the upstream answered content-type {shown}, expected application/json")
+        audit_body(
+            json.dumps(valid()).encode(),
+            endpoint="generate",
+            mode="selected",
+            k=128,
+            vocab_size=VOCAB,
+            content_type=ctype,
+        )
+    assert (info.value.rule, str(info.value)) == (
+        "malformed_response",
+        f"the upstream answered content-type {shown}, expected application/json",
+    )

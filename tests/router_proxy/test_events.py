@@ -6,7 +6,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from nats.js.errors import NotFoundError
 
 from shared import names
@@ -16,7 +15,9 @@ pytestmark = pytest.mark.integration
 
 
 def post(url: str, body: dict) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status
@@ -52,7 +53,12 @@ def test_audit_events_reach_nats(tmp_path, start, kinds):
 
         events = kinds.wait_until(stored, 30, "audit event in the AUDIT stream")
         event = [e for e in events if e["path"] == "/generate"][0]
-        assert (event["verdict"], event["action"], event["error"]["rule"], event["error"]["expected"], event["error"]["found"]) == (
-            "fail", "blocked", "short_row", 128, 20)
+        assert (
+            event["verdict"],
+            event["action"],
+            event["error"]["rule"],
+            event["error"]["expected"],
+            event["error"]["found"],
+        ) == ("fail", "blocked", "short_row", 128, 20)
     finally:
         server.stop()

@@ -77,7 +77,16 @@ class HostileUpstream:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, kinds):
     upstream = HostileUpstream()
-    flags = ["--vocab-size", str(VOCAB), "--rollout-top-logprobs-num", str(K), "--max-upstream-response-bytes", str(LIMIT), "--upstream-timeout", "30"]
+    flags = [
+        "--vocab-size",
+        str(VOCAB),
+        "--rollout-top-logprobs-num",
+        str(K),
+        "--max-upstream-response-bytes",
+        str(LIMIT),
+        "--upstream-timeout",
+        "30",
+    ]
     logs = tmp_path_factory.mktemp("hostile")
     proxies = {}
     try:
@@ -100,7 +109,11 @@ PLACEHOLDER = "\x00placeholder\x00"
 def valid_doc(chat: bool, tokens: int) -> dict:
     doc = orjson.loads(native_response(tokens, K, VOCAB))
     if chat:
-        return {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "meta_info": doc["meta_info"]}]}
+        return {
+            "id": "c",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "meta_info": doc["meta_info"]}],
+        }
     return doc
 
 
@@ -110,7 +123,24 @@ def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
     tokens = draw(st.integers(1, 3))
     doc = valid_doc(chat, tokens)
     meta = doc["choices"][0]["meta_info"] if chat else doc["meta_info"]
-    kind = draw(st.sampled_from(["valid", "entry", "row", "field", "meta", "top", "raw_number", "truncated", "non_utf8", "depth", "huge", "empty"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "valid",
+                "entry",
+                "row",
+                "field",
+                "meta",
+                "top",
+                "raw_number",
+                "truncated",
+                "non_utf8",
+                "depth",
+                "huge",
+                "empty",
+            ]
+        )
+    )
     if kind == "valid":
         return kind, orjson.dumps(doc)
     if kind == "huge":
@@ -120,7 +150,9 @@ def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
     if kind == "depth":
         depth = draw(st.sampled_from([600, 1100, 100_000]))
         bomb = "[" * depth + "]" * depth
-        return kind, orjson.dumps(doc).replace(b'"output_token_logprobs":', b'"output_token_logprobs":' + bomb.encode() + b',"x":', 1)
+        return kind, orjson.dumps(doc).replace(
+            b'"output_token_logprobs":', b'"output_token_logprobs":' + bomb.encode() + b',"x":', 1
+        )
     if kind == "truncated":
         body = orjson.dumps(doc)
         return kind, body[: draw(st.integers(0, len(body) - 1))]
@@ -130,12 +162,20 @@ def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
         return kind, body[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80"])) + body[at:]
     if kind == "raw_number":  # NaN and friends written into the JSON text, where a log-prob goes
         i = draw(st.integers(0, tokens - 1))
-        (meta["output_token_logprobs"][i] if draw(st.booleans()) else meta["output_top_logprobs"][i][draw(st.integers(0, K - 1))])[0] = PLACEHOLDER
+        (
+            meta["output_token_logprobs"][i]
+            if draw(st.booleans())
+            else meta["output_top_logprobs"][i][draw(st.integers(0, K - 1))]
+        )[0] = PLACEHOLDER
         return kind, orjson.dumps(doc).replace(orjson.dumps(PLACEHOLDER), draw(st.sampled_from(RAW_NUMBERS)), 1)
     junk = draw(st.sampled_from(JUNK))
     if kind == "entry":  # a wrong type in the log-prob or id slot of one entry
         i, slot = draw(st.integers(0, tokens - 1)), draw(st.integers(0, 1))
-        entry = meta["output_token_logprobs"][i] if draw(st.booleans()) else meta["output_top_logprobs"][i][draw(st.integers(0, K - 1))]
+        entry = (
+            meta["output_token_logprobs"][i]
+            if draw(st.booleans())
+            else meta["output_top_logprobs"][i][draw(st.integers(0, K - 1))]
+        )
         entry[slot] = junk
     elif kind == "row":  # null is SGLang's empty row: a short one
         meta["output_top_logprobs"][draw(st.integers(0, tokens - 1))] = junk
@@ -153,7 +193,10 @@ class Answer(dict):
     Its repr is short: a failing example must not print a 50 MiB body."""
 
     def __repr__(self) -> str:
-        shown = {k: (v[:200] + b"...(%d bytes)" % len(v) if isinstance(v, bytes) and len(v) > 200 else v) for k, v in self.items()}
+        shown = {
+            k: (v[:200] + b"...(%d bytes)" % len(v) if isinstance(v, bytes) and len(v) > 200 else v)
+            for k, v in self.items()
+        }
         return f"Answer({shown})"
 
 
@@ -162,14 +205,26 @@ def hostile_answer(draw) -> Answer:
     chat = draw(st.booleans())
     kind, body = draw(hostile_body(chat))
     status = draw(st.sampled_from([200] * 6 + [404, 429, 500, 503]))
-    ctype = draw(st.sampled_from([b"application/json"] * 6 + [b"application/json; charset=utf-8", b"text/html", b"text/plain", b"", b"application/jsonx"]))
+    ctype = draw(
+        st.sampled_from(
+            [b"application/json"] * 6
+            + [b"application/json; charset=utf-8", b"text/html", b"text/plain", b"", b"application/jsonx"]
+        )
+    )
     framing = draw(st.sampled_from(["length", "length", "chunked", "close", "truncated", "trailing"]))
     head = b"HTTP/1.1 %d Whatever\r\n" % status + (b"content-type: %s\r\n" % ctype if ctype else b"")
     if framing in ("length", "trailing"):
-        raw = head + b"content-length: %d\r\n\r\n" % len(body) + body + (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" if framing == "trailing" else b"")
+        raw = (
+            head
+            + b"content-length: %d\r\n\r\n" % len(body)
+            + body
+            + (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" if framing == "trailing" else b"")
+        )
     elif framing == "chunked":
         size = draw(st.integers(1, 64)) if len(body) < 50_000 else 1 << 16  # framing keeps a depth bomb under LIMIT
-        chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size]) for i in range(0, len(body), size))
+        chunks = b"".join(
+            b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size]) for i in range(0, len(body), size)
+        )
         raw = head + b"transfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
     elif framing == "close":
         raw = head + b"connection: close\r\n\r\n" + body
@@ -179,12 +234,23 @@ def hostile_answer(draw) -> Answer:
     return Answer(path=path, raw=raw, status=status, body=body, ctype=ctype, framing=framing, kind=kind)
 
 
-def post(url: str, path: str, rid: str, body: dict | None = None, headers: dict | None = None, raw: bytes | None = None):
+def post(
+    url: str, path: str, rid: str, body: dict | None = None, headers: dict | None = None, raw: bytes | None = None
+):
     """``(status, body bytes, headers)`` of one POST."""
     conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
     try:
-        data = raw if raw is not None else json.dumps(body or {"text": "a", "sampling_params": {"max_new_tokens": 3}}).encode()
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", "X-Request-Id": rid, **(headers or {})})
+        data = (
+            raw
+            if raw is not None
+            else json.dumps(body or {"text": "a", "sampling_params": {"max_new_tokens": 3}}).encode()
+        )
+        conn.request(
+            "POST",
+            path,
+            body=data,
+            headers={"Content-Type": "application/json", "X-Request-Id": rid, **(headers or {})},
+        )
         resp = conn.getresponse()
         return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
     finally:
@@ -200,7 +266,12 @@ def is_json(ctype: bytes) -> bool:
 
 def passes(answer: dict) -> bool:
     """The one kind of answer a proxy may pass in enforce mode."""
-    return answer["kind"] == "valid" and answer["status"] == 200 and answer["framing"] != "truncated" and is_json(answer["ctype"])
+    return (
+        answer["kind"] == "valid"
+        and answer["status"] == 200
+        and answer["framing"] != "truncated"
+        and is_json(answer["ctype"])
+    )
 
 
 def ask(stack, mode: str, path: str, raw: bytes):
@@ -235,7 +306,10 @@ def test_enforce_mode_answers_every_hostile_upstream_answer_with_502_and_a_rule(
     if passes(answer):
         assert (status, headers["x-centerline-audit"]) == (200, "ok") and body == answer["body"]
         return
-    assert (status, headers["content-type"]) == (502, "application/json"), (status, body[:200])  # never the hostile body
+    assert (status, headers["content-type"]) == (502, "application/json"), (
+        status,
+        body[:200],
+    )  # never the hostile body
     error = json.loads(body)["error"]
     assert error["rule"] in KNOWN_RULES and error["message"], error
     assert error["rule"] == (expected_rule(answer) or error["rule"]), (error, answer["kind"], answer["framing"])
@@ -265,8 +339,12 @@ def test_observe_mode_passes_what_the_upstream_answered_with_a_verdict(stack, an
 
 def test_a_50_mib_answer_is_cut_off_at_the_limit_and_named(stack):
     sent = huge()
-    status, body, _ = ask(stack, "enforce", "/generate", b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(sent) + sent)
+    status, body, _ = ask(
+        stack,
+        "enforce",
+        "/generate",
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(sent) + sent,
+    )
     error = json.loads(body)["error"]
     assert (status, error["rule"], error["expected"]) == (502, "upstream_too_large", LIMIT)
     assert f"exceeds {LIMIT} bytes (--max-upstream-response-bytes)" in error["message"]
-

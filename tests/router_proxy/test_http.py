@@ -23,7 +23,14 @@ async def scripted_upstream(answer):
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.lower().split(b"\r\n")
+                        if line.startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 await reader.readexactly(length)
                 n += 1
                 reply = answer(conn, n, head)
@@ -49,7 +56,9 @@ def test_requests_reuse_one_keep_alive_connection():
     async def main():
         server, url, counts = await scripted_upstream(lambda c, n, head: ok(b'{"n": %d}' % n))
         pool = UpstreamPool(url)
-        answers = [await pool.request(b"POST", b"/generate", b"{}", [(b"content-type", b"application/json")]) for _ in range(3)]
+        answers = [
+            await pool.request(b"POST", b"/generate", b"{}", [(b"content-type", b"application/json")]) for _ in range(3)
+        ]
         await pool.close()
         server.close()
         return answers, counts["connections"]
@@ -72,7 +81,10 @@ def test_requests_beyond_max_connections_wait_for_a_free_one():
 
 
 def test_chunked_response_is_reassembled():
-    reply = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n"
+    reply = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: application/json\r\n\r\n"
+        b'3\r\n{"a\r\n5\r\n": 1}\r\n0\r\n\r\n'
+    )
 
     async def main():
         server, url, _ = await scripted_upstream(lambda c, n, head: reply)
@@ -86,7 +98,9 @@ def test_chunked_response_is_reassembled():
 
 def test_body_without_length_ends_with_the_connection():
     async def main():
-        server, url, counts = await scripted_upstream(lambda c, n, head: b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + b"x" * 70000)
+        server, url, counts = await scripted_upstream(
+            lambda c, n, head: b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + b"x" * 70000
+        )
         pool = UpstreamPool(url)
         answers = [await pool.request(b"GET", b"/x") for _ in range(2)]
         server.close()
@@ -177,7 +191,9 @@ def test_unsolicited_bytes_after_an_answer_never_become_the_next_answer():
 
 def test_switching_protocols_is_an_upstream_error():
     async def main():
-        server, url, _ = await scripted_upstream(lambda c, n, head: b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n")
+        server, url, _ = await scripted_upstream(
+            lambda c, n, head: b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n"
+        )
         with pytest.raises(UpstreamError, match="not HTTP/1.1 \\(HttpParserUpgrade"):
             await UpstreamPool(url).request(b"POST", b"/generate", b"{}")
         server.close()
@@ -195,7 +211,9 @@ async def front_with(handler):
 
 async def read_response(reader) -> tuple[bytes, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")
+    )
     return head, await reader.readexactly(length)
 
 
@@ -221,9 +239,12 @@ def test_chunked_request_body_and_expect_continue():
 
     async def main():
         front, reader, writer = await front_with(handler)
-        writer.write(b"POST /generate HTTP/1.1\r\nhost: x\r\nX-Request-Id: r1\r\nexpect: 100-continue\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(
+            b"POST /generate HTTP/1.1\r\nhost: x\r\nX-Request-Id: r1\r\nexpect: 100-continue\r\ntransfer-encoding: "
+            b"chunked\r\n\r\n"
+        )
         interim = await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"4\r\n{\"a\"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n")
+        writer.write(b'4\r\n{"a"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n')
         head, body = await read_response(reader)
         writer.close()
         await front.shutdown(1.0)
@@ -280,4 +301,8 @@ def test_http10_request_is_answered_and_closed():
         return answer
 
     answer = run(main())
-    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close\r\n" in answer and answer.endswith(b"\r\n\r\nok")
+    assert (
+        answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        and b"connection: close\r\n" in answer
+        and answer.endswith(b"\r\n\r\nok")
+    )

@@ -15,7 +15,16 @@ from tests.processes import ENV, REPO
 
 pytestmark = pytest.mark.integration
 LIMIT = 4096
-FLAGS = ["--rollout-top-logprobs-num", "8", "--vocab-size", "300", "--max-request-body-bytes", str(LIMIT), "--max-top-logprobs-num", "64"]
+FLAGS = [
+    "--rollout-top-logprobs-num",
+    "8",
+    "--vocab-size",
+    "300",
+    "--max-request-body-bytes",
+    str(LIMIT),
+    "--max-top-logprobs-num",
+    "64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,39 +78,77 @@ def test_request_body_above_the_limit_is_413_naming_the_limit_and_the_flag(stack
     proxy, double = stack
     before = double.last()
     status, body = post(proxy.url, "/generate", padded(LIMIT + 1))
-    assert (status, body) == (413, {"error": {"rule": "request_too_large", "limit": LIMIT, "message":
-            f"the request body is {LIMIT + 1} bytes (Content-Length), above the proxy's limit of {LIMIT} bytes (--max-request-body-bytes)"}})  # fmt: skip
+    assert (status, body) == (
+        413,
+        {
+            "error": {
+                "rule": "request_too_large",
+                "limit": LIMIT,
+                "message": f"the request body is {LIMIT + 1} bytes (Content-Length), above the proxy's limit of "
+                "{LIMIT} bytes (--max-request-body-bytes)",
+            }
+        },
+    )
     assert double.last() == before  # never forwarded
 
 
 def test_chunked_body_above_the_limit_is_413_once_it_crosses_the_limit(stack):
     proxy, _ = stack
     chunk = b"x" * 1000
-    request = b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(chunk), chunk) * 5 + b"0\r\n\r\n"
+    request = (
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (len(chunk), chunk) * 5
+        + b"0\r\n\r\n"
+    )
     answer = raw_exchange(proxy.url, request)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413 Request Entity Too Large\r\n") and b"connection: close" in head
-    assert json.loads(body)["error"]["message"] == f"the request body exceeds {LIMIT} bytes, above the proxy's limit of {LIMIT} bytes (--max-request-body-bytes)"
+    assert (
+        json.loads(body)["error"]["message"]
+        == f"the request body exceeds {LIMIT} bytes, above the proxy's limit of {LIMIT} bytes "
+        "(--max-request-body-bytes)"
+    )
 
 
 def test_expect_continue_above_the_limit_is_413_before_the_body_is_sent(stack):
     proxy, _ = stack
-    answer = raw_exchange(proxy.url, b"POST /generate HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 999999\r\n\r\n")
+    answer = raw_exchange(
+        proxy.url, b"POST /generate HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 999999\r\n\r\n"
+    )
     assert answer.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in answer
 
 
-@pytest.mark.parametrize("path, body, field, value", [
-    ("/generate", {"text": "a", "top_logprobs_num": 65}, "top_logprobs_num", 65),
-    ("/generate", {"text": ["a", "b"], "top_logprobs_num": [8, 100000]}, "top_logprobs_num", 100000),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 1e9}, "top_logprobs", 1e9),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, body, field, value",
+    [
+        ("/generate", {"text": "a", "top_logprobs_num": 65}, "top_logprobs_num", 65),
+        ("/generate", {"text": ["a", "b"], "top_logprobs_num": [8, 100000]}, "top_logprobs_num", 100000),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 1e9},
+            "top_logprobs",
+            1e9,
+        ),
+    ],
+)
 @pytest.mark.parametrize("evaluation", [False, True], ids=["training", "eval"])
 def test_requested_k_above_the_limit_is_400_naming_field_value_and_limit(stack, path, body, field, value, evaluation):
     proxy, double = stack
     before = double.last()
     status, answer = post(proxy.url, path, json.dumps(body).encode(), {"X-Centerline-Eval": "1"} if evaluation else {})
-    assert (status, answer) == (400, {"error": {"rule": "request_rejected", "field": field, "value": value, "limit": 64,
-            "message": f"{field}: is {value}, above the proxy's limit of 64 candidates per token (--max-top-logprobs-num)"}})  # fmt: skip
+    assert (status, answer) == (
+        400,
+        {
+            "error": {
+                "rule": "request_rejected",
+                "field": field,
+                "value": value,
+                "limit": 64,
+                "message": f"{field}: is {value}, above the proxy's limit of 64 candidates per token "
+                "(--max-top-logprobs-num)",
+            }
+        },
+    )
     assert double.last() == before
 
 
@@ -115,20 +162,52 @@ def test_requested_k_at_the_limit_passes_an_eval_request_untouched(stack):
 
 def test_client_authorization_never_reaches_the_upstream(stack):
     proxy, double = stack
-    for headers in ({"Authorization": "Bearer engine-admin-key"}, {"Authorization": "Bearer x", "X-Centerline-Eval": "1"}):
-        status, _ = post(proxy.url, "/generate", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 1}}).encode(), headers)
+    for headers in (
+        {"Authorization": "Bearer engine-admin-key"},
+        {"Authorization": "Bearer x", "X-Centerline-Eval": "1"},
+    ):
+        status, _ = post(
+            proxy.url,
+            "/generate",
+            json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 1}}).encode(),
+            headers,
+        )
         assert status == 200
         assert "authorization" not in double.last_headers()
 
 
 def test_configured_k_above_the_limit_refuses_to_start():
-    cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", "http://127.0.0.1:9", "--rollout-top-logprobs-num", "2048"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "proxy",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--rollout-top-logprobs-num",
+        "2048",
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
-    assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (2, "centerline proxy: --rollout-top-logprobs-num 2048 is above "
-                                                                      "--max-top-logprobs-num 1024; raise the limit or lower K")  # fmt: skip
+    assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
+        2,
+        "centerline proxy: --rollout-top-logprobs-num 2048 is above "
+        "--max-top-logprobs-num 1024; raise the limit or lower K",
+    )
 
 
 def test_a_limit_that_is_not_positive_refuses_to_start():
-    cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", "http://127.0.0.1:9", "--max-request-body-bytes", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "proxy",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--max-request-body-bytes",
+        "0",
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
-    assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (2, "centerline proxy: --max-request-body-bytes 0: must be positive")
+    assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
+        2,
+        "centerline proxy: --max-request-body-bytes 0: must be positive",
+    )

@@ -10,13 +10,30 @@ pytestmark = pytest.mark.integration
 
 
 def probe(url: str, k: int, endpoint: str, mode: str, vocab: int) -> tuple[int, dict]:
-    cmd = [sys.executable, "-m", "centerline", "probe", "--upstream", url, "--k", str(k), "--endpoint", endpoint,
-           "--mode", mode, "--vocab-size", str(vocab), "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "probe",
+        "--upstream",
+        url,
+        "--k",
+        str(k),
+        "--endpoint",
+        endpoint,
+        "--mode",
+        mode,
+        "--vocab-size",
+        str(vocab),
+        "--json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return done.returncode, json.loads(done.stdout)
 
 
-@pytest.mark.parametrize(("endpoint", "mode"), [("generate", "selected"), ("generate", "support"), ("chat", "selected"), ("chat", "support")])
+@pytest.mark.parametrize(
+    ("endpoint", "mode"), [("generate", "selected"), ("generate", "support"), ("chat", "selected"), ("chat", "support")]
+)
 def test_every_configuration_is_compatible_directly_against_sglang(sglang_stack, endpoint, mode):
     rc, report = probe(sglang_stack.server, 128, endpoint, mode, sglang_stack.vocab)
     assert (rc, report["compatible"], report["cause"]) == (0, True, None)
@@ -42,23 +59,46 @@ def test_router_support_mode_is_reported_as_dropping_sampling_logprobs_mode(sgla
     rc, report = probe(sglang_stack.router, 20 if endpoint == "chat" else 128, endpoint, "support", sglang_stack.vocab)
     cause = report["cause"]
     assert rc == 1
-    assert cause.startswith("drops sampling_logprobs_mode/return_sampling_mask") or cause.startswith("drops token ids on chat")
+    assert cause.startswith("drops sampling_logprobs_mode/return_sampling_mask") or cause.startswith(
+        "drops token ids on chat"
+    )
 
 
 def test_probe_table_names_the_cause(sglang_stack):
-    cmd = [sys.executable, "-m", "centerline", "probe", "--upstream", sglang_stack.router, "--k", "128", "--endpoint", "chat",
-           "--vocab-size", str(sglang_stack.vocab)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "centerline",
+        "probe",
+        "--upstream",
+        sglang_stack.router,
+        "--k",
+        "128",
+        "--endpoint",
+        "chat",
+        "--vocab-size",
+        str(sglang_stack.vocab),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert "FAIL  request accepted" in done.stdout and "INCOMPATIBLE: router rejects top_logprobs above 20" in done.stdout
+    assert (
+        "FAIL  request accepted" in done.stdout and "INCOMPATIBLE: router rejects top_logprobs above 20" in done.stdout
+    )
 
 
 CONFIGS = {
     "native_selected": (["--rollout-top-logprobs-num", "128"], True, None),
-    "chat_k128": (["--rollout-top-logprobs-num", "128", "--rollout-endpoint", "chat"], False, "router rejects top_logprobs above 20"),
-    "native_support": (["--rollout-top-logprobs-num", "128", "--rollout-logprobs-mode", "support", "--rollout-top-k", "40"], False,
-                       "drops sampling_logprobs_mode/return_sampling_mask"),
-}  # fmt: skip
+    "chat_k128": (
+        ["--rollout-top-logprobs-num", "128", "--rollout-endpoint", "chat"],
+        False,
+        "router rejects top_logprobs above 20",
+    ),
+    "native_support": (
+        ["--rollout-top-logprobs-num", "128", "--rollout-logprobs-mode", "support", "--rollout-top-k", "40"],
+        False,
+        "drops sampling_logprobs_mode/return_sampling_mask",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -71,5 +111,7 @@ def test_proxy_readiness_behind_the_router(sglang_stack, start, kinds, name):
         assert body["cause"].startswith(cause)
         assert cause in proxy.log()
     else:
-        status, response = kinds.http("POST", proxy.url + "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 4}})
+        status, response = kinds.http(
+            "POST", proxy.url + "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 4}}
+        )
         assert status == 200 and [len(r) for r in response["meta_info"]["output_top_logprobs"]] == [128] * 4

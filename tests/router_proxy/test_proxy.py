@@ -11,7 +11,12 @@ K = ["--rollout-top-logprobs-num", "128"]
 
 
 def http(method, url, body=None):
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=None if body is None else json.dumps(body).encode(),
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
@@ -20,7 +25,12 @@ def http(method, url, body=None):
 
 
 def post(url: str, body: dict, headers: dict | None = None):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read()), dict(resp.headers)
@@ -44,11 +54,18 @@ def test_compatible_upstream_makes_the_proxy_ready(proxy):
 
 
 def test_training_request_is_rewritten_and_its_valid_response_passes(proxy, double):
-    status, body, headers = post(proxy.url + "/generate", {"text": "a", "top_logprobs_num": 5, "return_logprob": False, "sampling_params": {"max_new_tokens": 3}})
+    status, body, headers = post(
+        proxy.url + "/generate",
+        {"text": "a", "top_logprobs_num": 5, "return_logprob": False, "sampling_params": {"max_new_tokens": 3}},
+    )
     assert status == 200 and headers["x-centerline-audit"] == "ok"
     assert len(body["meta_info"]["output_top_logprobs"]) == 3
     sent = double.last()
-    assert (sent["return_logprob"], sent["top_logprobs_num"], sent["sampling_params"]["temperature"]) == (True, 128, 1.0)
+    assert (sent["return_logprob"], sent["top_logprobs_num"], sent["sampling_params"]["temperature"]) == (
+        True,
+        128,
+        1.0,
+    )
 
 
 def test_method_breaking_setting_gets_400_naming_the_field(proxy, double):
@@ -57,16 +74,34 @@ def test_method_breaking_setting_gets_400_naming_the_field(proxy, double):
 
 
 def test_eval_request_passes_untouched(proxy, double):
-    request = {"text": "a", "top_logprobs_num": 3, "return_logprob": True, "sampling_params": {"max_new_tokens": 2, "temperature": 0.3}}
+    request = {
+        "text": "a",
+        "top_logprobs_num": 3,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0.3},
+    }
     status, body, headers = post(proxy.url + "/generate", request, {"X-Centerline-Eval": "1"})
     assert status == 200 and "x-centerline-audit" not in headers
     assert double.last() == request
     assert [len(r) for r in body["meta_info"]["output_top_logprobs"]] == [3, 3]
 
 
-@pytest.mark.parametrize("path", ["/update_weights_from_disk", "/flush_cache", "/pause_generation", "/continue_generation",
-                                  "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
-                                  "/init_weights_update_group", "/shutdown", "/workers", "/workers/abc"])  # fmt: skip
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/abort_request",
+        "/init_weights_update_group",
+        "/shutdown",
+        "/workers",
+        "/workers/abc",
+    ],
+)
 def test_admin_path_is_forbidden(proxy, path):
     status, body = http("POST", proxy.url + path, {})
     assert status == 403 and body["error"]["rule"] == "admin_forbidden"
@@ -91,8 +126,16 @@ def test_observe_mode_passes_a_defect_with_a_verdict_header(start, kinds):
     assert headers["x-centerline-audit"] == "fail; rule=short_row; sample=0; row=0; expected=128; found=20"
 
 
-GARBAGE = ["{", "[1,2", '{"meta_info": {"output_token_logprobs": [["NaN", 3, null]]}}', '{"meta_info": {}}', "null",
-           '{"meta_info": {"output_token_logprobs": [[-0.5, "3", null]]}}', '"just a string"', "[]"]  # fmt: skip
+GARBAGE = [
+    "{",
+    "[1,2",
+    '{"meta_info": {"output_token_logprobs": [["NaN", 3, null]]}}',
+    '{"meta_info": {}}',
+    "null",
+    '{"meta_info": {"output_token_logprobs": [[-0.5, "3", null]]}}',
+    '"just a string"',
+    "[]",
+]
 
 
 def test_malformed_upstream_bodies_are_502_with_a_rule_in_enforce_mode(proxy, double):

@@ -34,7 +34,9 @@ def deployment(model_dir, tmp_path_factory):
     shutil.copytree(model_dir, model)
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**config, **MODEL_DEFAULTS}))
-    server = SGLangProcess(model, root / "sglang.log", "--api-key", KEY, "--preferred-sampling-params", json.dumps(PREFERRED))
+    server = SGLangProcess(
+        model, root / "sglang.log", "--api-key", KEY, "--preferred-sampling-params", json.dumps(PREFERRED)
+    )
     try:
         router = Router(root / "router.log", [server.url], api_key=KEY)
     except Exception:
@@ -46,8 +48,14 @@ def deployment(model_dir, tmp_path_factory):
 
 
 def probe(upstream: str, *flags: str, env: dict | None = None) -> tuple[int, dict]:
-    run = subprocess.run([sys.executable, "-m", "centerline", "probe", "--upstream", upstream, "--json", *flags],
-                         cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "probe", "--upstream", upstream, "--json", *flags],
+        cwd=REPO,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return run.returncode, json.loads(run.stdout)
 
 
@@ -63,15 +71,19 @@ NATIVE = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 16, "ig
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "ignore_eos": True}
 
 
-@pytest.mark.parametrize(("path", "endpoint", "raw"), [("/generate", "generate", NATIVE), ("/v1/chat/completions", "chat", CHAT)])
+@pytest.mark.parametrize(
+    ("path", "endpoint", "raw"), [("/generate", "generate", NATIVE), ("/v1/chat/completions", "chat", CHAT)]
+)
 def test_training_requests_sample_outside_the_default_top_k(deployment, path, endpoint, raw):
     """The defaults keep every draw among each row's 5 most likely tokens (the next test shows it);
     a training request states top_k -1 and min_p 0, so its draws leave them. The random model
     puts about 0.7 of its mass outside the top 5, so 16 draws all inside would have p < 1e-8."""
     server, _ = deployment
     meta = sampled(server, path, raw, endpoint, AUTH)
-    ranks = [[c[1] for c in row].index(t[1]) if t[1] in [c[1] for c in row] else len(row)
-             for t, row in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]  # fmt: skip
+    ranks = [
+        [c[1] for c in row].index(t[1]) if t[1] in [c[1] for c in row] else len(row)
+        for t, row in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])
+    ]
     assert len(ranks) == 16 and max(ranks) >= PREFERRED["top_k"], ranks
 
 
@@ -82,7 +94,12 @@ def test_training_request_log_probs_equal_a_plain_servers_for_the_same_tokens(de
     meta = sampled(server, "/generate", NATIVE, "generate", AUTH)
     out = [t[1] for t in meta["output_token_logprobs"]]
     prompt = NATIVE["input_ids"]
-    body = {"input_ids": prompt + out, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": len(prompt) - 1}
+    body = {
+        "input_ids": prompt + out,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 1,
+    }
     status, plain = http("POST", sglang.url + "/generate", body)
     assert status == 200, plain
     forced = plain["meta_info"]["input_token_logprobs"][1:]  # the window's first position has no log-prob
@@ -94,8 +111,13 @@ def test_training_request_log_probs_equal_a_plain_servers_for_the_same_tokens(de
 def test_a_request_leaving_settings_unset_samples_with_the_server_defaults(deployment):
     """The defect the rewrite removes, shown on the same server: unset settings are filled in."""
     server, _ = deployment
-    body = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0},
-            "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "selected"}  # fmt: skip
+    body = {
+        "input_ids": [104, 105],
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0},
+        "return_logprob": True,
+        "return_sampling_mask": True,
+        "sampling_logprobs_mode": "selected",
+    }
     status, out = http("POST", server.url + "/generate", body, headers=AUTH)
     assert status == 200, out
     assert max(len(r) for r in out["meta_info"]["output_token_sampling_mask"]) <= PREFERRED["top_k"]
@@ -120,10 +142,17 @@ def test_proxy_with_its_upstream_key_becomes_ready_and_never_shows_the_key(deplo
     port = free_port()
     log = tmp_path / "proxy.log"
     cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", router.url, "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**ENV, "CENTERLINE_UPSTREAM_API_KEY": KEY}, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env={**ENV, "CENTERLINE_UPSTREAM_API_KEY": KEY}, stdout=open(log, "wb"), stderr=subprocess.STDOUT
+    )
     try:
         url = f"http://127.0.0.1:{port}"
-        status, ready = wait_until(lambda: (lambda r: r if r[0] == 200 else None)(http("GET", url + "/ready", timeout=5)), 120, "proxy ready", proc)
+        status, ready = wait_until(
+            lambda: (lambda r: r if r[0] == 200 else None)(http("GET", url + "/ready", timeout=5)),
+            120,
+            "proxy ready",
+            proc,
+        )
         assert ready["ready"] is True
         assert http("GET", url + "/get_model_info")[1]["vocab_size"] == VOCAB
         body = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 4}}
@@ -151,7 +180,12 @@ def test_proxy_refuses_a_client_k_above_the_vocabulary_and_the_server_lives(sgla
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http("GET", url + "/liveness", timeout=5)[0] == 200, 60, "proxy", proc)
-        body = {"input_ids": [104], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True, "top_logprobs_num": 300}
+        body = {
+            "input_ids": [104],
+            "sampling_params": {"max_new_tokens": 2},
+            "return_logprob": True,
+            "top_logprobs_num": 300,
+        }
         status, out = http("POST", url + "/generate", body, headers={"X-Centerline-Eval": "1"})
         assert status == 400
         assert out["error"]["field"] == "top_logprobs_num" and out["error"]["limit"] == VOCAB
@@ -170,7 +204,9 @@ def proxy_to(tmp_path):
     def start(upstream: str) -> str:
         port = free_port()
         cmd = [sys.executable, "-m", "centerline", "proxy", "--upstream", upstream, "--port", str(port)]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=open(tmp_path / f"proxy{len(procs)}.log", "wb"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=ENV, stdout=open(tmp_path / f"proxy{len(procs)}.log", "wb"), stderr=subprocess.STDOUT
+        )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http("GET", url + "/liveness", timeout=5)[0] == 200, 60, "proxy", proc)
@@ -201,7 +237,11 @@ def test_an_aborted_sample_is_never_passed_as_a_training_response(sglang, proxy_
     thread = threading.Thread(target=lambda: answer.update(reply=http("POST", url + "/generate", body, timeout=120)))
     thread.start()
     # abort the request once SGLang runs it: repeat until the answer came back
-    wait_until(lambda: http("POST", sglang.url + "/abort_request", {"rid": "to-abort"})[0] == 200 and not thread.is_alive(), 60, "abort")
+    wait_until(
+        lambda: http("POST", sglang.url + "/abort_request", {"rid": "to-abort"})[0] == 200 and not thread.is_alive(),
+        60,
+        "abort",
+    )
     thread.join()
     status, out = answer["reply"]
     assert status == 502 and out["error"]["rule"] == "sample_aborted" and out["error"]["sample"] == 0, out
@@ -215,9 +255,13 @@ def test_chat_training_responses_carry_the_prompt_ids_sglang_rendered(sglang, pr
 
     url = proxy_to(sglang.url)
     messages = [{"role": "user", "content": "hello"}]
-    status, out = http("POST", url + "/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 3, "n": 2})
+    status, out = http(
+        "POST", url + "/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 3, "n": 2}
+    )
     assert status == 200, out
-    rendered = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    rendered = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
     rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     assert served_prompt_ids(out) == rendered
     assert [c["prompt_token_ids"] for c in out["choices"]] == [rendered, rendered]

@@ -17,33 +17,82 @@ def rewrite(body: dict, endpoint: str = "generate", contract: Contract = SELECTE
 
 
 def test_generate_selected_overrides_client_logprob_fields():
-    sent = rewrite({"text": "hi", "return_logprob": False, "top_logprobs_num": 20, "return_sampling_mask": True,
-                    "sampling_logprobs_mode": "selected", "sampling_params": {"max_new_tokens": 5}})  # fmt: skip
-    assert sent == {"text": "hi", "return_logprob": True, "top_logprobs_num": 128,
-                    "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": -1, **NEUTRAL, "min_new_tokens": 0}}  # fmt: skip
+    sent = rewrite(
+        {
+            "text": "hi",
+            "return_logprob": False,
+            "top_logprobs_num": 20,
+            "return_sampling_mask": True,
+            "sampling_logprobs_mode": "selected",
+            "sampling_params": {"max_new_tokens": 5},
+        }
+    )
+    assert sent == {
+        "text": "hi",
+        "return_logprob": True,
+        "top_logprobs_num": 128,
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            **NEUTRAL,
+            "min_new_tokens": 0,
+        },
+    }
 
 
 def test_generate_support_sets_support_fields_and_drops_top_logprobs():
-    sent = rewrite({"input_ids": [1, 2], "top_logprobs_num": 5, "sampling_params": {"temperature": 0.7}}, contract=SUPPORT)
-    assert sent == {"input_ids": [1, 2], "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support",
-                    "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50, **NEUTRAL, "min_new_tokens": 0}}  # fmt: skip
+    sent = rewrite(
+        {"input_ids": [1, 2], "top_logprobs_num": 5, "sampling_params": {"temperature": 0.7}}, contract=SUPPORT
+    )
+    assert sent == {
+        "input_ids": [1, 2],
+        "return_logprob": True,
+        "return_sampling_mask": True,
+        "sampling_logprobs_mode": "support",
+        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50, **NEUTRAL, "min_new_tokens": 0},
+    }
 
 
 def test_chat_selected_overrides_client_logprob_fields():
     sent = rewrite({"messages": [], "logprobs": False, "top_logprobs": 3, "return_meta_info": False}, "chat")
-    assert sent == {"messages": [], "logprobs": True, "top_logprobs": 128, "return_meta_info": True, "return_prompt_token_ids": True,
-                    "temperature": 1.0, "top_p": 1.0,
-                    "top_k": -1, **NEUTRAL}  # fmt: skip
+    assert sent == {
+        "messages": [],
+        "logprobs": True,
+        "top_logprobs": 128,
+        "return_meta_info": True,
+        "return_prompt_token_ids": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        **NEUTRAL,
+    }
 
 
 def test_chat_support_sets_support_fields_without_top_logprobs():
     sent = rewrite({"messages": [], "top_logprobs": 3}, "chat", SUPPORT)
-    assert sent == {"messages": [], "logprobs": True, "return_meta_info": True, "return_prompt_token_ids": True, "return_sampling_mask": True,
-                    "sampling_logprobs_mode": "support", "temperature": 0.7, "top_p": 0.9, "top_k": 50, **NEUTRAL}  # fmt: skip
+    assert sent == {
+        "messages": [],
+        "logprobs": True,
+        "return_meta_info": True,
+        "return_prompt_token_ids": True,
+        "return_sampling_mask": True,
+        "sampling_logprobs_mode": "support",
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 50,
+        **NEUTRAL,
+    }
 
 
 def test_matching_sampling_settings_are_accepted():
-    sent = rewrite({"text": "a", "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0, "repetition_penalty": 1.0}})
+    sent = rewrite(
+        {
+            "text": "a",
+            "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0, "repetition_penalty": 1.0},
+        }
+    )
     assert sent["sampling_params"] == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, **NEUTRAL, "min_new_tokens": 0}
 
 
@@ -56,7 +105,11 @@ def test_matching_sampling_settings_are_accepted():
         ({"text": "a", "sampling_params": {"min_p": 0.1}}, "generate", "sampling_params.min_p"),
         ({"text": "a", "sampling_params": {"frequency_penalty": 0.5}}, "generate", "sampling_params.frequency_penalty"),
         ({"text": "a", "sampling_params": {"presence_penalty": 0.5}}, "generate", "sampling_params.presence_penalty"),
-        ({"text": "a", "sampling_params": {"repetition_penalty": 1.1}}, "generate", "sampling_params.repetition_penalty"),
+        (
+            {"text": "a", "sampling_params": {"repetition_penalty": 1.1}},
+            "generate",
+            "sampling_params.repetition_penalty",
+        ),
         ({"text": "a", "sampling_params": {"regex": "a+"}}, "generate", "sampling_params.regex"),
         ({"text": "a", "sampling_params": {"json_schema": "{}"}}, "generate", "sampling_params.json_schema"),
         ({"text": "a", "sampling_params": {"logit_bias": {"1": 2.0}}}, "generate", "sampling_params.logit_bias"),
@@ -93,8 +146,16 @@ def test_requested_k_within_the_limit_or_not_a_number_is_left_to_the_rewrite(val
 def test_requested_k_above_the_limit_names_field_value_and_limit():
     with pytest.raises(RequestRejected) as info:
         rewrite_body(orjson.dumps({"messages": [], "top_logprobs": 65}), "chat", SELECTED, max_k=64)
-    assert info.value.to_dict() == {"error": {"rule": "request_rejected", "field": "top_logprobs", "value": 65, "limit": 64,
-                                              "message": "top_logprobs: is 65, above the proxy's limit of 64 candidates per token (--max-top-logprobs-num)"}}  # fmt: skip
+    assert info.value.to_dict() == {
+        "error": {
+            "rule": "request_rejected",
+            "field": "top_logprobs",
+            "value": 65,
+            "limit": 64,
+            "message": "top_logprobs: is 65, above the proxy's limit of 64 candidates per token "
+            "(--max-top-logprobs-num)",
+        }
+    }
 
 
 @pytest.mark.parametrize(
@@ -109,4 +170,7 @@ def test_requested_k_above_the_limit_names_field_value_and_limit():
 def test_probe_names_server_defaults_a_request_cannot_override(preferred, unstated):
     from router_proxy.probe import _unstated_defaults
 
-    assert _unstated_defaults(orjson.dumps({"preferred_sampling_params": preferred, "weight_version": "default"})) == unstated
+    assert (
+        _unstated_defaults(orjson.dumps({"preferred_sampling_params": preferred, "weight_version": "default"}))
+        == unstated
+    )

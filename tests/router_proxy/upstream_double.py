@@ -46,7 +46,12 @@ def meta_info(req: dict, params: dict, k: int, support: bool, args) -> dict:
         else:
             sampled.append([lp[order[0]], order[0], None])
             tops.append([[lp[v], v, None] for v in order[: min(k, args.truncate)]])
-    meta = {"id": "double", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": 3, "completion_tokens": n}
+    meta = {
+        "id": "double",
+        "finish_reason": {"type": "length", "length": n},
+        "prompt_tokens": 3,
+        "completion_tokens": n,
+    }
     if req.get("return_logprob") or req.get("logprobs"):
         meta["output_token_logprobs"] = sampled
         if tops:
@@ -85,8 +90,12 @@ def main() -> None:
         params = {"max_new_tokens": req.get("max_tokens", 4), "top_k": req.get("top_k", 8)}
         support = req.get("sampling_logprobs_mode") == "support"
         meta = meta_info(req, params, int(req.get("top_logprobs") or 0), support, args)
-        choice = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length",
-                  "meta_info": meta if req.get("return_meta_info") else None}  # fmt: skip
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "x"},
+            "finish_reason": "length",
+            "meta_info": meta if req.get("return_meta_info") else None,
+        }
         return {"id": "chat-double", "object": "chat.completion", "choices": [choice]}
 
     async def set_next(request: web.Request) -> web.Response:
@@ -103,15 +112,17 @@ def main() -> None:
         return web.json_response({"model_path": "double", **({} if args.no_vocab else {"vocab_size": args.vocab_size})})
 
     app = web.Application()
-    app.add_routes([
-        web.post("/generate", lambda r: answer(r, generate)),
-        web.post("/v1/chat/completions", lambda r: answer(r, chat)),
-        web.post("/_next", set_next),
-        web.get("/_last", last),
-        web.get("/_last_headers", last_headers),
-        web.get("/model_info", model_info),
-        web.get("/health", lambda r: web.Response(text="ok")),
-    ])  # fmt: skip
+    app.add_routes(
+        [
+            web.post("/generate", lambda r: answer(r, generate)),
+            web.post("/v1/chat/completions", lambda r: answer(r, chat)),
+            web.post("/_next", set_next),
+            web.get("/_last", last),
+            web.get("/_last_headers", last_headers),
+            web.get("/model_info", model_info),
+            web.get("/health", lambda r: web.Response(text="ok")),
+        ]
+    )
     web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -29,7 +29,10 @@ def keyed(model_dir, tmp_path_factory):
 
 
 def call(method: str, url: str, body: bytes | None = None, authorization: str | None = None) -> tuple[int, bytes]:
-    headers = {"Content-Type": "application/json", **({"Authorization": authorization} if authorization is not None else {})}
+    headers = {
+        "Content-Type": "application/json",
+        **({"Authorization": authorization} if authorization is not None else {}),
+    }
     req = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
@@ -38,10 +41,18 @@ def call(method: str, url: str, body: bytes | None = None, authorization: str | 
         return exc.code, exc.read()
 
 
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer  {KEY}", "Bearer "])
-@pytest.mark.parametrize("method, path", [("POST", "/update_weights_from_disk"), ("GET", "/flush_cache"), ("POST", "/flush_cache")])
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer  {KEY}", "Bearer "]
+)
+@pytest.mark.parametrize(
+    "method, path", [("POST", "/update_weights_from_disk"), ("GET", "/flush_cache"), ("POST", "/flush_cache")]
+)
 def test_admin_endpoint_without_the_key_is_401_unauthorized(keyed, other_model_dir, method, path, authorization):
-    body = json.dumps({"model_path": str(other_model_dir), "weight_version": "9"}).encode() if path.startswith("/update") else None
+    body = (
+        json.dumps({"model_path": str(other_model_dir), "weight_version": "9"}).encode()
+        if path.startswith("/update")
+        else None
+    )
     before = keyed.weight_version()
     assert call(method, keyed.url + path, body, authorization) == (401, b'{"error":"Unauthorized"}')
     assert keyed.weight_version() == before != "9"
@@ -59,7 +70,16 @@ def test_weight_update_with_the_key_switches_the_version(keyed, model_dir):
     assert (status, keyed.weight_version()) == (200, "keyed"), reply
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/health"), ("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/server_info"), ("GET", "/v1/models")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/health"),
+        ("GET", "/model_info"),
+        ("GET", "/get_model_info"),
+        ("GET", "/server_info"),
+        ("GET", "/v1/models"),
+    ],
+)
 def test_other_endpoints_need_no_key(keyed, method, path):
     assert call(method, keyed.url + path)[0] == 200
 
@@ -84,10 +104,27 @@ def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
     """Whoever reaches the proxy is a rollout client, not the trainer: no answer of the proxy may
     carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
     port = free_port()
-    proxy = Process([sys.executable, "-m", "centerline", "proxy", "--upstream", keyed.url, "--port", str(port),
-                     "--rollout-top-logprobs-num", "8", "--vocab-size", "260"], tmp_path / "proxy.log")  # fmt: skip
+    proxy = Process(
+        [
+            sys.executable,
+            "-m",
+            "centerline",
+            "proxy",
+            "--upstream",
+            keyed.url,
+            "--port",
+            str(port),
+            "--rollout-top-logprobs-num",
+            "8",
+            "--vocab-size",
+            "260",
+        ],
+        tmp_path / "proxy.log",
+    )
     try:
-        wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/liveness", timeout=2)[0] == 200, 60, "proxy", proxy.proc)
+        wait_until(
+            lambda: http("GET", f"http://127.0.0.1:{port}/liveness", timeout=2)[0] == 200, 60, "proxy", proxy.proc
+        )
         status, body = call("GET", f"http://127.0.0.1:{port}{path}")
     finally:
         proxy.stop()
@@ -106,8 +143,12 @@ def test_weight_publisher_with_the_key_updates_the_server(keyed, other_model_dir
     assert keyed.weight_version() == "1"
 
 
-@pytest.mark.parametrize("key, problem", [("wrong", "is not the engine's --admin-api-key"), (None, "is unset, and the engine requires one")])
-def test_weight_publisher_refused_by_the_server_names_the_server_and_the_setting(keyed, other_model_dir, monkeypatch, key, problem):
+@pytest.mark.parametrize(
+    "key, problem", [("wrong", "is not the engine's --admin-api-key"), (None, "is unset, and the engine requires one")]
+)
+def test_weight_publisher_refused_by_the_server_names_the_server_and_the_setting(
+    keyed, other_model_dir, monkeypatch, key, problem
+):
     monkeypatch.delenv(admin_key.KEY_ENV, raising=False)
     monkeypatch.delenv(admin_key.KEY_FILE_ENV, raising=False)
 
@@ -121,8 +162,10 @@ def test_weight_publisher_refused_by_the_server_names_the_server_and_the_setting
     before = keyed.weight_version()
     with pytest.raises(admin_key.AdminKeyError) as info:
         asyncio.run(update())
-    assert str(info.value) == (f"engine {keyed.url} refused the weight update with HTTP 401: the trainer's admin key "
-                               f"(CENTERLINE_ENGINE_ADMIN_API_KEY or CENTERLINE_ENGINE_ADMIN_API_KEY_FILE) {problem}")  # fmt: skip
+    assert str(info.value) == (
+        f"engine {keyed.url} refused the weight update with HTTP 401: the trainer's admin key "
+        f"(CENTERLINE_ENGINE_ADMIN_API_KEY or CENTERLINE_ENGINE_ADMIN_API_KEY_FILE) {problem}"
+    )
     assert keyed.weight_version() == before != "5"
 
 
@@ -132,7 +175,14 @@ def test_the_key_comes_from_the_environment_or_a_file(tmp_path):
     assert admin_key.key_from_env({admin_key.KEY_ENV: ""}) is None
     assert admin_key.key_from_env({admin_key.KEY_ENV: "from-env"}) == "from-env"
     assert admin_key.key_from_env({admin_key.KEY_FILE_ENV: str(tmp_path / "key")}) == "from-file"
-    with pytest.raises(admin_key.AdminKeyError, match="both CENTERLINE_ENGINE_ADMIN_API_KEY and CENTERLINE_ENGINE_ADMIN_API_KEY_FILE are set"):
+    with pytest.raises(
+        admin_key.AdminKeyError,
+        match="both CENTERLINE_ENGINE_ADMIN_API_KEY and CENTERLINE_ENGINE_ADMIN_API_KEY_FILE are set",
+    ):
         admin_key.key_from_env({admin_key.KEY_ENV: "a", admin_key.KEY_FILE_ENV: str(tmp_path / "key")})
-    with pytest.raises(admin_key.AdminKeyError, match=r"CENTERLINE_ENGINE_ADMIN_API_KEY_FILE=.*/missing: cannot read the key file \(No such file or directory\)"):
+    with pytest.raises(
+        admin_key.AdminKeyError,
+        match=r"CENTERLINE_ENGINE_ADMIN_API_KEY_FILE=.*/missing: cannot read the key file "
+        r"\(No such file or directory\)",
+    ):
         admin_key.key_from_env({admin_key.KEY_FILE_ENV: str(tmp_path / "missing")})

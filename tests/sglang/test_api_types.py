@@ -18,22 +18,53 @@ pytestmark = pytest.mark.integration
 
 PROMPT = list(b"refereed")
 # what sglang-router 0.3.2 adds to every /generate it re-serialises (../shared/reference/sglang-protocol.md)
-ROUTER_FIELDS = {"model": None, "background": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
-                 "no_logs": False, "return_bytes": False, "return_entropy": False, "return_text_in_logprobs": False}  # fmt: skip
+ROUTER_FIELDS = {
+    "model": None,
+    "background": False,
+    "stream": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+    "return_text_in_logprobs": False,
+}
 REQUESTS = {
     "1-D ids": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
     "2-D ids": {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 2, "n": 2}},
     "text": {"text": "hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
     "text list": {"text": ["a", "bc"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]},
-    "top-K log-probs": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "top_p": 0.9, "top_k": 50, "min_p": 0.01,
-                        "stop_token_ids": [256], "ignore_eos": False},
-                        "return_logprob": True, "top_logprobs_num": 128, "logprob_start_len": 0,
-                        "return_text_in_logprobs": True, "rid": "req-1"},
-    "support mode": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "top_k": 20},
-                     "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support"},
-    "router re-serialised": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
-                             "top_logprobs_num": 128, **ROUTER_FIELDS},
-}  # fmt: skip
+    "top-K log-probs": {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 3,
+            "top_p": 0.9,
+            "top_k": 50,
+            "min_p": 0.01,
+            "stop_token_ids": [256],
+            "ignore_eos": False,
+        },
+        "return_logprob": True,
+        "top_logprobs_num": 128,
+        "logprob_start_len": 0,
+        "return_text_in_logprobs": True,
+        "rid": "req-1",
+    },
+    "support mode": {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 2, "top_k": 20},
+        "return_logprob": True,
+        "return_sampling_mask": True,
+        "sampling_logprobs_mode": "support",
+    },
+    "router re-serialised": {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 2},
+        "return_logprob": True,
+        "top_logprobs_num": 128,
+        **ROUTER_FIELDS,
+    },
+}
 
 
 @pytest.mark.parametrize("name", list(REQUESTS))
@@ -62,7 +93,11 @@ def test_unknown_sampling_param_is_400_with_sglangs_contract_error(sglang, api_t
 
 
 def test_unknown_top_level_field_is_ignored(sglang):
-    status, out = http("POST", sglang.url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "something_new": {"x": 1}})
+    status, out = http(
+        "POST",
+        sglang.url + "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "something_new": {"x": 1}},
+    )
     assert status == 200 and len(out["output_ids"]) == 2
 
 
@@ -78,4 +113,10 @@ def test_info_endpoints_decode_with_sglangs_types(sglang, model_dir, api_types):
         assert (status, info.tokenizer_path, out["version"]) == (200, str(model_dir), "0.5.23")
     status, out = http("GET", sglang.url + "/v1/models")
     card = api_types.ModelCard.from_json_value(out["data"][0])
-    assert (status, out["object"], card.id, card.root, card.max_model_len) == (200, "list", str(model_dir), str(model_dir), 1024)
+    assert (status, out["object"], card.id, card.root, card.max_model_len) == (
+        200,
+        "list",
+        str(model_dir),
+        str(model_dir),
+        1024,
+    )

@@ -13,13 +13,24 @@ pytestmark = pytest.mark.integration
 
 
 def test_chat_logprobs_have_openai_shape_and_equal_meta_info_and_the_reference(sglang, model_dir, reference):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.6,
-            "logprobs": True, "top_logprobs": 5, "return_meta_info": True, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0.6,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "return_meta_info": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     status, out = http("POST", sglang.url + "/v1/chat/completions", body)
     assert status == 200, out
     (choice,) = out["choices"]
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompt = tok.encode(tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    prompt = tok.encode(
+        tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     ids = choice["response_token_ids"]
     assert (choice["prompt_token_ids"], len(ids), choice["finish_reason"]) == (prompt, 4, "length")
     meta = choice["meta_info"]

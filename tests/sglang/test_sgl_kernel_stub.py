@@ -11,9 +11,17 @@ import pytest
 
 from centerline.sgl_kernel_stub import sgl_kernel as stub
 
-NINE = ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu", "assign_draft_cache_locs_contiguous_cpu",
-        "assign_extend_cache_locs_cpu", "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu", "rotate_input_ids_cpu",
-        "build_tree_kernel_efficient_cpu", "verify_tree_greedy_cpu")  # fmt: skip
+NINE = (
+    "assign_req_to_token_pool_cpu",
+    "copy_all_layer_kv_cache_cpu",
+    "assign_draft_cache_locs_contiguous_cpu",
+    "assign_extend_cache_locs_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+    "rotate_input_ids_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "verify_tree_greedy_cpu",
+)
 
 
 def test_the_stub_defines_the_nine_names():
@@ -23,7 +31,10 @@ def test_the_stub_defines_the_nine_names():
 
 @pytest.mark.parametrize("name", NINE)
 def test_calling_a_stub_kernel_raises_not_implemented_naming_it(name):
-    with pytest.raises(NotImplementedError, match=f"^sgl_kernel.{re.escape(name)} is not available: this is the import-only CPU stand-in"):
+    with pytest.raises(
+        NotImplementedError,
+        match=f"^sgl_kernel.{re.escape(name)} is not available: this is the import-only CPU stand-in",
+    ):
         getattr(stub, name)(1, key="value")
 
 

@@ -20,13 +20,22 @@ def parse(argv, env=None):
 
 def test_defaults_are_the_embedded_toy_job():
     cfg = parse([])
-    assert (cfg.rollout_top_logprobs_num, cfg.rollout_temperature, cfg.rollout_logprobs_mode, cfg.score_centering_is) == (128, 1.0, "selected", "none")
+    assert (
+        cfg.rollout_top_logprobs_num,
+        cfg.rollout_temperature,
+        cfg.rollout_logprobs_mode,
+        cfg.score_centering_is,
+    ) == (128, 1.0, "selected", "none")
 
 
 def test_flags_override_toml_which_overrides_environment(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("rollout_top_logprobs_num = 64\nrollout_temperature = 0.7\n")
-    env = {"CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM": "32", "CENTERLINE_ROLLOUT_TEMPERATURE": "0.5", "CENTERLINE_MAX_STALENESS": "5"}
+    env = {
+        "CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM": "32",
+        "CENTERLINE_ROLLOUT_TEMPERATURE": "0.5",
+        "CENTERLINE_MAX_STALENESS": "5",
+    }
     cfg = parse(["--config", str(toml), "--rollout-temperature", "0.9"], env)
     assert (cfg.rollout_top_logprobs_num, cfg.rollout_temperature, cfg.max_staleness) == (64, 0.9, 5)
 
@@ -42,11 +51,24 @@ def test_list_settings_come_from_flags_and_comma_separated_environment():
         (["--rollout-temperature", "0"], "--rollout-temperature 0.0: greedy decoding has no sampling distribution"),
         (["--rollout-top-logprobs-num", "0"], "--rollout-top-logprobs-num 0: K must be positive"),
         (["--rollout-min-p", "0.05"], "--rollout-min-p 0.05: min-p is not supported"),
-        (["--rollout-top-p", "0.9"], "--rollout-logprobs-mode selected: filtered sampling (top-p < 1 or top-k set) needs --rollout-logprobs-mode support"),
+        (
+            ["--rollout-top-p", "0.9"],
+            "--rollout-logprobs-mode selected: filtered sampling (top-p < 1 or top-k set) needs "
+            "--rollout-logprobs-mode support",
+        ),
         (["--rollout-top-k", "50"], "--rollout-logprobs-mode selected: filtered sampling"),
-        (["--rollout-logprobs-mode", "support", "--rollout-top-k", "200"], "--rollout-top-k 200: support mode records the whole support in K=128 slots"),
-        (["--rollout-logprobs-mode", "support", "--rollout-top-p", "0.9"], "--rollout-top-k -1: support mode records the whole support"),
-        (["--score-centering-mis-low", "6"], "--score-centering-mis-low 6.0: needs 0 <= --score-centering-mis-low < --score-centering-mis-high"),
+        (
+            ["--rollout-logprobs-mode", "support", "--rollout-top-k", "200"],
+            "--rollout-top-k 200: support mode records the whole support in K=128 slots",
+        ),
+        (
+            ["--rollout-logprobs-mode", "support", "--rollout-top-p", "0.9"],
+            "--rollout-top-k -1: support mode records the whole support",
+        ),
+        (
+            ["--score-centering-mis-low", "6"],
+            "--score-centering-mis-low 6.0: needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
+        ),
         (["--max-inflight-steps", "0"], "--max-inflight-steps 0: must be >= 1"),
     ],
 )
@@ -81,13 +103,20 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 
 
 def test_config_command_prints_the_error_and_exits_2():
-    run = subprocess.run([sys.executable, "-m", "centerline", "config", "--rollout-temperature", "-1"], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "config", "--rollout-temperature", "-1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert run.returncode == 2
     assert "--rollout-temperature -1.0: greedy decoding" in run.stderr
 
 
 def test_config_reference_is_generated_from_the_schema():
-    run = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "scripts/gen_config_docs.py", "--check"], capture_output=True, text=True, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr
     doc = (ROOT / "docs" / "config.md").read_text()
     assert all(f"`--{name.replace('_', '-')}`" in doc for name in Config.model_fields)
@@ -104,6 +133,16 @@ def test_config_reference_is_generated_from_the_schema():
     ],
 )
 def test_every_service_refuses_a_bad_setting_at_start_with_exit_2_naming_the_flag(argv):
-    run = subprocess.run([sys.executable, "-m", "centerline", *argv, "--rollout-temperature", "0"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", *argv, "--rollout-temperature", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == 2
-    assert run.stderr == f"centerline {argv[0]}: --rollout-temperature 0.0: greedy decoding has no sampling distribution to centre; use a temperature > 0\n"
+    assert (
+        run.stderr
+        == f"centerline {argv[0]}: --rollout-temperature 0.0: greedy decoding has no sampling distribution to centre; "
+        "use a temperature > 0\n"
+    )

@@ -61,7 +61,9 @@ def test_exactly_twenty_candidates_when_k_is_128_blames_the_router_cap():
     batch = make_batch(samples=1, tokens_per_sample=3, k=128, vocab_size=256)
     ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
     ids[:, 20:], lps[:, 20:] = -1, -np.inf
-    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=np.array([0, 1, 1], np.uint8)), vocab_size=256)
+    err = violation(
+        replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=np.array([0, 1, 1], np.uint8)), vocab_size=256
+    )
     assert (err.rule, err.sample, err.row, err.expected, err.found) == ("short_row", 0, 1, 128, 20)
     assert "the router probably caps top_logprobs at 20; run `centerline probe --k 128`" in str(err)
 
@@ -183,7 +185,11 @@ def test_sampled_logprob_within_tolerance_passes():
 
 @pytest.mark.parametrize(
     "name, index, value, rule",
-    [("response_ids", row_of(0, 3), VOCAB, "bad_token"), ("cand_ids", (row_of(1, 6), 2), VOCAB + 5, "bad_candidate"), ("cand_ids", (row_of(1, 6), 2), -7, "bad_candidate")],
+    [
+        ("response_ids", row_of(0, 3), VOCAB, "bad_token"),
+        ("cand_ids", (row_of(1, 6), 2), VOCAB + 5, "bad_candidate"),
+        ("cand_ids", (row_of(1, 6), 2), -7, "bad_candidate"),
+    ],
 )
 def test_ids_outside_the_vocabulary_are_rejected(name, index, value, rule):
     i = index[0] if isinstance(index, tuple) else index
@@ -212,14 +218,26 @@ def test_duplicate_batch_is_rejected():
     "change, message",
     [
         (lambda b: replace_arrays(b, offsets=np.array([0, 8, 4, 24, 32])), "offsets must rise monotonically"),
-        (lambda b: replace_arrays(b, offsets=np.array([0, 8, 16, 24, 31])), "offsets must rise monotonically from 0 to 32"),
-        (lambda b: replace_arrays(b, cand_ids=b.cand_ids[:, :7], cand_logprobs=b.cand_logprobs[:, :7]), "cand_ids has shape [32, 7], expected [32, 8]"),
+        (
+            lambda b: replace_arrays(b, offsets=np.array([0, 8, 16, 24, 31])),
+            "offsets must rise monotonically from 0 to 32",
+        ),
+        (
+            lambda b: replace_arrays(b, cand_ids=b.cand_ids[:, :7], cand_logprobs=b.cand_logprobs[:, :7]),
+            "cand_ids has shape [32, 7], expected [32, 8]",
+        ),
         (lambda b: replace_arrays(b, rewards=b.rewards[:3]), "rewards has shape [3], expected [4]"),
-        (lambda b: replace_arrays(b, cand_ids=b.cand_ids.astype(np.int64)), "cand_ids must be a int32 array, found int64"),
+        (
+            lambda b: replace_arrays(b, cand_ids=b.cand_ids.astype(np.int64)),
+            "cand_ids must be a int32 array, found int64",
+        ),
         (lambda b: replace_arrays(b, mode="full"), "mode is 'full'"),
         (lambda b: replace_arrays(b, group_ids=["g"]), "1 group_ids for 4 sample_ids"),
         (lambda b: replace_arrays(b, loss_mask=np.full(32, 2, np.uint8)), "loss_mask holds values other than 0 and 1"),
-        (lambda b: replace_arrays(b, prompt_offsets=np.array([0, 3, 6, 9, 13])), "prompt_offsets must rise monotonically from 0 to 12"),
+        (
+            lambda b: replace_arrays(b, prompt_offsets=np.array([0, 3, 6, 9, 13])),
+            "prompt_offsets must rise monotonically from 0 to 12",
+        ),
     ],
 )
 def test_shape_defects_are_rule_shape(change, message):
@@ -229,11 +247,23 @@ def test_shape_defects_are_rule_shape(change, message):
 
 
 def test_every_rule_is_documented():
-    assert set(RULES) >= {"shape", "short_row", "non_finite", "duplicate_candidate", "support_mass", "sampled_mismatch", "stale", "duplicate_batch"}
+    assert set(RULES) >= {
+        "shape",
+        "short_row",
+        "non_finite",
+        "duplicate_candidate",
+        "support_mass",
+        "sampled_mismatch",
+        "stale",
+        "duplicate_batch",
+    }
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from(["selected", "support"]), st.integers(1, 40), st.integers(2, 300))
 def test_batches_from_real_distributions_pass(seed, mode, k, vocab):
     top_k = min(k, vocab) if mode == "support" else -1
-    check_batch(make_batch(samples=3, tokens_per_sample=4, k=k, vocab_size=vocab, mode=mode, top_k=top_k, seed=seed), vocab_size=vocab)
+    check_batch(
+        make_batch(samples=3, tokens_per_sample=4, k=k, vocab_size=vocab, mode=mode, top_k=top_k, seed=seed),
+        vocab_size=vocab,
+    )

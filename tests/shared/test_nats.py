@@ -20,8 +20,14 @@ from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch
 
 VOCAB = 64
-STREAMS = [names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.DLQ_STREAM, names.WEIGHTS_STREAM, names.AUDIT_STREAM,
-           names.ADVISORIES_STREAM]  # fmt: skip
+STREAMS = [
+    names.PROMPTS_STREAM,
+    names.ROLLOUTS_STREAM,
+    names.DLQ_STREAM,
+    names.WEIGHTS_STREAM,
+    names.AUDIT_STREAM,
+    names.ADVISORIES_STREAM,
+]
 
 
 def run(coro_fn, server: EmbeddedNats):
@@ -69,7 +75,9 @@ def test_the_server_advertises_the_configured_max_payload(tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
 def test_acked_batches_survive_a_server_restart_byte_for_byte(nats_server, crash):
-    batches = [make_batch(samples=2, tokens_per_sample=5, k=8, vocab_size=VOCAB, seed=i, batch_id=f"r-{i}") for i in range(5)]
+    batches = [
+        make_batch(samples=2, tokens_per_sample=5, k=8, vocab_size=VOCAB, seed=i, batch_id=f"r-{i}") for i in range(5)
+    ]
 
     async def publish(nc, js):
         await pull_consumer(js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER)
@@ -164,7 +172,6 @@ def test_ensuring_the_streams_twice_changes_nothing(nats_server):
         assert after[n].created == before[n].created is not None
 
 
-
 @pytest.mark.integration
 def test_the_first_ensure_creates_every_stream_of_the_design(nats_server):
     async def body(nc, js):
@@ -197,8 +204,12 @@ def test_a_changed_limit_updates_the_stream_in_place_keeping_its_messages(nats_s
 def test_a_stream_with_another_retention_raises_naming_the_stream_and_field(nats_server):
     async def body(nc, js):
         await js.delete_stream(names.AUDIT_STREAM)
-        await js.add_stream(name=names.AUDIT_STREAM, subjects=[names.AUDIT_SUBJECT], retention="workqueue", storage="file")
-        with pytest.raises(StreamConfigError, match=r"stream AUDIT: retention is 'workqueue', centerline wants 'limits'"):
+        await js.add_stream(
+            name=names.AUDIT_STREAM, subjects=[names.AUDIT_SUBJECT], retention="workqueue", storage="file"
+        )
+        with pytest.raises(
+            StreamConfigError, match=r"stream AUDIT: retention is 'workqueue', centerline wants 'limits'"
+        ):
             await ensure_streams(js)
 
     run(body, nats_server)

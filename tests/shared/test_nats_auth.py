@@ -62,7 +62,9 @@ class Session:
             self.errors.append(str(exc))
             self.arrived.set()
 
-        self.nc = await connect(self.server.url, name=f"test-{self.user}", error_cb=record, **self.server.credentials(self.user))
+        self.nc = await connect(
+            self.server.url, name=f"test-{self.user}", error_cb=record, **self.server.credentials(self.user)
+        )
         self.js = self.nc.jetstream(timeout=1.0)  # a refused request is never answered: fail fast
         return self
 
@@ -107,7 +109,10 @@ def test_a_worker_cannot_publish_audit_events_or_prompt_tasks(secure):
         async with Session(secure, "worker") as worker:
             await worker.nc.publish(names.AUDIT_SUBJECT, b"{}")
             await worker.nc.publish(names.PROMPTS_SUBJECT, b"{}")
-            assert await worker.reported(2) == [violation("publish", names.AUDIT_SUBJECT), violation("publish", names.PROMPTS_SUBJECT)]
+            assert await worker.reported(2) == [
+                violation("publish", names.AUDIT_SUBJECT),
+                violation("publish", names.PROMPTS_SUBJECT),
+            ]
         assert [await messages(secure, s) for s in (names.AUDIT_STREAM, names.PROMPTS_STREAM)] == [0, 0]
 
     asyncio.run(body())
@@ -121,8 +126,10 @@ def test_a_worker_cannot_create_or_delete_a_stream(secure):
                 await worker.js.add_stream(StreamConfig(name="EXTRA", subjects=["extra"]))
             with pytest.raises(nats.errors.TimeoutError):
                 await worker.js.delete_stream(names.ROLLOUTS_STREAM)
-            assert await worker.reported(2) == [violation("publish", "$JS.API.STREAM.CREATE.EXTRA"),
-                                               violation("publish", f"$JS.API.STREAM.DELETE.{names.ROLLOUTS_STREAM}")]  # fmt: skip
+            assert await worker.reported(2) == [
+                violation("publish", "$JS.API.STREAM.CREATE.EXTRA"),
+                violation("publish", f"$JS.API.STREAM.DELETE.{names.ROLLOUTS_STREAM}"),
+            ]
         async with Session(secure, "admin") as admin:
             assert {s.config.name for s in await admin.js.streams_info()} == STREAMS
 
@@ -135,8 +142,11 @@ def test_a_worker_on_a_server_without_streams_is_told_who_creates_them(tmp_path)
 
         async def body():
             async with Session(server, "worker") as worker:
-                with pytest.raises(StreamConfigError, match=r"^stream PROMPTS does not exist and the request to create it "
-                                   r"got no answer: this NATS user is probably not allowed to manage streams"):  # fmt: skip
+                with pytest.raises(
+                    StreamConfigError,
+                    match=r"^stream PROMPTS does not exist and the request to create it "
+                    r"got no answer: this NATS user is probably not allowed to manage streams",
+                ):
                     await ensure_streams(worker.js)
 
         asyncio.run(body())
@@ -151,7 +161,9 @@ def test_a_worker_cannot_take_from_the_trainers_consumer_or_listen_to_batches(se
             await worker.nc.subscribe(names.ROLLOUTS_SUBJECT)
             await worker.nc.subscribe("_INBOX.>")  # another user's replies
             assert await worker.reported(3) == [
-                violation("publish", f"$JS.API.CONSUMER.DURABLE.CREATE.{names.ROLLOUTS_STREAM}.{names.TRAINER_CONSUMER}"),
+                violation(
+                    "publish", f"$JS.API.CONSUMER.DURABLE.CREATE.{names.ROLLOUTS_STREAM}.{names.TRAINER_CONSUMER}"
+                ),
                 violation("subscription", names.ROLLOUTS_SUBJECT),
                 violation("subscription", "_INBOX.>"),
             ]
@@ -164,10 +176,14 @@ def test_a_worker_takes_acks_and_naks_prompt_tasks_and_publishes_batches(secure)
     async def body():
         async with Session(secure, "trainer") as trainer:
             for i in range(2):
-                await trainer.js.publish(names.PROMPTS_SUBJECT, f"task-{i}".encode(), headers={names.MSG_ID_HEADER: f"t-{i}"})
+                await trainer.js.publish(
+                    names.PROMPTS_SUBJECT, f"task-{i}".encode(), headers={names.MSG_ID_HEADER: f"t-{i}"}
+                )
         async with Session(secure, "worker") as worker:
             assert set((await ensure_streams(worker.js)).values()) == {"unchanged"}
-            consumer = await pull_consumer(worker.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT)
+            consumer = await pull_consumer(
+                worker.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT
+            )
             first, second = await consumer.fetch(2, timeout=5)
             await consumer.in_progress(first)
             await consumer.ack(first)
@@ -181,7 +197,11 @@ def test_a_worker_takes_acks_and_naks_prompt_tasks_and_publishes_batches(secure)
             await worker.js.publish(names.DLQ_SUBJECT, b"rejected batch")  # contract failures go to the DLQ
             assert worker.nc.new_inbox().startswith("_INBOX_worker.")
             assert worker.errors == []  # every step above was acknowledged: a refused one would have timed out
-        assert [await messages(secure, s) for s in (names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.DLQ_STREAM)] == [0, 1, 1]
+        assert [await messages(secure, s) for s in (names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.DLQ_STREAM)] == [
+            0,
+            1,
+            1,
+        ]
 
     asyncio.run(body())
 
@@ -197,14 +217,18 @@ def test_the_proxy_publishes_audit_events_and_nothing_else(secure):
             await proxy.nc.publish(names.AUDIT_SUBJECT, b'{"verdict": "complete"}')
             for subject in (names.ROLLOUTS_SUBJECT, names.WEIGHTS_SUBJECT, names.PROMPTS_SUBJECT, names.DLQ_SUBJECT):
                 await proxy.nc.publish(subject, b"{}")
-            assert await proxy.reported(4) == [violation("publish", s) for s in
-                                              (names.ROLLOUTS_SUBJECT, names.WEIGHTS_SUBJECT, names.PROMPTS_SUBJECT, names.DLQ_SUBJECT)]  # fmt: skip
+            assert await proxy.reported(4) == [
+                violation("publish", s)
+                for s in (names.ROLLOUTS_SUBJECT, names.WEIGHTS_SUBJECT, names.PROMPTS_SUBJECT, names.DLQ_SUBJECT)
+            ]
         async with Session(secure, "admin") as admin:
             audit = await pull_consumer(admin.js, names.AUDIT_STREAM, "test-reader")
             [event] = await audit.fetch(1, timeout=5)  # waits until JetStream stored it
             assert event.data == b'{"verdict": "complete"}'
-        assert [await messages(secure, s) for s in (names.ROLLOUTS_STREAM, names.WEIGHTS_STREAM, names.PROMPTS_STREAM,
-                                                     names.DLQ_STREAM)] == [0, 0, 0, 0]  # fmt: skip
+        assert [
+            await messages(secure, s)
+            for s in (names.ROLLOUTS_STREAM, names.WEIGHTS_STREAM, names.PROMPTS_STREAM, names.DLQ_STREAM)
+        ] == [0, 0, 0, 0]
 
     asyncio.run(body())
 
@@ -216,8 +240,9 @@ def test_the_trainer_creates_the_streams_drives_tasks_consumes_batches_and_publi
         async def body():
             async with Session(server, "trainer") as trainer:
                 assert set((await ensure_streams(trainer.js)).values()) == {"created"}
-                consumer = await pull_consumer(trainer.js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER,
-                                               filter_subject=names.ROLLOUTS_SUBJECT)  # fmt: skip
+                consumer = await pull_consumer(
+                    trainer.js, names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER, filter_subject=names.ROLLOUTS_SUBJECT
+                )
                 await trainer.js.publish(names.PROMPTS_SUBJECT, b"task", headers={names.MSG_ID_HEADER: "t-0"})
                 async with Session(server, "worker") as worker:
                     await worker.js.publish(names.ROLLOUTS_SUBJECT, b"batch", headers={names.MSG_ID_HEADER: "b-0"})
@@ -228,8 +253,13 @@ def test_the_trainer_creates_the_streams_drives_tasks_consumes_batches_and_publi
                 await trainer.js.publish(names.DLQ_SUBJECT, b"batch", headers={"Centerline-Reason": "stale"})
                 with pytest.raises(nats.errors.TimeoutError):
                     await trainer.js.delete_stream(names.ROLLOUTS_STREAM)  # managing is not deleting
-                assert await trainer.reported(1) == [violation("publish", f"$JS.API.STREAM.DELETE.{names.ROLLOUTS_STREAM}")]
-            counts = [await messages(server, s) for s in (names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.WEIGHTS_STREAM, names.DLQ_STREAM)]
+                assert await trainer.reported(1) == [
+                    violation("publish", f"$JS.API.STREAM.DELETE.{names.ROLLOUTS_STREAM}")
+                ]
+            counts = [
+                await messages(server, s)
+                for s in (names.PROMPTS_STREAM, names.ROLLOUTS_STREAM, names.WEIGHTS_STREAM, names.DLQ_STREAM)
+            ]
             assert counts == [1, 1, 1, 1]
 
         asyncio.run(body())
@@ -242,10 +272,14 @@ def test_the_trainer_creates_the_streams_drives_tasks_consumes_batches_and_publi
 def test_a_wrong_password_is_refused_at_once_naming_both_settings(secure):
     async def body():
         with pytest.raises(CredentialsError) as err:
-            await asyncio.wait_for(connect(secure.url, user="worker", password="wrong"), 10)  # nats-py alone retries forever
-        assert str(err.value) == (f"NATS at {secure.url} refused user 'worker' (Authorization Violation): an unknown user, "
-                                  "or a password (CENTERLINE_NATS_PASSWORD or CENTERLINE_NATS_PASSWORD_FILE) that differs "
-                                  "from the server's CENTERLINE_NATS_WORKER_PASSWORD")  # fmt: skip
+            await asyncio.wait_for(
+                connect(secure.url, user="worker", password="wrong"), 10
+            )  # nats-py alone retries forever
+        assert str(err.value) == (
+            f"NATS at {secure.url} refused user 'worker' (Authorization Violation): an unknown user, "
+            "or a password (CENTERLINE_NATS_PASSWORD or CENTERLINE_NATS_PASSWORD_FILE) that differs "
+            "from the server's CENTERLINE_NATS_WORKER_PASSWORD"
+        )
 
     asyncio.run(body())
 
@@ -254,7 +288,9 @@ def test_a_wrong_password_is_refused_at_once_naming_both_settings(secure):
 def test_a_connection_without_credentials_is_refused_naming_the_variables(secure, monkeypatch):
     for name in (nats_auth.USER_ENV, nats_auth.PASSWORD_ENV, nats_auth.PASSWORD_FILE_ENV):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(CredentialsError, match=f"^NATS at {secure.url} requires a user and password: set CENTERLINE_NATS_USER"):
+    with pytest.raises(
+        CredentialsError, match=f"^NATS at {secure.url} requires a user and password: set CENTERLINE_NATS_USER"
+    ):
         asyncio.run(asyncio.wait_for(connect(secure.url), 10))
 
 
@@ -299,7 +335,7 @@ def test_centerline_nats_creates_the_streams_as_admin_whatever_user_the_shell_se
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # printed once the streams exist
-        assert set(json.loads(line)["streams"].values()) == {"created"}, proc.stderr.read() if not line else line
+        assert set(json.loads(line)["streams"].values()) == {"created"}, line or proc.stderr.read()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
@@ -317,14 +353,18 @@ def test_a_password_without_a_user_is_refused_before_connecting():
 def test_every_user_has_permissions_and_a_password_variable_in_the_config():
     assert set(nats_auth.permissions()) == set(nats_auth.USERS) == {"admin", "trainer", "worker", "proxy"}
     text = nats_auth.accounts_config()
-    assert [v for v in re.findall(r"password: \$(\w+)", text)] == [nats_auth.password_variable(u) for u in nats_auth.USERS]
+    assert [v for v in re.findall(r"password: \$(\w+)", text)] == [
+        nats_auth.password_variable(u) for u in nats_auth.USERS
+    ]
 
 
 def test_only_the_trainer_and_admin_may_manage_streams_and_only_admin_delete():
     perms = nats_auth.permissions()
     managing = {u for u, p in perms.items() if {">", "$JS.API.STREAM.CREATE.*"} & set(p["publish"])}
     assert managing == {"admin", "trainer"}
-    assert [u for u, p in perms.items() if any("DELETE" in s or "PURGE" in s or s == ">" for s in p["publish"])] == ["admin"]
+    assert [u for u, p in perms.items() if any("DELETE" in s or "PURGE" in s or s == ">" for s in p["publish"])] == [
+        "admin"
+    ]
     assert [u for u, p in perms.items() if names.WEIGHTS_SUBJECT in p["publish"]] == ["trainer"]
 
 
@@ -336,21 +376,36 @@ def test_new_passwords_are_distinct_and_of_the_form_nats_server_reads_back_uncha
 
 def test_credentials_come_from_the_environment():
     assert nats_auth.credentials_from_env({}) == (None, None)
-    assert nats_auth.credentials_from_env({"CENTERLINE_NATS_USER": "worker", "CENTERLINE_NATS_PASSWORD": "pw"}) == ("worker", "pw")
+    assert nats_auth.credentials_from_env({"CENTERLINE_NATS_USER": "worker", "CENTERLINE_NATS_PASSWORD": "pw"}) == (
+        "worker",
+        "pw",
+    )
 
 
 @pytest.mark.parametrize(
     "env,error",
     [
-        ({"CENTERLINE_NATS_PASSWORD": "pw"}, "a NATS password is set but no user: set CENTERLINE_NATS_USER (trainer, worker, proxy or admin)"),
-        ({"CENTERLINE_NATS_USER": "worker"}, "CENTERLINE_NATS_USER=worker has no password: set CENTERLINE_NATS_PASSWORD or CENTERLINE_NATS_PASSWORD_FILE"),
-        ({"CENTERLINE_NATS_USER": "worker", "CENTERLINE_NATS_PASSWORD": "pw", "CENTERLINE_NATS_PASSWORD_FILE": "/f"},
-         "both CENTERLINE_NATS_PASSWORD and CENTERLINE_NATS_PASSWORD_FILE are set: keep one"),
-        ({"CENTERLINE_NATS_USER": "worker", "CENTERLINE_NATS_PASSWORD_FILE": "/nonexistent/password"},
-         "CENTERLINE_NATS_PASSWORD_FILE=/nonexistent/password: cannot read the password file (No such file or directory)"),
+        (
+            {"CENTERLINE_NATS_PASSWORD": "pw"},
+            "a NATS password is set but no user: set CENTERLINE_NATS_USER (trainer, worker, proxy or admin)",
+        ),
+        (
+            {"CENTERLINE_NATS_USER": "worker"},
+            "CENTERLINE_NATS_USER=worker has no password: set CENTERLINE_NATS_PASSWORD or "
+            "CENTERLINE_NATS_PASSWORD_FILE",
+        ),
+        (
+            {"CENTERLINE_NATS_USER": "worker", "CENTERLINE_NATS_PASSWORD": "pw", "CENTERLINE_NATS_PASSWORD_FILE": "/f"},
+            "both CENTERLINE_NATS_PASSWORD and CENTERLINE_NATS_PASSWORD_FILE are set: keep one",
+        ),
+        (
+            {"CENTERLINE_NATS_USER": "worker", "CENTERLINE_NATS_PASSWORD_FILE": "/nonexistent/password"},
+            "CENTERLINE_NATS_PASSWORD_FILE=/nonexistent/password: cannot read the password file (No such file or "
+            "directory)",
+        ),
     ],
     ids=["password-without-user", "user-without-password", "password-and-file", "unreadable-file"],
-)  # fmt: skip
+)
 def test_contradictory_or_missing_credentials_are_refused(env, error):
     with pytest.raises(CredentialsError) as err:
         nats_auth.credentials_from_env(env)
@@ -371,5 +426,9 @@ def test_credentials_directory_gives_each_user_a_private_password_and_keeps_it(t
     env = dict(line.split("=", 1) for line in (out / "nats.env").read_text().splitlines())
     assert env == nats_auth.server_env(first)
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(os.stat(p).st_mode) for p in [out, *out.rglob("*")]}
-    assert modes == {".": 0o700, "nats.env": 0o600, **{u: 0o700 for u in nats_auth.USERS},
-                     **{f"{u}/password": 0o600 for u in nats_auth.USERS}}  # fmt: skip
+    assert modes == {
+        ".": 0o700,
+        "nats.env": 0o600,
+        **{u: 0o700 for u in nats_auth.USERS},
+        **{f"{u}/password": 0o600 for u in nats_auth.USERS},
+    }

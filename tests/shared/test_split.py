@@ -15,8 +15,18 @@ VOCAB = 64
 
 def ragged_batch(lengths: list[int], *, k: int = 8, batch_id: str = "rb") -> Batch:
     """A valid batch whose sample ``i`` has ``lengths[i]`` response tokens and ``i % 3 + 1`` prompt tokens."""
-    parts = [make_batch(samples=1, tokens_per_sample=n, k=k, vocab_size=VOCAB, seed=i, batch_id=f"{batch_id}-{i}",
-                        prompt_len=i % 3 + 1) for i, n in enumerate(lengths)]  # fmt: skip
+    parts = [
+        make_batch(
+            samples=1,
+            tokens_per_sample=n,
+            k=k,
+            vocab_size=VOCAB,
+            seed=i,
+            batch_id=f"{batch_id}-{i}",
+            prompt_len=i % 3 + 1,
+        )
+        for i, n in enumerate(lengths)
+    ]
     cat = {name: np.concatenate([getattr(p, name) for p in parts]) for name in ARRAY_FIELDS if "offsets" not in name}
     return dataclasses.replace(
         parts[0],

@@ -17,7 +17,19 @@ from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch
 
 
 def assert_same_batch(a: Batch, b: Batch) -> None:
-    for name in ("batch_id", "producer", "weight_version", "mode", "k", "temperature", "top_p", "top_k", "sample_ids", "group_ids", "v"):
+    for name in (
+        "batch_id",
+        "producer",
+        "weight_version",
+        "mode",
+        "k",
+        "temperature",
+        "top_p",
+        "top_k",
+        "sample_ids",
+        "group_ids",
+        "v",
+    ):
         assert getattr(a, name) == getattr(b, name), name
     for name, dtype in ARRAY_FIELDS.items():
         x, y = getattr(a, name), getattr(b, name)
@@ -111,7 +123,10 @@ def _doc():
         (lambda d: d["rewards"].update(data="text"), r"'rewards' has data of type str, expected bin"),
         (lambda d: d.update(rewards=[1.0, 2.0]), r"'rewards' is list, expected a map"),
         # A map laid out like an array is read as an ndarray wherever it sits; comparing it to 1 raised ValueError.
-        (lambda d: d.update(v={"dtype": "int32", "shape": [0], "data": b""}), r"wire format version ndarray is not supported"),
+        (
+            lambda d: d.update(v={"dtype": "int32", "shape": [0], "data": b""}),
+            r"wire format version ndarray is not supported",
+        ),
     ],
 )
 def test_malformed_fields_raise_wire_error_naming_the_field(mutate, message):
@@ -195,27 +210,67 @@ def test_hostile_declared_lengths_allocate_nothing_large():
 # shapes that agree with their data (so decoding passes and the contract must judge), wrong
 # types, extreme numbers, flipped array bytes.
 VOCAB = 64
-HOSTILE = [None, True, 0, -1, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 1.5, float("nan"), float("inf"), "", "selected", "support",
-           b"", b"\0" * 8, [], [0], [2**32 - 1, 0], {}, {"dtype": "int32", "shape": [0], "data": b""}]  # fmt: skip
+HOSTILE = [
+    None,
+    True,
+    0,
+    -1,
+    2**31,
+    2**63 - 1,
+    2**64 - 1,
+    -(2**63),
+    1.5,
+    float("nan"),
+    float("inf"),
+    "",
+    "selected",
+    "support",
+    b"",
+    b"\0" * 8,
+    [],
+    [0],
+    [2**32 - 1, 0],
+    {},
+    {"dtype": "int32", "shape": [0], "data": b""},
+]
 ITEMSIZE = {"int32": 4, "float32": 4, "int64": 8, "uint8": 1}
 
 
 @st.composite
 def mutated_messages(draw) -> bytes:
     mode, k = draw(st.sampled_from(["selected", "support"])), draw(st.sampled_from([1, 2, 4]))
-    batch = make_batch(samples=draw(st.integers(1, 3)), tokens_per_sample=draw(st.integers(0, 3)), k=k, vocab_size=VOCAB, mode=mode,
-                       top_k=draw(st.integers(1, k)) if mode == "support" else -1, seed=draw(st.integers(0, 3)))  # fmt: skip
+    batch = make_batch(
+        samples=draw(st.integers(1, 3)),
+        tokens_per_sample=draw(st.integers(0, 3)),
+        k=k,
+        vocab_size=VOCAB,
+        mode=mode,
+        top_k=draw(st.integers(1, k)) if mode == "support" else -1,
+        seed=draw(st.integers(0, 3)),
+    )
     doc = msgpack.unpackb(encode_batch(batch))
     for _ in range(draw(st.integers(1, 3))):
         name = draw(st.sampled_from(sorted(doc)))
         spec = doc[name]
-        intact = isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in ITEMSIZE and isinstance(spec.get("data"), bytes)
+        intact = (
+            isinstance(spec, dict)
+            and isinstance(spec.get("dtype"), str)
+            and spec["dtype"] in ITEMSIZE
+            and isinstance(spec.get("data"), bytes)
+        )
         how = draw(st.sampled_from(["value", "reshape", "flip", "dtype", "shape", "data"])) if intact else "value"
         if how == "value":
-            doc[name] = copy.deepcopy(draw(st.sampled_from(HOSTILE + ([0, -1, 2**20, 2**63 - 1] if name == "k" else []))))
+            doc[name] = copy.deepcopy(
+                draw(st.sampled_from(HOSTILE + ([0, -1, 2**20, 2**63 - 1] if name == "k" else [])))
+            )
         elif how == "reshape":  # a shape its bytes agree with
             count = len(spec["data"]) // ITEMSIZE[spec["dtype"]]
-            spec["shape"] = draw(st.sampled_from([[count], [count, 1], [1, count], [], [1, 1, count]] + ([[0, 2**28], [2**40, 0], [0] * 65] if count == 0 else [])))
+            spec["shape"] = draw(
+                st.sampled_from(
+                    [[count], [count, 1], [1, count], [], [1, 1, count]]
+                    + ([[0, 2**28], [2**40, 0], [0] * 65] if count == 0 else [])
+                )
+            )
         elif how == "flip" and spec["data"]:
             data = bytearray(spec["data"])
             data[draw(st.integers(0, len(data) - 1))] ^= 1 << draw(st.integers(0, 7))
@@ -244,11 +299,14 @@ def test_mutated_valid_messages_raise_only_wire_error_or_contract_violation():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # peak RSS grew by under 64 MiB
 
 
-@pytest.mark.parametrize("shape, message", [
-    ([0, 2**62], r"'cand_ids' has shape \[0, 4611686018427387904\]: a dimension above max_message_bytes=268435456"),
-    ([0] * 65, r"'cand_ids' has 65 dimensions, above max_ndim=2"),
-    ([1, 1, 0], r"'cand_ids' has 3 dimensions, above max_ndim=2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ([0, 2**62], r"'cand_ids' has shape \[0, 4611686018427387904\]: a dimension above max_message_bytes=268435456"),
+        ([0] * 65, r"'cand_ids' has 65 dimensions, above max_ndim=2"),
+        ([1, 1, 0], r"'cand_ids' has 3 dimensions, above max_ndim=2"),
+    ],
+)
 def test_empty_array_with_impossible_dimensions_is_a_wire_error(shape, message):
     # An empty array needs no bytes, so no size check bounds its other dimensions; numpy refused them with ValueError.
     doc = msgpack.unpackb(encode_batch(make_batch(samples=1, tokens_per_sample=0, k=4)))

@@ -11,8 +11,20 @@ from __future__ import annotations
 import torch
 
 
-def make_case(seed, *, mode="selected", n=12, vocab=40, k=8, noise=0.8, dtype=torch.float64,
-              outside_head_every=3, tiny_tail=False, padded_rows=(), full_vocab=False):
+def make_case(
+    seed,
+    *,
+    mode="selected",
+    n=12,
+    vocab=40,
+    k=8,
+    noise=0.8,
+    dtype=torch.float64,
+    outside_head_every=3,
+    tiny_tail=False,
+    padded_rows=(),
+    full_vocab=False,
+):
     """Loss inputs for one seed.
 
     selected: rows ``i % outside_head_every == 0`` sample a token outside the head.

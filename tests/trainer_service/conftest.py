@@ -15,20 +15,28 @@ VOCAB = 64  # larger than K = 8, so the proportional tail is exercised
 
 def save_tiny_llama(path, seed: int = 0) -> str:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
 def global_batch(samples: int = 5, tokens_per_sample: int = 6, mode: str = "selected"):
     """A contract-valid batch with varied advantages and one untrained (padded) row per sample."""
-    batch = make_batch(samples=samples, tokens_per_sample=tokens_per_sample, k=8, vocab_size=VOCAB, mode=mode,
-                       seed=3, prompt_len=4)
+    batch = make_batch(
+        samples=samples, tokens_per_sample=tokens_per_sample, k=8, vocab_size=VOCAB, mode=mode, seed=3, prompt_len=4
+    )
     advantages = np.linspace(-1.0, 1.5, samples).astype(np.float32)
     mask = np.ones(batch.num_tokens, np.uint8)
-    mask[tokens_per_sample - 1::tokens_per_sample] = 0
+    mask[tokens_per_sample - 1 :: tokens_per_sample] = 0
     return replace_arrays(batch, advantages=advantages, loss_mask=mask)
 
 

@@ -34,8 +34,12 @@ def figures(config: dict) -> dict:
     loss, metrics = LOSSES[config["loss"]](**case, **kwargs)
     loss.backward()
     grad = case["logits"].grad.double()
-    return {"loss": float(loss.detach()), "grad_norm": float(grad.norm()), "grad_abs_sum": float(grad.abs().sum()),
-            **metrics}
+    return {
+        "loss": float(loss.detach()),
+        "grad_norm": float(grad.norm()),
+        "grad_abs_sum": float(grad.abs().sum()),
+        **metrics,
+    }
 
 
 def compute() -> list[dict]:

@@ -23,25 +23,52 @@ def weight(is_mode, r, clip=2.0, low=0.5, high=5.0):
     return r if low <= r <= high else 0.0
 
 
-def oracle(case, *, loss="score_centering", mode="selected", is_mode="none", temperature=1.0,
-           tis_clip=2.0, mis_low=0.5, mis_high=5.0, token_count=None):
+def oracle(
+    case,
+    *,
+    loss="score_centering",
+    mode="selected",
+    is_mode="none",
+    temperature=1.0,
+    tis_clip=2.0,
+    mis_low=0.5,
+    mis_high=5.0,
+    token_count=None,
+):
     """Returns (loss: float, grad: float64 [N, V] tensor, metrics: dict of floats)."""
     logits = case["logits"].detach().to(torch.float64).clone().requires_grad_()
     n, vocab = logits.shape
     mask = case["loss_mask"].tolist()
     count = sum(mask) if token_count is None else token_count
-    w = lambda r: weight(is_mode if loss == "score_centering" else ("tis" if loss == "tis" else "none"),
-                         r, tis_clip, mis_low, mis_high)
+    weighting = is_mode if loss == "score_centering" else ("tis" if loss == "tis" else "none")
+
+    def w(r):
+        return weight(weighting, r, tis_clip, mis_low, mis_high)
+
     total = torch.zeros((), dtype=torch.float64)
-    sums = dict.fromkeys(("sc_correction", "sc_train_head_mass", "sc_rollout_head_mass", "sc_tail_ratio",
-                          "sc_importance_weight", "train_rollout_kl", "train_rollout_logprob_abs_diff"), 0.0)
+    sums = dict.fromkeys(
+        (
+            "sc_correction",
+            "sc_train_head_mass",
+            "sc_rollout_head_mass",
+            "sc_tail_ratio",
+            "sc_importance_weight",
+            "train_rollout_kl",
+            "train_rollout_logprob_abs_diff",
+        ),
+        0.0,
+    )
     for i in range(n):
         if not mask[i]:
             continue
         z = logits[i] / temperature
         full = z - torch.log(torch.sum(torch.exp(z - z.max()))) - z.max()  # log-softmax, whole vocabulary
         head = [int(v) for v in case["cand_ids"][i].tolist() if v >= 0]
-        q = {v: math.exp(float(case["cand_logprobs"][i, j])) for j, v in enumerate(case["cand_ids"][i].tolist()) if v >= 0}
+        q = {
+            v: math.exp(float(case["cand_logprobs"][i, j]))
+            for j, v in enumerate(case["cand_ids"][i].tolist())
+            if v >= 0
+        }
         a = int(case["response_ids"][i])
         q_a = math.exp(float(case["sampled_logprobs"][i]))
         A = float(case["advantages"][i])
@@ -79,6 +106,7 @@ def oracle(case, *, loss="score_centering", mode="selected", is_mode="none", tem
     (grad,) = torch.autograd.grad(value, logits) if value.requires_grad else (torch.zeros_like(logits),)
     metrics = {key: s / sum(mask) for key, s in sums.items()}
     if loss != "score_centering":
-        metrics = {key: metrics[key] for key in ("sc_importance_weight", "train_rollout_kl",
-                                                 "train_rollout_logprob_abs_diff")}
+        metrics = {
+            key: metrics[key] for key in ("sc_importance_weight", "train_rollout_kl", "train_rollout_logprob_abs_diff")
+        }
     return float(value.detach()), grad, metrics

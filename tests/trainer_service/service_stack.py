@@ -4,7 +4,8 @@ stand-in rollout worker.
 
 `StandInWorker` plays the rollout worker in a thread of the test process: it pulls prompt
 tasks from `prompts.tasks`, reads the engine's weight version from GET /model_info (as a
-real worker reads it from the response, SGLang's initial "default" as version 0), and publishes one synthetic contract-valid batch
+real worker reads it from the response, SGLang's initial "default" as version 0), and publishes one synthetic
+contract-valid batch
 per task (ids in the model's vocabulary, one GRPO group). `inject` lets a test publish
 extra (faulty or duplicated) messages next to a task's batch.
 """
@@ -37,15 +38,25 @@ TOKENS = 5  # response tokens per sample
 
 
 def write_dataset(path: Path, size: int = 16) -> Path:
-    lines = [f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}", "reward": "exact_match", "level": {a % 3}}}' for a in range(size)]
+    lines = [
+        f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}", "reward": "exact_match", "level": {a % 3}}}' for a in range(size)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def task_batch(task: PromptTask, version: int, vocab: int):
     """A valid batch for ``task``: ``task.n`` samples of one group, GRPO advantages."""
-    batch = make_batch(samples=task.n, tokens_per_sample=TOKENS, k=K, vocab_size=vocab, seed=zlib.crc32(task.task_id.encode()),
-                       weight_version=version, batch_id=f"batch/{task.task_id}", prompt_len=4)  # fmt: skip
+    batch = make_batch(
+        samples=task.n,
+        tokens_per_sample=TOKENS,
+        k=K,
+        vocab_size=vocab,
+        seed=zlib.crc32(task.task_id.encode()),
+        weight_version=version,
+        batch_id=f"batch/{task.task_id}",
+        prompt_len=4,
+    )
     rewards = np.asarray(batch.rewards, np.float32)
     batch.group_ids = [task.group_id] * task.n
     return replace_arrays(batch, advantages=(rewards - rewards.mean()).astype(np.float32))
@@ -62,7 +73,7 @@ class StandInWorker:
     extra: dict = field(default_factory=dict)  # batch_id -> bytes, injected messages
     error: BaseException | None = None
 
-    def start(self) -> "StandInWorker":
+    def start(self) -> StandInWorker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
         self._thread.start()
@@ -72,7 +83,7 @@ class StandInWorker:
         self._stop.set()
         self._thread.join(30)
 
-    def __enter__(self) -> "StandInWorker":
+    def __enter__(self) -> StandInWorker:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -89,7 +100,9 @@ class StandInWorker:
             nc = await connect(self.nats_url, name="stand-in-worker")
             self.js = nc.jetstream()
             await ensure_streams(self.js)
-            tasks = await pull_consumer(self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT)
+            tasks = await pull_consumer(
+                self.js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, filter_subject=names.PROMPTS_SUBJECT
+            )
             while not self._stop.is_set():
                 for msg in await tasks.fetch(1, timeout=0.5):
                     task = PromptTask.from_bytes(msg.data)
@@ -103,7 +116,8 @@ class StandInWorker:
                     self.published[batch.batch_id] = data
                     await tasks.ack(msg)
             await nc.close()
-        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+        # reported by the test
+        except BaseException as exc:  # noqa: BLE001
             self.error = exc
 
     async def publish_raw(self, batch_id: str, data: bytes, msg_id: str) -> None:
@@ -145,18 +159,51 @@ class Trainer:
     """`centerline trainer` as a process group: under torchrun with ``nproc`` ranks, or plain.
     ``Trainer.kill_all()`` ends every one still running (fixture teardown)."""
 
-    started: list["Trainer"] = []
+    started: list[Trainer] = []
 
-    def __init__(self, run_dir: Path, model: Path, dataset: Path, nats_url: str, engine_url: str, *flags: str, nproc: int = 2,
-                 failpoints: str = ""):
-        self.run_dir, self.log_path = run_dir, run_dir.with_suffix(f".{len(list(run_dir.parent.glob(run_dir.name + '.*log')))}.log")
+    def __init__(
+        self,
+        run_dir: Path,
+        model: Path,
+        dataset: Path,
+        nats_url: str,
+        engine_url: str,
+        *flags: str,
+        nproc: int = 2,
+        failpoints: str = "",
+    ):
+        self.run_dir, self.log_path = (
+            run_dir,
+            run_dir.with_suffix(f".{len(list(run_dir.parent.glob(run_dir.name + '.*log')))}.log"),
+        )
         # --standalone: the rendezvous store binds a port of its own choosing (no free-port race)
-        launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m"] if nproc > 1 else [sys.executable, "-m"]
-        cmd = [*launcher, "centerline", "trainer", "--model", str(model), "--dataset", str(dataset), "--run-dir", str(run_dir),
-               "--nats-url", nats_url, "--engine-urls", engine_url, "--rollout-top-logprobs-num", str(K), *flags]  # fmt: skip
+        launcher = (
+            [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m"]
+            if nproc > 1
+            else [sys.executable, "-m"]
+        )
+        cmd = [
+            *launcher,
+            "centerline",
+            "trainer",
+            "--model",
+            str(model),
+            "--dataset",
+            str(dataset),
+            "--run-dir",
+            str(run_dir),
+            "--nats-url",
+            nats_url,
+            "--engine-urls",
+            engine_url,
+            "--rollout-top-logprobs-num",
+            str(K),
+            *flags,
+        ]
         env = dict(ENV, OMP_NUM_THREADS="1", CENTERLINE_FAILPOINTS=failpoints)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+        )
         Trainer.started.append(self)
 
     @classmethod

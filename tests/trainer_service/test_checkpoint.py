@@ -5,10 +5,10 @@ from __future__ import annotations
 import orjson
 import torch
 
+from tests.trainer_service.conftest import global_batch
 from trainer_service import checkpoint
 from trainer_service.model import load_model
 from trainer_service.step import make_optimizer, train_step
-from tests.trainer_service.conftest import global_batch
 
 
 def test_partial_directories_are_ignored_and_the_last_two_kept(tmp_path, tiny_model_dir):

@@ -29,9 +29,28 @@ def free_port() -> int:
 def run_step(tmp: Path, model_dir: str, batch_file: Path, nproc: int, *extra: str) -> tuple[dict, dict]:
     out = tmp / f"out-{nproc}-{'-'.join(extra) or 'ddp'}"
     metrics = out.with_suffix(".json")
-    cmd = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-           str(free_port()), "-m", "trainer_service.step", "--model", model_dir, "--batch", str(batch_file),
-           "--out", str(out), "--metrics", str(metrics), "--lr", "1e-3", *extra]
+    cmd = [
+        str(TORCHRUN),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainer_service.step",
+        "--model",
+        model_dir,
+        "--batch",
+        str(batch_file),
+        "--out",
+        str(out),
+        "--metrics",
+        str(metrics),
+        "--lr",
+        "1e-3",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))  # same thread count on 1 and 2 ranks
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,7 +23,10 @@ class Recorder:
 @pytest.fixture
 def dataset(tmp_path):
     path = tmp_path / "d.jsonl"
-    rows = [{"id": f"t/{i}", "prompt": f"rev w{i}=", "answer": f"{i}w", "reward": "exact", "task": "reverse"} for i in range(5)]
+    rows = [
+        {"id": f"t/{i}", "prompt": f"rev w{i}=", "answer": f"{i}w", "reward": "exact", "task": "reverse"}
+        for i in range(5)
+    ]
     path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n\n")
     return path
 
@@ -55,12 +58,17 @@ def test_publishes_at_most_inflight_steps_ahead_with_task_id_as_msg_id(dataset):
     assert asyncio.run(d.publish_until(js, trained_steps=1, inflight=2, last_step=10)) == 3
     assert asyncio.run(d.publish_until(js, trained_steps=9, inflight=2, last_step=4)) == 3  # never past the last step
     assert d.next_step == 4
-    assert all(subject == names.PROMPTS_SUBJECT and headers == {names.MSG_ID_HEADER: t.task_id} for subject, t, headers in js.sent)
+    assert all(
+        subject == names.PROMPTS_SUBJECT and headers == {names.MSG_ID_HEADER: t.task_id}
+        for subject, t, headers in js.sent
+    )
     assert [t.step for _, t, _ in js.sent] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
 
 
 def test_a_line_without_a_required_field_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "a", "answer": "b", "reward": "exact"}\n{"prompt": "a", "answer": 3, "reward": "exact"}\n')
+    path.write_text(
+        '{"prompt": "a", "answer": "b", "reward": "exact"}\n{"prompt": "a", "answer": 3, "reward": "exact"}\n'
+    )
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: field 'answer' is 3"):
         load_dataset(path)

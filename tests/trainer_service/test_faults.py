@@ -17,26 +17,47 @@ from collections import Counter
 
 import orjson
 import pytest
-
-from centerline.tokenizer import VOCAB_SIZE
 from nats.js.errors import NotFoundError
 
+from centerline.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats import EmbeddedNats, connect, pull_consumer
 from shared.wire import encode_batch
 from tests.processes import ENV, REPO, stored_messages, wait_until
-from tests.trainer_service.service_stack import (TORCHRUN, StandInWorker, Trainer, consumer_info, dead_letters, fault,
-                                                 write_dataset)
+from tests.trainer_service.service_stack import (
+    TORCHRUN,
+    StandInWorker,
+    Trainer,
+    consumer_info,
+    dead_letters,
+    fault,
+    write_dataset,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-FLAGS = ("--prompts-per-step", "2", "--rollout-n", "4", "--max-staleness", "1", "--ack-wait", "3",
-         "--step-timeout", "60", "--learning-rate", "1e-3", "--keep-checkpoints", "0")  # fmt: skip
+FLAGS = (
+    "--prompts-per-step",
+    "2",
+    "--rollout-n",
+    "4",
+    "--max-staleness",
+    "1",
+    "--ack-wait",
+    "3",
+    "--step-timeout",
+    "60",
+    "--learning-rate",
+    "1e-3",
+    "--keep-checkpoints",
+    "0",
+)
 
 
 @pytest.fixture
 def stack(tmp_path, sglang, model_dir):
-    """A directory of the test's own, the model the shared SGLang server serves (the trainer's version 0), the server."""
+    """A directory of the test's own, the model the shared SGLang server serves (the trainer's version 0), the
+    server."""
     yield tmp_path, model_dir, sglang
     Trainer.kill_all()
 
@@ -62,7 +83,12 @@ def summary(name: str, **figures) -> None:
 
 
 # The places a crash can hit a step, in the order a step passes them, and the step each kills.
-CRASHES = (("trainer.train", 2), ("trainer.before_checkpoint", 3), ("trainer.after_acks", 3), ("trainer.after_checkpoint", 4))
+CRASHES = (
+    ("trainer.train", 2),
+    ("trainer.before_checkpoint", 3),
+    ("trainer.after_acks", 3),
+    ("trainer.after_checkpoint", 4),
+)
 STEPS = 5
 
 
@@ -71,16 +97,43 @@ def test_rank_0_killed_at_every_failpoint_trains_each_batch_once_bit_for_bit(sta
     run_dir, dataset = tmp / "run-crashes", write_dataset(tmp / "tasks-crashes.jsonl")
     with EmbeddedNats(tmp / "nats-crashes") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE) as worker:
         for failpoint, step in CRASHES:
-            trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", str(STEPS), *FLAGS,
-                              failpoints=f"{failpoint}@{step}=kill")  # fmt: skip
+            trainer = Trainer(
+                run_dir,
+                model,
+                dataset,
+                nats.url,
+                engine.url,
+                "--steps",
+                str(STEPS),
+                *FLAGS,
+                failpoints=f"{failpoint}@{step}=kill",
+            )
             crash_at(trainer, failpoint, step)
         last = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
         assert last.wait(240) == 0, last.log()
         info = asyncio.run(consumer_info(nats.url))
         letters = asyncio.run(dead_letters(nats.url))
-        record = subprocess.run([sys.executable, "-m", "centerline", "record", "--stream", names.ROLLOUTS_STREAM, "--from-seq", "1",
-                                 "--out", str(tmp / "crashes.clrec"), "--nats-url", nats.url], cwd=REPO, env=ENV,
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        record = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "centerline",
+                "record",
+                "--stream",
+                names.ROLLOUTS_STREAM,
+                "--from-seq",
+                "1",
+                "--out",
+                str(tmp / "crashes.clrec"),
+                "--nats-url",
+                nats.url,
+            ],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert record.returncode == 0, record.stderr
     assert worker.error is None, worker.error
 
@@ -102,20 +155,46 @@ def test_rank_0_killed_at_every_failpoint_trains_each_batch_once_bit_for_bit(sta
     # An uninterrupted run over the same batches: every step after step 1 (the last state no
     # fault touched) replayed from its checkpoint in one go, on 2 ranks as the trainer ran.
     replayed = tmp / "run-uninterrupted"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "centerline", "replay", str(tmp / "crashes.clrec"),
-           "--train", "--checkpoint", str(run_dir / "checkpoints" / "step-000001"), "--steps-from", str(run_dir / "metrics.jsonl"),
-           "--run-dir", str(replayed)]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "centerline",
+        "replay",
+        str(tmp / "crashes.clrec"),
+        "--train",
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "step-000001"),
+        "--steps-from",
+        str(run_dir / "metrics.jsonl"),
+        "--run-dir",
+        str(replayed),
+    ]
     replay = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr[-3000:]
     again = metrics_lines(replayed)
     assert [line["step"] for line in again] == list(range(2, STEPS + 1))
     for mine, theirs in zip(again, lines[1:]):
-        assert (mine["loss"], mine["grad_norm"], mine["batch_ids"]) == (theirs["loss"], theirs["grad_norm"], theirs["batch_ids"])
+        assert (mine["loss"], mine["grad_norm"], mine["batch_ids"]) == (
+            theirs["loss"],
+            theirs["grad_norm"],
+            theirs["batch_ids"],
+        )
     final = ("checkpoints", f"step-{STEPS:06d}", "model", "model.safetensors")
     assert replayed.joinpath(*final).read_bytes() == run_dir.joinpath(*final).read_bytes()
-    summary("trainer crashes", faults=len(CRASHES), published=len(worker.published), acked=len(worker.published),
-            trained=len(trained), dead_lettered=len(letters), lost=len(set(worker.published) - set(trained)),
-            duplicated=len(trained) - len(set(trained)), redelivered_and_dropped=2)  # fmt: skip
+    summary(
+        "trainer crashes",
+        faults=len(CRASHES),
+        published=len(worker.published),
+        acked=len(worker.published),
+        trained=len(trained),
+        dead_lettered=len(letters),
+        lost=len(set(worker.published) - set(trained)),
+        duplicated=len(trained) - len(set(trained)),
+        redelivered_and_dropped=2,
+    )
 
 
 def test_a_poison_batch_is_dead_lettered_once_across_a_crash_and_never_stalls_the_steps(stack):
@@ -129,9 +208,14 @@ def test_a_poison_batch_is_dead_lettered_once_across_a_crash_and_never_stalls_th
             await worker.publish_raw(bad.batch_id, encode_batch(bad), bad.batch_id)
             poison[bad.batch_id] = worker.extra[bad.batch_id]
 
-    with EmbeddedNats(tmp / "nats-poison") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject) as worker:
+    with (
+        EmbeddedNats(tmp / "nats-poison") as nats,
+        StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject) as worker,
+    ):
         # The DLQ holds the poison, the crash comes before its ack: it is delivered again.
-        first = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS, failpoints="trainer.rejected=kill")
+        first = Trainer(
+            run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS, failpoints="trainer.rejected=kill"
+        )
         crash_at(first, "trainer.rejected", None)
         again = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS)
         assert again.wait(240) == 0, again.log()
@@ -147,8 +231,16 @@ def test_a_poison_batch_is_dead_lettered_once_across_a_crash_and_never_stalls_th
     assert headers["reason"].startswith("sample 0 row 2 has 15 candidates, expected 16")
     assert [line["gate_rejected"] for line in lines] == [{"short_row": 1}, {}]
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
-    summary("poison batch", faults=2, published=len(worker.published) + 1, acked=len(worker.published) + 1,
-            trained=len(trained), dead_lettered=len(letters), lost=0, duplicated=len(trained) - len(set(trained)))  # fmt: skip
+    summary(
+        "poison batch",
+        faults=2,
+        published=len(worker.published) + 1,
+        acked=len(worker.published) + 1,
+        trained=len(trained),
+        dead_lettered=len(letters),
+        lost=0,
+        duplicated=len(trained) - len(set(trained)),
+    )
 
 
 async def advisories(nats_url: str) -> list[tuple[str, dict]]:
@@ -161,8 +253,21 @@ def test_batches_a_trainer_crashes_on_reach_max_deliver_and_the_advisory_is_kept
     flags = (*FLAGS, "--max-deliver", "2", "--max-inflight-steps", "2")  # tasks of steps 1 and 2 are out from the start
     with EmbeddedNats(tmp / "nats-max-deliver") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE) as worker:
         for _ in range(2):  # the trainer dies holding step 1's batches, twice
-            crash_at(Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *flags,
-                             failpoints="trainer.gathered@1=kill"), "trainer.gathered", 1)  # fmt: skip
+            crash_at(
+                Trainer(
+                    run_dir,
+                    model,
+                    dataset,
+                    nats.url,
+                    engine.url,
+                    "--steps",
+                    "2",
+                    *flags,
+                    failpoints="trainer.gathered@1=kill",
+                ),
+                "trainer.gathered",
+                1,
+            )
         # Step 1 trains the tasks published for step 2; step 2 has none left, starves for
         # --step-timeout 5 and publishes the tasks of one more step.
         last = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *flags, "--step-timeout", "5")
@@ -170,15 +275,25 @@ def test_batches_a_trainer_crashes_on_reach_max_deliver_and_the_advisory_is_kept
         given_up = asyncio.run(advisories(nats.url))
     assert worker.error is None, worker.error
     first_step = sorted(bid for bid in worker.published if "/0/" in bid)
-    assert [subject for subject, _ in given_up] == [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{names.ROLLOUTS_STREAM}."
-                                                   f"{names.TRAINER_CONSUMER}"] * 2  # fmt: skip
+    assert [subject for subject, _ in given_up] == [
+        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{names.ROLLOUTS_STREAM}.{names.TRAINER_CONSUMER}"
+    ] * 2
     assert sorted(a["stream_seq"] for _, a in given_up) == [1, 2] and {a["deliveries"] for _, a in given_up} == {2}
     trained = [bid for line in metrics_lines(run_dir) for bid in line["batch_ids"]]
     # The run went on without them; they are accounted for in ADVISORIES, not silently gone.
-    assert trained == sorted(bid for bid in worker.published if "/1/" in bid) + sorted(bid for bid in worker.published if "/2/" in bid)
+    assert trained == sorted(bid for bid in worker.published if "/1/" in bid) + sorted(
+        bid for bid in worker.published if "/2/" in bid
+    )
     assert "are rollout workers running? (were tasks given up?" in last.log()
-    summary("max_deliver", faults=2, published=len(worker.published), trained=len(trained), given_up_with_advisory=len(given_up),
-            lost_unseen=len(set(worker.published) - set(trained) - set(first_step)), duplicated=len(trained) - len(set(trained)))  # fmt: skip
+    summary(
+        "max_deliver",
+        faults=2,
+        published=len(worker.published),
+        trained=len(trained),
+        given_up_with_advisory=len(given_up),
+        lost_unseen=len(set(worker.published) - set(trained) - set(first_step)),
+        duplicated=len(trained) - len(set(trained)),
+    )
 
 
 def test_a_step_slower_than_the_ack_wait_is_not_redelivered(stack):
@@ -188,8 +303,13 @@ def test_a_step_slower_than_the_ack_wait_is_not_redelivered(stack):
     run_dir, dataset = tmp / "run-slow", write_dataset(tmp / "tasks-slow.jsonl")
     hold_until = []
     blocked = lambda task: task.task_id.endswith("/0/1") and (not hold_until or time.monotonic() < hold_until[0])  # noqa: E731
-    with EmbeddedNats(tmp / "nats-slow") as nats, StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked) as worker:
-        trainer = Trainer(run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS, failpoints="trainer.train@1=sleep:8")
+    with (
+        EmbeddedNats(tmp / "nats-slow") as nats,
+        StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked) as worker,
+    ):
+        trainer = Trainer(
+            run_dir, model, dataset, nats.url, engine.url, "--steps", "2", *FLAGS, failpoints="trainer.train@1=sleep:8"
+        )
         wait_until(lambda: holding(nats.url) == 1, 180, "step 1 holding its first batch", trainer.proc)
         hold_until.append(time.monotonic() + 9.0)
         assert trainer.wait(240) == 0, trainer.log()
@@ -224,8 +344,13 @@ def test_the_batch_a_dead_trainer_held_is_redelivered_within_the_ack_wait(stack)
         async def redelivered():
             nc = await connect(nats.url)
             try:
-                consumer = await pull_consumer(nc.jetstream(), names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER,
-                                               filter_subject=names.ROLLOUTS_SUBJECT, ack_wait=ack_wait)  # fmt: skip
+                consumer = await pull_consumer(
+                    nc.jetstream(),
+                    names.ROLLOUTS_STREAM,
+                    names.TRAINER_CONSUMER,
+                    filter_subject=names.ROLLOUTS_SUBJECT,
+                    ack_wait=ack_wait,
+                )
                 (msg,) = await consumer.fetch(1, timeout=ack_wait + 10)
                 return time.monotonic() - killed, msg.metadata.num_delivered
             finally:

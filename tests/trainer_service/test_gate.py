@@ -51,7 +51,9 @@ def gate(ledger=None, rec=None) -> tuple[Gate, Recorder]:
 
 
 def batch(batch_id="b-0", version=3, **kw):
-    return make_batch(samples=4, tokens_per_sample=3, k=K, vocab_size=VOCAB, batch_id=batch_id, weight_version=version, **kw)
+    return make_batch(
+        samples=4, tokens_per_sample=3, k=K, vocab_size=VOCAB, batch_id=batch_id, weight_version=version, **kw
+    )
 
 
 def admit(g: Gate, msg: Msg, version: int = 3) -> None:
@@ -109,12 +111,15 @@ def test_same_batch_id_twice_in_one_step_keeps_the_first():
     assert [h["rule"] for _, _, h in rec.published] == ["duplicate_batch"]
 
 
-@pytest.mark.parametrize(("make", "rule"), [
-    (lambda: batch(version=1), "stale"),
-    (lambda: batch(version=4), "unknown_version"),
-    (lambda: replace_arrays(batch(), advantages=np.array([0, np.nan, 0, 0], np.float32)), "non_finite"),
-    (lambda: batch(mode="support", top_k=4), "settings"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("make", "rule"),
+    [
+        (lambda: batch(version=1), "stale"),
+        (lambda: batch(version=4), "unknown_version"),
+        (lambda: replace_arrays(batch(), advantages=np.array([0, np.nan, 0, 0], np.float32)), "non_finite"),
+        (lambda: batch(mode="support", top_k=4), "settings"),
+    ],
+)
 def test_rejected_batch_goes_to_the_dlq_unchanged_with_its_rule(make, rule):
     g, rec = gate()
     data = encode_batch(make())
@@ -153,7 +158,10 @@ def test_commit_records_the_ledger_and_acks_every_held_message():
 
 
 def test_concat_batches_is_one_valid_global_batch():
-    parts = [batch("a", seed=1), make_batch(samples=2, tokens_per_sample=5, k=K, vocab_size=VOCAB, batch_id="b", seed=2, prompt_len=2)]
+    parts = [
+        batch("a", seed=1),
+        make_batch(samples=2, tokens_per_sample=5, k=K, vocab_size=VOCAB, batch_id="b", seed=2, prompt_len=2),
+    ]
     whole = concat_batches(parts, batch_id="step-0")
     check_batch(whole, vocab_size=VOCAB)
     assert whole.num_samples == 6 and whole.num_tokens == 4 * 3 + 2 * 5
@@ -162,8 +170,10 @@ def test_concat_batches_is_one_valid_global_batch():
     assert whole.extra["batch_ids"] == ["a", "b"]
     for i, (part, j) in enumerate([(parts[0], j) for j in range(4)] + [(parts[1], j) for j in range(2)]):
         assert np.array_equal(whole.cand_ids[whole.sample_slice(i)], part.cand_ids[part.sample_slice(j)])
-        assert np.array_equal(whole.prompt_ids[whole.prompt_offsets[i]:whole.prompt_offsets[i + 1]],
-                              part.prompt_ids[part.prompt_offsets[j]:part.prompt_offsets[j + 1]])  # fmt: skip
+        assert np.array_equal(
+            whole.prompt_ids[whole.prompt_offsets[i] : whole.prompt_offsets[i + 1]],
+            part.prompt_ids[part.prompt_offsets[j] : part.prompt_offsets[j + 1]],
+        )
 
 
 def test_keep_alive_marks_every_held_message_in_progress():

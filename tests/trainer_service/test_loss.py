@@ -29,13 +29,18 @@ def run(fn, case, **kw):
     return float(loss.detach()), case["logits"].grad, metrics
 
 
-def assert_matches_oracle(case, *, mode, is_mode, temperature=1.0, fn=score_centering_loss, loss="score_centering",
-                          tol=TOL64, **kw):
+def assert_matches_oracle(
+    case, *, mode, is_mode, temperature=1.0, fn=score_centering_loss, loss="score_centering", tol=TOL64, **kw
+):
     value, grad, metrics = run(fn, case, mode=mode, is_mode=is_mode, temperature=temperature, **kw)
-    ref_value, ref_grad, ref_metrics = oracle(case, loss=loss, mode=mode, is_mode=is_mode, temperature=temperature, **kw)
+    ref_value, ref_grad, ref_metrics = oracle(
+        case, loss=loss, mode=mode, is_mode=is_mode, temperature=temperature, **kw
+    )
     assert value == pytest.approx(ref_value, abs=tol)
     mask = case["loss_mask"]
-    assert torch.allclose(grad[mask].double(), ref_grad[mask], rtol=0, atol=tol), float((grad[mask] - ref_grad[mask]).abs().max())
+    assert torch.allclose(grad[mask].double(), ref_grad[mask], rtol=0, atol=tol), float(
+        (grad[mask] - ref_grad[mask]).abs().max()
+    )
     assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
     assert set(metrics) == set(ref_metrics)
     for key, ref in ref_metrics.items():
@@ -182,14 +187,17 @@ def test_no_trained_tokens_gives_zero_loss_and_gradient():
     assert set(metrics.values()) == {0.0}
 
 
-@pytest.mark.parametrize("field, index, value, message", [
-    ("advantages", (3,), math.nan, "advantages[3] is nan"),
-    ("sampled_logprobs", (7,), math.inf, "sampled_logprobs[7] is inf"),
-    ("cand_logprobs", (2, 1), math.nan, "cand_logprobs[2, 1] is nan"),
-    ("cand_logprobs", (4, 0), -math.inf, "cand_logprobs[4, 0] is -inf"),  # -inf in a non-empty slot
-    ("logits", (5, 17), math.nan, "logits[5, 17] is nan"),
-    ("logits", (6, 2), math.inf, "logits[6, 2] is inf"),
-])
+@pytest.mark.parametrize(
+    "field, index, value, message",
+    [
+        ("advantages", (3,), math.nan, "advantages[3] is nan"),
+        ("sampled_logprobs", (7,), math.inf, "sampled_logprobs[7] is inf"),
+        ("cand_logprobs", (2, 1), math.nan, "cand_logprobs[2, 1] is nan"),
+        ("cand_logprobs", (4, 0), -math.inf, "cand_logprobs[4, 0] is -inf"),  # -inf in a non-empty slot
+        ("logits", (5, 17), math.nan, "logits[5, 17] is nan"),
+        ("logits", (6, 2), math.inf, "logits[6, 2] is inf"),
+    ],
+)
 @pytest.mark.parametrize("fn", (score_centering_loss, reinforce_loss, tis_loss))
 def test_non_finite_input_raises_naming_tensor_and_position(fn, field, index, value, message):
     case = fresh(make_case(24, padded_rows=(9,)))
@@ -223,12 +231,15 @@ def test_support_mode_rejects_a_sampled_token_outside_the_support():
         score_centering_loss(**fresh(case), mode="support")
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"mode": "tail"}, "mode='tail'"),
-    ({"is_mode": "clip"}, "--score-centering-is"),
-    ({"temperature": 0.0}, "--rollout-temperature"),
-    ({"is_mode": "mis", "mis_low": 2.0, "mis_high": 1.0}, "--score-centering-mis-low"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"mode": "tail"}, "mode='tail'"),
+        ({"is_mode": "clip"}, "--score-centering-is"),
+        ({"temperature": 0.0}, "--rollout-temperature"),
+        ({"is_mode": "mis", "mis_low": 2.0, "mis_high": 1.0}, "--score-centering-mis-low"),
+    ],
+)
 def test_bad_options_raise_naming_the_flag(kw, message):
     with pytest.raises(ValueError, match=message):
         score_centering_loss(**fresh(make_case(28)), **kw)

@@ -22,16 +22,39 @@ from centerline.tokenizer import VOCAB_SIZE
 from shared.nats import EmbeddedNats
 from shared.wire import encode_batch as encode
 from tests.processes import free_port, http, wait_until
-from tests.trainer_service.service_stack import (StandInWorker, Trainer, consumer_info, dead_letters, fault, last_weights_event,
-                                                 write_dataset)
+from tests.trainer_service.service_stack import (
+    StandInWorker,
+    Trainer,
+    consumer_info,
+    dead_letters,
+    fault,
+    last_weights_event,
+    write_dataset,
+)
 
 pytestmark = pytest.mark.integration
 
 STEPS = 4
-FLAGS = ("--prompts-per-step", "2", "--rollout-n", "4", "--max-staleness", "1", "--ack-wait", "3",
-         "--step-timeout", "60", "--learning-rate", "1e-3")  # fmt: skip
-EXPECTED_RULES = {"short_row": "short_row", "nan_advantage": "non_finite", "duplicate_candidate": "duplicate_candidate",
-                  "stale": "stale"}  # fmt: skip
+FLAGS = (
+    "--prompts-per-step",
+    "2",
+    "--rollout-n",
+    "4",
+    "--max-staleness",
+    "1",
+    "--ack-wait",
+    "3",
+    "--step-timeout",
+    "60",
+    "--learning-rate",
+    "1e-3",
+)
+EXPECTED_RULES = {
+    "short_row": "short_row",
+    "nan_advantage": "non_finite",
+    "duplicate_candidate": "duplicate_candidate",
+    "stale": "stale",
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +106,9 @@ def faulty_run(stack, sglang_server):
 
     run_dir = tmp / "run-faulty"
     with StandInWorker(nats.url, engine.url, VOCAB_SIZE, inject=inject) as worker:
-        trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks.jsonl"), nats.url, engine.url, "--steps", str(STEPS), *FLAGS)
+        trainer = Trainer(
+            run_dir, model, write_dataset(tmp / "tasks.jsonl"), nats.url, engine.url, "--steps", str(STEPS), *FLAGS
+        )
         start = time.monotonic()
         code = trainer.wait(240)
         elapsed = time.monotonic() - start
@@ -104,14 +129,18 @@ def test_steps_advance_engine_version_and_leave_nothing_unacked(faulty_run):
     event = asyncio.run(last_weights_event(nats.url))
     assert event["version"] == STEPS and Path(event["path"]) == (run_dir / "weights" / f"v{STEPS:06d}").resolve()
     assert event["sha256"] == hashlib.sha256((Path(event["path"]) / "model.safetensors").read_bytes()).hexdigest()
-    print(f"\n{STEPS} steps in {elapsed:.1f}s; per step:", [{k: round(m[k], 3) for k in ("gather_s", "train_s", "save_s",
-          "weights_s", "step_s")} for m in lines])  # fmt: skip
+    print(
+        f"\n{STEPS} steps in {elapsed:.1f}s; per step:",
+        [{k: round(m[k], 3) for k in ("gather_s", "train_s", "save_s", "weights_s", "step_s")} for m in lines],
+    )
 
 
 def test_faulty_batches_are_dead_lettered_by_rule_and_never_trained(faulty_run):
     run_dir, worker, injected, _, nats, _ = faulty_run
-    letters = {headers["batch_id"] + ("/again" if headers["rule"] == "duplicate_batch" else ""): (headers, data)
-               for headers, data in asyncio.run(dead_letters(nats.url))}  # fmt: skip
+    letters = {
+        headers["batch_id"] + ("/again" if headers["rule"] == "duplicate_batch" else ""): (headers, data)
+        for headers, data in asyncio.run(dead_letters(nats.url))
+    }
     assert {bid: h["rule"] for bid, (h, _) in letters.items()} == injected
     for bid, (headers, data) in letters.items():
         assert data == worker.extra[bid]  # the same bytes
@@ -185,8 +214,17 @@ def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack, sg
             return len(metrics_lines(run_dir)) == 1 and asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
 
         with StandInWorker(nats.url, engine.url, VOCAB_SIZE, blocked=blocked) as worker:
-            trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-sigterm.jsonl"), nats.url, engine.url,
-                              "--steps", str(STEPS), *FLAGS, nproc=1)  # fmt: skip
+            trainer = Trainer(
+                run_dir,
+                model,
+                write_dataset(tmp / "tasks-sigterm.jsonl"),
+                nats.url,
+                engine.url,
+                "--steps",
+                str(STEPS),
+                *FLAGS,
+                nproc=1,
+            )
             wait_until(holding_step_1_batch, 180, "step 1 holding its first batch", trainer.proc)
             trainer.proc.send_signal(signal.SIGTERM)
             code = trainer.wait(60)
@@ -204,8 +242,19 @@ def test_weight_sync_interval_publishes_every_second_step(stack, sglang):
     (tmp, nats, model), engine = stack, sglang
     run_dir = tmp / "run-interval"
     with StandInWorker(nats.url, engine.url, VOCAB_SIZE):
-        trainer = Trainer(run_dir, model, write_dataset(tmp / "tasks-interval.jsonl"), nats.url, engine.url,
-                          "--steps", str(STEPS), "--weight-sync-interval", "2", *FLAGS, nproc=1)  # fmt: skip
+        trainer = Trainer(
+            run_dir,
+            model,
+            write_dataset(tmp / "tasks-interval.jsonl"),
+            nats.url,
+            engine.url,
+            "--steps",
+            str(STEPS),
+            "--weight-sync-interval",
+            "2",
+            *FLAGS,
+            nproc=1,
+        )
         code = trainer.wait(240)
     assert code == 0, trainer.log()
     assert [m["version"] for m in metrics_lines(run_dir)] == [0, 1, 1, 2]

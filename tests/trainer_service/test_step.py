@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -37,13 +36,17 @@ def test_step_update_is_minus_the_whole_batch_loss_gradient(tiny_model_dir, mode
     batch = global_batch(mode=mode)
     model = load_model(tiny_model_dir)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    metrics = train_step(model, make_optimizer(model, "sgd", 1.0), batch, LossSettings(is_mode="tis"), max_grad_norm=None)
+    metrics = train_step(
+        model, make_optimizer(model, "sgd", 1.0), batch, LossSettings(is_mode="tis"), max_grad_norm=None
+    )
 
     reference = load_model(tiny_model_dir)
     parts = [sample_inputs(batch, i, "cpu") for i in range(batch.num_samples)]
-    logits = torch.cat([reference(input_ids=x["input_ids"]).logits[0, x["prompt_len"] - 1:-1] for x in parts])
-    cat = {key: torch.cat([x[key] for x in parts]) for key in
-           ("response_ids", "sampled_logprobs", "cand_ids", "cand_logprobs", "advantages", "loss_mask")}
+    logits = torch.cat([reference(input_ids=x["input_ids"]).logits[0, x["prompt_len"] - 1 : -1] for x in parts])
+    cat = {
+        key: torch.cat([x[key] for x in parts])
+        for key in ("response_ids", "sampled_logprobs", "cand_ids", "cand_logprobs", "advantages", "loss_mask")
+    }
     loss, ref_metrics = score_centering_loss(logits, **cat, mode=mode, is_mode="tis")
     loss.backward()
     # float32 sums in a different order (per sample vs all at once): ~1e-7 relative.

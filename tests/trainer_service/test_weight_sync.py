@@ -19,7 +19,9 @@ def test_an_update_that_times_out_while_sglang_finishes_a_generation_counts_once
     body = {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
     generation = threading.Thread(target=lambda: http("POST", sglang.url + "/generate", body, timeout=120))
     generation.start()
-    wait_until(lambda: http("GET", sglang.url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1, 30, "generation running")
+    wait_until(
+        lambda: http("GET", sglang.url + "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1, 30, "generation running"
+    )
 
     async def update():
         publisher = WeightPublisher(None, [sglang.url], attempts=1, timeout=1.0)  # far shorter than the generation

@@ -4,7 +4,8 @@ The package index has no CPU build of `sgl_kernel`, yet sglang 0.5.23 with
 `SGLANG_USE_CPU_ENGINE=1` imports these nine `*_cpu` names at module load. None of them is
 called on the plain serving path (no speculative decoding, no HiSparse). Each raises if it
 ever is, naming itself, so a code path that needs a real kernel fails loudly instead of
-computing something else. `centerline sglang --device cpu` puts its parent directory on the SGLang server's `PYTHONPATH`, and nothing else does;
+computing something else. `centerline sglang --device cpu` puts its parent directory on the SGLang server's
+`PYTHONPATH`, and nothing else does;
 never into a GPU image.
 """
 
