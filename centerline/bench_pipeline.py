@@ -71,7 +71,7 @@ from pathlib import Path
 import orjson
 
 from centerline.launcher import PYTHON, Stack, wait_http
-from shared.nats import free_port
+from shared.ports import free_port
 
 IDLE = "sglang:scheduler_idle_seconds_total"
 CPU = "sglang:scheduler_process_cpu_seconds_total"  # grows at every flush of IDLE

@@ -55,7 +55,8 @@ from centerline import sglang
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
-from shared.nats import EmbeddedNats, free_port, provision
+from shared.nats import EmbeddedNats, provision
+from shared.ports import free_port
 from shared.toy_tasks import REWARDS, examples
 
 PYTHON = sys.executable

