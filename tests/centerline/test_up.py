@@ -111,7 +111,7 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
         "--task",
         "copy",
         "--steps",
-        "50",
+        "100000",  # far more than the test lets it run: steps against SGLang take ~0.15 s here
         "--workers",
         "2",
         "--trainer-ranks",
