@@ -272,3 +272,24 @@ def test_probe_of_chat_checks_the_prompt_ids_come_back(sglang):
     rc, report = probe(sglang.url, "--k", "20", "--endpoint", "chat")
     assert rc == 0, report
     assert [c["name"] for c in report["checks"] if c["name"] == "prompt ids returned"] == ["prompt ids returned"]
+
+
+def test_a_restarted_server_samples_as_version_0_whatever_it_served_before(sglang, proxy_to, model_dir):
+    """SGLang forgets its weight version on a restart ("default") and serves its --model-path again:
+    the trainer's initial weights. The worker records them as version 0, never as the last one."""
+    from rollout_worker.packing import samples_from_response
+
+    status, reply = http(
+        "POST", sglang.url + "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "7"}
+    )
+    assert status == 200 and reply["success"], reply
+    sglang.stop()
+    sglang.start()
+    url = proxy_to(sglang.url)
+    status, out = http(
+        "POST", url + "/generate", {"input_ids": [104, 105], "sampling_params": {"max_new_tokens": 3, "n": 2}}
+    )
+    assert status == 200, out
+    assert [item["meta_info"]["weight_version"] for item in out] == ["default", "default"]
+    samples = samples_from_response(out, endpoint="generate", mode="selected", k=128)
+    assert [s.weight_version for s in samples] == [0, 0]
