@@ -239,6 +239,9 @@ def main(argv: list[str]) -> int:
     args, cfg = parse(argv)
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
+    # Ctrl-C stops the run even where SIGINT came ignored from the parent (a shell's background
+    # job, a CI runner): Python then leaves it ignored instead of raising KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch(args, cfg, stopping)
     except (KeyboardInterrupt, Stopped):
