@@ -85,7 +85,7 @@ def test_request_body_above_the_limit_is_413_naming_the_limit_and_the_flag(stack
                 "rule": "request_too_large",
                 "limit": LIMIT,
                 "message": f"the request body is {LIMIT + 1} bytes (Content-Length), above the proxy's limit of "
-                "{LIMIT} bytes (--max-request-body-bytes)",
+                f"{LIMIT} bytes (--max-request-body-bytes)",
             }
         },
     )
