@@ -155,9 +155,9 @@ class WeightPublisher:
     async def serving(self, url: str) -> str | None:
         """The weight version ``url`` reports on /model_info, None when it cannot be asked."""
         try:
-            async with self.session.get(
-                url.rstrip("/") + "/model_info", timeout=aiohttp.ClientTimeout(total=30)
-            ) as resp:
+            # with the key: a server with only --api-key wants it on /model_info too
+            timeout = aiohttp.ClientTimeout(total=30)
+            async with self.session.get(url.rstrip("/") + "/model_info", headers=self.headers, timeout=timeout) as resp:
                 info = await resp.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
