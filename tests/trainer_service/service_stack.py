@@ -35,6 +35,10 @@ from tests.processes import ENV, REPO, http, stored_messages
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 K = 16  # candidates per token in these tests (--rollout-top-logprobs-num)
 TOKENS = 5  # response tokens per sample
+# The trainer settings of these tests: 2 prompt groups of 4 samples per step, batches at most one
+# version stale, a 3 s ack wait so that a dead holder's batch is back within seconds.
+FLAGS = ("--prompts-per-step", "2", "--rollout-n", "4", "--max-staleness", "1", "--ack-wait", "3")
+FLAGS += ("--step-timeout", "60", "--learning-rate", "1e-3")
 
 
 def write_dataset(path: Path, size: int = 16) -> Path:

@@ -24,6 +24,7 @@ from shared import names
 from shared.nats import EmbeddedNats, connect, pull_consumer
 from shared.wire import encode_batch
 from tests.processes import ENV, REPO, stored_messages, wait_until
+from tests.trainer_service import service_stack
 from tests.trainer_service.service_stack import (
     TORCHRUN,
     StandInWorker,
@@ -36,22 +37,7 @@ from tests.trainer_service.service_stack import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-FLAGS = (
-    "--prompts-per-step",
-    "2",
-    "--rollout-n",
-    "4",
-    "--max-staleness",
-    "1",
-    "--ack-wait",
-    "3",
-    "--step-timeout",
-    "60",
-    "--learning-rate",
-    "1e-3",
-    "--keep-checkpoints",
-    "0",
-)
+FLAGS = (*service_stack.FLAGS, "--keep-checkpoints", "0")  # every checkpoint kept: the tests read them
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from shared.nats import EmbeddedNats
 from shared.wire import encode_batch as encode
 from tests.processes import free_port, http, wait_until
 from tests.trainer_service.service_stack import (
+    FLAGS,
     StandInWorker,
     Trainer,
     consumer_info,
@@ -35,20 +36,6 @@ from tests.trainer_service.service_stack import (
 pytestmark = pytest.mark.integration
 
 STEPS = 4
-FLAGS = (
-    "--prompts-per-step",
-    "2",
-    "--rollout-n",
-    "4",
-    "--max-staleness",
-    "1",
-    "--ack-wait",
-    "3",
-    "--step-timeout",
-    "60",
-    "--learning-rate",
-    "1e-3",
-)
 EXPECTED_RULES = {
     "short_row": "short_row",
     "nan_advantage": "non_finite",
