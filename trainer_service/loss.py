@@ -73,7 +73,8 @@ def score_centering_loss(
 
     Raises ``NonFiniteInput`` for a NaN/inf advantage, log-prob or logit of a trained row
     (``-inf`` in an empty candidate slot is allowed) and ``ValueError`` for bad options,
-    shapes or ids (in support mode the sampled token must be in the support).
+    shapes or ids (in support mode the sampled token must be in the support; in selected mode a
+    trained row must hold exactly ``min(K, V)`` candidates, as the contract's ``short_row``).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
@@ -91,6 +92,18 @@ def score_centering_loss(
         with_candidates=True,
     )
     mask, valid = rows["mask"], rows["valid"]
+    if (
+        mode == "selected"
+    ):  # the contract's short_row rule again: a caller that skips the gate cannot train a padded row
+        need = min(cand_ids.shape[1], logits.shape[1])
+        counts = valid.sum(1)
+        short = mask & (counts != need)
+        if bool(short.any()):
+            i = int(short.nonzero()[0, 0])
+            raise ValueError(
+                f"selected mode: trained row {i} holds {int(counts[i])} candidates, expected min(K, vocab) = {need}; "
+                "a truncated or padded candidate set is never trained on"
+            )
     lq_a, lq_h, logp_a, logp_h = rows["lq_a"], rows["lq_h"], rows["logp_a"], rows["logp_h"]
     q_h = lq_h.exp()  # 0 in empty slots
 

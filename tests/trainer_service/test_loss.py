@@ -231,6 +231,18 @@ def test_support_mode_rejects_a_sampled_token_outside_the_support():
         score_centering_loss(**fresh(case), mode="support")
 
 
+def test_selected_mode_refuses_a_short_trained_row_even_without_the_gate():
+    case = make_case(29, mode="selected")
+    k = case["cand_ids"].shape[1]
+    case["cand_ids"][3, k - 2 :] = -1  # the row a capped router would return, padded as a collector would
+    case["cand_logprobs"][3, k - 2 :] = -math.inf
+    with pytest.raises(ValueError, match=rf"trained row 3 holds {k - 2} candidates, expected min\(K, vocab\) = {k}"):
+        score_centering_loss(**fresh(case), mode="selected")
+    case["loss_mask"][3] = False  # untrained, the same row is only padding
+    value, _, _ = run(score_centering_loss, case, mode="selected")
+    assert math.isfinite(value)
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
