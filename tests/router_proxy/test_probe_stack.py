@@ -112,6 +112,8 @@ def test_proxy_readiness_behind_the_router(sglang_stack, start, kinds, name):
         assert cause in proxy.log()
     else:
         status, response = kinds.http(
-            "POST", proxy.url + "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 4}}
+            "POST",
+            proxy.url + "/generate",
+            {"text": "ab", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
         )
         assert status == 200 and [len(r) for r in response["meta_info"]["output_top_logprobs"]] == [128] * 4

@@ -50,7 +50,7 @@ def test_routed_generate_with_k128_equals_a_direct_request(sglang, sglang_router
 def test_routed_2d_batch_returns_one_object_per_sequence(sglang, sglang_router):
     body = {
         "input_ids": [list(b"one"), list(b"two!")],
-        "sampling_params": {"max_new_tokens": 2},
+        "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},  # a sampled EOS would end a row early
         "return_logprob": True,
         "top_logprobs_num": 128,
     }
@@ -68,7 +68,7 @@ def test_router_drops_the_sampling_mask_fields(sglang, sglang_router):
         "return_logprob": True,
         "return_sampling_mask": True,
         "sampling_logprobs_mode": "support",
-        "sampling_params": {"max_new_tokens": 2, "top_k": 20},
+        "sampling_params": {"max_new_tokens": 2, "top_k": 20, "ignore_eos": True},
     }
     status, routed = http("POST", sglang_router.url + "/generate", body)
     assert status == 200 and len(routed["meta_info"]["output_token_logprobs"]) == 2
