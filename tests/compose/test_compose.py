@@ -1,0 +1,167 @@
+"""`docker-compose up`, for real: the compose topology starts, trains, scales and goes away.
+
+The commands are the README's (section "Docker Compose"), run verbatim in the repository root:
+deploy/docker/prepare.sh installs Docker Engine, docker-compose and debootstrap from Debian's
+packages where they are missing, starts dockerd where none answers and builds a base image from
+Debian packages (no container registry is needed); `docker-compose up -d --build` builds the
+centerline image on it and starts NATS, two SGLang servers on the CPU, the SGLang router, the
+trainer, the proxy and a worker. The tests then read what the services report, scale the workers
+and tear it all down. Image layers stay cached between runs; a daemon this module started is
+stopped at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(2400)]
+
+ROOT = Path(__file__).resolve().parents[2]
+PREPARE = "deploy/docker/prepare.sh"
+UP = "docker-compose up -d --build"
+SCALE = "docker-compose up -d --scale rollout_worker=3"
+DOWN = "docker-compose down -v"
+STEPS = 5  # trainer steps to see before the checks
+
+
+def sh(command: str, timeout: float = 600) -> str:
+    """Run ``command`` in the repository root; its output, or a failure that shows it."""
+    started = time.monotonic()
+    proc = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(f"compose-test: {command!r} rc={proc.returncode} in {time.monotonic() - started:.1f}s", flush=True)
+    assert proc.returncode == 0, f"{command} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def exec_in(service: str, *argv: str, index: int = 1) -> str:
+    return sh(f"docker-compose exec -T --index={index} {service} {shlex.join(argv)}")
+
+
+def http_get(service: str, url: str, index: int = 1) -> str:
+    """GET ``url`` from inside a container of ``service`` (the image has Python, not curl)."""
+    code = (
+        "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+    )
+    return exec_in(service, "python", "-c", code, url, index=index)
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 2.0):
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = check()
+        except AssertionError as exc:  # a command failed: the service may still be starting
+            value, last = None, exc
+        else:
+            last = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s" + (f"; last failure: {last}" if last else ""))
+        time.sleep(interval)
+
+
+def steps() -> list[dict]:
+    text = exec_in("trainer", "sh", "-c", "cat /runs/main/metrics.jsonl 2>/dev/null || true")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def counter(text: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples (all label sets) in an exposition ``text``."""
+    pattern = re.compile(rf"^{name}(?:{{[^}}]*}})? (\S+)$", re.M)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def project_resources() -> tuple[list[str], list[str]]:
+    project = re.sub(r"[^-_a-z0-9]", "", ROOT.name.lower())  # as docker-compose names the project
+    label = f"label=com.docker.compose.project={project}"
+    containers = sh(f"docker ps -a -q --filter {label}").split()
+    volumes = sh(f"docker volume ls -q --filter {label}").split()
+    return containers, volumes
+
+
+@pytest.fixture(scope="module")
+def stack():
+    had_daemon = shutil.which("docker") is not None and (
+        subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+    )
+    sh(PREPARE, timeout=900)
+    sh(DOWN)  # what an earlier, interrupted run left
+    started = time.monotonic()
+    sh(UP, timeout=1800)
+    print(f"compose-test: up (build and start) took {time.monotonic() - started:.0f}s", flush=True)
+    yield
+    subprocess.run(DOWN, shell=True, cwd=ROOT, capture_output=True, timeout=300)
+    if not had_daemon:
+        pid = Path("/var/run/docker.pid")
+        if pid.exists():
+            subprocess.run(["kill", pid.read_text().strip()], check=False)
+
+
+def test_the_readme_has_these_commands():
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Docker Compose") :]
+    block = block[: block.index("\n## ")] if "\n## " in block else block
+    for command in (PREPARE, UP, SCALE, DOWN):
+        assert command in block, command
+
+
+def test_the_trainer_trains_on_what_the_engines_sampled(stack):
+    records = wait_for(f"{STEPS} trainer steps", lambda: (r := steps()) and len(r) >= STEPS and r, 900)
+    assert [r["step"] for r in records[:STEPS]] == list(range(1, STEPS + 1))
+    assert all(r["gate_accepted"] > 0 and r["gate_rejected"] == {} for r in records)
+    assert all(r["samples"] > 0 and r["trained_tokens"] > 0 for r in records)
+    exposition = http_get("trainer", "http://127.0.0.1:9300/metrics")
+    assert counter(exposition, "centerline_trainer_gate_accepted_total") >= STEPS
+    assert counter(exposition, "centerline_trainer_gate_rejected_total") == 0
+
+
+def test_the_proxy_is_ready_and_learned_the_vocabulary(stack):
+    ready = json.loads(http_get("router_proxy", "http://127.0.0.1:30010/ready"))
+    assert ready["ready"] is True and ready["cause"] is None
+    info = json.loads(http_get("router_proxy", "http://127.0.0.1:30010/get_model_info"))
+    assert info["vocab_size"] == 260  # the default model's (init-model), learned from SGLang
+
+
+def test_each_service_holds_only_its_own_secrets(stack):
+    env = dict(line.split("=", 1) for line in exec_in("nats", "cat", "/etc/nats/credentials/nats.env").splitlines())
+    for service, user in (("trainer", "trainer"), ("router_proxy", "proxy"), ("rollout_worker", "worker")):
+        assert exec_in(service, "ls", "/run/centerline/nats").split() == ["password"]
+        password = exec_in(service, "cat", "/run/centerline/nats/password").strip()
+        assert env[f"CENTERLINE_NATS_{user.upper()}_PASSWORD"] == password
+    key = exec_in("trainer", "cat", "/run/centerline/engine-admin/admin-api-key")
+    assert len(key) >= 32
+    listing = "ls /run/centerline 2>/dev/null || true"
+    assert exec_in("trainer", "sh", "-c", listing).split() == ["engine-admin", "nats"]
+    for service, mounted in (("router_proxy", ["nats"]), ("rollout_worker", ["nats"]), ("sglang_router", [])):
+        assert exec_in(service, "sh", "-c", listing).split() == mounted, service
+
+
+def test_scaled_workers_take_tasks(stack):
+    sh(SCALE)
+    containers = sh("docker-compose ps -q rollout_worker").split()
+    assert len(containers) == 3
+
+    def tasks(index: int) -> float:
+        return counter(
+            http_get("rollout_worker", "http://127.0.0.1:9400/metrics", index=index), "centerline_worker_tasks_total"
+        )
+
+    for index in (2, 3):
+        wait_for(f"worker {index} finishing a task", lambda index=index: tasks(index) > 0, 300)
+    done = steps()
+    assert all(r["gate_rejected"] == {} for r in done)
+
+
+def test_down_removes_the_containers_and_volumes(stack):
+    sh(DOWN)
+    assert project_resources() == ([], [])
