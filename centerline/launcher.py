@@ -187,7 +187,8 @@ class Progress:
             rejected = sum((record.get("gate_rejected") or {}).values())
             self.stream.write(
                 f"\r\x1b[K[{bar:<30}] step {done}/{steps}  reward {record.get('reward_mean', 0):.3f}  "
-                f"sc_corr {record.get('sc_correction', 0):.4f}  head P/Q {record.get('sc_train_head_mass', 0):.3f}/"
+                f"sc_corr {record.get('sc_correction', 0):.4f}  sc_l1 {record.get('sc_residual_l1', 0):.4f}  "
+                f"head P/Q {record.get('sc_train_head_mass', 0):.3f}/"
                 f"{record.get('sc_rollout_head_mass', 0):.3f}  kl {record.get('train_rollout_kl', 0):.2e}  "
                 f"stale {record.get('staleness_mean', 0):.1f}  gate +{record.get('gate_accepted', 0)}/-{rejected}"
             )

@@ -34,6 +34,7 @@ from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
 LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 METRICS = (
     "sc_correction",
+    "sc_residual_l1",
     "sc_train_head_mass",
     "sc_rollout_head_mass",
     "sc_tail_ratio",

@@ -39,6 +39,7 @@ REPRODUCED = (
     "samples",
     "reward_mean",
     "sc_correction",
+    "sc_residual_l1",
     "sc_train_head_mass",
     "sc_rollout_head_mass",
     "sc_tail_ratio",
