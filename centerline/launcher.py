@@ -55,8 +55,9 @@ from centerline import sglang
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
-from shared.nats import EmbeddedNats, provision
+from shared.nats_server import EmbeddedNats
 from shared.ports import free_port
+from shared.streams import provision
 from shared.toy_tasks import REWARDS, examples
 
 PYTHON = sys.executable

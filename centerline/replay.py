@@ -109,7 +109,8 @@ def main(argv: list[str]) -> int:
 
 async def republish(messages: list[Message], url: str, subject: str | None) -> dict:
     """JetStream-publish each message with its headers; counts what the streams stored."""
-    from shared.nats import connect, ensure_streams
+    from shared.nats_client import connect
+    from shared.streams import ensure_streams
 
     nc = await connect(url, name="centerline-replay", max_reconnect_attempts=3, error_cb=quiet)
     try:

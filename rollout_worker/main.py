@@ -195,7 +195,8 @@ async def _run(worker) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stopping.set)
-    from shared.nats import CredentialsError, StreamConfigError
+    from shared.nats_auth import CredentialsError
+    from shared.streams import StreamConfigError
 
     try:
         await worker.run()

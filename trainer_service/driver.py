@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from shared import names
-from shared.nats import publish_acked
+from shared.nats_client import publish_acked
 from shared.task import PromptTask
 
 REQUIRED = ("prompt", "answer", "reward")

@@ -34,7 +34,7 @@ import numpy as np
 
 from shared import faults, names
 from shared.contract import ContractViolation, check_batch
-from shared.nats import publish_acked
+from shared.nats_client import publish_acked
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
 
 log = logging.getLogger("centerline.trainer.gate")

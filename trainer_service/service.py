@@ -85,7 +85,8 @@ def parse(argv: list[str]):
 async def drive(args, cfg, policy, resume: Path | None) -> int:
     """Rank 0: the training loop of the module docstring."""
     from shared import faults, names
-    from shared.nats import connect, ensure_streams, pull_consumer
+    from shared.nats_client import connect, pull_consumer
+    from shared.streams import ensure_streams
     from shared.wire import encode_batch
     from trainer_service import checkpoint, weights
     from trainer_service.driver import Driver, load_dataset

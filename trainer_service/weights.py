@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 
 from shared import admin_key, names
-from shared.nats import PublishError, publish_acked
+from shared.nats_client import PublishError, publish_acked
 from trainer_service.checkpoint import is_writer, publish_dir
 from trainer_service.model import save_model
 

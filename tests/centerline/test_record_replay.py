@@ -21,7 +21,9 @@ import torch
 
 from centerline.record import MAGIC, RecordFileError, read_record
 from shared import names
-from shared.nats import EmbeddedNats, connect, ensure_streams
+from shared.nats_client import connect
+from shared.nats_server import EmbeddedNats
+from shared.streams import ensure_streams
 from tests.processes import stored_messages
 
 pytestmark = pytest.mark.integration
