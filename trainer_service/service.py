@@ -2,7 +2,7 @@
 
 The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
 
-    publish the tasks of the steps up to max_inflight_steps ahead      driver.py
+    publish the tasks of the steps up to max_inflight_steps ahead      tasks.py
     gather accepted batches until the step's samples arrived            gate.py
     train on their concatenation, on every rank                         policy.py, step.py
     save weights version v+1 and the checkpoint (with the ledger)       weights.py, checkpoint.py
@@ -89,10 +89,10 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     from shared.streams import ensure_streams
     from shared.wire import encode_batch
     from trainer_service import checkpoint, weights
-    from trainer_service.driver import Driver, load_dataset
     from trainer_service.gate import Gate, concat_batches
     from trainer_service.metrics import Metrics
     from trainer_service.policy import StepCommand
+    from trainer_service.tasks import TaskPublisher, load_dataset
 
     state = (
         checkpoint.load_state(resume)
@@ -126,7 +126,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         max_deliver=args.max_deliver,
     )
     gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=state["ledger"])
-    driver = Driver(
+    tasks = TaskPublisher(
         load_dataset(args.dataset),
         run_id=state["run_id"],
         seed=cfg.seed,
@@ -147,14 +147,14 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
 
     while step < args.steps and not stopping.is_set():
         t0 = time.perf_counter()
-        await driver.publish_until(js, step, cfg.max_inflight_steps, args.steps)
+        await tasks.publish_until(js, step, cfg.max_inflight_steps, args.steps)
         held = await gate.gather(
             target,
             version,
             args.step_timeout,
             stopping,
             min_samples=policy.world_size,
-            starved=lambda: driver.publish_next(js),
+            starved=lambda: tasks.publish_next(js),
         )
         if stopping.is_set():
             await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
@@ -167,7 +167,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         state = {
             "step": step + 1,
             "version": version + sync,
-            "next_task_step": driver.next_step,
+            "next_task_step": tasks.next_step,
             "run_id": state["run_id"],
             "ledger": gate.ledger_with_held(step),
         }
