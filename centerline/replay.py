@@ -40,6 +40,7 @@ import orjson
 
 from centerline.record import Message, RecordFileError, print_summary, quiet, read_record
 from shared import config as shared_config
+from shared import logs
 from shared.nats_auth import CredentialsError
 
 log = logging.getLogger("centerline.replay")
@@ -86,7 +87,7 @@ def parse(argv: list[str]):
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.setup("replay")
     try:
         if args.train:
             return train(args, shared_config.resolve(args))

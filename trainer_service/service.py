@@ -29,13 +29,13 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
 from shared import config as shared_config
+from shared import logs
 
 
 def parse(argv: list[str]):
@@ -225,7 +225,7 @@ def run_id(run_dir: Path) -> str:
 
 def main(argv: list[str]) -> int:
     args, cfg = parse(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.setup("trainer")
     import torch
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
