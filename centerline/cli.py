@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)",
     ),
     "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
-    "nats": ("shared.nats:main", "run the embedded NATS server with JetStream"),
+    "nats": ("centerline.nats_command:main", "run the embedded NATS server with JetStream"),
     "nats-credentials": (
         "shared.nats_auth:main",
         "write random NATS passwords for compose or Kubernetes (keeps existing ones)",

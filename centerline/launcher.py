@@ -55,8 +55,9 @@ from centerline import sglang
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
-from shared.nats import EmbeddedNats, provision
+from shared.nats_server import EmbeddedNats
 from shared.ports import free_port
+from shared.streams import provision
 from shared.toy_tasks import REWARDS, examples
 
 PYTHON = sys.executable
@@ -187,7 +188,8 @@ class Progress:
             rejected = sum((record.get("gate_rejected") or {}).values())
             self.stream.write(
                 f"\r\x1b[K[{bar:<30}] step {done}/{steps}  reward {record.get('reward_mean', 0):.3f}  "
-                f"sc_corr {record.get('sc_correction', 0):.4f}  head P/Q {record.get('sc_train_head_mass', 0):.3f}/"
+                f"sc_corr {record.get('sc_correction', 0):.4f}  sc_l1 {record.get('sc_residual_l1', 0):.4f}  "
+                f"head P/Q {record.get('sc_train_head_mass', 0):.3f}/"
                 f"{record.get('sc_rollout_head_mass', 0):.3f}  kl {record.get('train_rollout_kl', 0):.2e}  "
                 f"stale {record.get('staleness_mean', 0):.1f}  gate +{record.get('gate_accepted', 0)}/-{rejected}"
             )

@@ -183,7 +183,7 @@ async def record_stream(url: str, stream: str, first: int | None, last: int | No
     """Messages ``first..last`` (default: the whole stream) of ``stream``, by sequence."""
     from nats.js.errors import NotFoundError
 
-    from shared.nats import connect
+    from shared.nats_client import connect
 
     nc = await connect(url, name="centerline-record", max_reconnect_attempts=3, error_cb=quiet)
     try:
@@ -210,7 +210,7 @@ async def record_stream(url: str, stream: str, first: int | None, last: int | No
 
 async def record_live(url: str, subject: str, count: int | None, timeout: float | None, sink) -> dict:
     """Messages published on ``subject`` from now until a signal, ``count`` messages or ``timeout`` s."""
-    from shared.nats import connect
+    from shared.nats_client import connect
 
     done, seen = asyncio.Event(), [0]
 

@@ -6,10 +6,11 @@ steps offline, or printed for people.
   subject, or to ``--subject``. The streams are ensured first, as every service does.
 - ``--jsonl``: one summary line per message (subject, seq, headers, batch summary).
 - ``--train``: the trainer's steps on exactly the recorded batches, with no NATS and no
-  engine: the checkpoint's model, optimizer and state (version, ledger), the trainer's gate
-  (``Gate.check``: contract, staleness against the replayed version, ledger, settings), its
-  ``concat_batches`` and ``Policy.run``, under torchrun as many ranks as the trainer had
-  (rank 0 reads the file and sends each step, as in the trainer). Steps are grouped as
+  engine: the checkpoint's model, optimizer and state (version, ledger), the trainer's
+  admission (``trainer_service.gate.admission``: contract, staleness against the replayed
+  version, ledger, settings) and its commit of a step (``trainer_service.commit``), under
+  torchrun as many ranks as the trainer had (rank 0 reads the file and sends each step, as
+  in the trainer). Steps are grouped as
   ``--steps-from RUN_DIR/metrics.jsonl`` lists them (``batch_ids`` of each step after the
   checkpoint's), else every ``--batches-per-step`` accepted batches in recorded order.
   Writes ``RUN_DIR/metrics.jsonl`` (same fields as the trainer's), weights and checkpoints.
@@ -40,6 +41,7 @@ import orjson
 
 from centerline.record import Message, RecordFileError, print_summary, quiet, read_record
 from shared import config as shared_config
+from shared import logs
 from shared.nats_auth import CredentialsError
 
 log = logging.getLogger("centerline.replay")
@@ -86,7 +88,7 @@ def parse(argv: list[str]):
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.setup("replay")
     try:
         if args.train:
             return train(args, shared_config.resolve(args))
@@ -109,7 +111,8 @@ def main(argv: list[str]) -> int:
 
 async def republish(messages: list[Message], url: str, subject: str | None) -> dict:
     """JetStream-publish each message with its headers; counts what the streams stored."""
-    from shared.nats import connect, ensure_streams
+    from shared.nats_client import connect
+    from shared.streams import ensure_streams
 
     nc = await connect(url, name="centerline-replay", max_reconnect_attempts=3, error_cb=quiet)
     try:
@@ -165,37 +168,12 @@ def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: i
     return groups
 
 
-def admit(gate, msg: Message, version: int) -> None:
-    """What the trainer's gate does with one message, without the NATS side (no DLQ, no acks)."""
-    from shared.contract import ContractViolation
-    from shared.wire import WireError, decode_batch
-    from trainer_service.gate import Held
-
-    try:
-        batch = decode_batch(msg.data)
-        gate.check(batch, version)
-    except WireError as exc:
-        gate.counts["rejected:wire"] += 1
-        log.warning("message seq %d is not a batch: %s", msg.seq, exc)
-        return
-    except ContractViolation as exc:
-        trained = gate.ledger.get(batch.batch_id)
-        if exc.rule == "duplicate_batch" and trained is not None and msg.seq in (0, trained[0]):
-            gate.counts["duplicate"] += 1  # trained before the checkpoint
-        else:
-            gate.counts[f"rejected:{exc.rule}"] += 1
-            log.warning("batch %s (seq %d) rejected (%s): %s", batch.batch_id, msg.seq, exc.rule, exc)
-        return
-    gate.held[batch.batch_id] = Held(None, batch, msg.seq)
-    gate.counts["accepted"] += 1
-
-
 def train(args, cfg) -> int:
     import torch
-    import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from trainer_service.policy import Policy, agree, in_world
+    from trainer_service.distributed import agree, in_world, is_main
+    from trainer_service.policy import Policy
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()
@@ -203,16 +181,16 @@ def train(args, cfg) -> int:
     run_dir = args.run_dir or args.file.with_suffix(".replay")
 
     def body() -> int:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        main_rank = is_main()
         plan, problem = None, None
-        if rank == 0:  # rank 0 reads everything; a problem stops every rank before any collective
+        if main_rank:  # rank 0 reads everything; a problem stops every rank before any collective
             try:
                 plan = plan_replay(args, run_dir)
             except (RecordFileError, ReplayError, OSError, ValueError) as exc:
                 problem = str(exc)
         problem = agree(problem)
         if problem is not None:
-            if rank == 0:
+            if main_rank:
                 print(f"centerline replay: {problem}", file=sys.stderr)
             return 2
         policy = Policy(
@@ -223,7 +201,7 @@ def train(args, cfg) -> int:
             strategy=args.strategy,
             max_grad_norm=args.max_grad_norm or None,
         )
-        if rank != 0:
+        if not main_rank:
             policy.follow()
             return 0
         try:
@@ -253,15 +231,18 @@ def plan_replay(args, run_dir: Path):
     return messages, state, groups
 
 
-def replay_steps(args, cfg, policy, run_dir: Path, messages, state, groups) -> None:
-    """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches."""
-    from shared.wire import encode_batch
-    from trainer_service.gate import Gate, concat_batches
-    from trainer_service.metrics import Metrics
-    from trainer_service.policy import StepCommand
+def replay_steps(args, cfg, policy, run_dir: Path, messages, saved: dict, groups) -> None:
+    """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches,
+    with its admission and its commit of a step; no DLQ, no acks, no engines."""
+    from collections import Counter
 
-    step, version = state["step"], state["version"]
-    gate = Gate(None, None, vocab_size=policy.vocab_size, cfg=cfg, ledger=dict(state["ledger"]))
+    from trainer_service.commit import TrainerState, commit_step, step_record
+    from trainer_service.gate import DUPLICATE, HOLD, REJECT, GateSettings, Held, admission
+    from trainer_service.metrics import Metrics
+
+    state = TrainerState.from_dict(saved)
+    settings = GateSettings(policy.vocab_size, cfg)
+    ledger, held, counts = dict(state.ledger), {}, Counter()
     metrics = Metrics(run_dir)
     stream = iter(messages)
     for n in range(len(groups) if groups is not None else sys.maxsize):
@@ -270,43 +251,39 @@ def replay_steps(args, cfg, policy, run_dir: Path, messages, state, groups) -> N
         t0 = time.perf_counter()
         want = len(groups[n]) if groups is not None else args.batches_per_step
         for msg in groups[n] if groups is not None else stream:
-            admit(gate, msg, version)
-            if len(gate.held) == want:
+            verdict = admission(msg.data, msg.seq, state.version, ledger=ledger, held=held, settings=settings)
+            if verdict.action == HOLD:
+                held[verdict.batch_id] = Held(None, verdict.batch, msg.seq)
+                counts["accepted"] += 1
+            elif verdict.action == DUPLICATE:
+                counts["duplicate"] += 1  # trained before the checkpoint
+            elif verdict.action == REJECT:
+                counts[f"rejected:{verdict.rule}"] += 1
+                if verdict.batch is None:
+                    log.warning("message seq %d is not a batch: %s", msg.seq, verdict.reason)
+                else:
+                    log.warning(
+                        "batch %s (seq %d) rejected (%s): %s", verdict.batch_id, msg.seq, verdict.rule, verdict.reason
+                    )
+            if len(held) == want:
                 break
-        held = list(gate.held.values())
         if len(held) < want:
             if groups is not None:
                 raise ReplayError(
-                    f"step {step + 1}: the gate accepted {len(held)} of the {want} batches the original "
-                    f"step trained ({dict(gate.counts)}); see the warnings above"
+                    f"step {state.step + 1}: the gate accepted {len(held)} of the {want} batches the original "
+                    f"step trained ({dict(counts)}); see the warnings above"
                 )
             if held:
                 log.info("%d batches left over, fewer than --batches-per-step %d: not trained", len(held), want)
             break
-        sync = (step + 1) % args.weight_sync_interval == 0
-        batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
-        cmd = StepCommand(step, version + sync, sync, encode_batch(batch))
-        state = {
-            "step": step + 1,
-            "version": version + sync,
-            "next_task_step": max(state["next_task_step"], step + 1),
-            "run_id": state["run_id"],
-            "ledger": gate.ledger_with_held(step),
-        }
-        result = policy.run(cmd, state)
-        result.pop("weights")
-        gate.ledger, gate.held = state["ledger"], {}
-        staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
-        record = {
-            "step": step + 1,
-            "version": cmd.version,
-            **result,
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            **metrics.gate(gate.take_counts()),
-            "step_s": time.perf_counter() - t0,
-            "batch_ids": [h.batch.batch_id for h in held],
-            "replay_of": str(args.file),
-        }
-        metrics.step(record)
-        step, version = step + 1, cmd.version
+        step = commit_step(
+            policy,
+            state,
+            list(held.values()),
+            weight_sync_interval=args.weight_sync_interval,
+            next_task_step=max(state.next_task_step, state.step + 1),
+        )
+        ledger, held = dict(step.after.ledger), {}
+        gate, counts = metrics.gate(counts), Counter()
+        metrics.step(step_record(step, gate, {"step_s": time.perf_counter() - t0}, replay_of=str(args.file)))
+        state = step.after

@@ -29,8 +29,8 @@ LINE_PLOTS = [
     ("accuracy", "Held-out accuracy", [("eval_accuracy", "held-out exact match")]),
     (
         "sc_correction",
-        "Score-centering correction (L1 mass of centering coefficients)",
-        [("sc_correction", "sc_correction")],
+        "Score-centering correction: signed term sum_H c log p, and L1 mass sum_H |c|",
+        [("sc_correction", "sc_correction"), ("sc_residual_l1", "sc_residual_l1")],
     ),
     (
         "head_mass",

@@ -26,23 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shared import logs
 from shared.config import add_arguments, parse_args
 
 log = logging.getLogger("centerline.worker")
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        doc.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
 
 
 class WorkerMetrics:
@@ -147,9 +134,7 @@ def main(argv: list[str]) -> int:
     args, cfg = parse_args(parser, argv)
     if not (args.max_deliver == -1 or args.max_deliver >= 1):
         parser.error(f"--max-deliver {args.max_deliver}: must be at least 1 (or -1: no limit)")
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logs.setup("worker")
 
     info = {} if args.tokenizer and args.vocab_size else model_info(cfg.proxy_url)
     tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
@@ -195,7 +180,8 @@ async def _run(worker) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stopping.set)
-    from shared.nats import CredentialsError, StreamConfigError
+    from shared.nats_auth import CredentialsError
+    from shared.streams import StreamConfigError
 
     try:
         await worker.run()

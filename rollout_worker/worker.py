@@ -38,9 +38,10 @@ from rollout_worker.rewards import RewardError, group_advantages, score
 from shared import names
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
-from shared.nats import PublishError, PullConsumer, connect, ensure_streams, publish_batch, pull_consumer
 from shared.nats_auth import redact
+from shared.nats_client import PublishError, PullConsumer, connect, publish_batch, pull_consumer
 from shared.split import PayloadTooLargeError
+from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
 from shared.wire import encode_batch
 

@@ -113,7 +113,8 @@ class AuditPublisher:
             self.metrics.events_dropped.inc()
 
     async def _run(self) -> None:
-        from shared.nats import connect, ensure_streams  # nats-py only when events are on
+        from shared.nats_client import connect  # nats-py only when events are on
+        from shared.streams import ensure_streams
 
         while self.nc is None:
             try:

@@ -41,7 +41,7 @@ from router_proxy.front import MAX_BODY_BYTES, Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
 from router_proxy.upstream import MAX_RESPONSE_BYTES, UpstreamPool, UpstreamTooLarge
-from shared import admin_key
+from shared import admin_key, logs
 from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
 
@@ -434,7 +434,7 @@ def main(argv: list[str]) -> int:
             f"{parser.prog}: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above --max-top-logprobs-num "
             f"{args.max_top_logprobs_num}; raise the limit or lower K\n",
         )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup("proxy")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:
         api_key = admin_key.upstream_key_from_env()

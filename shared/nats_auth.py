@@ -13,7 +13,7 @@ info |
 provisioning, tests | | all |
 
 Nobody but ``admin`` may delete or purge a stream, and no user but ``admin`` can see another's
-replies: a user's inbox is ``_INBOX_<user>.>`` (``shared.nats.connect`` sets nats-py's
+replies: a user's inbox is ``_INBOX_<user>.>`` (``shared.nats_client.connect`` sets nats-py's
 ``inbox_prefix``), the only subjects it may subscribe to. JetStream delivers a fetch to the
 fetching user's inbox, so a user reads a stream only through the one consumer it may fetch
 from (and create or update: the worker and the trainer each set up their own).
@@ -166,7 +166,7 @@ def server_env(passwords: typing.Mapping[str, str]) -> dict[str, str]:
 
 
 def client_env(user: str, password: str) -> dict[str, str]:
-    """The environment that makes ``shared.nats.connect`` log in as ``user``."""
+    """The environment that makes ``shared.nats_client.connect`` log in as ``user``."""
     return {USER_ENV: user, PASSWORD_ENV: password}
 
 

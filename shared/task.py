@@ -18,7 +18,7 @@ class TaskError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PromptTask:
-    task_id: str  # unique; f"{run_id}/{step}/{index}" from the trainer's driver
+    task_id: str  # unique; f"{run_id}/{step}/{index}" from the trainer's task publisher (trainer_service/tasks.py)
     group_id: str  # the GRPO group every sample of this task belongs to
     prompt: str  # the text the policy continues (chat template already applied if any)
     answer: str  # what the reward function compares against

@@ -8,7 +8,7 @@ the answer and then ``<|endoftext|>`` (token 256 of the byte model):
     upper    "up abc="     -> "ABC"
     add      "add 12+7="   -> "19"      (two numbers in 0..99)
 
-Used by ``centerline dataset`` (JSONL rows for the trainer's driver), by the SFT warm start
+Used by ``centerline dataset`` (JSONL rows for the trainer's task publisher), by the SFT warm start
 (``centerline/sft.py``) and, for the built-in rewards, by the rollout worker. A prompt belongs to
 the held-out split iff ``crc32(prompt) % 10 == 0``, so train and held-out never share a
 prompt, whatever the seed. Rewards compare the response (the engine already cuts it at the

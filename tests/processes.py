@@ -171,7 +171,7 @@ async def stored_messages(nats_url: str, stream: str) -> list:
     """Every message ``stream`` holds, in sequence order, read with the message-get API (no
     consumer, so nothing is delivered or acked): nats-py ``RawStreamMsg``s (``seq``,
     ``subject``, ``headers``, ``data``)."""
-    from shared.nats import connect
+    from shared.nats_client import connect
 
     nc = await connect(nats_url)
     js = nc.jetstream()

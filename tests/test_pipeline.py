@@ -14,7 +14,8 @@ import pytest
 
 from shared import names
 from shared.contract import check_batch
-from shared.nats import EmbeddedNats, connect
+from shared.nats_client import connect
+from shared.nats_server import EmbeddedNats
 from shared.wire import decode_batch
 
 

@@ -23,16 +23,12 @@ from pathlib import Path
 
 import orjson
 import torch
-import torch.distributed as dist
 
+from trainer_service.distributed import is_main
 from trainer_service.model import save_model
 
 KEEP = 2
 PREFIX = "step-"
-
-
-def is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def fsync_tree(path: Path) -> None:
@@ -77,18 +73,18 @@ def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None 
     """
     final = root / f"{PREFIX}{state['step']:06d}"
     tmp = root / f".tmp-{final.name}"
-    if is_writer():
+    if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     if weights_dir is not None:
-        if is_writer():
+        if is_main():
             (tmp / "model").mkdir()
             for f in weights_dir.iterdir():
                 os.link(f, tmp / "model" / f.name)
     else:
         save_model(model, str(tmp / "model"))
     optim = optimizer_state(model, optimizer)
-    if is_writer():
+    if is_main():
         torch.save(optim, tmp / "optimizer.pt")
         (tmp / "state.json").write_bytes(orjson.dumps(state))
         publish_dir(tmp, final)

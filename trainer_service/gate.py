@@ -34,7 +34,7 @@ import numpy as np
 
 from shared import faults, names
 from shared.contract import ContractViolation, check_batch
-from shared.nats import publish_acked
+from shared.nats_client import publish_acked
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
 
 log = logging.getLogger("centerline.trainer.gate")
@@ -50,6 +50,93 @@ class Held:
     seq: int  # stream sequence of the message in ROLLOUTS
 
 
+HOLD, DUPLICATE, IGNORE, REJECT = "hold", "duplicate", "ignore", "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    """What the contract checks a batch against besides the ledger: the model's vocabulary
+    and the trainer's configuration (sampling settings, ``max_staleness``)."""
+
+    vocab_size: int
+    cfg: object  # shared.config.Config
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The gate's decision on one message; acting on it (hold, ack, dead-letter) is the caller's."""
+
+    action: str  # HOLD | DUPLICATE (a redelivery of a trained message) | IGNORE (of a held one) | REJECT
+    batch_id: str
+    batch: Batch | None = None  # None when the bytes are not a batch
+    rule: str = ""  # REJECT: the contract rule, or "wire"
+    reason: str = ""
+
+
+def admission(
+    data: bytes, seq: int, version: int, *, ledger: dict, held: dict, settings: GateSettings, msg_id: str = ""
+) -> Admission:
+    """Decide what the gate does with the message ``data`` at stream sequence ``seq`` when the
+    trainer holds weight version ``version``; a pure function of the message, the ledger, the
+    held batches and the settings, shared by the trainer and ``centerline replay --train``.
+
+    A batch id already trained is a redelivery (DUPLICATE) only for the very message that was
+    trained (same sequence); sequence 0 is a message recorded from the subject, which has none,
+    and counts as that message. A held batch id with the same sequence is a redelivery of the
+    held message (IGNORE). Any other repeat is the contract's ``duplicate_batch`` (REJECT).
+    """
+    try:
+        batch = decode_batch(data)
+    except WireError as exc:
+        return Admission(REJECT, msg_id, rule="wire", reason=str(exc))
+    try:
+        check(batch, version, ledger=ledger, held=held, settings=settings)
+    except ContractViolation as exc:
+        if exc.rule == "duplicate_batch":
+            trained = ledger.get(batch.batch_id)
+            if trained is not None and seq in (trained[0], 0):
+                return Admission(DUPLICATE, batch.batch_id, batch)
+            if trained is None and batch.batch_id in held and held[batch.batch_id].seq == seq != 0:
+                return Admission(IGNORE, batch.batch_id, batch)
+        return Admission(REJECT, batch.batch_id, batch, exc.rule, str(exc))
+    return Admission(HOLD, batch.batch_id, batch)
+
+
+def check(batch: Batch, version: int, *, ledger: dict, held: dict, settings: GateSettings) -> None:
+    """Raise ``ContractViolation`` unless ``batch`` may join the current step: the whole
+    contract (staleness against ``version``, the ledger and held ids) and ``settings``."""
+    check_batch(
+        batch,
+        vocab_size=settings.vocab_size,
+        current_version=version,
+        max_staleness=settings.cfg.max_staleness,
+        seen=_Seen(ledger, held),
+    )
+    check_settings(batch, settings.cfg)
+
+
+def check_settings(batch: Batch, cfg) -> None:
+    """The trainer-only rule ``settings``: the batch was sampled as this trainer is configured."""
+    want = {
+        "mode": (cfg.rollout_logprobs_mode, "--rollout-logprobs-mode"),
+        "k": (cfg.rollout_top_logprobs_num, "--rollout-top-logprobs-num"),
+        "temperature": (cfg.rollout_temperature, "--rollout-temperature"),
+        "top_p": (cfg.rollout_top_p, "--rollout-top-p"),
+        "top_k": (cfg.rollout_top_k, "--rollout-top-k"),
+    }
+    for name, (value, flag) in want.items():
+        found = getattr(batch, name)
+        if found != value and not (isinstance(value, float) and math.isclose(found, value, rel_tol=1e-6)):
+            raise ContractViolation(
+                "settings",
+                f"batch {batch.batch_id!r} was sampled with {name}={found!r}, the "
+                f"trainer runs {flag} {value!r}; start workers and trainer with the same "
+                "configuration",
+                expected=value,
+                found=found,
+            )
+
+
 class _Seen:
     """Trained ids plus those held for the current step: what rule 8 compares against."""
 
@@ -61,8 +148,11 @@ class _Seen:
 
 
 class Gate:
+    """The NATS side of admission: pulls batches, holds, dead-letters and acks them."""
+
     def __init__(self, js, consumer, *, vocab_size: int, cfg, ledger: dict[str, list[int]]):
-        self.js, self.consumer, self.vocab_size, self.cfg = js, consumer, vocab_size, cfg
+        self.js, self.consumer, self.cfg = js, consumer, cfg
+        self.settings = GateSettings(vocab_size, cfg)
         self.ledger = ledger  # batch_id -> [stream sequence, step], saved in every checkpoint
         self.held: dict[str, Held] = {}
         self.counts: Counter = Counter()  # "accepted", "duplicate", "rejected:<rule>" since take_counts
@@ -104,63 +194,20 @@ class Gate:
     async def admit(self, msg, version: int) -> None:
         """Hold ``msg``'s batch, or dead-letter it, or drop a redelivery of a trained one."""
         seq = msg.metadata.sequence.stream
-        try:
-            batch = decode_batch(bytes(msg.data))
-        except WireError as exc:
-            await self.reject(msg, seq, "wire", str(exc), (msg.headers or {}).get(names.MSG_ID_HEADER, ""))
-            return
-        try:
-            self.check(batch, version)
-        except ContractViolation as exc:
-            if exc.rule == "duplicate_batch" and self.is_redelivery(batch.batch_id, seq):
-                # trained and checkpointed, its ack was lost
-                if batch.batch_id in self.ledger and await self.settle(msg, batch.batch_id):
-                    self.counts["duplicate"] += 1
-                    log.info("redelivered batch %s (seq %d) was already trained; acked", batch.batch_id, seq)
-                return  # else: a redelivery of a message held right now; the held copy gets acked
-            await self.reject(msg, seq, exc.rule, str(exc), batch.batch_id)
-            return
-        self.held[batch.batch_id] = Held(msg, batch, seq)
-        self.counts["accepted"] += 1
-
-    def check(self, batch: Batch, version: int) -> None:
-        """Raise ``ContractViolation`` unless ``batch`` may join the current step: the whole
-        contract (staleness against ``version``, the ledger and held ids) and ``settings``.
-        No I/O, so ``centerline replay --train`` gates recorded batches with it offline."""
-        check_batch(
-            batch,
-            vocab_size=self.vocab_size,
-            current_version=version,
-            max_staleness=self.cfg.max_staleness,
-            seen=_Seen(self.ledger, self.held),
+        msg_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
+        verdict = admission(
+            bytes(msg.data), seq, version, ledger=self.ledger, held=self.held, settings=self.settings, msg_id=msg_id
         )
-        self.check_settings(batch)
-
-    def is_redelivery(self, batch_id: str, seq: int) -> bool:
-        if batch_id in self.ledger:
-            return self.ledger[batch_id][0] == seq
-        return batch_id in self.held and self.held[batch_id].seq == seq
-
-    def check_settings(self, batch: Batch) -> None:
-        cfg = self.cfg
-        want = {
-            "mode": (cfg.rollout_logprobs_mode, "--rollout-logprobs-mode"),
-            "k": (cfg.rollout_top_logprobs_num, "--rollout-top-logprobs-num"),
-            "temperature": (cfg.rollout_temperature, "--rollout-temperature"),
-            "top_p": (cfg.rollout_top_p, "--rollout-top-p"),
-            "top_k": (cfg.rollout_top_k, "--rollout-top-k"),
-        }
-        for name, (value, flag) in want.items():
-            found = getattr(batch, name)
-            if found != value and not (isinstance(value, float) and math.isclose(found, value, rel_tol=1e-6)):
-                raise ContractViolation(
-                    "settings",
-                    f"batch {batch.batch_id!r} was sampled with {name}={found!r}, the "
-                    f"trainer runs {flag} {value!r}; start workers and trainer with the same "
-                    "configuration",
-                    expected=value,
-                    found=found,
-                )
+        if verdict.action == HOLD:
+            self.held[verdict.batch_id] = Held(msg, verdict.batch, seq)
+            self.counts["accepted"] += 1
+        elif verdict.action == DUPLICATE:  # trained and checkpointed, its ack was lost
+            if await self.settle(msg, verdict.batch_id):
+                self.counts["duplicate"] += 1
+                log.info("redelivered batch %s (seq %d) was already trained; acked", verdict.batch_id, seq)
+        elif verdict.action == REJECT:
+            await self.reject(msg, seq, verdict.rule, verdict.reason, verdict.batch_id)
+        # IGNORE: a redelivery of a message held right now; the held copy gets acked
 
     async def reject(self, msg, seq: int, rule: str, reason: str, batch_id: str) -> None:
         """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost)."""
@@ -187,10 +234,6 @@ class Gate:
         except Exception as exc:  # noqa: BLE001
             log.warning("ack of batch %s failed (%s); it will be redelivered and settled again", batch_id, exc)
             return False
-
-    def ledger_with_held(self, step: int) -> dict:
-        """The ledger as it is once the current step is committed (what its checkpoint saves)."""
-        return {**self.ledger, **{bid: [h.seq, step] for bid, h in self.held.items()}}
 
     async def commit(self, step: int) -> None:
         """The step, its checkpoint and ledger are durable: ack every held message."""

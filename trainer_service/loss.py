@@ -25,6 +25,7 @@ import torch
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
 IS_MODES = ("none", "tis", "mis")
+KL_LOG_RATIO_CLAMP = 20.0  # |log p_a/q_a| bound of the train_rollout_kl metric, as miles clamps it
 _CHUNK_ELEMENTS = 1 << 22  # default chunk: ~16 MiB of float32 temporaries per chunk
 
 
@@ -63,12 +64,15 @@ def score_centering_loss(
 
     Returns ``(loss, metrics)``; metrics are plain floats, means over the trained tokens of
     this call (0.0 when there are none):
-    ``sc_correction``: mean ``sum_{v in H} |q_v f(p_v/q_v) - alpha p_v|``, the L1 mass of the
-    centering coefficients (0 when trainer and sampler agree, at ``f = none``);
+    ``sc_correction``: mean ``sum_{v in H} c_v log p_v`` with ``c_v = q_v f(p_v/q_v) - alpha p_v``,
+    the signed centering term of (6.1) as miles and vime log it (``log p`` renormalised on ``H``
+    in support mode); ``sc_residual_l1``: mean ``sum_{v in H} |c_v|``, the L1 mass of the
+    centering coefficients (both 0 when trainer and sampler agree, at ``f = none``);
     ``sc_train_head_mass``: mean ``P_H`` (in support mode the trainer's un-renormalised mass
     on the support); ``sc_rollout_head_mass``: mean ``Q_H``; ``sc_tail_ratio``: mean ``rho``
     (0.0 in support mode, which has no tail); ``sc_importance_weight``: mean ``f(p_a/q_a)``;
-    ``train_rollout_kl``: mean k3 ``r - 1 - log r`` with ``r = p_a/q_a``;
+    ``train_rollout_kl``: mean k3 ``r - 1 - log r`` with ``log r = log p_a - log q_a`` clamped to
+    ``[-20, 20]`` first (as miles does), so one extreme token cannot make it inf;
     ``train_rollout_logprob_abs_diff``: mean ``|log p_a - log q_a|``.
 
     Raises ``NonFiniteInput`` for a NaN/inf advantage, log-prob or logit of a trained row
@@ -133,7 +137,8 @@ def score_centering_loss(
     c_h = torch.where(valid & mask[:, None], c_h, 0.0)
     adv = rows["adv"]
     count = _count(token_count, mask)
-    per_token = -adv * (w_a * logp_a - torch.where(valid, c_h * logp_h, 0.0).sum(1))
+    centering = torch.where(valid, c_h * logp_h, 0.0).sum(1)  # sum_{v in H} c_v log p_v
+    per_token = -adv * (w_a * logp_a - centering)
     loss_value = torch.where(mask, per_token, 0.0).sum() / count
     # d loss / d log p at each id; for support mode the renormaliser's softmax lives on H.
     coef_a = torch.where(mask, -adv * w_a / count, 0.0)
@@ -157,7 +162,8 @@ def score_centering_loss(
         rows["chunk"],
     )
     metrics = _sampled_metrics(logp_a, lq_a, w_a, mask)
-    metrics.update(_mean(c_h.abs().sum(1), mask, "sc_correction"))
+    metrics.update(_mean(centering, mask, "sc_correction"))
+    metrics.update(_mean(c_h.abs().sum(1), mask, "sc_residual_l1"))
     metrics.update(_mean(p_head, mask, "sc_train_head_mass"))
     metrics.update(_mean(q_head, mask, "sc_rollout_head_mass"))
     metrics.update(_mean(rho, mask, "sc_tail_ratio"))
@@ -423,9 +429,9 @@ def _mean(values, mask, name):
 
 
 def _sampled_metrics(logp_a, lq_a, w_a, mask):
-    r = (logp_a - lq_a).exp()
+    log_r = (logp_a - lq_a).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
     out = _mean(w_a, mask, "sc_importance_weight")
-    out.update(_mean(r - 1 - (logp_a - lq_a), mask, "train_rollout_kl"))
+    out.update(_mean(log_r.exp() - 1 - log_r, mask, "train_rollout_kl"))
     out.update(_mean((logp_a - lq_a).abs(), mask, "train_rollout_logprob_abs_diff"))
     return out
 

@@ -28,6 +28,7 @@ GAUGES = (
     "staleness_mean",
     "staleness_max",
     "sc_correction",
+    "sc_residual_l1",
     "sc_train_head_mass",
     "sc_rollout_head_mass",
     "sc_tail_ratio",

@@ -7,8 +7,9 @@ Nothing is downloaded: directories are read with ``local_files_only=True``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
+
+from trainer_service.distributed import in_process_group, is_main
 
 STRATEGIES = ("ddp", "fsdp2")
 
@@ -25,7 +26,7 @@ def wrap_model(model, strategy: str = "ddp"):
     ``trainer_service.step`` compensates for."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}; expected one of {STRATEGIES}")
-    if not (dist.is_available() and dist.is_initialized()):
+    if not in_process_group():
         return model
     if strategy == "ddp":
         device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
@@ -52,5 +53,5 @@ def full_state_dict(model) -> dict:
 def save_model(model, path: str) -> None:
     """Write ``model`` as an HF directory at ``path`` (rank 0 writes; all ranks must call)."""
     state = full_state_dict(model)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_main():
         unwrap(model).save_pretrained(path, state_dict=state)

@@ -9,12 +9,8 @@ without a batch tells them to stop.
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,6 +19,7 @@ import torch.distributed as dist
 from shared import faults
 from shared.wire import decode_batch
 from trainer_service import checkpoint
+from trainer_service.distributed import agree, device, is_main, rank_and_world
 from trainer_service.model import load_model, unwrap, wrap_model
 from trainer_service.step import LossSettings, make_optimizer, train_step
 from trainer_service.weights import save_version
@@ -34,50 +31,6 @@ class StepCommand:
     version: int  # weight version once this step is done
     sync: bool  # write weights version ``version`` this step
     batch: bytes | None  # the global batch (wire format v1); None = stop
-
-
-def world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def in_world(body, *, timeout: timedelta | None = None) -> int:
-    """Run ``body()`` (every rank's exit code) inside the torchrun process group, if any.
-
-    A clean end passes one more barrier, then a gloo rank leaves with ``os._exit``: tearing
-    gloo down (``destroy_process_group`` or interpreter exit) while a peer still closes its
-    sockets can abort the process in C++ ("terminate called without an active exception",
-    SIGABRT; seen once in CI on a run that had finished and committed every step). Past the
-    barrier no collective is left, every file was closed and fsynced, so nothing is lost.
-    """
-    import torch
-
-    if "WORLD_SIZE" not in os.environ:
-        return body()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
-    try:
-        code = body()
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    if dist.get_backend() != "gloo":
-        dist.destroy_process_group()
-        return code
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def agree(value):
-    """Rank 0's ``value`` on every rank."""
-    if world()[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class Policy:
@@ -92,10 +45,9 @@ class Policy:
         max_grad_norm: float | None,
         keep_checkpoints: int = checkpoint.KEEP,
     ):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.initial, self.run_dir, self.max_grad_norm, self.keep = model_dir, run_dir, max_grad_norm, keep_checkpoints
         torch.manual_seed(cfg.seed)
-        self.model = wrap_model(load_model(str(resume / "model" if resume else model_dir), device=device), strategy)
+        self.model = wrap_model(load_model(str(resume / "model" if resume else model_dir), device=device()), strategy)
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
             checkpoint.load_optimizer(resume, self.model, self.optimizer)
@@ -109,25 +61,27 @@ class Policy:
 
     @property
     def world_size(self) -> int:
-        return world()[1]
+        return rank_and_world()[1]
 
     @property
     def vocab_size(self) -> int:
         return int(unwrap(self.model).config.vocab_size)
 
-    def run(self, cmd: StepCommand, state: dict | None = None) -> dict:
-        """Train one step and make it durable. Rank 0 passes the checkpoint ``state`` and
-        returns metrics with timings (``train_s``, ``save_s``) and the weights path. The
-        checkpoint keeps the step's metrics too (``state["metrics"]``), so a crash between the
-        checkpoint and the metrics line loses no line (``Metrics.recover``)."""
-        if world()[1] > 1 and world()[0] == 0:
+    def run(self, cmd: StepCommand, state: dict | None = None) -> tuple[dict, Path | None]:
+        """Train one step and make it durable. Rank 0 passes the checkpoint ``state``.
+
+        Returns the step's metrics with timings (``train_s``, ``save_s``), and the directory
+        of the weight version written this step (None without ``cmd.sync``). The checkpoint
+        keeps the metrics too (``state["metrics"]``), so a crash between the checkpoint and
+        the metrics line loses no line (``Metrics.recover``)."""
+        if rank_and_world()[1] > 1 and is_main():
             agree(cmd)
         t0 = time.perf_counter()
         metrics = train_step(
             self.model, self.optimizer, decode_batch(cmd.batch), self.settings, max_grad_norm=self.max_grad_norm
         )
         t1 = time.perf_counter()
-        rank0 = world()[0] == 0  # failpoints fire on rank 0 only, as in a crash of its machine
+        rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine
         if rank0:
             faults.hit("trainer.train", cmd.step + 1)
         weights = save_version(self.run_dir / "weights", cmd.version, self.model, self.initial) if cmd.sync else None
@@ -137,7 +91,7 @@ class Policy:
         checkpoint.save(
             self.run_dir / "checkpoints", self.model, self.optimizer, state, weights_dir=weights, keep=self.keep
         )
-        return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1, "weights": weights}
+        return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
 
     def follow(self) -> None:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
@@ -146,6 +100,6 @@ class Policy:
         dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts
 
     def stop(self) -> None:
-        if world()[1] > 1:
+        if rank_and_world()[1] > 1:
             agree(StepCommand(-1, -1, False, None))
             dist.barrier()

@@ -2,10 +2,10 @@
 
 The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
 
-    publish the tasks of the steps up to max_inflight_steps ahead      driver.py
+    publish the tasks of the steps up to max_inflight_steps ahead      tasks.py
     gather accepted batches until the step's samples arrived            gate.py
-    train on their concatenation, on every rank                         policy.py, step.py
-    save weights version v+1 and the checkpoint (with the ledger)       weights.py, checkpoint.py
+    train on their concatenation, on every rank                         commit.py, policy.py, step.py
+    save weights version v+1 and the checkpoint (with the ledger)       commit.py, weights.py, checkpoint.py
     ack the step's batches                                              gate.py
     load version v+1 on every engine, publish weights.updated           weights.py
     log the step                                                        metrics.py
@@ -29,13 +29,15 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
 from shared import config as shared_config
+from shared import logs
+
+log = logging.getLogger("centerline.trainer")
 
 
 def parse(argv: list[str]):
@@ -84,35 +86,117 @@ def parse(argv: list[str]):
 
 async def drive(args, cfg, policy, resume: Path | None) -> int:
     """Rank 0: the training loop of the module docstring."""
-    from shared import faults, names
-    from shared.nats import connect, ensure_streams, pull_consumer
-    from shared.wire import encode_batch
+    from shared import faults
     from trainer_service import checkpoint, weights
-    from trainer_service.driver import Driver, load_dataset
-    from trainer_service.gate import Gate, concat_batches
+    from trainer_service.commit import TrainerState, commit_step, step_record
+    from trainer_service.gate import Gate
     from trainer_service.metrics import Metrics
-    from trainer_service.policy import StepCommand
+    from trainer_service.tasks import TaskPublisher, load_dataset
 
-    state = (
-        checkpoint.load_state(resume)
-        if resume
-        else {"step": 0, "version": 0, "next_task_step": 0, "ledger": {}, "run_id": run_id(args.run_dir)}
-    )
-    step, version = state["step"], state["version"]
-    if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > policy.vocab_size:
-        logging.getLogger("centerline.trainer").error(
-            "--rollout-top-logprobs-num %d is above the model's vocabulary of %d: no row can hold K candidates (and "
-            "SGLang "
-            "takes its server down on such a request); set K <= %d",
-            cfg.rollout_top_logprobs_num,
-            policy.vocab_size,
-            policy.vocab_size,
-        )
+    saved = checkpoint.load_state(resume) if resume else None
+    state = TrainerState.from_dict(saved) if saved else TrainerState(run_id=run_id(args.run_dir))
+    if not candidates_fit(cfg, policy.vocab_size):
         policy.stop()
         return 2
+    stopping = stop_event()
+    nc, js, consumer = await open_streams(cfg, args)
+    gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=dict(state.ledger))
+    tasks = TaskPublisher(
+        load_dataset(args.dataset),
+        run_id=state.run_id,
+        seed=cfg.seed,
+        prompts_per_step=args.prompts_per_step,
+        n=cfg.rollout_n,
+        next_step=state.next_task_step,
+    )
+    engines = weights.WeightPublisher(js, cfg.engine_urls)
+    metrics = Metrics(args.run_dir, args.metrics_port)
+    metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
+    # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
+    initial = weights.version_dir(args.run_dir / "weights", state.version) if state.version else args.model
+    await engines.publish(state.version, initial)
+    keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
+    target = args.prompts_per_step * cfg.rollout_n
+    log.info("run %s resumes at step %d, version %d", state.run_id, state.step, state.version)
+
+    while state.step < args.steps and not stopping.is_set():
+        t0 = time.perf_counter()
+        await tasks.publish_until(js, state.step, cfg.max_inflight_steps, args.steps)
+        held = await gate.gather(
+            target,
+            state.version,
+            args.step_timeout,
+            stopping,
+            min_samples=policy.world_size,
+            starved=lambda: tasks.publish_next(js),
+        )
+        if stopping.is_set():
+            await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
+            break
+        faults.hit("trainer.gathered", state.step + 1)
+        t1 = time.perf_counter()
+        step = await asyncio.to_thread(
+            commit_step,
+            policy,
+            state,
+            held,
+            weight_sync_interval=args.weight_sync_interval,
+            next_task_step=tasks.next_step,
+        )
+        faults.hit("trainer.after_checkpoint", step.after.step)
+        await gate.commit(state.step)  # step, checkpoint and ledger are durable: ack its batches
+        faults.hit("trainer.after_acks", step.after.step)
+        t2 = time.perf_counter()
+        if step.weights is not None:
+            await engines.publish(step.after.version, step.weights)
+        timings = {"gather_s": t1 - t0, "weights_s": time.perf_counter() - t2, "step_s": time.perf_counter() - t0}
+        record = step_record(step, metrics.gate(gate.take_counts()), timings)
+        metrics.weight_failures.set(engines.failures)
+        metrics.step(record)
+        state = step.after
+
+    keep_alive.cancel()
+    log.info("stopped after %d steps at version %d", state.step, state.version)
+    try:
+        await engines.close()
+        await nc.flush(timeout=5)  # naks are plain publishes; acks were confirmed one by one
+        await nc.close()
+    # NATS down at the end: what was not acked comes back after ack_wait
+    except Exception as exc:  # noqa: BLE001
+        log.warning("NATS unreachable while stopping (%r); batches not acked are redelivered after --ack-wait", exc)
+    finally:
+        policy.stop()  # last: the other ranks then leave with this one
+    return 0
+
+
+def candidates_fit(cfg, vocab_size: int) -> bool:
+    """In selected mode a row holds K candidates: K above the vocabulary can never be met."""
+    if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab_size:
+        log.error(
+            "--rollout-top-logprobs-num %d is above the model's vocabulary of %d: no row can hold K candidates "
+            "(and SGLang takes its server down on such a request); set K <= %d",
+            cfg.rollout_top_logprobs_num,
+            vocab_size,
+            vocab_size,
+        )
+        return False
+    return True
+
+
+def stop_event() -> asyncio.Event:
+    """Set on SIGTERM or SIGINT: the loop finishes a running step, abandons a gathering one."""
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
+    return stopping
+
+
+async def open_streams(cfg, args):
+    """Connect, make sure the streams exist, bind the trainer's durable consumer of batches."""
+    from shared import names
+    from shared.nats_client import connect, pull_consumer
+    from shared.streams import ensure_streams
+
     nc = await connect(cfg.nats_url, name="centerline-trainer")
     js = nc.jetstream()
     await ensure_streams(js)
@@ -124,90 +208,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         ack_wait=args.ack_wait,
         max_deliver=args.max_deliver,
     )
-    gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=state["ledger"])
-    driver = Driver(
-        load_dataset(args.dataset),
-        run_id=state["run_id"],
-        seed=cfg.seed,
-        prompts_per_step=args.prompts_per_step,
-        n=cfg.rollout_n,
-        next_step=state["next_task_step"],
-    )
-    publisher = weights.WeightPublisher(js, cfg.engine_urls)
-    metrics = Metrics(args.run_dir, args.metrics_port)
-    metrics.recover(state)  # the line of a step whose checkpoint was written just before a crash
-    # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
-    await publisher.publish(version, weights.version_dir(args.run_dir / "weights", version) if version else args.model)
-    keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
-    target = args.prompts_per_step * cfg.rollout_n
-    logging.getLogger("centerline.trainer").info(
-        "run %s resumes at step %d, version %d", state["run_id"], step, version
-    )
-
-    while step < args.steps and not stopping.is_set():
-        t0 = time.perf_counter()
-        await driver.publish_until(js, step, cfg.max_inflight_steps, args.steps)
-        held = await gate.gather(
-            target,
-            version,
-            args.step_timeout,
-            stopping,
-            min_samples=policy.world_size,
-            starved=lambda: driver.publish_next(js),
-        )
-        if stopping.is_set():
-            await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
-            break
-        faults.hit("trainer.gathered", step + 1)
-        t1 = time.perf_counter()
-        sync = (step + 1) % args.weight_sync_interval == 0
-        batch = concat_batches([h.batch for h in held], batch_id=f"{state['run_id']}/step-{step}")
-        cmd = StepCommand(step, version + sync, sync, encode_batch(batch))
-        state = {
-            "step": step + 1,
-            "version": version + sync,
-            "next_task_step": driver.next_step,
-            "run_id": state["run_id"],
-            "ledger": gate.ledger_with_held(step),
-        }
-        result = await asyncio.to_thread(policy.run, cmd, state)
-        faults.hit("trainer.after_checkpoint", step + 1)
-        await gate.commit(step)  # step, checkpoint and ledger are durable: ack its batches
-        faults.hit("trainer.after_acks", step + 1)
-        t2 = time.perf_counter()
-        if sync:
-            await publisher.publish(cmd.version, result.pop("weights"))
-        staleness = [version - h.batch.weight_version for h in held for _ in range(h.batch.num_samples)]
-        # "step" counts completed steps, like --steps: the first step logs step 1.
-        record = {
-            "step": step + 1,
-            "version": cmd.version,
-            **{k: v for k, v in result.items() if k != "weights"},
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            **metrics.gate(gate.take_counts()),
-            "gather_s": t1 - t0,
-            "weights_s": time.perf_counter() - t2,
-            "step_s": time.perf_counter() - t0,
-            "batch_ids": [h.batch.batch_id for h in held],
-        }
-        metrics.weight_failures.set(publisher.failures)
-        metrics.step(record)
-        step, version = step + 1, cmd.version
-
-    keep_alive.cancel()
-    log = logging.getLogger("centerline.trainer")
-    log.info("stopped after %d steps at version %d", step, version)
-    try:
-        await publisher.close()
-        await nc.flush(timeout=5)  # naks are plain publishes; acks were confirmed one by one
-        await nc.close()
-    # NATS down at the end: what was not acked comes back after ack_wait
-    except Exception as exc:  # noqa: BLE001
-        log.warning("NATS unreachable while stopping (%r); batches not acked are redelivered after --ack-wait", exc)
-    finally:
-        policy.stop()  # last: the other ranks then leave with this one
-    return 0
+    return nc, js, consumer
 
 
 def run_id(run_dir: Path) -> str:
@@ -224,25 +225,25 @@ def run_id(run_dir: Path) -> str:
 
 def main(argv: list[str]) -> int:
     args, cfg = parse(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.setup("trainer")
     import torch
-    import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
     from trainer_service import checkpoint
-    from trainer_service.policy import Policy, agree, in_world
+    from trainer_service.distributed import agree, in_world, is_main
+    from trainer_service.policy import Policy
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per step and rank otherwise
     torch.set_num_threads(args.threads)
 
     def body() -> int:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
+        main_rank = is_main()
+        if main_rank:
             args.run_dir.mkdir(parents=True, exist_ok=True)
             (args.run_dir / "config.toml").write_text(shared_config.to_toml(cfg))
             checkpoint.remove_partial(args.run_dir / "checkpoints")
-        resume = agree(checkpoint.latest(args.run_dir / "checkpoints") if rank == 0 else None)
+        resume = agree(checkpoint.latest(args.run_dir / "checkpoints") if main_rank else None)
         policy = Policy(
             model_dir=args.model,
             run_dir=args.run_dir,
@@ -252,7 +253,7 @@ def main(argv: list[str]) -> int:
             max_grad_norm=args.max_grad_norm or None,
             keep_checkpoints=args.keep_checkpoints,
         )
-        if rank != 0:
+        if not main_rank:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank
             policy.follow()

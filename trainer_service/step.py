@@ -8,8 +8,6 @@ summed gradient is the same as one process on the whole batch. DDP and FSDP2 ave
 gradients over ranks; the backward pass multiplies by the world size to undo that.
 Gradients are synchronised on the last micro-batch only.
 
-    torchrun --nproc-per-node 2 -m trainer_service.step --model DIR --batch batch.bin --out DIR2
-
 Left out on purpose: packing several samples per forward (one sample per micro-batch keeps
 activations small and the numerics independent of the sharding), checkpoints of the
 optimizer state, and the batch gate (the trainer runs the contract before a batch gets here).
@@ -17,23 +15,20 @@ optimizer state, and the batch gate (the trainer runs the contract before a batc
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer_service.distributed import rank_and_world
 from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
-from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
 
 LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 METRICS = (
     "sc_correction",
+    "sc_residual_l1",
     "sc_train_head_mass",
     "sc_rollout_head_mass",
     "sc_tail_ratio",
@@ -53,12 +48,6 @@ class LossSettings:
     mis_low: float = 0.5  # --score-centering-mis-low
     mis_high: float = 5.0  # --score-centering-mis-high
     chunk_size: int | None = None  # rows per [rows, V] pass in the loss; None = automatic
-
-
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def shard(num_samples: int, rank: int, world: int) -> range:
@@ -195,45 +184,3 @@ def make_optimizer(model, name: str = "adamw", lr: float = 1e-5):
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr)
     raise ValueError(f"optimizer={name!r}; expected adamw or sgd")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """One step from a wire-format batch file: load, step, save the updated model."""
-    parser = argparse.ArgumentParser(prog="python -m trainer_service.step", description=main.__doc__)
-    parser.add_argument("--model", required=True, help="HF-format model directory to start from")
-    parser.add_argument("--batch", required=True, help="a wire format v1 batch (encode_batch bytes)")
-    parser.add_argument("--out", required=True, help="directory for the updated model")
-    parser.add_argument("--metrics", help="write the step metrics here as JSON (rank 0)")
-    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES)
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    parser.add_argument("--loss", default="score_centering", choices=tuple(LOSSES))
-    parser.add_argument("--score-centering-is", dest="is_mode", default="none", choices=("none", "tis", "mis"))
-    parser.add_argument("--score-centering-tis-clip", dest="tis_clip", type=float, default=2.0)
-    parser.add_argument("--score-centering-mis-low", dest="mis_low", type=float, default=0.5)
-    parser.add_argument("--score-centering-mis-high", dest="mis_high", type=float, default=5.0)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-
-    from shared.wire import decode_batch
-    from trainer_service.policy import in_world
-
-    def body() -> int:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-        with open(args.batch, "rb") as fh:
-            batch = decode_batch(fh.read())
-        model = wrap_model(load_model(args.model, device=device), args.strategy)
-        optimizer = make_optimizer(model, args.optimizer, args.lr)
-        settings = LossSettings(args.loss, args.is_mode, args.tis_clip, args.mis_low, args.mis_high)
-        metrics = train_step(model, optimizer, batch, settings, max_grad_norm=args.max_grad_norm or None)
-        save_model(model, args.out)
-        if args.metrics and rank_and_world()[0] == 0:
-            with open(args.metrics, "w") as fh:
-                json.dump(metrics, fh)
-        return 0
-
-    return in_world(body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,8 +29,9 @@ import aiohttp
 import orjson
 
 from shared import admin_key, names
-from shared.nats import PublishError, publish_acked
-from trainer_service.checkpoint import is_writer, publish_dir
+from shared.nats_client import PublishError, publish_acked
+from trainer_service.checkpoint import publish_dir
+from trainer_service.distributed import is_main
 from trainer_service.model import save_model
 
 log = logging.getLogger("centerline.trainer.weights")
@@ -46,11 +47,11 @@ def save_version(root: Path, version: int, model, initial: Path) -> Path:
     """Write version ``version`` of ``model`` (all ranks call; rank 0 writes)."""
     final = version_dir(root, version)
     tmp = root / f".tmp-{final.name}"
-    if is_writer():
+    if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     save_model(model, str(tmp))
-    if is_writer():
+    if is_main():
         for f in initial.iterdir():  # tokenizer and anything else the engine needs besides the weights
             if (
                 f.is_file()

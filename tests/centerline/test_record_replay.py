@@ -21,7 +21,9 @@ import torch
 
 from centerline.record import MAGIC, RecordFileError, read_record
 from shared import names
-from shared.nats import EmbeddedNats, connect, ensure_streams
+from shared.nats_client import connect
+from shared.nats_server import EmbeddedNats
+from shared.streams import ensure_streams
 from tests.processes import stored_messages
 
 pytestmark = pytest.mark.integration
@@ -39,6 +41,7 @@ REPRODUCED = (
     "samples",
     "reward_mean",
     "sc_correction",
+    "sc_residual_l1",
     "sc_train_head_mass",
     "sc_rollout_head_mass",
     "sc_tail_ratio",

@@ -659,7 +659,7 @@ def nats_configs() -> dict[str, str]:
 @pytest.mark.parametrize("where", ["compose", "k8s"])
 def test_nats_server_accepts_the_config(where, tmp_path):
     from shared import nats_auth
-    from shared.nats import server_binary
+    from shared.nats_server import server_binary
 
     path = tmp_path / "nats.conf"
     path.write_text(nats_configs()[where])

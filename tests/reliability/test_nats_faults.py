@@ -11,7 +11,7 @@ published, and restarted on the same data directory and port.
 - two worker behaviours those faults exposed: a SIGTERM while NATS is down, and a task ack
   lost after the task's batches were stored;
 - ``..._while_the_trainer_publishes_tasks``: the trainer's task publish lost in a restart is
-  sent again (``shared.nats.publish_acked``; the trainer used to exit 1 there).
+  sent again (``shared.nats_client.publish_acked``; the trainer used to exit 1 there).
 
 The first two print one ``RELIABILITY`` line with the figures of the closing note (``pytest -s``).
 """
@@ -29,7 +29,9 @@ from pathlib import Path
 import pytest
 
 from shared import names
-from shared.nats import EmbeddedNats, PublishError, connect, ensure_streams, publish_batch
+from shared.nats_client import PublishError, connect, publish_batch
+from shared.nats_server import EmbeddedNats
+from shared.streams import ensure_streams
 from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import decode_batch, encode_batch

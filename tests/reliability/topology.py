@@ -30,7 +30,9 @@ from nats.js.errors import NotFoundError
 
 from centerline.tokenizer import VOCAB_SIZE
 from shared import names
-from shared.nats import EmbeddedNats, connect, ensure_streams
+from shared.nats_client import connect
+from shared.nats_server import EmbeddedNats
+from shared.streams import ensure_streams
 from shared.toy_tasks import examples
 from shared.wire import decode_batch
 from tests.processes import SGLangProcess, stored_messages

@@ -22,7 +22,9 @@ import pytest
 
 from shared import names
 from shared.contract import check_batch
-from shared.nats import EmbeddedNats, connect, ensure_streams
+from shared.nats_client import connect
+from shared.nats_server import EmbeddedNats
+from shared.streams import ensure_streams
 from shared.task import PromptTask
 from shared.wire import decode_batch
 from tests import processes

@@ -9,7 +9,8 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from shared import names
-from shared.nats import EmbeddedNats, connect
+from shared.nats_client import connect
+from shared.nats_server import EmbeddedNats
 
 pytestmark = pytest.mark.integration
 

@@ -6,16 +6,9 @@ import pytest
 
 from shared import names
 from shared.contract import check_batch
-from shared.nats import (
-    HEADER_ROOM,
-    EmbeddedNats,
-    StreamConfigError,
-    StreamLimits,
-    connect,
-    ensure_streams,
-    publish_batch,
-    pull_consumer,
-)
+from shared.nats_client import HEADER_ROOM, connect, publish_batch, pull_consumer
+from shared.nats_server import EmbeddedNats
+from shared.streams import StreamConfigError, StreamLimits, ensure_streams
 from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch
 

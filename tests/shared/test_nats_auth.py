@@ -21,17 +21,10 @@ import pytest
 from nats.js.api import StreamConfig
 
 from shared import names, nats_auth
-from shared.nats import (
-    CredentialsError,
-    EmbeddedNats,
-    StreamConfigError,
-    connect,
-    ensure_streams,
-    provision,
-    publish_batch,
-    pull_consumer,
-    stream_configs,
-)
+from shared.nats_auth import CredentialsError
+from shared.nats_client import connect, publish_batch, pull_consumer
+from shared.nats_server import EmbeddedNats
+from shared.streams import StreamConfigError, ensure_streams, provision, stream_configs
 from shared.synth import make_batch
 
 STREAMS = {c.name for c in stream_configs()}

@@ -49,6 +49,7 @@ def oracle(
     sums = dict.fromkeys(
         (
             "sc_correction",
+            "sc_residual_l1",
             "sc_train_head_mass",
             "sc_rollout_head_mass",
             "sc_tail_ratio",
@@ -94,13 +95,17 @@ def oracle(
             coefs = {v: q[v] * w(p[v] / q[v]) - alpha * p[v] for v in head}
             for v in head:
                 term = term - coefs[v] * logp[v]
-            sums["sc_correction"] += sum(abs(c) for c in coefs.values())
+            sums["sc_correction"] += sum(coefs[v] * float(logp[v].detach()) for v in head)
+            sums["sc_residual_l1"] += sum(abs(c) for c in coefs.values())
             sums["sc_train_head_mass"] += head_p
             sums["sc_rollout_head_mass"] += sum(q.values())
             sums["sc_tail_ratio"] += rho
         total = total - A * term
         sums["sc_importance_weight"] += w_a
-        sums["train_rollout_kl"] += r_a - 1 - math.log(r_a)
+        log_r = min(
+            max(float(logp[a].detach()) - float(case["sampled_logprobs"][i]), -20.0), 20.0
+        )  # clamped as miles does
+        sums["train_rollout_kl"] += math.exp(log_r) - 1 - log_r
         sums["train_rollout_logprob_abs_diff"] += abs(math.log(p[a]) - math.log(q_a))
     value = total / max(count, 1)
     (grad,) = torch.autograd.grad(value, logits) if value.requires_grad else (torch.zeros_like(logits),)

@@ -26,7 +26,8 @@ import numpy as np
 import orjson
 
 from shared import names
-from shared.nats import connect, ensure_streams, publish_batch, pull_consumer
+from shared.nats_client import connect, publish_batch, pull_consumer
+from shared.streams import ensure_streams
 from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import encode_batch, replace_arrays

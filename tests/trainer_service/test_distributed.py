@@ -1,5 +1,5 @@
 """The same global batch on 1 process and on 2 gloo processes under torchrun gives the same
-update. Runs `python -m trainer_service.step` for real; each launch takes a few seconds."""
+update. Runs `python -m tests.trainer_service.one_step` (``train_step``) for real; each launch takes a few seconds."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def run_step(tmp: Path, model_dir: str, batch_file: Path, nproc: int, *extra: st
         "--master-port",
         str(free_port()),
         "-m",
-        "trainer_service.step",
+        "tests.trainer_service.one_step",
         "--model",
         model_dir,
         "--batch",

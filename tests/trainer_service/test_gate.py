@@ -13,7 +13,17 @@ from shared.config import Config
 from shared.contract import check_batch
 from shared.synth import make_batch
 from shared.wire import encode_batch, replace_arrays
-from trainer_service.gate import Gate, concat_batches
+from trainer_service.gate import (
+    DUPLICATE,
+    HOLD,
+    IGNORE,
+    REJECT,
+    Gate,
+    GateSettings,
+    Held,
+    admission,
+    concat_batches,
+)
 
 VOCAB, K = 64, 8
 CFG = Config(rollout_top_logprobs_num=K, rollout_n=4, max_staleness=1)
@@ -151,7 +161,6 @@ def test_commit_records_the_ledger_and_acks_every_held_message():
     msgs = [Msg(encode_batch(batch(f"b-{i}")), seq=10 + i) for i in range(2)]
     for m in msgs:
         admit(g, m)
-    assert g.ledger_with_held(step=5) == {"b-0": [10, 5], "b-1": [11, 5]}
     assert g.ledger == {}  # not before the checkpoint is durable
     asyncio.run(g.commit(step=5))
     assert g.ledger == {"b-0": [10, 5], "b-1": [11, 5]} and rec.acked == msgs and g.held == {}
@@ -196,3 +205,20 @@ def test_keep_alive_marks_every_held_message_in_progress():
 
     asyncio.run(asyncio.wait_for(run(), 10))
     assert marked[:4] == msgs + msgs
+
+
+SETTINGS = GateSettings(VOCAB, CFG)
+
+
+def test_admission_is_decided_without_io_from_message_ledger_held_and_settings():
+    data = encode_batch(batch("b-0"))
+    assert admission(data, 7, 3, ledger={}, held={}, settings=SETTINGS).action == HOLD
+    # the trained message again (a lost ack), or a copy recorded from the subject (no sequence)
+    for seq in (7, 0):
+        assert admission(data, seq, 3, ledger={"b-0": [7, 1]}, held={}, settings=SETTINGS).action == DUPLICATE
+    held = {"b-0": Held(None, batch("b-0"), 7)}
+    assert admission(data, 7, 3, ledger={}, held=held, settings=SETTINGS).action == IGNORE
+    other = admission(data, 8, 3, ledger={"b-0": [7, 1]}, held={}, settings=SETTINGS)
+    assert (other.action, other.rule) == (REJECT, "duplicate_batch")
+    wire = admission(b"\x81\xa1v\x02", 9, 3, ledger={}, held={}, settings=SETTINGS, msg_id="m-9")
+    assert (wire.action, wire.rule, wire.batch_id, wire.batch) == (REJECT, "wire", "m-9", None)

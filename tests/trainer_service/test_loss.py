@@ -131,6 +131,39 @@ def test_centering_vanishes_when_trainer_equals_sampler():
     assert torch.allclose(grad_sc, grad_pg, rtol=0, atol=1e-15)
 
 
+def test_sc_correction_is_the_signed_centering_term_and_sc_residual_l1_its_mass():
+    # p = (1, 2, 3)/6 over V = 3; H = {2, 1} with q = (1/2, 1/4): Q_H = 3/4, P_H = 5/6,
+    # rho = (1/4) / (1/6) = 3/2 = alpha (f = none), c_2 = 1/2 - 3/2 * 1/2 = -1/4,
+    # c_1 = 1/4 - 3/2 * 1/3 = -1/4; sum_H c log p = -1/4 (log 1/2 + log 1/3) = log(6) / 4.
+    case = {
+        "logits": torch.log(torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)).requires_grad_(),
+        "response_ids": torch.tensor([0]),
+        "sampled_logprobs": torch.tensor([math.log(0.25)], dtype=torch.float64),
+        "cand_ids": torch.tensor([[2, 1]], dtype=torch.int32),
+        "cand_logprobs": torch.log(torch.tensor([[0.5, 0.25]], dtype=torch.float64)),
+        "advantages": torch.tensor([1.0], dtype=torch.float64),
+        "loss_mask": torch.tensor([True]),
+    }
+    assert_matches_oracle(case, mode="selected", is_mode="none")
+    _, _, metrics = run(score_centering_loss, case)
+    assert metrics["sc_correction"] == pytest.approx(math.log(6) / 4, abs=TOL64)
+    assert metrics["sc_residual_l1"] == pytest.approx(0.5, abs=TOL64)
+    assert metrics["sc_tail_ratio"] == pytest.approx(1.5, abs=TOL64)
+
+
+@pytest.mark.parametrize("fn", (score_centering_loss, reinforce_loss, tis_loss))
+def test_one_extreme_token_leaves_train_rollout_kl_finite(fn):
+    # log p_a - log q_a ~ 1e4 overflows exp; clamped to 20, that token's k3 is e^20 - 1 - 20.
+    case = make_case(30, n=4, mode="selected")
+    case["sampled_logprobs"][0] = -1e4
+    value, grad, metrics = run(fn, case)
+    assert math.isfinite(value) and bool(torch.isfinite(grad).all())
+    case["loss_mask"][0] = False
+    _, _, rest = run(fn, case)
+    expected = (3 * rest["train_rollout_kl"] + math.exp(20) - 21) / 4
+    assert metrics["train_rollout_kl"] == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("fn, loss, is_mode", [(reinforce_loss, "reinforce", "none"), (tis_loss, "tis", "tis")])
 def test_baselines_match_dense_oracle(fn, loss, is_mode):
     case = make_case(18, mode="selected", padded_rows=(3,))

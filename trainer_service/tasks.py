@@ -5,10 +5,10 @@ goes into ``PromptTask.meta`` unchanged (the reward function sees it). Step ``s`
 ``prompts_per_step`` tasks, the dataset positions ``s * prompts_per_step + j`` of an
 endless sequence of epochs, each epoch a permutation seeded by ``(seed, epoch)``. So the
 tasks of a step are a pure function of ``(dataset, seed, step)``: after a restart the
-driver re-publishes the same tasks with the same ``task_id`` (= ``Nats-Msg-Id``), which
+trainer re-publishes the same tasks with the same ``task_id`` (= ``Nats-Msg-Id``), which
 JetStream drops inside the PROMPTS duplicate window.
 
-The driver never runs more than ``max_inflight_steps`` steps ahead of training
+The publisher never runs more than ``max_inflight_steps`` steps ahead of training
 (``publish_until``), which bounds how stale a batch can be when it reaches a step.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from shared import names
-from shared.nats import publish_acked
+from shared.nats_client import publish_acked
 from shared.task import PromptTask
 
 REQUIRED = ("prompt", "answer", "reward")
@@ -65,8 +65,8 @@ def load_dataset(path: str | Path) -> list[Example]:
     return examples
 
 
-class Driver:
-    """Turns steps into prompt tasks; ``next_step`` is the data cursor saved in checkpoints."""
+class TaskPublisher:
+    """Turns steps into prompt tasks and publishes them; ``next_step`` is the data cursor saved in checkpoints."""
 
     def __init__(
         self, examples: list[Example], *, run_id: str, seed: int, prompts_per_step: int, n: int, next_step: int = 0

@@ -1,4 +1,4 @@
-"""The trainer's driver: dataset lines to prompt tasks, deterministic by seed, bounded ahead."""
+"""The trainer's task publisher: dataset lines to prompt tasks, deterministic by seed, bounded ahead."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from shared import names
 from shared.task import PromptTask
-from trainer_service.driver import DatasetError, Driver, load_dataset
+from trainer_service.tasks import DatasetError, TaskPublisher, load_dataset
 
 
 class Recorder:
@@ -31,19 +31,19 @@ def dataset(tmp_path):
     return path
 
 
-def driver(dataset, seed=0, next_step=0) -> Driver:
-    return Driver(load_dataset(dataset), run_id="r1", seed=seed, prompts_per_step=3, n=4, next_step=next_step)
+def publisher(dataset, seed=0, next_step=0) -> TaskPublisher:
+    return TaskPublisher(load_dataset(dataset), run_id="r1", seed=seed, prompts_per_step=3, n=4, next_step=next_step)
 
 
 def test_extra_keys_go_to_meta_and_ids_name_run_step_index(dataset):
-    tasks = driver(dataset).tasks(2)
+    tasks = publisher(dataset).tasks(2)
     assert [t.task_id for t in tasks] == ["r1/2/0", "r1/2/1", "r1/2/2"]
     assert all(t.group_id == t.task_id and t.n == 4 and t.step == 2 and t.reward == "exact" for t in tasks)
     assert all(t.meta == {"id": t.meta["id"], "task": "reverse"} for t in tasks)
 
 
 def test_order_is_a_function_of_seed_and_step_covering_each_epoch(dataset):
-    a, b, c = driver(dataset, seed=0), driver(dataset, seed=0), driver(dataset, seed=1)
+    a, b, c = publisher(dataset, seed=0), publisher(dataset, seed=0), publisher(dataset, seed=1)
     first = [t.meta["id"] for s in range(5) for t in a.tasks(s)]  # 15 positions = 3 epochs of 5
     assert first == [t.meta["id"] for s in range(5) for t in b.tasks(s)]
     assert first != [t.meta["id"] for s in range(5) for t in c.tasks(s)]
@@ -52,7 +52,7 @@ def test_order_is_a_function_of_seed_and_step_covering_each_epoch(dataset):
 
 
 def test_publishes_at_most_inflight_steps_ahead_with_task_id_as_msg_id(dataset):
-    d, js = driver(dataset), Recorder()
+    d, js = publisher(dataset), Recorder()
     assert asyncio.run(d.publish_until(js, trained_steps=0, inflight=2, last_step=10)) == 6
     assert asyncio.run(d.publish_until(js, trained_steps=0, inflight=2, last_step=10)) == 0
     assert asyncio.run(d.publish_until(js, trained_steps=1, inflight=2, last_step=10)) == 3

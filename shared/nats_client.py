@@ -1,0 +1,216 @@
+"""The NATS client side of centerline: connecting, publishing with PubAck, pull consumers.
+
+- ``connect`` logs in as ``CENTERLINE_NATS_USER`` (``shared/nats_auth.py``: users and their
+  permissions) and reconnects forever, so a server restart does not end a service.
+- ``publish_batch`` publishes a wire-format batch with ``Nats-Msg-Id = batch_id`` (JetStream
+  drops a re-publish inside the duplicate window), split by sample (``shared/split.py``)
+  when the encoded batch exceeds the server's ``max_payload``; ``publish_acked`` is one
+  message, repeated until JetStream confirms it.
+- ``pull_consumer`` binds a durable pull consumer with explicit acks.
+
+Not here: the batch format (``shared/wire.py``), the checks (``shared/contract.py``), the
+streams (``shared/streams.py``), the server (``shared/nats_server.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, PubAck
+
+from shared import names, nats_auth
+from shared.nats_auth import CredentialsError
+from shared.split import Part, split_batch
+from shared.wire import Batch, decode_batch
+
+# Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
+HEADER_ROOM = 4096
+
+
+class PublishError(RuntimeError):
+    """JetStream did not confirm a published message."""
+
+
+async def connect(
+    url: str, *, name: str | None = None, user: str | None = None, password: str | None = None, **options
+) -> nats.NATS:
+    """Connect with reconnects that never give up, so a server restart does not end a service.
+
+    Logs in as ``user``, else as ``CENTERLINE_NATS_USER`` with ``CENTERLINE_NATS_PASSWORD`` (or
+    ``CENTERLINE_NATS_PASSWORD_FILE``), else with no credentials. A user's replies come to its own
+    inbox, ``_INBOX_<user>``, the subjects its permissions let it subscribe to. Credentials the
+    server refuses raise ``CredentialsError`` at once, since no retry can fix them (nats-py would
+    retry forever). Asynchronous errors, permission violations among them, go to ``error_cb``
+    (default: one log line each).
+    """
+    if user is None:
+        if password is not None:
+            raise CredentialsError("connect: a password without a user")
+        user, password = nats_auth.credentials_from_env()
+    if user is not None:
+        options.update(user=user, password=password)
+        options.setdefault("inbox_prefix", nats_auth.inbox_prefix(user))
+    options.setdefault("max_reconnect_attempts", -1)
+    options.setdefault("reconnect_time_wait", 0.5)
+    report = options.pop("error_cb", None) or _log_error
+    connecting = True
+
+    async def error_cb(exc: Exception) -> None:
+        if connecting and "authorization violation" in str(exc).lower():
+            raise _refused(url, user)  # out of nats-py's connect loop
+        await report(exc)
+
+    nc = nats.NATS()
+    try:
+        await nc.connect(url, name=name, error_cb=error_cb, **options)
+    except CredentialsError:
+        await nc.close()
+        raise
+    connecting = False
+    return nc
+
+
+def _refused(url: str, user: str | None) -> CredentialsError:
+    where = f"NATS at {nats_auth.redact(url)}"
+    if user is None:
+        return CredentialsError(
+            f"{where} requires a user and password: set {nats_auth.USER_ENV} and "
+            f"{nats_auth.PASSWORD_ENV} (or {nats_auth.PASSWORD_FILE_ENV})"
+        )
+    return CredentialsError(
+        f"{where} refused user {user!r} (Authorization Violation): an unknown user, or a password "
+        f"({nats_auth.PASSWORD_ENV} or {nats_auth.PASSWORD_FILE_ENV}) that differs from the "
+        f"server's {nats_auth.password_variable(user)}"
+    )
+
+
+async def _log_error(exc: Exception) -> None:
+    logging.getLogger("centerline.nats").error("NATS: %s", exc)
+
+
+async def publish_batch(
+    js: JetStreamContext,
+    batch: Batch | bytes,
+    *,
+    max_payload: int,
+    subject: str = names.ROLLOUTS_SUBJECT,
+    batch_id: str | None = None,  # only for bytes
+    timeout: float = 10.0,
+    attempts: int = 3,
+) -> list[PubAck]:
+    """Publish a batch with ``Nats-Msg-Id = batch_id`` and wait for each PubAck (acked = fsynced).
+
+    ``max_payload`` is the server's (``nc.max_payload``); a larger batch is split by sample
+    (``split_batch``). Bytes that fit are published unchanged; their ``batch_id`` is read
+    from them unless given.
+    A publish without PubAck within ``timeout`` is repeated with the same id, ``attempts``
+    times in all, then raises ``PublishError``. Returns one PubAck per message;
+    ``ack.duplicate`` is True where JetStream already held that id, which is a successful
+    publish, not an error.
+    """
+    limit = max_payload - HEADER_ROOM
+    if isinstance(batch, Batch):
+        parts = split_batch(batch, limit)
+    elif len(batch) <= limit:
+        parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
+    else:
+        parts = split_batch(decode_batch(batch), limit)
+    return [
+        await publish_acked(
+            js,
+            subject,
+            part.data,
+            {names.MSG_ID_HEADER: part.batch_id},
+            what=f"batch {part.batch_id!r}",
+            timeout=timeout,
+            attempts=attempts,
+        )
+        for part in parts
+    ]
+
+
+async def publish_acked(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    headers: dict | None = None,
+    *,
+    what: str = "message",
+    timeout: float = 10.0,
+    attempts: int = 3,
+) -> PubAck:
+    """JetStream-publish and wait for the PubAck, repeating a publish that got none (lost in
+    a server restart or a reconnect, or stored with its PubAck lost) ``attempts`` times in all,
+    then raise ``PublishError`` naming ``what``. Repeating is safe only where a second copy is
+    harmless: a ``Nats-Msg-Id`` in ``headers`` (deduplicated), or a last-value stream."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await js.publish(subject, data, timeout=timeout, headers=headers)
+        except nats.errors.TimeoutError:
+            if attempt == attempts:
+                raise PublishError(
+                    f"no PubAck for {what} on {subject!r} after {attempts} attempts of {timeout}s: "
+                    "is the NATS server reachable?"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+class PullConsumer:
+    """A bound durable pull consumer with explicit acks."""
+
+    def __init__(self, sub: JetStreamContext.PullSubscription):
+        self.sub = sub
+
+    async def fetch(self, max_msgs: int = 1, timeout: float = 1.0) -> list:
+        """Up to ``max_msgs`` messages, fewer (or none) if ``timeout`` seconds pass first."""
+        try:
+            return await self.sub.fetch(max_msgs, timeout=timeout)
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either, by code path
+            return []
+
+    @staticmethod
+    async def ack(msg, timeout: float = 5.0) -> None:
+        """Ack and wait until the server has recorded it (a lost plain ack means a redelivery)."""
+        await msg.ack_sync(timeout=timeout)
+
+    @staticmethod
+    async def nak(msg, delay: float | None = None) -> None:
+        """Ask for redelivery, after ``delay`` seconds if given."""
+        await msg.nak(delay=delay)
+
+    @staticmethod
+    async def in_progress(msg) -> None:
+        """Restart the message's ack_wait clock: still working on it."""
+        await msg.in_progress()
+
+    async def close(self) -> None:
+        await self.sub.unsubscribe()
+
+
+async def pull_consumer(
+    js: JetStreamContext,
+    stream: str,
+    durable: str,
+    *,
+    filter_subject: str | None = None,
+    ack_wait: float = 30.0,
+    max_deliver: int = -1,
+    max_ack_pending: int = 1000,
+) -> PullConsumer:
+    """Create (or update to these settings) the durable pull consumer ``durable`` on ``stream`` and bind it.
+
+    Unacked messages are redelivered ``ack_wait`` seconds after delivery, at most
+    ``max_deliver`` deliveries in all (-1 = no limit).
+    """
+    config = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+        max_ack_pending=max_ack_pending,
+        filter_subject=filter_subject,
+    )
+    await js.add_consumer(stream, config)
+    return PullConsumer(await js.pull_subscribe_bind(durable=durable, stream=stream))

@@ -1,0 +1,154 @@
+"""The JetStream streams of docs/design.md section 3: their settings and their creation.
+
+``ensure_streams`` creates every stream, or reconciles an existing one with centerline's
+settings; on a deployment with the same settings it changes nothing. ``provision`` does it
+in one connection of its own.
+
+Not here: the stream and subject names (``shared/names.py``), the server
+(``shared/nats_server.py``), publishing and consuming (``shared/nats_client.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from shared import names
+from shared.nats_client import connect
+
+
+class StreamConfigError(RuntimeError):
+    """An existing stream differs from centerline's settings in a way JetStream cannot update."""
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Retention settings of the streams (docs/design.md section 3). Times in seconds, sizes in bytes, -1 = no limit."""
+
+    rollouts_max_age: float = 7 * 86400.0  # batches are kept this long for replay
+    rollouts_max_bytes: int = -1
+    duplicate_window: float = 600.0  # a re-publish of the same batch_id within this is dropped
+    dlq_max_age: float = 30 * 86400.0
+    audit_max_age: float = 86400.0
+    audit_max_bytes: int = 1 << 30
+    advisories_max_age: float = 30 * 86400.0
+    replicas: int = 1  # JetStream replicas; > 1 only on a NATS cluster
+
+
+def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
+    """The streams of docs/design.md section 3. Every compared field is set, so server defaults never differ."""
+
+    def stream(name, subject, retention=RetentionPolicy.LIMITS, max_age=0.0, max_bytes=-1, per_subject=-1):
+        return StreamConfig(
+            name=name,
+            subjects=list(subject) if isinstance(subject, tuple) else [subject],
+            retention=retention,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_msgs=-1,
+            max_bytes=max_bytes,
+            max_age=max_age,
+            max_msgs_per_subject=per_subject,
+            # the server clamps the window to max_age, so do it here to compare equal later
+            duplicate_window=min(limits.duplicate_window, max_age) if max_age else limits.duplicate_window,
+            num_replicas=limits.replicas,
+        )
+
+    return [
+        stream(names.PROMPTS_STREAM, names.PROMPTS_SUBJECT, retention=RetentionPolicy.WORK_QUEUE),
+        stream(
+            names.ROLLOUTS_STREAM,
+            names.ROLLOUTS_SUBJECT,
+            max_age=limits.rollouts_max_age,
+            max_bytes=limits.rollouts_max_bytes,
+        ),
+        stream(names.DLQ_STREAM, names.DLQ_SUBJECT, max_age=limits.dlq_max_age),
+        stream(names.WEIGHTS_STREAM, names.WEIGHTS_SUBJECT, per_subject=1),
+        stream(names.AUDIT_STREAM, names.AUDIT_SUBJECT, max_age=limits.audit_max_age, max_bytes=limits.audit_max_bytes),
+        stream(names.ADVISORIES_STREAM, names.ADVISORIES_SUBJECTS, max_age=limits.advisories_max_age),
+    ]
+
+
+# Fields compared with an existing stream; JetStream refuses to change the first two in place.
+FIXED_FIELDS = ("retention", "storage")
+COMPARED_FIELDS = (
+    *FIXED_FIELDS,
+    "subjects",
+    "discard",
+    "max_msgs",
+    "max_bytes",
+    "max_age",
+    "max_msgs_per_subject",
+    "duplicate_window",
+    "num_replicas",
+)
+
+
+async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> dict[str, str]:
+    """Create or reconcile every stream; returns ``{stream: "created" | "unchanged" | "updated"}``.
+
+    A stream with the same settings is left alone (no API write at all). Differing settings
+    are updated in place where JetStream allows; ``retention`` or ``storage`` differences
+    raise ``StreamConfigError``, since changing them would need a delete that loses messages.
+    """
+    outcome = {}
+    for want in stream_configs(limits):
+        try:
+            have = (await js.stream_info(want.name)).config
+        except NotFoundError:
+            try:
+                await js.add_stream(want)
+            except nats.errors.TimeoutError:
+                raise StreamConfigError(
+                    f"stream {want.name} does not exist and the request to create it got no answer: " + _REFUSED
+                ) from None
+            outcome[want.name] = "created"
+            continue
+        diffs = {
+            f: (getattr(have, f), getattr(want, f)) for f in COMPARED_FIELDS if getattr(have, f) != getattr(want, f)
+        }
+        if not diffs:
+            outcome[want.name] = "unchanged"
+            continue
+        fixed = {f: d for f, d in diffs.items() if f in FIXED_FIELDS}
+        if fixed:
+            raise StreamConfigError(
+                _diff_message(want.name, fixed) + "; JetStream cannot change this in place: "
+                "delete the stream (its messages are lost) or change the setting back"
+            )
+        try:
+            await js.update_stream(replace(have, **{f: getattr(want, f) for f in diffs}))
+        except APIError as exc:
+            raise StreamConfigError(_diff_message(want.name, diffs) + f"; the update was refused: {exc}") from exc
+        except nats.errors.TimeoutError:
+            raise StreamConfigError(
+                _diff_message(want.name, diffs) + "; the update got no answer: " + _REFUSED
+            ) from None
+        outcome[want.name] = "updated"
+    return outcome
+
+
+# nats-server drops a request the user's permissions refuse (the client logs a "Permissions Violation").
+_REFUSED = (
+    "this NATS user is probably not allowed to manage streams (shared/nats_auth.py). The trainer, "
+    "`centerline up` and the admin user create them: start the trainer first, or fix the setting as admin"
+)
+
+
+def _diff_message(stream: str, diffs: dict) -> str:
+    show = lambda v: repr(getattr(v, "value", v))  # noqa: E731  (enums by their JetStream spelling)
+    parts = ", ".join(f"{f} is {show(have)}, centerline wants {show(want)}" for f, (have, want) in diffs.items())
+    return f"stream {stream}: {parts}"
+
+
+async def provision(url: str, **credentials) -> dict[str, str]:
+    """``ensure_streams`` on the server at ``url`` in one connection (as ``credentials``, e.g. the admin's)."""
+    nc = await connect(url, name="centerline-nats", **credentials)
+    try:
+        return await ensure_streams(nc.jetstream())
+    finally:
+        await nc.close()

@@ -1,0 +1,58 @@
+"""trainer_service.commit without a model: what a step hands the policy and what it records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.synth import make_batch
+from shared.wire import decode_batch
+from trainer_service.commit import TrainerState, commit_step, step_record
+from trainer_service.gate import Held
+
+
+class FakePolicy:
+    """Records each command and checkpoint state; returns fixed metrics."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, cmd, state):
+        self.calls.append((cmd, state))
+        return {"loss": 0.5, "train_s": 1.0, "save_s": 2.0}, Path("w") if cmd.sync else None
+
+
+def held(batch_id: str, seq: int, version: int) -> Held:
+    batch = make_batch(samples=2, tokens_per_sample=3, k=4, vocab_size=32, batch_id=batch_id, weight_version=version)
+    return Held(None, batch, seq)
+
+
+def test_a_step_checkpoints_the_ledger_with_its_batches_and_advances_the_version_when_it_syncs():
+    policy = FakePolicy()
+    before = TrainerState(step=3, version=2, next_task_step=5, run_id="r", ledger={"old": [1, 0]})
+    step = commit_step(policy, before, [held("a", 10, 2), held("b", 11, 1)], weight_sync_interval=2, next_task_step=6)
+    assert step.after == TrainerState(4, 3, 6, "r", {"old": [1, 0], "a": [10, 3], "b": [11, 3]})
+    assert before.ledger == {"old": [1, 0]}  # the state before is left as it was
+    [(cmd, state)] = policy.calls
+    assert (cmd.step, cmd.version, cmd.sync) == (3, 3, True) and state == step.after.to_dict()
+    assert decode_batch(cmd.batch).batch_id == "r/step-3" and step.weights == Path("w")
+
+
+def test_a_step_record_has_the_metrics_staleness_gate_counts_and_batch_ids():
+    policy = FakePolicy()
+    before = TrainerState(step=0, version=2, run_id="r")
+    step = commit_step(policy, before, [held("a", 1, 2), held("b", 2, 1)], weight_sync_interval=2, next_task_step=1)
+    assert step.weights is None and step.after.version == 2
+    record = step_record(step, {"gate_accepted": 2}, {"step_s": 4.0}, replay_of="f")
+    assert record == {
+        "step": 1,
+        "version": 2,
+        "loss": 0.5,
+        "train_s": 1.0,
+        "save_s": 2.0,
+        "staleness_mean": 0.5,
+        "staleness_max": 1,
+        "gate_accepted": 2,
+        "step_s": 4.0,
+        "batch_ids": ["a", "b"],
+        "replay_of": "f",
+    }

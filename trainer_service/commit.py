@@ -1,0 +1,88 @@
+"""The commit of one training step, the same in the trainer and in ``centerline replay --train``.
+
+From the batches the gate holds for a step: their concatenation is trained on every rank, the
+weight version written when the step syncs, and the checkpoint saved with the state after the
+step (``TrainerState``: the ledger then holds the step's batches). ``step_record`` is the
+step's line of ``metrics.jsonl``. Acking the batches and loading the weights into the engines
+stay with the trainer (docs/design.md section 10: acks only once the checkpoint is durable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.wire import encode_batch
+from trainer_service.gate import Held, concat_batches
+from trainer_service.policy import StepCommand
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerState:
+    """What a checkpoint's ``state.json`` holds besides the last step's metrics."""
+
+    step: int = 0  # completed steps
+    version: int = 0  # weight version the trainer holds
+    next_task_step: int = 0  # the task publisher's cursor (trainer_service/tasks.py)
+    run_id: str = ""
+    ledger: dict[str, list[int]] = field(default_factory=dict)  # batch_id -> [stream sequence, step]
+
+    @classmethod
+    def from_dict(cls, state: dict) -> TrainerState:
+        return cls(state["step"], state["version"], state["next_task_step"], state["run_id"], state["ledger"])
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "next_task_step": self.next_task_step,
+            "run_id": self.run_id,
+            "ledger": self.ledger,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One trained and checkpointed step."""
+
+    before: TrainerState
+    after: TrainerState  # what the step's checkpoint holds
+    held: list[Held]  # the step's batches, in arrival order
+    metrics: dict  # the policy's: loss metrics, grad norm, train_s, save_s
+    weights: Path | None  # the weight version written this step, None when it did not sync
+
+
+def commit_step(
+    policy, state: TrainerState, held: list[Held], *, weight_sync_interval: int, next_task_step: int
+) -> Step:
+    """Rank 0: train on ``held`` (every rank follows), write the weights when the step syncs,
+    save the checkpoint; returns the step with the state after it."""
+    step = state.step
+    sync = (step + 1) % weight_sync_interval == 0
+    batch = concat_batches([h.batch for h in held], batch_id=f"{state.run_id}/step-{step}")
+    after = TrainerState(
+        step=step + 1,
+        version=state.version + sync,
+        next_task_step=next_task_step,
+        run_id=state.run_id,
+        ledger={**state.ledger, **{h.batch.batch_id: [h.seq, step] for h in held}},
+    )
+    metrics, weights = policy.run(StepCommand(step, after.version, sync, encode_batch(batch)), after.to_dict())
+    return Step(state, after, held, metrics, weights)
+
+
+def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
+    """The step's line of ``metrics.jsonl``: ``step`` counts completed steps, like ``--steps``
+    (the first step logs step 1); staleness is per sample, in versions behind the trainer."""
+    staleness = [step.before.version - h.batch.weight_version for h in step.held for _ in range(h.batch.num_samples)]
+    return {
+        "step": step.after.step,
+        "version": step.after.version,
+        **step.metrics,
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
+        **gate,
+        **timings,
+        "batch_ids": [h.batch.batch_id for h in step.held],
+        **extra,
+    }
