@@ -1,8 +1,10 @@
 """``centerline nats``: the embedded NATS server with the centerline streams, until SIGTERM or Ctrl-C.
 
     centerline nats --data-dir .centerline/nats --port 4222
+    centerline nats --cluster 3 --port 4222      # three nodes on 4222-4224, streams with 3 replicas
 
-Prints one JSON line, ``{"url", "streams"}``, once the streams exist.
+Prints one JSON line, ``{"url", "streams", "replicas"}``, once the streams exist; a cluster's
+``url`` names every node, comma-separated, as every centerline service takes it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import signal
 import sys
 
 from shared import names
-from shared.nats_server import EmbeddedNats
-from shared.streams import provision
+from shared.nats_server import EmbeddedNats, NatsCluster
+from shared.streams import StreamLimits, provision
 
 
 def main(argv: list[str]) -> int:
@@ -26,16 +28,34 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=4222, help="client port; 0 = any free port")
     parser.add_argument("--http-port", type=int, default=None, help="monitoring port (/healthz, /varz)")
     parser.add_argument("--max-payload", type=int, default=names.DEFAULT_MAX_PAYLOAD, help="bytes per message")
-    args = parser.parse_args(argv)
-    server = EmbeddedNats(
-        args.data_dir, host=args.host, port=args.port, http_port=args.http_port, max_payload=args.max_payload
+    parser.add_argument(
+        "--cluster", type=int, default=1, help="JetStream nodes: 1 = one server; N = a cluster on loopback"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="copies of each stream (default: 3 on a cluster of 3 or more nodes, else 1; at most --cluster)",
+    )
+    args = parser.parse_args(argv)
+    if args.cluster < 1:
+        parser.error(f"--cluster {args.cluster}: a deployment has at least one node")
+    replicas = args.replicas if args.replicas is not None else (3 if args.cluster >= 3 else 1)
+    if not 1 <= replicas <= args.cluster:
+        parser.error(f"--replicas {replicas}: between 1 and the cluster's {args.cluster} node(s)")
+    if args.cluster == 1:
+        server = EmbeddedNats(
+            args.data_dir, host=args.host, port=args.port, http_port=args.http_port, max_payload=args.max_payload
+        )
+    else:
+        server = NatsCluster(args.data_dir, args.cluster, host=args.host, port=args.port, max_payload=args.max_payload)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with server:
         # as the admin, not as this shell's CENTERLINE_NATS_USER
-        streams = asyncio.run(provision(server.url, **server.credentials("admin")))
-        print(json.dumps({"url": server.url, "streams": streams}), flush=True)
+        streams = asyncio.run(provision(server.url, StreamLimits(replicas=replicas), **server.credentials("admin")))
+        print(json.dumps({"url": server.url, "streams": streams, "replicas": replicas}), flush=True)
         try:
-            return 0 if server.proc.wait() == 0 else 1  # the server stopped on its own
+            nodes = server.nodes if args.cluster > 1 else [server]
+            return 0 if all(node.proc.wait() == 0 for node in nodes) else 1  # stopped on their own
         except KeyboardInterrupt:
             return 0

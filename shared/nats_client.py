@@ -14,11 +14,13 @@ streams (``shared/streams.py``), the server (``shared/nats_server.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, PubAck
+from nats.js.errors import NoStreamResponseError
 
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
@@ -64,12 +66,19 @@ async def connect(
 
     nc = nats.NATS()
     try:
-        await nc.connect(url, name=name, error_cb=error_cb, **options)
+        await nc.connect(servers(url), name=name, error_cb=error_cb, **options)
     except CredentialsError:
         await nc.close()
         raise
     connecting = False
     return nc
+
+
+def servers(url: str) -> str | list[str]:
+    """``url`` as nats-py takes it: a comma-separated list (``nats://a:4222,nats://b:4222``, as
+    the NATS CLI and the Go client take it) becomes a list of servers; one URL stays as it is."""
+    parts = [part.strip() for part in url.split(",") if part.strip()]
+    return parts if len(parts) > 1 else url
 
 
 def _refused(url: str, user: str | None) -> CredentialsError:
@@ -144,17 +153,32 @@ async def publish_acked(
     """JetStream-publish and wait for the PubAck, repeating a publish that got none (lost in
     a server restart or a reconnect, or stored with its PubAck lost) ``attempts`` times in all,
     then raise ``PublishError`` naming ``what``. Repeating is safe only where a second copy is
-    harmless: a ``Nats-Msg-Id`` in ``headers`` (deduplicated), or a last-value stream."""
-    for attempt in range(1, attempts + 1):
+    harmless: a ``Nats-Msg-Id`` in ``headers`` (deduplicated), or a last-value stream.
+
+    A publish that no stream answered (no responders: on a cluster, the stream's leader was
+    lost and the others are electing a new one) stored nothing; it is repeated every 0.2 s for
+    up to ``attempts * timeout`` seconds, the same budget, before ``PublishError``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + attempts * timeout
+    timeouts = 0
+    while True:
         try:
             return await js.publish(subject, data, timeout=timeout, headers=headers)
         except nats.errors.TimeoutError:
-            if attempt == attempts:
+            timeouts += 1
+            if timeouts == attempts:
                 raise PublishError(
                     f"no PubAck for {what} on {subject!r} after {attempts} attempts of {timeout}s: "
                     "is the NATS server reachable?"
                 ) from None
-    raise AssertionError("unreachable")
+        except NoStreamResponseError:
+            if loop.time() > deadline:
+                raise PublishError(
+                    f"no stream answered {what} on {subject!r} for {attempts * timeout:.0f}s: on a cluster, "
+                    "has the stream lost its leader with too few nodes left to elect one?"
+                ) from None
+            await asyncio.sleep(0.2)  # the election of a new stream leader
 
 
 class PullConsumer:

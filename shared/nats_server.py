@@ -5,6 +5,9 @@
 Readiness is polled, never slept for. With ``passwords`` the server has the users of
 ``shared/nats_auth.py``; without, anyone may connect, as ``admin``.
 
+``NatsCluster`` runs several of them as one JetStream cluster on loopback (routes between
+every pair, one store per node), the size at which streams can have replicas.
+
 Not here: the streams (``shared/streams.py``), the client (``shared/nats_client.py``), the
 ``centerline nats`` command (``centerline/nats_command.py``).
 """
@@ -63,8 +66,15 @@ class EmbeddedNats:
         http_port: int | None = None,
         binary: str | None = None,
         passwords: typing.Mapping[str, str] | None = None,
+        server_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: typing.Sequence[int] = (),
     ):
         self.data_dir = Path(data_dir)
+        # A cluster node (NatsCluster): its name, the port its routes listen on and its peers'.
+        self.server_name = server_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
         self.host = host
         self.port = port
         self.max_payload = max_payload
@@ -91,11 +101,21 @@ class EmbeddedNats:
             f"listen: {self.host}:{self.port}",
             f"max_payload: {self.max_payload}",
             *([f"http: {self.host}:{self.http_port}"] if self.http_port is not None else []),
+            *([f"server_name: {self.server_name}"] if self.server_name else []),
             "jetstream {",
             f"  store_dir: {json.dumps(str(self.store_dir))}",
             "  sync_interval: always  # fsync before every ack: acked means on disk",
             "}",
         ]
+        if self.cluster_port is not None:
+            routes = ", ".join(f"nats-route://{self.host}:{port}" for port in self.routes)
+            lines += [
+                "cluster {",
+                f"  name: {CLUSTER_NAME}",
+                f"  listen: {self.host}:{self.cluster_port}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
         no_auth = (
             "no_auth_user: admin  # no passwords given: a connection without credentials is admin\n"
             if self.passwords is None
@@ -172,6 +192,110 @@ class EmbeddedNats:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+CLUSTER_NAME = "centerline"
+
+
+class NatsCluster:
+    """``nodes`` ``EmbeddedNats`` servers routed to each other as one JetStream cluster.
+
+    Node ``i`` keeps its files under ``data_dir/n<i>`` and its client, route and monitoring
+    ports across restarts, so ``stop(i)``/``kill(i)`` then ``start(i)`` is that node coming
+    back. ``url`` names every node, comma-separated, as NATS clients take a server list.
+    Ready means every node has joined and the cluster has elected a JetStream meta leader
+    (each node's ``/healthz`` answers 200), so streams can be created at once.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        nodes: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        max_payload: int = names.DEFAULT_MAX_PAYLOAD,
+        passwords: typing.Mapping[str, str] | None = None,
+        binary: str | None = None,
+    ):
+        """``port``: node i's client port is ``port + i``; None or 0: free ports."""
+        if nodes < 1:
+            raise ValueError(f"NatsCluster: nodes={nodes}; a cluster has at least one node")
+        self.data_dir = Path(data_dir)
+        self.host = host
+        ports = [(port + i if port else free_port(host), free_port(host), free_port(host)) for i in range(nodes)]
+        shared_passwords = dict(passwords) if passwords is not None else None
+        self.nodes = [
+            EmbeddedNats(
+                self.data_dir / f"n{i}",
+                host=host,
+                port=client,
+                http_port=http,
+                max_payload=max_payload,
+                binary=binary,
+                passwords=shared_passwords,
+                server_name=f"n{i}",
+                cluster_port=route,
+                routes=[r for j, (_, r, _) in enumerate(ports) if j != i],
+            )
+            for i, (client, route, http) in enumerate(ports)
+        ]
+        if shared_passwords is None:  # one set of users for all nodes, as on a real cluster
+            for node in self.nodes[1:]:
+                node._server_passwords = self.nodes[0]._server_passwords
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def credentials(self, user: str) -> dict[str, str]:
+        return self.nodes[0].credentials(user)
+
+    def start(self, timeout: float = 60.0) -> NatsCluster:
+        """Start every node (each waits for its peers only for JetStream), then wait for the meta leader."""
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                node.start(timeout)
+        self.wait_healthy(timeout)
+        return self
+
+    def start_node(self, i: int, timeout: float = 60.0) -> None:
+        self.nodes[i].start(timeout)
+        self.wait_healthy(timeout)
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Until every running node's ``/healthz`` says JetStream is up with a meta leader."""
+        deadline = time.monotonic() + timeout
+        running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        while True:
+            sick = [n for n in running if not _healthz_ok(n.host, n.http_port)]
+            if not sick:
+                return
+            if time.monotonic() > deadline:
+                names_ = ", ".join(n.server_name for n in sick)
+                raise TimeoutError(f"NATS cluster nodes {names_} not healthy after {timeout}s:\n{sick[0].log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for node in self.nodes:
+            node.stop(timeout)
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _healthz_ok(host: str, port: int | None) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
 
 
 def _info_has_jetstream(host: str, port: int) -> bool:

@@ -102,6 +102,8 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
         except NotFoundError:
             try:
                 await js.add_stream(want)
+            except APIError as exc:
+                raise StreamConfigError(_refused_creation(want, exc)) from exc
             except nats.errors.TimeoutError:
                 raise StreamConfigError(
                     f"stream {want.name} does not exist and the request to create it got no answer: " + _REFUSED
@@ -123,6 +125,8 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
         try:
             await js.update_stream(replace(have, **{f: getattr(want, f) for f in diffs}))
         except APIError as exc:
+            if "num_replicas" in diffs:
+                raise StreamConfigError(_refused_creation(want, exc)) from exc
             raise StreamConfigError(_diff_message(want.name, diffs) + f"; the update was refused: {exc}") from exc
         except nats.errors.TimeoutError:
             raise StreamConfigError(
@@ -139,16 +143,33 @@ _REFUSED = (
 )
 
 
+# JetStream's answers when a stream's replicas cannot be placed: more than the cluster's
+# JetStream nodes (10005 "no suitable peers for placement", 10023 "insufficient resources"),
+# or more than one on a server that is not in a cluster (10074).
+_PLACEMENT_ERRORS = {10005, 10023, 10074}
+
+
+def _refused_creation(want: StreamConfig, exc: APIError) -> str:
+    if want.num_replicas > 1 and exc.err_code in _PLACEMENT_ERRORS:
+        return (
+            f"stream {want.name}: nats_stream_replicas={want.num_replicas}, but the NATS deployment cannot place "
+            f"that many copies (JetStream: {exc.description}). A stream has at most one replica per JetStream "
+            f"node of the cluster: lower nats_stream_replicas to the cluster size (1 for a single server) "
+            f"or add nodes"
+        )
+    return f"stream {want.name} could not be created: {exc}"
+
+
 def _diff_message(stream: str, diffs: dict) -> str:
     show = lambda v: repr(getattr(v, "value", v))  # noqa: E731  (enums by their JetStream spelling)
     parts = ", ".join(f"{f} is {show(have)}, centerline wants {show(want)}" for f, (have, want) in diffs.items())
     return f"stream {stream}: {parts}"
 
 
-async def provision(url: str, **credentials) -> dict[str, str]:
+async def provision(url: str, limits: StreamLimits = StreamLimits(), **credentials) -> dict[str, str]:
     """``ensure_streams`` on the server at ``url`` in one connection (as ``credentials``, e.g. the admin's)."""
     nc = await connect(url, name="centerline-nats", **credentials)
     try:
-        return await ensure_streams(nc.jetstream())
+        return await ensure_streams(nc.jetstream(), limits)
     finally:
         await nc.close()
