@@ -20,7 +20,7 @@ import logging
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, PubAck
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
@@ -192,6 +192,11 @@ class PullConsumer:
         try:
             return await self.sub.fetch(max_msgs, timeout=timeout)
         except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either, by code path
+            return []
+        except ServiceUnavailableError:
+            # No consumer leader answers: on a cluster, the node that led it is gone and the others
+            # are electing a new one (seconds). Nothing was delivered; the caller fetches again.
+            await asyncio.sleep(min(timeout, 0.25))
             return []
 
     @staticmethod

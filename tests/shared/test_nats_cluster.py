@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared import names
-from shared.nats_client import PublishError, connect, publish_acked, servers
+from shared.nats_client import PublishError, connect, publish_acked, pull_consumer, servers
 from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.streams import StreamConfigError, StreamLimits, ensure_streams
 
@@ -136,3 +136,37 @@ def test_a_publish_no_stream_answers_is_repeated_then_refused(tmp_path):
         "no stream answered probe on 'no.stream.here' for 1s: on a cluster, "
         "has the stream lost its leader with too few nodes left to elect one?"
     )
+
+
+def test_a_consumer_fetches_through_the_loss_of_its_leader_and_nothing_is_delivered_twice(tmp_path):
+    """Every message acked exactly once although the node leading the stream and the consumer
+    is SIGKILLed halfway: fetches during the election return nothing instead of raising."""
+    with NatsCluster(tmp_path, 3) as cluster:
+
+        async def main():
+            nc = await connect(cluster.url)
+            try:
+                js = nc.jetstream()
+                await ensure_streams(js, StreamLimits(replicas=3))
+                for i in range(30):
+                    await publish_acked(js, names.PROMPTS_SUBJECT, f"{i}".encode(), {names.MSG_ID_HEADER: f"t{i}"})
+                consumer = await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=30)
+                seen, empty_fetches, killed = [], 0, None
+                while len(seen) < 30:
+                    msgs = await consumer.fetch(5, timeout=1.0)
+                    empty_fetches += not msgs
+                    assert empty_fetches < 60, f"stuck after {len(seen)} messages"
+                    for msg in msgs:
+                        await consumer.ack(msg)
+                        seen.append(int(msg.data))
+                    if killed is None and len(seen) >= 15:
+                        info = await js.consumer_info(names.PROMPTS_STREAM, names.WORKERS_CONSUMER)
+                        killed = info.cluster.leader
+                        cluster.nodes[int(killed.removeprefix("n"))].kill()
+                leftover = await consumer.fetch(5, timeout=1.0)
+                return seen, leftover, killed
+            finally:
+                await nc.close()
+
+        seen, leftover, killed = asyncio.run(main())
+        assert sorted(seen) == list(range(30)) and leftover == [] and killed in {"n0", "n1", "n2"}
