@@ -58,6 +58,11 @@ class Metrics:
         self.weight_failures = Gauge(
             "centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry
         )
+        self.weight_catch_ups = Gauge(
+            "centerline_trainer_weight_catch_ups",
+            "engines found serving an older version (restarted) and sent the latest again",
+            registry=self.registry,
+        )
         if port is not None:
             try:
                 start_http_server(port, registry=self.registry)

@@ -116,6 +116,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     initial = weights.version_dir(args.run_dir / "weights", state.version) if state.version else args.model
     await engines.publish(state.version, initial)
     keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
+    catching_up = asyncio.create_task(engines.watch())  # an engine that restarted gets the latest weights
     target = args.prompts_per_step * cfg.rollout_n
     log.info("run %s resumes at step %d, version %d", state.run_id, state.step, state.version)
 
@@ -152,10 +153,12 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
         timings = {"gather_s": t1 - t0, "weights_s": time.perf_counter() - t2, "step_s": time.perf_counter() - t0}
         record = step_record(step, metrics.gate(gate.take_counts()), timings)
         metrics.weight_failures.set(engines.failures)
+        metrics.weight_catch_ups.set(engines.catch_ups)
         metrics.step(record)
         state = step.after
 
     keep_alive.cancel()
+    catching_up.cancel()
     log.info("stopped after %d steps at version %d", state.step, state.version)
     try:
         await engines.close()

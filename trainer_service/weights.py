@@ -12,7 +12,11 @@ admin key as ``Authorization: Bearer`` when one is set (``shared/admin_key.py``)
 name order). SGLang finishes the generations in flight before it loads, so a call that times
 out or breaks off is not yet a failure: the engine's own /model_info decides (``comes_to``).
 An engine that fails after a few tries is logged and counted, and training
-goes on: batches it samples with old weights are then rejected by the gate as ``stale``. An
+goes on: batches it samples with old weights are then rejected by the gate as ``stale``.
+``watch`` brings such an engine back: every few seconds it asks each engine which version it
+serves, and one behind the latest (restarted, it serves its initial weights, ``"default"``) is
+sent the latest version again, so a restart costs the batches sampled meanwhile (stale) and
+never stalls the run, even when every engine restarted. An
 engine that refuses the key (401/403) is a configuration error, not a passing failure: it
 raises ``AdminKeyError`` naming the engine and the setting, and the trainer stops.
 """
@@ -30,6 +34,7 @@ import orjson
 
 from shared import admin_key, names
 from shared.nats_client import PublishError, publish_acked
+from shared.sglang_response import INITIAL_VERSION
 from trainer_service.checkpoint import publish_dir
 from trainer_service.distributed import is_main
 from trainer_service.model import save_model
@@ -96,9 +101,13 @@ class WeightPublisher:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
         self.failures = 0
+        self.catch_ups = 0  # engines found behind and sent the latest version again (``watch``)
+        self.latest: tuple[int, Path] | None = None
+        self.locks = {url: asyncio.Lock() for url in self.engine_urls}  # one update at a time per engine
 
     async def publish(self, version: int, path: Path) -> dict:
         path = path.resolve()
+        self.latest = (version, path)
         results = await asyncio.gather(*(self.update(url, version, path) for url in self.engine_urls))
         self.failures += results.count(False)
         event = {"version": version, "path": str(path), "sha256": sha256(path)}
@@ -109,6 +118,37 @@ class WeightPublisher:
         return event
 
     async def update(self, url: str, version: int, path: Path) -> bool:
+        async with self.locks[url]:
+            return await self._update(url, version, path)
+
+    async def watch(self, interval: float = 5.0) -> None:
+        """Every ``interval`` seconds, send the latest version to each engine that serves an older
+        one (it restarted, or a timed-out update never landed). Runs until cancelled."""
+        while True:
+            await asyncio.sleep(interval)  # polling interval of the engines' own reports
+            for url in self.engine_urls:
+                await self.catch_up(url)
+
+    async def catch_up(self, url: str) -> bool:
+        """Send the latest version to ``url`` if it serves an older one; whether it was sent and loaded."""
+        if self.latest is None or self.locks[url].locked():  # a publish is at it
+            return False
+        async with self.locks[url]:
+            version, path = self.latest  # again, under the lock: a publish may have moved on
+            serving = served_version(await self.serving(url))
+            if serving is None or serving >= version:
+                return False
+            log.warning(
+                "engine %s serves weights version %d, the trainer's is %d (restarted?): sending it version %d",
+                url,
+                serving,
+                version,
+                version,
+            )
+            self.catch_ups += 1
+            return await self._update(url, version, path)
+
+    async def _update(self, url: str, version: int, path: Path) -> bool:
         body = {"model_path": str(path), "weight_version": str(version)}
         for attempt in range(1, self.attempts + 1):
             try:
@@ -166,3 +206,16 @@ class WeightPublisher:
 
     async def close(self) -> None:
         await self.session.close()
+
+
+def served_version(reported: str | None) -> int | None:
+    """An engine's /model_info ``weight_version`` as a number: SGLang's ``"default"`` (its
+    initial weights) is version 0; None for no answer or a version this trainer did not write."""
+    if reported is None:
+        return None
+    if reported == INITIAL_VERSION:
+        return 0
+    try:
+        return int(reported)
+    except ValueError:
+        return None

@@ -35,3 +35,25 @@ def test_an_update_that_times_out_while_sglang_finishes_a_generation_counts_once
         assert sglang.weight_version() == "5"
     finally:
         generation.join()
+
+
+def test_an_engine_that_restarted_is_sent_the_latest_version_again(sglang, model_dir):
+    """A restart makes SGLang serve its initial weights ("default"); the trainer's watch finds it
+    behind and loads the latest version into it, and leaves an engine that is current alone."""
+
+    async def scenario():
+        publisher = WeightPublisher(None, [sglang.url], attempts=1)
+        try:
+            assert await publisher.catch_up(sglang.url) is False  # nothing published yet
+            assert await publisher.update(sglang.url, 3, model_dir) is True
+            publisher.latest = (3, model_dir)  # what publish() records (no NATS here)
+            current = await publisher.catch_up(sglang.url)
+            await asyncio.to_thread(sglang.stop)
+            await asyncio.to_thread(sglang.start)
+            restarted = await publisher.serving(sglang.url)
+            caught_up = await publisher.catch_up(sglang.url)
+            return current, restarted, caught_up, publisher.catch_ups, await publisher.serving(sglang.url)
+        finally:
+            await publisher.close()
+
+    assert asyncio.run(scenario()) == (False, "default", True, 1, "3")
