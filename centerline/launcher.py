@@ -77,18 +77,32 @@ def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mappi
 
 
 class Stack:
-    """Child processes started in their own sessions (so Ctrl-C reaches the launcher only)."""
+    """Child processes started in their own sessions (so Ctrl-C reaches the launcher only).
+
+    A process started with ``restart=True`` (the SGLang servers) that dies is started again,
+    same command, port and key, up to ``MAX_RESTARTS`` times, as a supervisor would: the server
+    comes back with its initial weights and the trainer sends it the latest version
+    (trainer_service/weights.py ``watch``). Any other process that dies ends the run.
+    """
+
+    MAX_RESTARTS = 5
 
     def __init__(self, log_dir: Path, nats_passwords: Mapping[str, str]):
         self.log_dir = log_dir
         self.nats_passwords = nats_passwords
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.restartable: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.restarts: dict[str, int] = {}
 
     def start(
-        self, name: str, argv: list[str], nats_user: str | None = None, engine_key: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        nats_user: str | None = None,
+        engine_key: str | None = None,
+        restart: bool = False,
     ) -> subprocess.Popen:
         """``engine_key``: the engine's admin key, for the engine and the trainer; no other process gets one."""
-        log = open(self.log_dir / f"{name}.log", "wb")
         env = {
             k: v
             for k, v in service_env(os.environ, nats_user, self.nats_passwords).items()
@@ -96,15 +110,34 @@ class Stack:
         }
         if engine_key is not None:
             env[admin_key.KEY_ENV] = engine_key
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        self.procs.append((name, proc))
+        if restart:
+            self.restartable[name] = (argv, env)
+        return self._spawn(name, argv, env, "wb")
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], mode: str) -> subprocess.Popen:
+        with open(self.log_dir / f"{name}.log", mode) as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        names_ = [n for n, _ in self.procs]
+        if name in names_:  # a restart keeps its place in the stopping order
+            self.procs[names_.index(name)] = (name, proc)
+        else:
+            self.procs.append((name, proc))
         return proc
 
-    def check(self) -> None:
-        """Raise if a service died on its own (the trainer's exit is handled by the caller)."""
-        for name, proc in self.procs:
-            if name != "trainer" and proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {proc.returncode}; see {self.log_dir / (name + '.log')}")
+    def check(self) -> list[str]:
+        """Start again a restartable process that died; raise if any other service died on its own
+        (the trainer's exit is handled by the caller). Returns the names restarted."""
+        restarted = []
+        for name, proc in list(self.procs):
+            if name == "trainer" or proc.poll() is None:
+                continue
+            where = self.log_dir / (name + ".log")
+            if name not in self.restartable or self.restarts.get(name, 0) >= self.MAX_RESTARTS:
+                raise RuntimeError(f"{name} exited with status {proc.returncode}; see {where}")
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            self._spawn(name, *self.restartable[name], "ab")
+            restarted.append(f"{name} (exit status {proc.returncode}, restart {self.restarts[name]})")
+        return restarted
 
     def stop(self, timeout: float = 30.0) -> None:
         for _name, proc in reversed(self.procs):
@@ -343,7 +376,7 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
             "--",
             *shlex.split(args.sglang_args),
         ]
-        engines.append(stack.start(f"sglang-{i}", argv, engine_key=engine_key))
+        engines.append(stack.start(f"sglang-{i}", argv, engine_key=engine_key, restart=True))
     for i, (url, proc) in enumerate(zip(engine_urls, engines)):
         wait_http(
             f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", args.startup_timeout
@@ -378,7 +411,16 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
     evals.write_bytes(b"")
 
     def record_eval(step: int) -> None:
-        record = {"step": step, "eval_accuracy": evaluate(engine_urls[0], heldout, cfg.rollout_temperature, cfg.seed)}
+        for url in engine_urls:  # the first server that answers (one may be restarting)
+            try:
+                accuracy = evaluate(url, heldout, cfg.rollout_temperature, cfg.seed)
+                break
+            except OSError as exc:  # URLError, a refused or broken connection
+                log(f"evaluation at step {step}: {url} did not answer ({exc}); trying the next server")
+        else:
+            log(f"evaluation at step {step} skipped: no SGLang server answered")
+            return
+        record = {"step": step, "eval_accuracy": accuracy}
         with open(evals, "ab") as fh:
             fh.write(orjson.dumps(record) + b"\n")
         progress.show(record, args.steps)
@@ -425,7 +467,8 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
         if stopping:
             log(f"{stopping[0]}: stopping every service")
             raise Stopped(stopping[0])
-        stack.check()
+        for restarted in stack.check():
+            log(f"{restarted} died: started again; the trainer sends it the latest weights")
         lines = metrics.read_bytes().splitlines() if metrics.exists() else []
         for line in lines[seen:]:
             record = orjson.loads(line)

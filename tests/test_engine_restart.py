@@ -1,0 +1,101 @@
+"""Two real SGLang servers behind the router, both killed mid-run (each one's whole process
+group, SIGKILL, as crashed machines): `centerline up` starts them again and they serve their
+initial weights. No step can finish meanwhile, so no regular weight update comes: the trainer's
+watch finds each server behind and sends it the latest version, and the run goes on, with
+nothing sampled by old weights trained as current. The test stops the run with SIGTERM once both
+servers caught up and a few more steps are done.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_STALENESS = 2  # the default (shared/config.py)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def process_group_serving(port: int) -> int:
+    """The process group of the `centerline sglang` started for ``port`` (a session leader)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        pid = int(entry.name)
+        serves = b"--port" in argv and str(port).encode() in argv and any(b"sglang" in a for a in argv)
+        if serves and os.getpgid(pid) == pid:
+            return pid
+    raise AssertionError(f"no SGLang server process found for port {port}")
+
+
+def wait_for(what: str, check, timeout: float, proc: subprocess.Popen):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert proc.poll() is None, f"centerline up exited with {proc.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.5)  # polling interval of the run's files
+    return value
+
+
+def steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "centerline", "up", "--engines", "2", "--task", "copy", "--steps", "1000"]
+    argv += ["--workers", "2", "--trainer-ranks", "1", "--prompts-per-step", "3", "--rollout-n", "2"]
+    argv += ["--eval-prompts", "8", "--eval-every", "100000", "--model-dir", str(tmp_path / "models")]
+    argv += ["--run-dir", str(run_dir)]
+    out = open(tmp_path / "up.log", "w")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        up_log = lambda: (tmp_path / "up.log").read_text()  # noqa: E731
+        urls = wait_for(
+            "the SGLang servers", lambda: re.search(r"SGLang (\S+) (\S+) behind the router", up_log()), 600, proc
+        )
+        wait_for("3 steps", lambda: len(steps(run_dir)) >= 3, 600, proc)
+        for url in urls.groups():
+            os.killpg(process_group_serving(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
+        killed_at = len(steps(run_dir))
+
+        trainer_log = run_dir / "logs" / "trainer.log"
+
+        def caught_up() -> list[int] | None:
+            text = trainer_log.read_text()
+            found = [
+                re.search(rf"engine {re.escape(url)} serves weights version 0, the trainer's is (\d+)", text)
+                for url in urls.groups()
+            ]
+            return [int(m.group(1)) for m in found] if all(found) else None
+
+        versions = wait_for("both restarted servers caught up", caught_up, 600, proc)
+        wait_for("3 more steps", lambda: len(steps(run_dir)) >= killed_at + 3, 600, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+
+    for name in ("sglang-0", "sglang-1"):
+        assert f"{name} (exit status -9, restart 1) died: started again" in up_log()
+    records = steps(run_dir)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # the run never stopped
+    # no step finished while they were down (one gathered before the kill may still have)
+    assert all(killed_at <= v <= killed_at + 1 for v in versions), (versions, killed_at)
+    # nothing trained was sampled more than max_staleness versions behind the weights it met
+    assert all(r["staleness_max"] <= MAX_STALENESS for r in records)
+    assert all(r["samples"] > 0 for r in records)
