@@ -176,17 +176,24 @@ class Trainer:
         *flags: str,
         nproc: int = 2,
         failpoints: str = "",
+        node: tuple[int, int, int] | None = None,
     ):
+        """``node``: (node rank, nodes, rendezvous port) for one node of a multi-node run, each
+        node a torchrun of its own with ``nproc`` ranks; node 0 hosts the rendezvous store on
+        127.0.0.1:port, as `torchrun --nnodes N --node-rank R --master-addr --master-port` does on a cluster."""
         self.run_dir, self.log_path = (
             run_dir,
             run_dir.with_suffix(f".{len(list(run_dir.parent.glob(run_dir.name + '.*log')))}.log"),
         )
         # --standalone: the rendezvous store binds a port of its own choosing (no free-port race)
-        launcher = (
-            [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m"]
-            if nproc > 1
-            else [sys.executable, "-m"]
-        )
+        if node is not None:
+            rank, nodes, port = node
+            launcher = [str(TORCHRUN), "--nnodes", str(nodes), "--node-rank", str(rank), "--nproc-per-node", str(nproc)]
+            launcher += ["--master-addr", "127.0.0.1", "--master-port", str(port), "-m"]
+        elif nproc > 1:
+            launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m"]
+        else:
+            launcher = [sys.executable, "-m"]
         cmd = [
             *launcher,
             "centerline",
