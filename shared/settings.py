@@ -144,9 +144,9 @@ class ProxySettings(Section):
         return [
             (
                 k > self.max_top_logprobs_num,
-                "max_top_logprobs_num",
-                self.max_top_logprobs_num,
-                f"below --rollout-top-logprobs-num {k}; raise the limit or lower K",
+                "rollout_top_logprobs_num",
+                k,
+                f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
             )
         ]
 

@@ -228,7 +228,7 @@ def test_a_bad_command_setting_names_the_flag_the_value_and_the_fix(argv, env, m
 
 
 def test_a_check_across_shared_and_command_settings_names_both():
-    with pytest.raises(ConfigError, match=r"^--max-top-logprobs-num 64: below --rollout-top-logprobs-num 128;"):
+    with pytest.raises(ConfigError, match=r"^--rollout-top-logprobs-num 128: above --max-top-logprobs-num 64;"):
         parse_section(ProxySettings, ["--upstream", "http://u:1", "--max-top-logprobs-num", "64"])
 
 
