@@ -240,7 +240,7 @@ def plan_replay(file: Path, settings: ReplaySettings, run_dir: Path):
 
 
 def replay_steps(
-    file: Path, settings: ReplaySettings, trainer: TrainerSettings, cfg, policy, run_dir: Path, messages, saved, groups
+    file: Path, replay: ReplaySettings, trainer: TrainerSettings, cfg, policy, run_dir: Path, messages, saved, groups
 ) -> None:
     """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches,
     with its admission and its commit of a step; no DLQ, no acks, no engines."""
@@ -256,10 +256,10 @@ def replay_steps(
     metrics = Metrics(run_dir)
     stream = iter(messages)
     for n in range(len(groups) if groups is not None else sys.maxsize):
-        if settings.steps is not None and n >= settings.steps:
+        if replay.steps is not None and n >= replay.steps:
             break
         t0 = time.perf_counter()
-        want = len(groups[n]) if groups is not None else settings.batches_per_step
+        want = len(groups[n]) if groups is not None else replay.batches_per_step
         for msg in groups[n] if groups is not None else stream:
             verdict = admission(msg.data, msg.seq, state.version, ledger=ledger, held=held, settings=settings)
             if verdict.action == HOLD:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import orjson
@@ -99,6 +100,9 @@ def test_record_holds_every_stream_message_unchanged(run):
 def test_replay_train_reproduces_the_step_bit_for_bit(run):
     tmp, run_dir, _ = run
     out = tmp / "replayed"
+    # The trainer wrote every setting; replay --train takes them from there, no flag repeated.
+    written = tomllib.loads((run_dir / "config.toml").read_text())
+    assert {"strategy", "max_grad_norm", "threads", "weight_sync_interval"} <= set(written["trainer"])
     cmd = [
         str(TORCHRUN),
         "--standalone",
