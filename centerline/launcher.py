@@ -57,6 +57,7 @@ from shared import admin_key, nats_auth
 from shared import config as shared_config
 from shared.nats_server import EmbeddedNats
 from shared.ports import free_port
+from shared.settings import UpSettings
 from shared.streams import provision
 from shared.toy_tasks import REWARDS, examples
 
@@ -230,40 +231,13 @@ class Progress:
 
 
 def parse(argv: list[str]):
+    """``(settings, cfg)``: this command's ``UpSettings`` and the shared settings, whose job defaults
+    (``UP_DEFAULTS``) sit just above the shared ones: environment, TOML and flags still override them."""
     parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
-    parser.add_argument("--task", default="upper", help="toy task (shared/toy_tasks.py)")
-    parser.add_argument(
-        "--sft-steps",
-        type=int,
-        default=0,
-        help="warm-start steps of the model (0 = the task's default in centerline/sft.py)",
-    )
-    parser.add_argument(
-        "--reward",
-        choices=sorted(REWARDS),
-        default="exact",
-        help="training reward (held-out accuracy is always exact match)",
-    )
-    parser.add_argument("--steps", type=int, default=300, help="trainer steps")
-    parser.add_argument("--workers", type=int, default=2, help="rollout worker processes")
-    parser.add_argument("--engines", type=int, default=1, help="SGLang servers behind the router")
-    parser.add_argument("--trainer-ranks", type=int, default=2, help="torchrun processes of the trainer")
-    parser.add_argument("--prompts-per-step", type=int, default=16, help="prompt groups per step")
-    parser.add_argument("--dataset-size", type=int, default=2000, help="training prompts")
-    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts per evaluation")
-    parser.add_argument("--eval-every", type=int, default=25, help="evaluate every this many steps")
-    parser.add_argument("--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs")
-    parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<date-time>")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each service to become ready")
-    parser.add_argument(
-        "--sglang-args",
-        default="",
-        help="extra flags for every SGLang server, one string: --sglang-args=--enable-metrics",
-    )
-    shared_config.add_arguments(parser)
-    # The job's own defaults sit just above the shared ones: env, TOML and flags still override them.
+    shared_config.add_arguments(parser, UpSettings)
     env = {**{shared_config.ENV_PREFIX + k.upper(): str(v) for k, v in UP_DEFAULTS.items()}, **os.environ}
-    return shared_config.parse_args(parser, argv, env)
+    _, cfg, settings = shared_config.parse_args(parser, argv, env, section=UpSettings)
+    return settings, cfg
 
 
 class Stopped(Exception):
@@ -271,14 +245,14 @@ class Stopped(Exception):
 
 
 def main(argv: list[str]) -> int:
-    args, cfg = parse(argv)
+    up, cfg = parse(argv)
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     # Ctrl-C stops the run even where SIGINT came ignored from the parent (a shell's background
     # job, a CI runner): Python then leaves it ignored instead of raising KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch(args, cfg, stopping)
+        launch(up, cfg, stopping)
     except (KeyboardInterrupt, Stopped):
         print("\ncenterline up: interrupted; stopping every service", file=sys.stderr)
         return 130
@@ -288,28 +262,28 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def launch(args, cfg, stopping: list[str] | None = None) -> Path:
+def launch(up: UpSettings, cfg, stopping: list[str] | None = None) -> Path:
     """One whole run with the settings of ``parse``; returns its run directory once the report
     is written. Every process it started is stopped on the way out, whatever happened.
     Raises ``RuntimeError`` when a service fails, ``Stopped`` when ``stopping`` gets an entry."""
-    run_dir = args.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    run_dir = up.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     passwords = nats_auth.new_passwords()
     stack = Stack(run_dir / "logs", passwords)
     nats = EmbeddedNats(run_dir / "nats", passwords=passwords)
     try:
-        run(args, cfg, run_dir, stack, nats, [] if stopping is None else stopping)
+        run(up.model_copy(update={"run_dir": run_dir}), cfg, run_dir, stack, nats, [] if stopping is None else stopping)
     finally:
         stack.stop()
         nats.stop()
     return run_dir
 
 
-def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: list) -> None:
+def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: list) -> None:
     def log(message: str) -> None:
         print(f"centerline up: {message}", file=sys.stderr, flush=True)
 
-    model = args.model_dir / f"sft-{args.task}-seed{cfg.seed}"
+    model = up.model_dir / f"sft-{up.task}-seed{cfg.seed}"
     log(f"run directory {run_dir}; model {model} (made once, then cached)")
     subprocess.run(
         [
@@ -319,11 +293,11 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
             "init-model",
             "--sft",
             "--task",
-            args.task,
+            up.task,
             "--seed",
             str(cfg.seed),
             "--sft-steps",
-            str(args.sft_steps),
+            str(up.sft_steps),
             "--out",
             str(model),
         ],
@@ -337,13 +311,13 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
             "centerline",
             "dataset",
             "--task",
-            args.task,
+            up.task,
             "--n",
-            str(args.dataset_size),
+            str(up.dataset_size),
             "--seed",
             str(cfg.seed),
             "--reward",
-            args.reward,
+            up.reward,
             "--out",
             str(dataset),
         ],
@@ -353,11 +327,11 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
 
     nats.start()
     asyncio.run(provision(nats.url, **nats.credentials("admin")))  # workers and proxy may not create streams
-    engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(args.engines)]
+    engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(up.engines)]
     router_url, proxy_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     cfg = cfg.model_copy(update={"nats_url": nats.url, "proxy_url": proxy_url, "engine_urls": engine_urls})
     config_file = run_dir / "config.toml"
-    config_file.write_text(shared_config.to_toml(cfg))
+    config_file.write_text(shared_config.to_toml(cfg, up))  # the trainer adds its [trainer] table
     common = ["--config", str(config_file)]
 
     engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
@@ -374,16 +348,14 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
             "--port",
             port,
             "--",
-            *shlex.split(args.sglang_args),
+            *shlex.split(up.sglang_args),
         ]
         engines.append(stack.start(f"sglang-{i}", argv, engine_key=engine_key, restart=True))
     for i, (url, proc) in enumerate(zip(engine_urls, engines)):
-        wait_http(
-            f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", args.startup_timeout
-        )
+        wait_http(f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", up.startup_timeout)
     router_port = int(router_url.rsplit(":", 1)[1])
     router = stack.start("router", sglang.router_argv(engine_urls, "127.0.0.1", router_port, free_port()))
-    wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", args.startup_timeout)
+    wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", up.startup_timeout)
     proxy = stack.start(
         "proxy",
         [
@@ -399,13 +371,13 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
         ],
         nats_user="proxy",
     )
-    wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", args.startup_timeout)
+    wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", up.startup_timeout)
     log(
         f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
         f"(ready: the upstream returns complete candidate sets), NATS {nats.url}"
     )
 
-    heldout = examples(args.task, args.eval_prompts, cfg.seed, "heldout")
+    heldout = examples(up.task, up.eval_prompts, cfg.seed, "heldout")
     progress = Progress()
     evals = run_dir / "eval.jsonl"
     evals.write_bytes(b"")
@@ -423,10 +395,10 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
         record = {"step": step, "eval_accuracy": accuracy}
         with open(evals, "ab") as fh:
             fh.write(orjson.dumps(record) + b"\n")
-        progress.show(record, args.steps)
+        progress.show(record, up.steps)
 
     record_eval(0)
-    for i in range(args.workers):
+    for i in range(up.workers):
         stack.start(
             f"worker-{i}",
             [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", *common],
@@ -440,19 +412,19 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
         "--run-dir",
         str(run_dir),
         "--steps",
-        str(args.steps),
+        str(up.steps),
         "--prompts-per-step",
-        str(args.prompts_per_step),
+        str(up.prompts_per_step),
         *common,
     ]
-    if args.trainer_ranks > 1:
+    if up.trainer_ranks > 1:
         launcher = [
             PYTHON,
             "-m",
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            str(args.trainer_ranks),
+            str(up.trainer_ranks),
             "-m",
             "centerline",
             "trainer",
@@ -472,8 +444,8 @@ def run(args, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: li
         lines = metrics.read_bytes().splitlines() if metrics.exists() else []
         for line in lines[seen:]:
             record = orjson.loads(line)
-            progress.show(record, args.steps)
-            if record["step"] % args.eval_every == 0 or record["step"] == args.steps:
+            progress.show(record, up.steps)
+            if record["step"] % up.eval_every == 0 or record["step"] == up.steps:
                 record_eval(record["step"])
         seen = len(lines)
         if trainer.poll() is not None:

@@ -14,9 +14,10 @@ steps offline, or printed for people.
   ``--steps-from RUN_DIR/metrics.jsonl`` lists them (``batch_ids`` of each step after the
   checkpoint's), else every ``--batches-per-step`` accepted batches in recorded order.
   Writes ``RUN_DIR/metrics.jsonl`` (same fields as the trainer's), weights and checkpoints.
-  The configuration defaults to the ``config.toml`` of the checkpoint's run directory;
-  ``--strategy``, ``--max-grad-norm``, ``--threads`` and ``--weight-sync-interval`` must
-  match the original trainer's flags (the defaults match its defaults).
+  The configuration defaults to the ``config.toml`` of the checkpoint's run directory, which
+  the trainer wrote with every setting: the shared ones and, from its ``[trainer]`` table,
+  the settings of a step (``--strategy``, ``--max-grad-norm``, ``--threads``,
+  ``--weight-sync-interval``; a flag still overrides one).
 
     centerline replay seg.clrec --to nats://127.0.0.1:4222
     centerline replay seg.clrec --jsonl
@@ -43,6 +44,7 @@ from centerline.record import Message, RecordFileError, print_summary, quiet, re
 from shared import config as shared_config
 from shared import logs
 from shared.nats_auth import CredentialsError
+from shared.settings import TRAINER_STEP_FIELDS, ReplaySettings, TrainerSettings
 
 log = logging.getLogger("centerline.replay")
 
@@ -52,46 +54,44 @@ class ReplayError(RuntimeError):
 
 
 def parse(argv: list[str]):
+    """``(args, settings)``: the namespace (file, mode, ``config``) and ``ReplaySettings``. With
+    ``--train`` and no ``--config``, ``args.config`` is the checkpoint's run's ``config.toml``."""
     parser = argparse.ArgumentParser(prog="centerline replay", description=__doc__.split("\n")[0])
     parser.add_argument("file", type=Path, help="a record file written by centerline record")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--to", metavar="URL", help="republish every message to this NATS server")
     mode.add_argument("--jsonl", action="store_true", help="print one summary JSON line per message")
     mode.add_argument("--train", action="store_true", help="run the trainer's steps on the recorded batches")
-    parser.add_argument("--subject", help="--to: publish here instead of each message's recorded subject")
-    parser.add_argument("--checkpoint", type=Path, help="--train: checkpoint directory to start from (step-NNNNNN)")
-    parser.add_argument("--run-dir", type=Path, help="--train: output directory (default: FILE with suffix .replay)")
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--steps-from", type=Path, help="--train: the original metrics.jsonl; group batches as it lists")
-    group.add_argument("--batches-per-step", type=int, default=1, help="--train: accepted batches per step otherwise")
-    parser.add_argument("--steps", type=int, default=None, help="--train: replay at most this many steps")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    parser.add_argument(
-        "--weight-sync-interval", type=int, default=1, help="the version advances every this many steps"
+    shared_config.add_arguments(parser, ReplaySettings)
+    shared_config.add_arguments(
+        parser,
+        TrainerSettings,
+        only=TRAINER_STEP_FIELDS,
+        shared=False,
+        title="--train: the trainer's settings of a step (default: the [trainer] table of the run's config.toml)",
     )
-    shared_config.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.train and args.checkpoint is None:
+    try:
+        settings = shared_config.resolve_section(ReplaySettings, args)
+    except shared_config.ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    if args.train and settings.checkpoint is None:
         parser.error("--train needs --checkpoint DIR")
-    if args.subject and not args.to:
+    if settings.subject and not args.to:
         parser.error("--subject applies to --to")
-    if args.batches_per_step < 1:
-        parser.error("--batches-per-step must be >= 1")
     if args.train and not hasattr(args, "config"):
-        default = args.checkpoint.resolve().parent.parent / "config.toml"
+        default = settings.checkpoint.resolve().parent.parent / "config.toml"
         if default.is_file():
             args.config = str(default)
-    return args
+    return args, settings
 
 
 def main(argv: list[str]) -> int:
-    args = parse(argv)
+    args, settings = parse(argv)
     logs.setup("replay")
     try:
         if args.train:
-            return train(args, shared_config.resolve(args))
+            return train(args.file, settings, *run_settings(args))
         _, messages = read_record(args.file)
         if args.jsonl:
             for msg in messages:
@@ -100,13 +100,20 @@ def main(argv: list[str]) -> int:
         from nats.errors import NoServersError
 
         try:
-            print(orjson.dumps(asyncio.run(republish(messages, args.to, args.subject))).decode())
+            print(orjson.dumps(asyncio.run(republish(messages, args.to, settings.subject))).decode())
         except NoServersError:
             raise ReplayError(f"no NATS server at {args.to} (--to)") from None
         return 0
     except (RecordFileError, ReplayError, shared_config.ConfigError, CredentialsError, OSError) as exc:
         print(f"centerline replay: {exc}", file=sys.stderr)
         return 2
+
+
+def run_settings(args) -> tuple[shared_config.Config, TrainerSettings]:
+    """The shared settings and the trainer's (of which a step uses ``TRAINER_STEP_FIELDS``), from
+    the flags over the run's ``config.toml`` (``args.config``) over the environment."""
+    cfg = shared_config.resolve(args)
+    return cfg, shared_config.resolve_section(TrainerSettings, args, cfg=cfg, only=TRAINER_STEP_FIELDS)
 
 
 async def republish(messages: list[Message], url: str, subject: str | None) -> dict:
@@ -168,7 +175,8 @@ def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: i
     return groups
 
 
-def train(args, cfg) -> int:
+def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -> int:
+    """The replayed steps, with the shared settings ``cfg`` and the trainer's settings of a step."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -177,15 +185,15 @@ def train(args, cfg) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
-    run_dir = args.run_dir or args.file.with_suffix(".replay")
+    torch.set_num_threads(trainer.threads)
+    run_dir = settings.run_dir or file.with_suffix(".replay")
 
     def body() -> int:
         main_rank = is_main()
         plan, problem = None, None
         if main_rank:  # rank 0 reads everything; a problem stops every rank before any collective
             try:
-                plan = plan_replay(args, run_dir)
+                plan = plan_replay(file, settings, run_dir)
             except (RecordFileError, ReplayError, OSError, ValueError) as exc:
                 problem = str(exc)
         problem = agree(problem)
@@ -194,18 +202,18 @@ def train(args, cfg) -> int:
                 print(f"centerline replay: {problem}", file=sys.stderr)
             return 2
         policy = Policy(
-            model_dir=args.checkpoint / "model",
+            model_dir=settings.checkpoint / "model",
             run_dir=run_dir,
-            resume=args.checkpoint,
+            resume=settings.checkpoint,
             cfg=cfg,
-            strategy=args.strategy,
-            max_grad_norm=args.max_grad_norm or None,
+            strategy=trainer.strategy,
+            max_grad_norm=trainer.max_grad_norm or None,
         )
         if not main_rank:
             policy.follow()
             return 0
         try:
-            replay_steps(args, cfg, policy, run_dir, *plan)
+            replay_steps(file, settings, trainer, cfg, policy, run_dir, *plan)
         finally:
             policy.stop()
         return 0
@@ -213,25 +221,27 @@ def train(args, cfg) -> int:
     return in_world(body)
 
 
-def plan_replay(args, run_dir: Path):
+def plan_replay(file: Path, settings: ReplaySettings, run_dir: Path):
     """Rank 0, before any collective: the messages, the checkpoint state and the step groups."""
     from trainer_service import checkpoint
 
     if (run_dir / "metrics.jsonl").exists():
         raise ReplayError(f"{run_dir / 'metrics.jsonl'} exists; choose another --run-dir or remove it")
-    if not (args.checkpoint / "state.json").is_file():
+    if not (settings.checkpoint / "state.json").is_file():
         raise ReplayError(
-            f"{args.checkpoint} is not a complete checkpoint (no state.json); "
+            f"{settings.checkpoint} is not a complete checkpoint (no state.json); "
             "expected <run_dir>/checkpoints/step-NNNNNN"
         )
-    _, messages = read_record(args.file)
-    state = checkpoint.load_state(args.checkpoint)
-    groups = step_groups(messages, state, args.steps_from, args.steps) if args.steps_from else None
+    _, messages = read_record(file)
+    state = checkpoint.load_state(settings.checkpoint)
+    groups = step_groups(messages, state, settings.steps_from, settings.steps) if settings.steps_from else None
     run_dir.mkdir(parents=True, exist_ok=True)
     return messages, state, groups
 
 
-def replay_steps(args, cfg, policy, run_dir: Path, messages, saved: dict, groups) -> None:
+def replay_steps(
+    file: Path, replay: ReplaySettings, trainer: TrainerSettings, cfg, policy, run_dir: Path, messages, saved, groups
+) -> None:
     """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches,
     with its admission and its commit of a step; no DLQ, no acks, no engines."""
     from collections import Counter
@@ -246,10 +256,10 @@ def replay_steps(args, cfg, policy, run_dir: Path, messages, saved: dict, groups
     metrics = Metrics(run_dir)
     stream = iter(messages)
     for n in range(len(groups) if groups is not None else sys.maxsize):
-        if args.steps is not None and n >= args.steps:
+        if replay.steps is not None and n >= replay.steps:
             break
         t0 = time.perf_counter()
-        want = len(groups[n]) if groups is not None else args.batches_per_step
+        want = len(groups[n]) if groups is not None else replay.batches_per_step
         for msg in groups[n] if groups is not None else stream:
             verdict = admission(msg.data, msg.seq, state.version, ledger=ledger, held=held, settings=settings)
             if verdict.action == HOLD:
@@ -280,10 +290,10 @@ def replay_steps(args, cfg, policy, run_dir: Path, messages, saved: dict, groups
             policy,
             state,
             list(held.values()),
-            weight_sync_interval=args.weight_sync_interval,
+            weight_sync_interval=trainer.weight_sync_interval,
             next_task_step=max(state.next_task_step, state.step + 1),
         )
         ledger, held = dict(step.after.ledger), {}
         gate, counts = metrics.gate(counts), Counter()
-        metrics.step(step_record(step, gate, {"step_s": time.perf_counter() - t0}, replay_of=str(args.file)))
+        metrics.step(step_record(step, gate, {"step_s": time.perf_counter() - t0}, replay_of=str(file)))
         state = step.after

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from shared import logs
 from shared.config import add_arguments, parse_args
+from shared.settings import WorkerSettings
 
 log = logging.getLogger("centerline.worker")
 
@@ -105,39 +106,12 @@ def vocab_size_of(info: dict, tokenizer_path: str | None) -> int | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="centerline worker", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--tokenizer", default=None, help="HF tokenizer directory; default: the upstream's tokenizer_path"
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, default=None, help="vocabulary size for the contract check; default: from the model"
-    )
-    parser.add_argument("--worker-id", default=None, help="producer id in batches; default: host-pid")
-    parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked task is redelivered")
-    parser.add_argument("--concurrency", type=int, default=2, help="tasks in flight")
-    parser.add_argument(
-        "--nak-delay",
-        type=float,
-        default=2.0,
-        help="seconds before a NAKed task is redelivered (doubling per delivery, up to 60)",
-    )
-    parser.add_argument(
-        "--max-deliver",
-        type=int,
-        default=10,
-        help="deliveries of a task before JetStream gives up on it and reports it in the ADVISORIES stream",
-    )
-    parser.add_argument("--shutdown-grace", type=float, default=30.0, help="SIGTERM: seconds to finish tasks in flight")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per proxy request")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics server")
-    add_arguments(parser)
-    args, cfg = parse_args(parser, argv)
-    if not (args.max_deliver == -1 or args.max_deliver >= 1):
-        parser.error(f"--max-deliver {args.max_deliver}: must be at least 1 (or -1: no limit)")
+    add_arguments(parser, WorkerSettings)
+    _, cfg, settings = parse_args(parser, argv, section=WorkerSettings)
     logs.setup("worker")
 
-    info = {} if args.tokenizer and args.vocab_size else model_info(cfg.proxy_url)
-    tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+    info = {} if settings.tokenizer and settings.vocab_size else model_info(cfg.proxy_url)
+    tokenizer_path = settings.tokenizer or info.get("tokenizer_path") or info.get("model_path")
     if not tokenizer_path:
         print(
             "centerline worker: no tokenizer: pass --tokenizer DIR (the upstream reports no tokenizer_path)",
@@ -145,7 +119,7 @@ def main(argv: list[str]) -> int:
         )
         return 2
     tokenizer, hf_tok = load_tokenizer(tokenizer_path)
-    vocab = args.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
+    vocab = settings.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
     if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab:
         print(
             f"centerline worker: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above the model's "
@@ -159,20 +133,20 @@ def main(argv: list[str]) -> int:
     from rollout_worker.worker import Worker, WorkerOptions
 
     opts = WorkerOptions(
-        producer=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        producer=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         vocab_size=vocab,
-        ack_wait=args.ack_wait,
-        concurrency=args.concurrency,
-        request_timeout=args.request_timeout,
-        nak_delay=args.nak_delay,
-        shutdown_grace=args.shutdown_grace,
-        max_deliver=args.max_deliver,
+        ack_wait=settings.ack_wait,
+        concurrency=settings.concurrency,
+        request_timeout=settings.request_timeout,
+        nak_delay=settings.nak_delay,
+        shutdown_grace=settings.shutdown_grace,
+        max_deliver=settings.max_deliver,
     )
     metrics = WorkerMetrics()
-    if args.metrics_port is not None:
+    if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+        start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
     return asyncio.run(_run(Worker(cfg, tokenizer, opts, metrics)))
 
 

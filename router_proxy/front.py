@@ -31,10 +31,11 @@ from http import HTTPStatus
 import httptools
 import orjson
 
+from shared.settings import MAX_REQUEST_BODY_BYTES
+
 log = logging.getLogger("centerline.proxy")
 
 PIPELINE_LIMIT = 16  # queued requests on one connection before we stop reading from it
-MAX_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
 LINGER_S = 2.0  # after refusing a request, how long its connection drains the client's bytes
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
@@ -202,7 +203,7 @@ class _Connection(asyncio.Protocol):
 class Front:
     """The listening socket and its open connections."""
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_REQUEST_BODY_BYTES):
         self.handler, self.max_body_bytes = handler, max_body_bytes
         self.connections: set[_Connection] = set()
         self.server: asyncio.Server | None = None

@@ -29,7 +29,9 @@ from router_proxy.audit import audit_body
 from router_proxy.rewrite import HARMLESS_DEFAULTS, STATED, Contract, rewrite_body
 from router_proxy.upstream import UpstreamPool
 from shared import admin_key
+from shared.config import ConfigError, add_arguments, resolve_section
 from shared.contract import ContractViolation
+from shared.settings import ProbeSettings
 from shared.sglang_response import response_metas
 
 CANARY_TOKENS = 8
@@ -344,29 +346,21 @@ def _cause(exc: ContractViolation) -> str:
 def main(argv: list[str]) -> int:
     """`centerline probe`: check an SGLang server or router against the candidate contract."""
     parser = argparse.ArgumentParser(prog="centerline probe", description=main.__doc__)
-    parser.add_argument("--upstream", required=True, help="SGLang router or server URL, e.g. http://127.0.0.1:30001")
-    parser.add_argument("--k", type=int, default=128, help="candidates per token (--rollout-top-logprobs-num)")
-    parser.add_argument("--endpoint", choices=("generate", "chat"), default="generate")
-    parser.add_argument("--mode", choices=("selected", "support"), default="selected")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None, help="top-k filter; support mode defaults to K")
-    parser.add_argument("--vocab-size", type=int, default=None, help="when the upstream does not report it")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the canary request")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    args = parser.parse_args(argv)
-    if args.k <= 0:
-        parser.error("--k must be positive")
-    top_k = args.top_k if args.top_k is not None else (args.k if args.mode == "support" else -1)
-    contract = Contract(args.k, args.temperature, args.top_p, top_k, args.mode, args.endpoint)
+    add_arguments(parser, ProbeSettings, shared=False)
+    try:
+        settings = resolve_section(ProbeSettings, parser.parse_args(argv))
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    top_k = settings.top_k if settings.top_k is not None else (settings.k if settings.mode == "support" else -1)
+    contract = Contract(settings.k, settings.temperature, settings.top_p, top_k, settings.mode, settings.endpoint)
     try:
         api_key = admin_key.upstream_key_from_env()
-        report = asyncio.run(_probe_once(args.upstream, contract, args.vocab_size, args.timeout, api_key))
+        report = asyncio.run(_probe_once(settings.upstream, contract, settings.vocab_size, settings.timeout, api_key))
     except admin_key.AdminKeyError as exc:
         parser.error(str(exc))
     except ValueError as exc:  # not an http(s) URL
         parser.error(str(exc))
-    print(orjson.dumps(report.to_dict()).decode() if args.json else report.table())
+    print(orjson.dumps(report.to_dict()).decode() if settings.json else report.table())
     return 0 if report.compatible else 1
 
 

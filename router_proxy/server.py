@@ -37,13 +37,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router_proxy.audit import audit_body
 from router_proxy.events import AuditPublisher, ProxyMetrics
-from router_proxy.front import MAX_BODY_BYTES, Front, Reply, Request
+from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
-from router_proxy.upstream import MAX_RESPONSE_BYTES, UpstreamPool, UpstreamTooLarge
+from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
 from shared import admin_key, logs
 from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
+from shared.settings import MAX_REQUEST_BODY_BYTES, MAX_TOP_LOGPROBS_NUM, MAX_UPSTREAM_RESPONSE_BYTES, ProxySettings
 
 log = logging.getLogger("centerline.proxy")
 
@@ -51,7 +52,6 @@ EVAL_HEADER = b"x-centerline-eval"
 AUDIT_HEADER = b"x-centerline-audit"
 JSON = b"application/json"
 FORWARDED_HEADERS = (b"x-request-id",)  # never authorization: see the module docstring
-MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
 PASS_THROUGH = {b"/health", b"/health_generate", b"/v1/models"}
@@ -106,7 +106,7 @@ class Proxy:
         nats_url: str | None = None,
         upstream_timeout: float = 1800.0,
         max_connections: int = 512,
-        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        max_response_bytes: int = MAX_UPSTREAM_RESPONSE_BYTES,
         max_k: int = MAX_TOP_LOGPROBS_NUM,
         upstream_api_key: str | None = None,
     ):
@@ -381,7 +381,7 @@ def _error(status: int, v: ContractViolation, headers: list | None = None) -> Re
     return status, orjson.dumps({"error": v.to_dict()}), JSON, headers or []
 
 
-async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> None:
     """Serve until SIGTERM or SIGINT, then finish the requests in progress (up to ``SHUTDOWN_GRACE_S``) and stop."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -401,39 +401,8 @@ async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_BODY
 def main(argv: list[str]) -> int:
     """`centerline proxy`: serve the contract-enforcing proxy in front of an SGLang router or server."""
     parser = argparse.ArgumentParser(prog="centerline proxy", description=main.__doc__)
-    parser.add_argument("--upstream", required=True, help="SGLang router or server URL")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30010)
-    parser.add_argument(
-        "--vocab-size", type=int, default=None, help="used when the upstream's /model_info reports none"
-    )
-    parser.add_argument("--upstream-timeout", type=float, default=1800.0, help="seconds per upstream request")
-    parser.add_argument(
-        "--max-request-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies are refused with 413"
-    )
-    parser.add_argument(
-        "--max-upstream-response-bytes",
-        type=int,
-        default=MAX_RESPONSE_BYTES,
-        help="larger upstream answers are cut off and become 502 upstream_too_large",
-    )
-    parser.add_argument(
-        "--max-top-logprobs-num",
-        type=int,
-        default=MAX_TOP_LOGPROBS_NUM,
-        help="largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400",
-    )
-    add_arguments(parser)
-    args, cfg = parse_args(parser, argv)
-    for name in ("max_request_body_bytes", "max_upstream_response_bytes", "max_top_logprobs_num"):
-        if getattr(args, name) <= 0:
-            parser.exit(2, f"{parser.prog}: --{name.replace('_', '-')} {getattr(args, name)}: must be positive\n")
-    if cfg.rollout_top_logprobs_num > args.max_top_logprobs_num:
-        parser.exit(
-            2,
-            f"{parser.prog}: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above --max-top-logprobs-num "
-            f"{args.max_top_logprobs_num}; raise the limit or lower K\n",
-        )
+    add_arguments(parser, ProxySettings)
+    args, cfg, settings = parse_args(parser, argv, section=ProxySettings)
     logs.setup("proxy")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:
@@ -443,14 +412,14 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         proxy = Proxy(
-            args.upstream,
+            settings.upstream,
             Contract.from_config(cfg),
             audit_mode=cfg.proxy_audit_mode,
-            vocab_size=args.vocab_size,
+            vocab_size=settings.vocab_size,
             nats_url=nats_url,
-            upstream_timeout=args.upstream_timeout,
-            max_response_bytes=args.max_upstream_response_bytes,
-            max_k=args.max_top_logprobs_num,
+            upstream_timeout=settings.upstream_timeout,
+            max_response_bytes=settings.max_upstream_response_bytes,
+            max_k=settings.max_top_logprobs_num,
             upstream_api_key=api_key,
         )
     except ValueError as exc:
@@ -458,7 +427,7 @@ def main(argv: list[str]) -> int:
         return 2
     import uvloop
 
-    uvloop.run(run(proxy, args.host, args.port, args.max_request_body_bytes))
+    uvloop.run(run(proxy, settings.host, settings.port, settings.max_request_body_bytes))
     return 0
 
 

@@ -27,8 +27,9 @@ import urllib.parse
 
 import httptools
 
+from shared.settings import MAX_UPSTREAM_RESPONSE_BYTES
+
 CLOSE_DELIMITED = -1
-MAX_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB a token, so ~65k tokens per answer
 
 
 class UpstreamError(OSError):
@@ -181,7 +182,7 @@ class UpstreamPool:
         timeout: float = 1800.0,
         connect_timeout: float = 10.0,
         max_connections: int = 512,
-        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        max_response_bytes: int = MAX_UPSTREAM_RESPONSE_BYTES,
         api_key: str | None = None,
     ):
         """``api_key``: sent as ``Authorization: Bearer`` on every request (an upstream started with ``--api-key``)."""

@@ -14,7 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared import admin_key, nats_auth
-from shared.config import ENV_PREFIX, Config, flag
+from shared.config import ENV_PREFIX, Config, env_name, flag
+from shared.settings import SECTIONS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -23,23 +24,33 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `shared/config.py` by `scripts/gen_config_docs.py`; do not edit by hand.",
+        "Generated from `shared/config.py` and `shared/settings.py` by `scripts/gen_config_docs.py`; do not",
+        "edit by hand.",
         "",
         "Every setting is a flag, a key of the TOML file given with `--config FILE`, and an",
-        f"environment variable `{ENV_PREFIX}<KEY>`; flags win over the file, the file over the",
-        "environment. `centerline config [flags]` prints the resolved values.",
+        "environment variable; flags win over the file, the file over the environment, the",
+        "environment over the defaults. `centerline config [--config FILE]` prints the resolved values,",
+        "and every run directory holds them in `config.toml` (written by the trainer).",
         "",
-        "| flag | type | default | meaning |",
-        "|---|---|---|---|",
+        "## Shared settings",
+        "",
+        "Read by every service. TOML key: the field name at the top of the file (`rollout_n = 4`);",
+        f"variable: `{ENV_PREFIX}<KEY>` (`{ENV_PREFIX}ROLLOUT_N`); a list is comma-separated there.",
+        "",
+        *table(Config, lambda name: f"`{flag(name)}`"),
     ]
-    for name, info in Config.model_fields.items():
-        default = info.default_factory() if info.default_factory else info.default
-        kind = info.annotation
-        if typing.get_origin(kind) is typing.Literal:
-            kind_text = " \\| ".join(typing.get_args(kind))
-        else:
-            kind_text = getattr(kind, "__name__", str(kind))
-        lines.append(f"| `{flag(name)}` | {kind_text} | `{default!r}` | {info.description} |")
+    for cls in SECTIONS.values():
+        first = cls.model_fields and next(iter(cls.model_fields))
+        lines += [
+            "",
+            f"## `{cls.command}`",
+            "",
+            " ".join(cls.__doc__.split()).replace("``", "`"),
+            f"TOML key: in the table `[{cls.name}]` (`{cls.name}.{first}`); variable:",
+            f"`{env_name('<KEY>', cls)}` (`{env_name(first, cls)}`).",
+            "",
+            *table(cls, lambda name, cls=cls: f"`{flag(name)}`"),
+        ]
     lines += [
         "",
         "## NATS credentials",
@@ -72,6 +83,29 @@ def render() -> str:
         f"| `{admin_key.UPSTREAM_KEY_FILE_ENV}` | a file holding the upstream key, instead of the above |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def table(model, flag_text) -> list[str]:
+    rows = ["| flag | type | default | meaning |", "|---|---|---|---|"]
+    for name, info in model.model_fields.items():
+        default = info.default_factory() if info.default_factory else info.default
+        bounds = [f"{word} {getattr(m, attr)}" for m in info.metadata for attr, word in BOUNDS if hasattr(m, attr)]
+        meaning = info.description + (f" Must be {' and '.join(bounds)}." if bounds else "")
+        default_text = "unset" if default is None else f"`{str(default) if isinstance(default, Path) else default!r}`"
+        rows.append(f"| {flag_text(name)} | {type_text(info.annotation)} | {default_text} | {meaning} |")
+    return rows
+
+
+BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def type_text(kind) -> str:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is typing.Literal:
+        return " \\| ".join(args)
+    if args and typing.get_origin(kind) is not list:  # X | None
+        return type_text(args[0])
+    return getattr(kind, "__name__", str(kind))
 
 
 def main() -> int:

@@ -13,15 +13,25 @@ generated from this file by ``scripts/gen_config_docs.py``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tomllib
+import types
 import typing
-from typing import Literal
+from pathlib import Path
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shared.settings import SECTIONS, Section
+
 ENV_PREFIX = "CENTERLINE_"
+S = TypeVar("S", bound=Section)
+M = TypeVar("M", bound=BaseModel)
+# The importance-weight options' defaults, here once: Config's fields below, and the keyword
+# defaults of the losses (trainer_service/loss.py) and of LossSettings (trainer_service/step.py).
+TIS_CLIP, MIS_LOW, MIS_HIGH = 2.0, 0.5, 5.0
 
 
 class ConfigError(ValueError):
@@ -71,9 +81,11 @@ class Config(BaseModel):
     score_centering_is: Literal["none", "tis", "mis"] = Field(
         "none", description="Importance weight f on p/q: none, truncated (tis) or masked (mis)."
     )
-    score_centering_tis_clip: float = Field(2.0, description="Clip c of the truncated importance weight min(r, c).")
-    score_centering_mis_low: float = Field(0.5, description="Lower bound of the masked importance weight.")
-    score_centering_mis_high: float = Field(5.0, description="Upper bound of the masked importance weight.")
+    score_centering_tis_clip: float = Field(
+        TIS_CLIP, description="Clip c of the truncated importance weight min(r, c)."
+    )
+    score_centering_mis_low: float = Field(MIS_LOW, description="Lower bound of the masked importance weight.")
+    score_centering_mis_high: float = Field(MIS_HIGH, description="Upper bound of the masked importance weight.")
     advantage_std_norm: bool = Field(
         False, description="Divide GRPO group advantages by the group's standard deviation."
     )
@@ -159,57 +171,129 @@ def validate(cfg: Config) -> Config:
         (cfg.max_staleness < 0, "max_staleness", cfg.max_staleness, "must be >= 0"),
         (cfg.max_inflight_steps < 1, "max_inflight_steps", cfg.max_inflight_steps, "must be >= 1"),
     ]
-    for failed, name, value, fix in checks:
-        if failed:
-            raise ConfigError(f"{flag(name)} {value}: {fix}")
+    _raise_failed(checks)
     return cfg
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE`` and one flag per field. Unset flags stay absent from the namespace."""
-    group = parser.add_argument_group("centerline configuration (see docs/config.md)")
-    group.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings")
-    for name, info in Config.model_fields.items():
-        kind = _base_type(info.annotation)
-        kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": info.description}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif kind is list:
-            kwargs["nargs"] = "+"
-        elif typing.get_origin(info.annotation) is Literal:
-            kwargs["choices"] = typing.get_args(info.annotation)
-        else:
-            kwargs["type"] = kind
-        if kind is not bool and "choices" not in kwargs:
-            kwargs["metavar"] = {int: "N", float: "X", list: "URL"}.get(kind, "VALUE")
-        group.add_argument(flag(name), **kwargs)
+def env_name(name: str, section: type[Section] | None = None) -> str:
+    """``CENTERLINE_<KEY>`` for a shared field, ``CENTERLINE_<TABLE>_<KEY>`` for a command's."""
+    return ENV_PREFIX + (f"{section.name}_" if section else "").upper() + name.upper()
+
+
+def key_name(name: str, section: type[Section] | None = None) -> str:
+    """The TOML key as a person writes it: ``loss``, ``trainer.max_grad_norm``."""
+    return f"{section.name}.{name}" if section else name
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    section: type[Section] | None = None,
+    *,
+    only: tuple[str, ...] | None = None,
+    shared: bool = True,
+    title: str | None = None,
+) -> None:
+    """Add ``--config FILE``, one flag per field of ``section`` (those in ``only``, when given) and,
+    with ``shared``, one per shared field. Unset flags stay absent from the namespace."""
+    if not any("--config" in action.option_strings for action in parser._actions):
+        parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings")
+    if section is not None:
+        group = parser.add_argument_group(title or f"{section.command} settings (see docs/config.md)")
+        for name, info in section.model_fields.items():
+            if only is None or name in only:
+                group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=False))
+    if shared:
+        group = parser.add_argument_group("centerline configuration (see docs/config.md)")
+        for name, info in Config.model_fields.items():
+            group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=True))
+
+
+def _flag_kwargs(name: str, info, metavar: bool) -> dict:
+    kind = _base_type(info.annotation)
+    kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": info.description}
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif kind is list:
+        kwargs["nargs"] = "+"
+    elif _choices(info.annotation):
+        kwargs["choices"] = _choices(info.annotation)
+    else:
+        kwargs["type"] = kind
+    if metavar and kind is not bool and "choices" not in kwargs:
+        kwargs["metavar"] = {int: "N", float: "X", list: "URL"}.get(kind, "VALUE")
+    return kwargs
 
 
 def resolve(args: argparse.Namespace | None = None, env: typing.Mapping[str, str] | None = None) -> Config:
-    """Merge environment, TOML file and flags (in rising precedence), then validate."""
+    """The shared settings: environment, TOML file and flags merged (in rising precedence), then validated."""
+    return validate(_build(Config, None, args, env, None))
+
+
+def resolve_section(
+    section: type[S],
+    args: argparse.Namespace | None = None,
+    env: typing.Mapping[str, str] | None = None,
+    cfg: Config | None = None,
+    *,
+    only: tuple[str, ...] | None = None,
+) -> S:
+    """A command's settings, merged as ``resolve`` merges the shared ones, then checked: required
+    fields, bounds, ``section.checks(cfg)``. ``only``: the fields this command has flags for (the
+    others come from the file, the environment or their defaults and need not be set)."""
+    settings = _build(section, section, args, env, only)
+    for name in section.required:
+        if (only is None or name in only) and getattr(settings, name) is None:
+            raise ConfigError(
+                f"{flag(name)} is required: pass it, or set {key_name(name, section)} in the TOML file or "
+                f"{env_name(name, section)}"
+            )
+    _raise_failed(settings.checks(cfg or Config()), section)
+    return settings
+
+
+def _build(model: type[M], section: type[Section] | None, args, env, only) -> M:
     env = os.environ if env is None else env
     values: dict = {}
-    for name, info in Config.model_fields.items():
-        raw = env.get(ENV_PREFIX + name.upper())
+    for name, info in model.model_fields.items():
+        raw = env.get(env_name(name, section))
         if raw is not None:
             values[name] = raw.split(",") if _base_type(info.annotation) is list else raw
     args_dict = vars(args) if args is not None else {}
     if "config" in args_dict:
-        values.update(load_toml(args_dict["config"]))
-    values.update({name: value for name, value in args_dict.items() if name in Config.model_fields})
+        data = load_toml(args_dict["config"])
+        values.update(data.get(section.name, {}) if section else {k: v for k, v in data.items() if k not in SECTIONS})
+    values.update(
+        {k: v for k, v in args_dict.items() if k in model.model_fields and (only is None or k in only or not section)}
+    )
     try:
-        cfg = Config(**values)
+        return model(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else "?"
         raise ConfigError(
-            f"{flag(name)} {err.get('input')!r}: {err['msg']} (also settable as {ENV_PREFIX}{name.upper()} or in the "
-            "TOML file)"
+            f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
+            f"{key_name(name, section)} in the TOML file)"
         ) from None
-    return validate(cfg)
+
+
+def _fix(err: dict) -> str:
+    """Pydantic's message for a bound, in the words of the checks: ``must be >= 1``."""
+    ctx = err.get("ctx") or {}
+    for key, words in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if key in ctx and err["type"].startswith(("greater", "less")):
+            return f"must be {words} {ctx[key]}"
+    return err["msg"]
+
+
+def _raise_failed(checks, section: type[Section] | None = None) -> None:
+    for failed, name, value, fix in checks:
+        if failed:
+            raise ConfigError(f"{flag(name)} {value}: {fix}")
 
 
 def load_toml(path: str) -> dict:
+    """The file as TOML: shared keys at the top, a command's own in its table (``[trainer]``...).
+    An unknown key or table is refused; values are checked when a command resolves them."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -217,50 +301,96 @@ def load_toml(path: str) -> dict:
         raise ConfigError(f"--config {path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-    unknown = sorted(set(data) - set(Config.model_fields))
+    unknown = sorted(set(data) - set(Config.model_fields) - set(SECTIONS))
+    for table, cls in SECTIONS.items():
+        if table in data:
+            if not isinstance(data[table], dict):
+                raise ConfigError(f"--config {path}: {table} must be a table ([{table}])")
+            unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.model_fields))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {unknown}; see docs/config.md for the settings")
     return data
 
 
-def to_toml(cfg: Config) -> str:
-    """The resolved configuration as TOML (written beside each run)."""
-    lines = []
-    for name, value in cfg.model_dump().items():
-        if isinstance(value, str):
-            lines.append(f'{name} = "{value}"')
-        elif isinstance(value, bool):
-            lines.append(f"{name} = {'true' if value else 'false'}")
-        elif isinstance(value, list):
-            lines.append(f"{name} = [{', '.join(repr(v).replace(chr(39), chr(34)) for v in value)}]")
-        else:
-            lines.append(f"{name} = {value!r}")
+def to_toml(cfg: Config, *sections: Section, tables: typing.Mapping[str, dict] | None = None) -> str:
+    """The resolved configuration as TOML: shared keys, then a table per command's settings (unset
+    ones left out), then ``tables`` (other commands' tables, as read from a file) unchanged."""
+    lines = [f"{name} = {_toml_value(value)}" for name, value in cfg.model_dump().items()]
+    blocks = [(s.name, s.model_dump()) for s in sections]
+    blocks += [
+        (name, dict(values)) for name, values in (tables or {}).items() if name not in {s.name for s in sections}
+    ]
+    for name, values in blocks:
+        lines += ["", f"[{name}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
     return "\n".join(lines) + "\n"
 
 
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | Path):
+        return json.dumps(str(value))  # a JSON string is a TOML basic string
+    if isinstance(value, list):
+        return f"[{', '.join(_toml_value(v) for v in value)}]"
+    return repr(value)
+
+
+def write_run_config(path: Path, args: argparse.Namespace, cfg: Config, *sections: Section) -> None:
+    """Write the run's ``config.toml`` (atomically: other services may be reading it): the
+    resolved settings, and the other commands' tables of the file this command read."""
+    read = load_toml(vars(args)["config"]) if "config" in vars(args) else {}
+    tables = {name: values for name, values in read.items() if name in SECTIONS}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_toml(cfg, *sections, tables=tables))
+    os.replace(tmp, path)
+
+
 def _base_type(annotation) -> type:
+    """The flag's type: ``str`` for a Literal, ``list`` for a list, X for ``X | None``."""
     origin = typing.get_origin(annotation)
     if origin is Literal:
         return str
     if origin is list:
         return list
+    if origin in (typing.Union, types.UnionType):
+        (kind,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(kind)
     return annotation
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str], env: typing.Mapping[str, str] | None = None):
-    """``(args, config)`` for a service's parser (which called ``add_arguments``). A setting that
-    cannot be honoured exits with status 2 and ``<prog>: <error>``, like argparse's own errors."""
+def _choices(annotation) -> tuple | None:
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: list[str],
+    env: typing.Mapping[str, str] | None = None,
+    section: type[S] | None = None,
+):
+    """``(args, config)`` for a service's parser (which called ``add_arguments``), or
+    ``(args, config, settings)`` with the command's ``section``. A setting that cannot be
+    honoured exits with status 2 and ``<prog>: <error>``, like argparse's own errors."""
     args = parser.parse_args(argv)
     try:
-        return args, resolve(args, env)
+        cfg = resolve(args, env)
+        if section is None:
+            return args, cfg
+        return args, cfg, resolve_section(section, args, env, cfg)
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
 
 
 def main(argv: list[str]) -> int:
-    """`centerline config [flags]`: print the resolved configuration, or the error."""
+    """`centerline config [flags]`: print the resolved configuration, or the error. Each command's
+    table holds what the file, the environment and the defaults give it (its flags are its own)."""
     parser = argparse.ArgumentParser(prog="centerline config", description=main.__doc__)
     add_arguments(parser)
-    _, cfg = parse_args(parser, argv)
-    sys.stdout.write(to_toml(cfg))
+    args, cfg = parse_args(parser, argv)
+    try:
+        sections = [_build(cls, cls, args, None, ()) for cls in SECTIONS.values()]
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    sys.stdout.write(to_toml(cfg, *sections))
     return 0

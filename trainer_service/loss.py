@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
+
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
 IS_MODES = ("none", "tis", "mis")
@@ -45,9 +47,9 @@ def score_centering_loss(
     mode="selected",
     is_mode="none",
     temperature=1.0,
-    tis_clip=2.0,
-    mis_low=0.5,
-    mis_high=5.0,
+    tis_clip=TIS_CLIP,
+    mis_low=MIS_LOW,
+    mis_high=MIS_HIGH,
     token_count=None,
     chunk_size=None,
 ):
@@ -182,9 +184,9 @@ def reinforce_loss(
     mode="selected",
     is_mode="none",
     temperature=1.0,
-    tis_clip=2.0,
-    mis_low=0.5,
-    mis_high=5.0,
+    tis_clip=TIS_CLIP,
+    mis_low=MIS_LOW,
+    mis_high=MIS_HIGH,
     token_count=None,
     chunk_size=None,
 ):
@@ -219,9 +221,9 @@ def tis_loss(
     mode="selected",
     is_mode="tis",
     temperature=1.0,
-    tis_clip=2.0,
-    mis_low=0.5,
-    mis_high=5.0,
+    tis_clip=TIS_CLIP,
+    mis_low=MIS_LOW,
+    mis_high=MIS_HIGH,
     token_count=None,
     chunk_size=None,
 ):

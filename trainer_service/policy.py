@@ -51,13 +51,7 @@ class Policy:
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
             checkpoint.load_optimizer(resume, self.model, self.optimizer)
-        self.settings = LossSettings(
-            cfg.loss,
-            cfg.score_centering_is,
-            cfg.score_centering_tis_clip,
-            cfg.score_centering_mis_low,
-            cfg.score_centering_mis_high,
-        )
+        self.settings = LossSettings.from_config(cfg)
 
     @property
     def world_size(self) -> int:

@@ -36,55 +36,20 @@ from pathlib import Path
 
 from shared import config as shared_config
 from shared import logs
+from shared.settings import TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
 
 
 def parse(argv: list[str]):
+    """``(args, cfg, settings)``: the namespace, the shared settings and the trainer's
+    (``shared.settings.TrainerSettings``; flags, TOML table ``[trainer]``, ``CENTERLINE_TRAINER_*``)."""
     parser = argparse.ArgumentParser(prog="centerline trainer", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, type=Path, help="initial HF model directory (weight version 0)")
-    parser.add_argument("--dataset", required=True, type=Path, help="JSONL of {prompt, answer, reward, ...}")
-    parser.add_argument("--run-dir", required=True, type=Path, help="checkpoints, weight versions, metrics.jsonl")
-    parser.add_argument("--steps", type=int, default=100, help="train until this many steps are done")
-    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step")
-    parser.add_argument("--weight-sync-interval", type=int, default=1, help="publish weights every this many steps")
-    parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked batch is redelivered")
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="close a step short after this many seconds")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (rank 0)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    parser.add_argument(
-        "--max-deliver",
-        type=int,
-        default=20,
-        help="deliveries of a batch (each crash of the trainer "
-        "holding it is one) before JetStream gives up on it and reports it in the ADVISORIES stream",
-    )
-    parser.add_argument(
-        "--keep-checkpoints", type=int, default=2, help="complete checkpoints kept, newest first (0 keeps all)"
-    )
-    shared_config.add_arguments(parser)
-    args, cfg = shared_config.parse_args(parser, argv)
-    for flag, value, ok, want in (
-        ("--steps", args.steps, args.steps >= 0, "0 or more"),
-        ("--prompts-per-step", args.prompts_per_step, args.prompts_per_step >= 1, "at least 1"),
-        ("--weight-sync-interval", args.weight_sync_interval, args.weight_sync_interval >= 1, "at least 1"),
-        ("--ack-wait", args.ack_wait, args.ack_wait > 0, "more than 0 seconds"),
-        ("--keep-checkpoints", args.keep_checkpoints, args.keep_checkpoints >= 0, "0 (keep all) or more"),
-        (
-            "--max-deliver",
-            args.max_deliver,
-            args.max_deliver == -1 or args.max_deliver >= 1,
-            "at least 1, or -1 for no limit",
-        ),
-    ):
-        if not ok:
-            parser.error(f"{flag} {value}: must be {want}")
-    return args, cfg
+    shared_config.add_arguments(parser, TrainerSettings)
+    return shared_config.parse_args(parser, argv, section=TrainerSettings)
 
 
-async def drive(args, cfg, policy, resume: Path | None) -> int:
+async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> int:
     """Rank 0: the training loop of the module docstring."""
     from shared import faults
     from trainer_service import checkpoint, weights
@@ -94,39 +59,39 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
     from trainer_service.tasks import TaskPublisher, load_dataset
 
     saved = checkpoint.load_state(resume) if resume else None
-    state = TrainerState.from_dict(saved) if saved else TrainerState(run_id=run_id(args.run_dir))
+    state = TrainerState.from_dict(saved) if saved else TrainerState(run_id=run_id(settings.run_dir))
     if not candidates_fit(cfg, policy.vocab_size):
         policy.stop()
         return 2
     stopping = stop_event()
-    nc, js, consumer = await open_streams(cfg, args)
+    nc, js, consumer = await open_streams(cfg, settings)
     gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=dict(state.ledger))
     tasks = TaskPublisher(
-        load_dataset(args.dataset),
+        load_dataset(settings.dataset),
         run_id=state.run_id,
         seed=cfg.seed,
-        prompts_per_step=args.prompts_per_step,
+        prompts_per_step=settings.prompts_per_step,
         n=cfg.rollout_n,
         next_step=state.next_task_step,
     )
     engines = weights.WeightPublisher(js, cfg.engine_urls)
-    metrics = Metrics(args.run_dir, args.metrics_port)
+    metrics = Metrics(settings.run_dir, settings.metrics_port)
     metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
-    initial = weights.version_dir(args.run_dir / "weights", state.version) if state.version else args.model
+    initial = weights.version_dir(settings.run_dir / "weights", state.version) if state.version else settings.model
     await engines.publish(state.version, initial)
-    keep_alive = asyncio.create_task(gate.keep_alive(args.ack_wait / 3))
+    keep_alive = asyncio.create_task(gate.keep_alive(settings.ack_wait / 3))
     catching_up = asyncio.create_task(engines.watch())  # an engine that restarted gets the latest weights
-    target = args.prompts_per_step * cfg.rollout_n
+    target = settings.prompts_per_step * cfg.rollout_n
     log.info("run %s resumes at step %d, version %d", state.run_id, state.step, state.version)
 
-    while state.step < args.steps and not stopping.is_set():
+    while state.step < settings.steps and not stopping.is_set():
         t0 = time.perf_counter()
-        await tasks.publish_until(js, state.step, cfg.max_inflight_steps, args.steps)
+        await tasks.publish_until(js, state.step, cfg.max_inflight_steps, settings.steps)
         held = await gate.gather(
             target,
             state.version,
-            args.step_timeout,
+            settings.step_timeout,
             stopping,
             min_samples=policy.world_size,
             starved=lambda: tasks.publish_next(js),
@@ -141,7 +106,7 @@ async def drive(args, cfg, policy, resume: Path | None) -> int:
             policy,
             state,
             held,
-            weight_sync_interval=args.weight_sync_interval,
+            weight_sync_interval=settings.weight_sync_interval,
             next_task_step=tasks.next_step,
         )
         faults.hit("trainer.after_checkpoint", step.after.step)
@@ -194,7 +159,7 @@ def stop_event() -> asyncio.Event:
     return stopping
 
 
-async def open_streams(cfg, args):
+async def open_streams(cfg, settings: TrainerSettings):
     """Connect, make sure the streams exist, bind the trainer's durable consumer of batches."""
     from shared import names
     from shared.nats_client import connect, pull_consumer
@@ -208,8 +173,8 @@ async def open_streams(cfg, args):
         names.ROLLOUTS_STREAM,
         names.TRAINER_CONSUMER,
         filter_subject=names.ROLLOUTS_SUBJECT,
-        ack_wait=args.ack_wait,
-        max_deliver=args.max_deliver,
+        ack_wait=settings.ack_wait,
+        max_deliver=settings.max_deliver,
     )
     return nc, js, consumer
 
@@ -227,7 +192,7 @@ def run_id(run_dir: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args, cfg = parse(argv)
+    args, cfg, settings = parse(argv)
     logs.setup("trainer")
     import torch
     from transformers.utils import logging as hf_logging
@@ -238,30 +203,30 @@ def main(argv: list[str]) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per step and rank otherwise
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(settings.threads)
 
     def body() -> int:
         main_rank = is_main()
         if main_rank:
-            args.run_dir.mkdir(parents=True, exist_ok=True)
-            (args.run_dir / "config.toml").write_text(shared_config.to_toml(cfg))
-            checkpoint.remove_partial(args.run_dir / "checkpoints")
-        resume = agree(checkpoint.latest(args.run_dir / "checkpoints") if main_rank else None)
+            settings.run_dir.mkdir(parents=True, exist_ok=True)
+            shared_config.write_run_config(settings.run_dir / "config.toml", args, cfg, settings)
+            checkpoint.remove_partial(settings.run_dir / "checkpoints")
+        resume = agree(checkpoint.latest(settings.run_dir / "checkpoints") if main_rank else None)
         policy = Policy(
-            model_dir=args.model,
-            run_dir=args.run_dir,
+            model_dir=settings.model,
+            run_dir=settings.run_dir,
             resume=resume,
             cfg=cfg,
-            strategy=args.strategy,
-            max_grad_norm=args.max_grad_norm or None,
-            keep_checkpoints=args.keep_checkpoints,
+            strategy=settings.strategy,
+            max_grad_norm=settings.max_grad_norm or None,
+            keep_checkpoints=settings.keep_checkpoints,
         )
         if not main_rank:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank
             policy.follow()
             return 0
-        return asyncio.run(drive(args, cfg, policy, resume))
+        return asyncio.run(drive(settings, cfg, policy, resume))
 
     # Other ranks wait in a broadcast while rank 0 gathers batches, which lasts as long as the workers need.
     return in_world(body, timeout=timedelta(hours=24))

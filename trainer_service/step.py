@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
 from trainer_service.distributed import rank_and_world
 from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
 
@@ -44,10 +45,21 @@ class LossSettings:
 
     loss: str = "score_centering"  # score_centering | reinforce | tis
     is_mode: str = "none"  # --score-centering-is
-    tis_clip: float = 2.0  # --score-centering-tis-clip
-    mis_low: float = 0.5  # --score-centering-mis-low
-    mis_high: float = 5.0  # --score-centering-mis-high
+    tis_clip: float = TIS_CLIP  # --score-centering-tis-clip
+    mis_low: float = MIS_LOW  # --score-centering-mis-low
+    mis_high: float = MIS_HIGH  # --score-centering-mis-high
     chunk_size: int | None = None  # rows per [rows, V] pass in the loss; None = automatic
+
+    @classmethod
+    def from_config(cls, cfg) -> LossSettings:
+        """The loss settings of a ``shared.config.Config``."""
+        return cls(
+            cfg.loss,
+            cfg.score_centering_is,
+            cfg.score_centering_tis_clip,
+            cfg.score_centering_mis_low,
+            cfg.score_centering_mis_high,
+        )
 
 
 def shard(num_samples: int, rank: int, world: int) -> range:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import orjson
@@ -99,6 +100,9 @@ def test_record_holds_every_stream_message_unchanged(run):
 def test_replay_train_reproduces_the_step_bit_for_bit(run):
     tmp, run_dir, _ = run
     out = tmp / "replayed"
+    # The trainer wrote every setting; replay --train takes them from there, no flag repeated.
+    written = tomllib.loads((run_dir / "config.toml").read_text())
+    assert {"strategy", "max_grad_norm", "threads", "weight_sync_interval"} <= set(written["trainer"])
     cmd = [
         str(TORCHRUN),
         "--standalone",
@@ -229,3 +233,24 @@ def test_malformed_record_file_names_the_offset_and_what_was_expected(tmp_path, 
         read_record(path)
     replay = centerline("replay", str(path), "--jsonl")
     assert replay.returncode == 2 and expected in replay.stderr
+
+
+def test_replay_train_takes_every_setting_from_the_runs_config_toml(tmp_path):
+    from centerline import replay
+
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "config.toml").write_text(
+        'loss = "tis"\nlearning_rate = 0.001\n\n[trainer]\nmodel = "m"\nstrategy = "fsdp2"\nmax_grad_norm = 0.5\n'
+        "threads = 3\nweight_sync_interval = 2\n"
+    )
+    argv = ["seg.clrec", "--train", "--checkpoint", str(tmp_path / "checkpoints" / "step-000002")]
+    cfg, trainer = replay.run_settings(replay.parse(argv)[0])
+    assert (cfg.loss, cfg.learning_rate) == ("tis", 0.001)
+    assert (trainer.strategy, trainer.max_grad_norm, trainer.threads, trainer.weight_sync_interval) == (
+        "fsdp2",
+        0.5,
+        3,
+        2,
+    )
+    _, trainer = replay.run_settings(replay.parse([*argv, "--threads", "1"])[0])
+    assert trainer.threads == 1  # a flag still wins

@@ -190,8 +190,8 @@ def test_configured_k_above_the_limit_refuses_to_start():
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
         2,
-        "centerline proxy: --rollout-top-logprobs-num 2048 is above "
-        "--max-top-logprobs-num 1024; raise the limit or lower K",
+        "centerline proxy: --rollout-top-logprobs-num 2048: above --max-top-logprobs-num 1024; raise the limit or "
+        "lower K",
     )
 
 
@@ -209,5 +209,6 @@ def test_a_limit_that_is_not_positive_refuses_to_start():
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
         2,
-        "centerline proxy: --max-request-body-bytes 0: must be positive",
+        "centerline proxy: --max-request-body-bytes 0: must be > 0 (also settable as "
+        "CENTERLINE_PROXY_MAX_REQUEST_BODY_BYTES or proxy.max_request_body_bytes in the TOML file)",
     )

@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Config, ConfigError, add_arguments, resolve, to_toml
+from shared.config import (
+    Config,
+    ConfigError,
+    add_arguments,
+    env_name,
+    load_toml,
+    resolve,
+    resolve_section,
+    to_toml,
+    write_run_config,
+)
+from shared.settings import SECTIONS, ProxySettings, TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,6 +131,10 @@ def test_config_reference_is_generated_from_the_schema():
     assert run.returncode == 0, run.stderr
     doc = (ROOT / "docs" / "config.md").read_text()
     assert all(f"`--{name.replace('_', '-')}`" in doc for name in Config.model_fields)
+    for cls in SECTIONS.values():
+        part = doc.split(f"## `{cls.command}`")[1].split("\n## ")[0]
+        assert f"`[{cls.name}]`" in part
+        assert all(f"`--{name.replace('_', '-')}`" in part for name in cls.model_fields)
 
 
 @pytest.mark.parametrize(
@@ -146,3 +161,105 @@ def test_every_service_refuses_a_bad_setting_at_start_with_exit_2_naming_the_fla
         == f"centerline {argv[0]}: --rollout-temperature 0.0: greedy decoding has no sampling distribution to centre; "
         "use a temperature > 0\n"
     )
+
+
+# ------------------------------------------------------------------ each command's own settings
+
+
+def parse_section(section, argv, env=None):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, section)
+    args = parser.parse_args(argv)
+    return resolve_section(section, args, env or {}, resolve(args, env or {}))
+
+
+TRAINER = ["--model", "m", "--dataset", "d.jsonl", "--run-dir", "r"]
+
+
+def test_a_command_setting_is_a_flag_a_key_of_its_table_and_a_variable(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('loss = "tis"\n\n[trainer]\nmax_grad_norm = 0.5\nthreads = 3\n')
+    env = {
+        "CENTERLINE_TRAINER_MAX_GRAD_NORM": "0.25",
+        "CENTERLINE_TRAINER_THREADS": "2",
+        "CENTERLINE_TRAINER_STEPS": "7",
+    }
+    settings = parse_section(TrainerSettings, [*TRAINER, "--config", str(toml), "--threads", "4"], env)
+    assert (settings.threads, settings.max_grad_norm, settings.steps, settings.strategy) == (4, 0.5, 7, "ddp")
+    assert settings.model == Path("m")
+
+
+def test_a_required_setting_may_come_from_the_environment():
+    env = {"CENTERLINE_TRAINER_MODEL": "m", "CENTERLINE_TRAINER_DATASET": "d", "CENTERLINE_TRAINER_RUN_DIR": "r"}
+    assert parse_section(TrainerSettings, [], env).run_dir == Path("r")
+
+
+def test_a_missing_required_setting_names_the_flag_the_key_and_the_variable():
+    with pytest.raises(ConfigError) as info:
+        parse_section(TrainerSettings, ["--model", "m", "--dataset", "d"])
+    assert str(info.value) == (
+        "--run-dir is required: pass it, or set trainer.run_dir in the TOML file or CENTERLINE_TRAINER_RUN_DIR"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (
+            ["--prompts-per-step", "0"],
+            {},
+            "--prompts-per-step 0: must be >= 1 (also settable as "
+            "CENTERLINE_TRAINER_PROMPTS_PER_STEP or trainer.prompts_per_step in the TOML file)",
+        ),
+        ([], {"CENTERLINE_TRAINER_ACK_WAIT": "0"}, "--ack-wait '0': must be > 0"),
+        (["--max-grad-norm", "-1"], {}, "--max-grad-norm -1.0: must be >= 0"),
+        (["--max-deliver", "0"], {}, "--max-deliver 0: must be at least 1, or -1 for no limit"),
+        (
+            ["--strategy", "fsdp2"],
+            {"CENTERLINE_TRAINER_THREADS": "two"},
+            "--threads 'two': Input should be a valid integer",
+        ),
+    ],
+)
+def test_a_bad_command_setting_names_the_flag_the_value_and_the_fix(argv, env, message):
+    with pytest.raises(ConfigError) as info:
+        parse_section(TrainerSettings, [*TRAINER, *argv], env)
+    assert str(info.value).startswith(message)
+
+
+def test_a_check_across_shared_and_command_settings_names_both():
+    with pytest.raises(ConfigError, match=r"^--rollout-top-logprobs-num 128: above --max-top-logprobs-num 64;"):
+        parse_section(ProxySettings, ["--upstream", "http://u:1", "--max-top-logprobs-num", "64"])
+
+
+def test_unknown_key_of_a_command_table_is_refused(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[trainer]\nmax_grad_nrom = 1.0\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['trainer.max_grad_nrom'\]"):
+        load_toml(str(toml))
+
+
+def test_the_run_config_holds_the_command_settings_and_keeps_the_other_tables(tmp_path):
+    given = tmp_path / "given.toml"
+    given.write_text("rollout_n = 2\n\n[worker]\nconcurrency = 5\n\n[trainer]\nthreads = 9\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainerSettings)
+    args = parser.parse_args([*TRAINER, "--config", str(given), "--threads", "3", "--max-grad-norm", "0.5"])
+    cfg = resolve(args, {})
+    settings = resolve_section(TrainerSettings, args, {}, cfg)
+    written = tmp_path / "config.toml"
+    write_run_config(written, args, cfg, settings)
+    data = load_toml(str(written))
+    assert data["rollout_n"] == 2 and data["worker"] == {"concurrency": 5}
+    assert (
+        data["trainer"]["threads"] == 3 and data["trainer"]["max_grad_norm"] == 0.5 and data["trainer"]["model"] == "m"
+    )
+    again = argparse.Namespace(config=str(written))
+    assert resolve(again, {}) == cfg and resolve_section(TrainerSettings, again, {}, cfg) == settings
+
+
+def test_no_two_settings_share_a_variable_or_a_flag_of_one_command():
+    shared = {env_name(name) for name in Config.model_fields}
+    for cls in SECTIONS.values():
+        assert not shared & {env_name(name, cls) for name in cls.model_fields}, cls.name
+        assert not set(Config.model_fields) & set(cls.model_fields), cls.name

@@ -1,0 +1,234 @@
+"""Each command's own settings, beside the shared ones of ``shared/config.py``: one class per command.
+
+A field of ``TrainerSettings`` (table ``trainer``) such as ``max_grad_norm`` is the flag
+``--max-grad-norm`` of ``centerline trainer``, the key ``max_grad_norm`` of the TOML file's
+``[trainer]`` table and the variable ``CENTERLINE_TRAINER_MAX_GRAD_NORM``; sources and
+precedence are the shared ones (flags, file, environment, defaults). A setting the command
+cannot start without is listed in ``required`` (default None, so a file or the environment
+may give it). ``checks`` returns the failures as ``(failed, field, value, fix)``, the shape of
+``shared.config.validate``; simple bounds are field constraints. ``docs/config.md`` lists
+every field per command (``scripts/gen_config_docs.py``).
+
+Not settings: what a one-shot command is asked to do this time (``centerline replay``'s record
+file and its mode ``--to``/``--jsonl``/``--train``), and secrets (docs/config.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.toy_tasks import REWARDS
+
+# Proxy limits, defaults of the proxy's flags and of the classes in router_proxy that enforce them.
+MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
+MAX_UPSTREAM_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB a token, so ~65k tokens per answer
+MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
+
+
+class Section(BaseModel):
+    """The settings of one command: flags of ``command``, TOML table ``[name]``, ``CENTERLINE_<NAME>_<KEY>``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: ClassVar[str]
+    command: ClassVar[str]
+    required: ClassVar[tuple[str, ...]] = ()
+
+    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+        """Failures beyond a field's own bounds, given the shared ``cfg``: ``(failed, field, value, fix)``."""
+        return []
+
+
+def _max_deliver_check(value: int) -> tuple[bool, str, object, str]:
+    return (value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
+
+
+class TrainerSettings(Section):
+    """``centerline trainer``: the training loop of trainer_service/service.py."""
+
+    name: ClassVar[str] = "trainer"
+    command: ClassVar[str] = "centerline trainer"
+    required: ClassVar[tuple[str, ...]] = ("model", "dataset", "run_dir")
+
+    model: Path | None = Field(None, description="Initial HF model directory (weight version 0). Required.")
+    dataset: Path | None = Field(None, description="JSONL of {prompt, answer, reward, ...}. Required.")
+    run_dir: Path | None = Field(
+        None, description="Checkpoints, weight versions, metrics.jsonl and the run's config.toml. Required."
+    )
+    steps: int = Field(100, ge=0, description="Train until this many steps are done.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompt groups per step.")
+    weight_sync_interval: int = Field(1, ge=1, description="Publish weights every this many steps.")
+    ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked batch is redelivered.")
+    step_timeout: float = Field(300.0, description="Close a step short after this many seconds.")
+    strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="How ranks share the model: DDP or FSDP2.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
+    metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port (rank 0); unset: off.")
+    threads: int = Field(1, ge=1, description="Torch intra-op threads per rank.")
+    max_deliver: int = Field(
+        20,
+        description="Deliveries of a batch (each crash of the trainer holding it is one) before JetStream gives up "
+        "on it and reports it in the ADVISORIES stream; -1: no limit.",
+    )
+    keep_checkpoints: int = Field(2, ge=0, description="Complete checkpoints kept, newest first (0 keeps all).")
+
+    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+        return [_max_deliver_check(self.max_deliver)]
+
+
+# What `centerline replay --train` takes from the run's [trainer] table: the settings of a step.
+TRAINER_STEP_FIELDS = ("strategy", "max_grad_norm", "threads", "weight_sync_interval")
+
+
+class WorkerSettings(Section):
+    """``centerline worker``: a rollout worker (rollout_worker/main.py)."""
+
+    name: ClassVar[str] = "worker"
+    command: ClassVar[str] = "centerline worker"
+
+    tokenizer: str | None = Field(None, description="HF tokenizer directory; unset: the upstream's tokenizer_path.")
+    vocab_size: int | None = Field(
+        None, gt=0, description="Vocabulary size for the contract check; unset: from the model."
+    )
+    worker_id: str | None = Field(None, description="Producer id written into batches; unset: host-pid.")
+    ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is redelivered.")
+    concurrency: int = Field(2, ge=1, description="Tasks in flight.")
+    nak_delay: float = Field(
+        2.0, ge=0, description="Seconds before a NAKed task is redelivered (doubling per delivery, up to 60)."
+    )
+    max_deliver: int = Field(
+        10,
+        description="Deliveries of a task before JetStream gives up on it and reports it in the ADVISORIES stream; "
+        "-1: no limit.",
+    )
+    shutdown_grace: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish the tasks in flight.")
+    request_timeout: float = Field(600.0, gt=0, description="Seconds per proxy request.")
+    metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port; unset: off.")
+    metrics_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
+
+    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+        return [_max_deliver_check(self.max_deliver)]
+
+
+class ProxySettings(Section):
+    """``centerline proxy``: the contract-enforcing proxy (router_proxy/server.py)."""
+
+    name: ClassVar[str] = "proxy"
+    command: ClassVar[str] = "centerline proxy"
+    required: ClassVar[tuple[str, ...]] = ("upstream",)
+
+    upstream: str | None = Field(None, description="SGLang router or server URL. Required.")
+    host: str = Field("127.0.0.1", description="Address to serve on.")
+    port: int = Field(30010, description="Port to serve on.")
+    vocab_size: int | None = Field(
+        None, gt=0, description="Used when the upstream's /model_info reports no vocabulary size."
+    )
+    upstream_timeout: float = Field(1800.0, gt=0, description="Seconds per upstream request.")
+    max_request_body_bytes: int = Field(
+        MAX_REQUEST_BODY_BYTES, gt=0, description="Larger request bodies are refused with 413."
+    )
+    max_upstream_response_bytes: int = Field(
+        MAX_UPSTREAM_RESPONSE_BYTES, gt=0, description="Larger upstream answers are cut off and become 502."
+    )
+    max_top_logprobs_num: int = Field(
+        MAX_TOP_LOGPROBS_NUM,
+        gt=0,
+        description="Largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400.",
+    )
+
+    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+        k = cfg.rollout_top_logprobs_num
+        return [
+            (
+                k > self.max_top_logprobs_num,
+                "rollout_top_logprobs_num",
+                k,
+                f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
+            )
+        ]
+
+
+warnings.filterwarnings("ignore", 'Field name "json" in "ProbeSettings" shadows', UserWarning)  # the flag --json
+
+
+class ProbeSettings(Section):
+    """``centerline probe``: one check of an upstream against a contract (router_proxy/probe.py)."""
+
+    name: ClassVar[str] = "probe"
+    command: ClassVar[str] = "centerline probe"
+    required: ClassVar[tuple[str, ...]] = ("upstream",)
+
+    upstream: str | None = Field(None, description="SGLang router or server URL. Required.")
+    k: int = Field(128, gt=0, description="Candidates per token (--rollout-top-logprobs-num).")
+    endpoint: Literal["generate", "chat"] = Field("generate", description="SGLang endpoint to probe.")
+    mode: Literal["selected", "support"] = Field("selected", description="Logprobs mode (--rollout-logprobs-mode).")
+    temperature: float = Field(1.0, description="Sampling temperature of the canary request.")
+    top_p: float = Field(1.0, description="Top-p filter of the canary request.")
+    top_k: int | None = Field(None, description="Top-k filter; unset: K in support mode, -1 (off) otherwise.")
+    vocab_size: int | None = Field(None, gt=0, description="Used when the upstream does not report it.")
+    timeout: float = Field(60.0, gt=0, description="Seconds for the canary request.")
+    json: bool = Field(False, description="Print the report as one JSON object.")
+
+
+class UpSettings(Section):
+    """``centerline up``: the whole system on one machine (centerline/launcher.py)."""
+
+    name: ClassVar[str] = "up"
+    command: ClassVar[str] = "centerline up"
+
+    task: str = Field("upper", description="Toy task (shared/toy_tasks.py).")
+    sft_steps: int = Field(
+        0, ge=0, description="Warm-start steps of the model (0 = the task's default in centerline/sft.py)."
+    )
+    reward: Literal[tuple(sorted(REWARDS))] = Field(
+        "exact", description="Training reward (held-out accuracy is always exact match)."
+    )
+    steps: int = Field(300, ge=0, description="Trainer steps.")
+    workers: int = Field(2, ge=1, description="Rollout worker processes.")
+    engines: int = Field(1, ge=1, description="SGLang servers behind the router.")
+    trainer_ranks: int = Field(2, ge=1, description="Torchrun processes of the trainer.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompt groups per step.")
+    dataset_size: int = Field(2000, ge=1, description="Training prompts.")
+    eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
+    eval_every: int = Field(25, ge=1, description="Evaluate every this many steps.")
+    model_dir: Path = Field(Path("models"), description="Cache of init-model outputs.")
+    run_dir: Path | None = Field(None, description="Run directory; unset: runs/<date-time>.")
+    startup_timeout: float = Field(300.0, gt=0, description="Seconds for each service to become ready.")
+    sglang_args: str = Field(
+        "", description="Extra flags for every SGLang server, one string: --sglang-args=--enable-metrics."
+    )
+
+
+class ReplaySettings(Section):
+    """``centerline replay``: a record file back into NATS or into the trainer's steps (centerline/replay.py).
+    With ``--train`` it also reads the run's ``[trainer]`` table for the settings of a step."""
+
+    name: ClassVar[str] = "replay"
+    command: ClassVar[str] = "centerline replay"
+
+    subject: str | None = Field(None, description="--to: publish here instead of each message's recorded subject.")
+    checkpoint: Path | None = Field(None, description="--train: checkpoint directory to start from (step-NNNNNN).")
+    run_dir: Path | None = Field(None, description="--train: output directory; unset: FILE with suffix .replay.")
+    steps_from: Path | None = Field(
+        None, description="--train: the original metrics.jsonl; batches are grouped into steps as it lists them."
+    )
+    batches_per_step: int = Field(1, ge=1, description="--train without --steps-from: accepted batches per step.")
+    steps: int | None = Field(None, ge=0, description="--train: replay at most this many steps; unset: all.")
+
+    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+        return [
+            (
+                self.steps_from is not None and self.batches_per_step != 1,
+                "batches_per_step",
+                self.batches_per_step,
+                "--steps-from groups the batches as the original run did; drop --batches-per-step",
+            )
+        ]
+
+
+SECTIONS: dict[str, type[Section]] = {
+    cls.name: cls for cls in (TrainerSettings, WorkerSettings, ProxySettings, ProbeSettings, UpSettings, ReplaySettings)
+}
