@@ -55,10 +55,10 @@ from centerline import sglang
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
-from shared.nats_server import EmbeddedNats
+from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.ports import free_port
 from shared.settings import UpSettings
-from shared.streams import provision
+from shared.streams import StreamLimits, provision
 from shared.toy_tasks import REWARDS, examples
 
 PYTHON = sys.executable
@@ -240,6 +240,28 @@ def parse(argv: list[str]):
     return settings, cfg
 
 
+def stream_replicas(setting: int, nodes: int) -> int:
+    """The streams' copies for a run on ``nodes`` NATS servers: ``nats_stream_replicas`` when set
+    above its default 1, else min(3, nodes) on a cluster; refused when the cluster is too small."""
+    replicas = setting if setting > 1 or nodes == 1 else min(3, nodes)
+    if replicas > nodes:
+        raise RuntimeError(
+            f"nats_stream_replicas={replicas} but --nats-nodes {nodes}: a stream has at most one copy per "
+            f"node; lower nats_stream_replicas to {nodes} or start more nodes"
+        )
+    return replicas
+
+
+def restart_dead_nats_nodes(nats: EmbeddedNats | NatsCluster) -> list[str]:
+    """Start again each NATS node that died (same store, same ports), as a supervisor would."""
+    restarted = []
+    for node in getattr(nats, "nodes", [nats]):
+        if node.proc is not None and node.proc.poll() is not None:
+            node.start()
+            restarted.append(node.server_name or node.url)
+    return restarted
+
+
 class Stopped(Exception):
     """A signal asked the run to stop before its last step."""
 
@@ -270,7 +292,10 @@ def launch(up: UpSettings, cfg, stopping: list[str] | None = None) -> Path:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     passwords = nats_auth.new_passwords()
     stack = Stack(run_dir / "logs", passwords)
-    nats = EmbeddedNats(run_dir / "nats", passwords=passwords)
+    if up.nats_nodes > 1:
+        nats = NatsCluster(run_dir / "nats", up.nats_nodes, passwords=passwords)
+    else:
+        nats = EmbeddedNats(run_dir / "nats", passwords=passwords)
     try:
         run(up.model_copy(update={"run_dir": run_dir}), cfg, run_dir, stack, nats, [] if stopping is None else stopping)
     finally:
@@ -279,7 +304,7 @@ def launch(up: UpSettings, cfg, stopping: list[str] | None = None) -> Path:
     return run_dir
 
 
-def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, stopping: list) -> None:
+def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
     def log(message: str) -> None:
         print(f"centerline up: {message}", file=sys.stderr, flush=True)
 
@@ -325,11 +350,20 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, st
         stdout=subprocess.DEVNULL,
     )
 
+    replicas = stream_replicas(cfg.nats_stream_replicas, up.nats_nodes)
     nats.start()
-    asyncio.run(provision(nats.url, **nats.credentials("admin")))  # workers and proxy may not create streams
+    # workers and the proxy may not create streams
+    asyncio.run(provision(nats.url, StreamLimits(replicas=replicas), **nats.credentials("admin")))
     engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(up.engines)]
     router_url, proxy_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    cfg = cfg.model_copy(update={"nats_url": nats.url, "proxy_url": proxy_url, "engine_urls": engine_urls})
+    cfg = cfg.model_copy(
+        update={
+            "nats_url": nats.url,
+            "nats_stream_replicas": replicas,
+            "proxy_url": proxy_url,
+            "engine_urls": engine_urls,
+        }
+    )
     config_file = run_dir / "config.toml"
     config_file.write_text(shared_config.to_toml(cfg, up))  # the trainer adds its [trainer] table
     common = ["--config", str(config_file)]
@@ -441,6 +475,8 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats, st
             raise Stopped(stopping[0])
         for restarted in stack.check():
             log(f"{restarted} died: started again; the trainer sends it the latest weights")
+        for name in restart_dead_nats_nodes(nats):
+            log(f"NATS node {name} died: started again on its store; clients reconnect")
         lines = metrics.read_bytes().splitlines() if metrics.exists() else []
         for line in lines[seen:]:
             record = orjson.loads(line)

@@ -99,7 +99,17 @@ class Config(BaseModel):
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
 
     # Services.
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL.")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL; a cluster's nodes comma-separated (nats://a:4222,nats://b:4222).",
+    )
+    nats_stream_replicas: int = Field(
+        1,
+        ge=1,
+        description="Copies of each JetStream stream, set by the trainer (and `centerline up`), which create "
+        "the streams: at most the cluster's JetStream nodes, 1 for a single server; 3 on a cluster of 3 "
+        "outlives the loss of a node.",
+    )
     proxy_url: str = Field(
         "http://127.0.0.1:30010", description="Router proxy URL the workers send training requests to."
     )

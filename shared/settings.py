@@ -189,6 +189,12 @@ class UpSettings(Section):
     steps: int = Field(300, ge=0, description="Trainer steps.")
     workers: int = Field(2, ge=1, description="Rollout worker processes.")
     engines: int = Field(1, ge=1, description="SGLang servers behind the router.")
+    nats_nodes: int = Field(
+        1,
+        ge=1,
+        description="NATS servers: 1, or a JetStream cluster of this many nodes on loopback, whose streams get "
+        "min(3, nodes) replicas unless nats_stream_replicas says otherwise.",
+    )
     trainer_ranks: int = Field(2, ge=1, description="Torchrun processes of the trainer.")
     prompts_per_step: int = Field(16, ge=1, description="Prompt groups per step.")
     dataset_size: int = Field(2000, ge=1, description="Training prompts.")

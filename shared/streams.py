@@ -36,7 +36,10 @@ class StreamLimits:
     audit_max_age: float = 86400.0
     audit_max_bytes: int = 1 << 30
     advisories_max_age: float = 30 * 86400.0
-    replicas: int = 1  # JetStream replicas; > 1 only on a NATS cluster
+    # Copies of each stream (nats_stream_replicas), > 1 only on a NATS cluster. None: keep what
+    # an existing stream has (1 for a new one): the services that only use the streams (workers,
+    # the proxy, replay) never change what the trainer, which creates them, set.
+    replicas: int | None = None
 
 
 def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
@@ -55,7 +58,7 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
             max_msgs_per_subject=per_subject,
             # the server clamps the window to max_age, so do it here to compare equal later
             duplicate_window=min(limits.duplicate_window, max_age) if max_age else limits.duplicate_window,
-            num_replicas=limits.replicas,
+            num_replicas=limits.replicas or 1,
         )
 
     return [
@@ -110,9 +113,8 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
                 ) from None
             outcome[want.name] = "created"
             continue
-        diffs = {
-            f: (getattr(have, f), getattr(want, f)) for f in COMPARED_FIELDS if getattr(have, f) != getattr(want, f)
-        }
+        compared = COMPARED_FIELDS if limits.replicas is not None else COMPARED_FIELDS[:-1]
+        diffs = {f: (getattr(have, f), getattr(want, f)) for f in compared if getattr(have, f) != getattr(want, f)}
         if not diffs:
             outcome[want.name] = "unchanged"
             continue

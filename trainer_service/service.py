@@ -163,11 +163,11 @@ async def open_streams(cfg, settings: TrainerSettings):
     """Connect, make sure the streams exist, bind the trainer's durable consumer of batches."""
     from shared import names
     from shared.nats_client import connect, pull_consumer
-    from shared.streams import ensure_streams
+    from shared.streams import StreamLimits, ensure_streams
 
     nc = await connect(cfg.nats_url, name="centerline-trainer")
     js = nc.jetstream()
-    await ensure_streams(js)
+    await ensure_streams(js, StreamLimits(replicas=cfg.nats_stream_replicas))
     consumer = await pull_consumer(
         js,
         names.ROLLOUTS_STREAM,
