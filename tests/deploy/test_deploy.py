@@ -1424,8 +1424,8 @@ def assert_stream_replicas(cfg, env: dict, nodes: int) -> None:
 
     replicas = int(env[STREAM_REPLICAS_ENV])
     assert replicas == 3 and replicas <= nodes
-    if "nats_stream_replicas" in Config.model_fields:  # shared/config.py's setting (issue #14)
-        assert cfg.nats_stream_replicas == 3  # nothing of higher precedence sets it otherwise
+    assert "nats_stream_replicas" in Config.model_fields
+    assert cfg.nats_stream_replicas == 3  # nothing of higher precedence sets it otherwise
 
 
 @pytest.mark.parametrize("files", COMPOSE_FILES)
