@@ -5,7 +5,9 @@ The first input byte picks the case: bit 0 the endpoint (generate, chat), bit 1 
 (selected, support), bit 2 whether the rest is a whole HTTP response (parsed by the proxy's
 upstream connection, split in two reads at the second byte, under a 64 KiB answer limit,
 then audited with its content type) or just a body for ``audit_body``. The only acceptable
-failures are ``UpstreamError`` and ``ContractViolation``. Seeds are valid SGLang answers
+failures are ``UpstreamError`` and ``ContractViolation``. Every body is audited twice, with
+the candidate-row scanner (``shared/candidate_scan.py``) forced on and off: the verdicts must
+be the same. Seeds are valid SGLang answers
 (``router_proxy/bench.py``), written to ``fuzz/corpus/proxy_audit/`` when it is empty.
 
     .venv/bin/python -m fuzz.fuzz_proxy_audit -max_total_time=600 -rss_limit_mb=1024 -timeout=5
@@ -27,6 +29,7 @@ from fuzz.fuzz_wire import fuzz
 from router_proxy.audit import audit_body
 from router_proxy.bench import native_response
 from router_proxy.upstream import UpstreamError, UpstreamPool, _Connection
+from shared import sglang_response
 from shared.contract import ContractViolation
 
 VOCAB = 300
@@ -79,9 +82,18 @@ def TestOneInput(data: bytes) -> None:
             status, body, ctype = _loop.run_until_complete(_answer(data[2:], data[1] * len(data) // 256))
             if status != 200:
                 return
-        audit_body(body, endpoint=endpoint, mode=mode, k=K, vocab_size=VOCAB, content_type=ctype)
-    except (UpstreamError, ContractViolation):
-        pass
+    except UpstreamError:
+        return
+    verdicts = []
+    for threshold in (0, 1 << 62):  # scanned, then parsed whole by orjson
+        sglang_response.SCAN_MIN_BYTES = threshold
+        try:
+            result = audit_body(body, endpoint=endpoint, mode=mode, k=K, vocab_size=VOCAB, content_type=ctype)
+            verdicts.append((result.samples, result.tokens))
+        except ContractViolation as exc:
+            verdicts.append(exc.to_dict())
+    if verdicts[0] != verdicts[1]:
+        raise AssertionError(f"scanned {verdicts[0]} != parsed {verdicts[1]}")
 
 
 def valid_body(endpoint: str, mode: str, tokens: int, seed: int) -> bytes:
@@ -126,4 +138,16 @@ def seeds() -> list[bytes]:
 
 
 if __name__ == "__main__":
-    fuzz(sys.argv, TestOneInput, CORPUS, seeds(), ("router_proxy.audit", "router_proxy.upstream", "shared.contract"))
+    fuzz(
+        sys.argv,
+        TestOneInput,
+        CORPUS,
+        seeds(),
+        (
+            "router_proxy.audit",
+            "router_proxy.upstream",
+            "shared.contract",
+            "shared.sglang_response",
+            "shared.candidate_scan",
+        ),
+    )

@@ -35,7 +35,7 @@ import orjson
 
 from rollout_worker.packing import ResponseError, pack_group, samples_from_response
 from rollout_worker.rewards import RewardError, group_advantages, score
-from shared import names
+from shared import names, sglang_response
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
@@ -362,7 +362,13 @@ class Worker:
             raise Rejected(f"the proxy refused the request with {status}: {body[:1000].decode(errors='replace')}")
         if status != 200:
             raise Transient(f"{url} answered {status}: {body[:500].decode(errors='replace')}")
-        try:
-            return orjson.loads(body)
+        cfg = self.cfg
+        try:  # candidate rows of a large body are scanned, not parsed into lists (shared/candidate_scan.py)
+            doc, _ = sglang_response.parse_body(
+                body, cfg.rollout_endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num
+            )
         except orjson.JSONDecodeError as exc:
             raise Transient(f"{url} answered with invalid JSON: {exc}") from None
+        except ContractViolation:  # not the response shape: samples_from_response names the defect
+            doc = orjson.loads(body)
+        return doc

@@ -1,6 +1,7 @@
 """A response audited against the completeness contract.
 
-    response bytes -> orjson -> shared.sglang_response (arrays) -> shared.contract.check_rows
+    response bytes -> shared.sglang_response.parse_body (orjson; large candidate rows scanned by
+    shared.candidate_scan) -> arrays -> shared.contract.check_rows
 
 The parse is ``shared/sglang_response.py``, the one the worker packs with; an aborted sample
 is refused before anything else. ``centerline bench proxy`` measures the audit against
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import orjson
 
 from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
-from shared.sglang_response import check_not_aborted, malformed, response_metas, to_arrays
+from shared.sglang_response import check_not_aborted, malformed, parse_body, to_arrays
 
 # Rules the proxy adds to shared.contract.RULES for responses that cannot even be read.
 PROXY_RULES = {
@@ -78,10 +79,9 @@ def audit_body(
 
 def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int) -> AuditResult:
     try:
-        doc = orjson.loads(body)
+        _, metas = parse_body(body, endpoint, mode=mode, k=k)
     except orjson.JSONDecodeError as exc:
         raise malformed(f"the upstream body is not valid JSON ({exc})") from None
-    metas = response_metas(doc, endpoint)
     check_not_aborted(metas)
     tokens = quick_accept(metas, mode=mode, k=k, vocab_size=vocab_size)
     if tokens is not None:

@@ -9,9 +9,13 @@ connection in a closed loop). Each concurrency runs direct (load -> upstream) an
 proxy (load -> proxy -> upstream) for ``--seconds``, in ``--rounds`` paired rounds; each
 figure is the median over rounds, each ratio the median of the rounds' ratios.
 
-Audit cost: ``audit_body`` of a native response with N=1024 tokens and K=128 candidates
-(the proxy's whole per-response work: parse, convert, check) next to ``orjson.loads`` of the
-same bytes; median of ``--repeats``.
+Audit cost (``"audit"``, one entry per ``--audit-tokens``, K=128): ``orjson.loads`` of a native
+response (``parse_ms``), and before (the whole body through orjson) and after (candidate rows
+scanned, ``shared/candidate_scan.py``): the proxy's audit (``audit_body``: parse, convert,
+check), the worker's read of the same body, and their sum, the CPU per response; median CPU
+time of ``--repeats``. ``--audit-only`` prints just this table:
+
+    centerline bench proxy --json --audit-only --audit-tokens 1024,8192
 
 Left out: streaming, chat, and TLS; the upstream is deliberately faster than any engine so
 that the proxy's own cost shows.
@@ -229,27 +233,48 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: str) 
         time.sleep(0.05)
 
 
+def _cpu_ms(fn, repeats: int) -> float:
+    """Median CPU time of ``fn()`` in ms (process time: a busy neighbour on the cores does not count)."""
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times) * 1e3
+
+
 def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int = 32768) -> dict:
+    """One native response of ``tokens`` x ``k``: orjson.loads of it, and the proxy's audit plus the worker's
+    read of it (``samples_from_response``) the old way (the whole body through orjson) and the new
+    (candidate rows scanned, ``shared/sglang_response.parse_body``); CPU ms per response."""
+    from rollout_worker.packing import samples_from_response
+    from shared import sglang_response
+
     body = native_response(tokens, k, vocab_size)
 
-    parse_fn = lambda: orjson.loads(body)  # noqa: E731
-    audit_fn = lambda: audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size)  # noqa: E731
-    times: dict = {parse_fn: [], audit_fn: []}
-    for i in range(repeats + 1):  # interleaved, so a busy neighbour slows both alike; the first round warms up
-        for fn in (parse_fn, audit_fn):
-            t = time.perf_counter()
-            fn()
-            if i:
-                times[fn].append(time.perf_counter() - t)
-    parse, audit = statistics.median(times[parse_fn]) * 1e3, statistics.median(times[audit_fn]) * 1e3
-    return {
-        "audit_tokens": tokens,
-        "audit_k": k,
-        "audit_body_bytes": len(body),
-        "audit_ms": round(audit, 3),
-        "parse_ms": round(parse, 3),
-        "audit_to_parse_ratio": round(audit / parse, 3),
-    }
+    def audit():
+        audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size)
+
+    def worker():
+        doc, _ = sglang_response.parse_body(body, "generate", mode="selected", k=k)
+        samples_from_response(doc, endpoint="generate", mode="selected", k=k)
+
+    out = {"tokens": tokens, "k": k, "body_bytes": len(body), "parse_ms": _cpu_ms(lambda: orjson.loads(body), repeats)}
+    for name, threshold in (("before", 1 << 62), ("after", sglang_response.SCAN_MIN_BYTES)):
+        saved, sglang_response.SCAN_MIN_BYTES = sglang_response.SCAN_MIN_BYTES, threshold
+        try:
+            audit_ms, worker_ms = _cpu_ms(audit, repeats), _cpu_ms(worker, repeats)
+        finally:
+            sglang_response.SCAN_MIN_BYTES = saved
+        out[f"{name}_audit_ms"] = round(audit_ms, 3)
+        out[f"{name}_worker_ms"] = round(worker_ms, 3)
+        out[f"{name}_cpu_ms_per_response"] = round(audit_ms + worker_ms, 3)
+        out[f"{name}_audit_to_parse_ratio"] = round(audit_ms / out["parse_ms"], 3)
+        out[f"{name}_audit_mb_per_s"] = round(len(body) / audit_ms / 1e3, 1)
+    out["parse_ms"] = round(out["parse_ms"], 3)
+    out["cpu_after_to_before"] = round(out["after_cpu_ms_per_response"] / out["before_cpu_ms_per_response"], 3)
+    return out
 
 
 def bench_proxy(argv: list[str]) -> int:
@@ -273,7 +298,17 @@ def bench_proxy(argv: list[str]) -> int:
         "raw: a bare asyncio protocol",
     )
     parser.add_argument("--repeats", type=int, default=15, help="audit-cost repetitions (median)")
+    parser.add_argument(
+        "--audit-tokens",
+        default="1024,8192",
+        help="response lengths (K=128) of the audit-cost table, comma-separated",
+    )
+    parser.add_argument("--audit-only", action="store_true", help="only the audit-cost table: no processes, no load")
     args = parser.parse_args(argv)
+    audit = {"audit": [audit_cost(args.repeats, int(n)) for n in args.audit_tokens.split(",") if n]}
+    if args.audit_only:
+        print(json.dumps(audit, indent=None if args.json else 2))
+        return 0
     vocab = 64
     result: dict = {
         "upstream": f"{args.upstream} on uvloop, fixed valid native response",
@@ -349,7 +384,7 @@ def bench_proxy(argv: list[str]) -> int:
     result["added_p50_ms_c1_rounds"] = [round(run["proxy"]["p50_ms"] - run["direct"]["p50_ms"], 3) for run in rounds[1]]
     result["throughput_ratio_c32"] = statistics.median(result["throughput_ratio_c32_rounds"])
     result["added_p50_ms_c1"] = statistics.median(result["added_p50_ms_c1_rounds"])
-    result.update(audit_cost(args.repeats))
+    result.update(audit)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 from itertools import chain
 
 import numpy as np
+import orjson
 
+from shared import candidate_scan
 from shared.contract import ContractViolation
 
 # SGLang's weight version until an update names one, and again after a restart: the server
@@ -33,12 +35,52 @@ from shared.contract import ContractViolation
 # is older than the trainer, the staleness rule rejects the batch; it is never trained as current.
 INITIAL_VERSION = "default"
 
+# Bodies from this size on have their candidate rows scanned (shared/candidate_scan.py); below it
+# numpy's fixed costs outweigh the objects orjson would build.
+SCAN_MIN_BYTES = 64 << 10
+
 _NUMBER = {float, int}
 _INT = {int}
 
 
 def malformed(message: str) -> ContractViolation:
     return ContractViolation("malformed_response", message)
+
+
+def parse_body(body: bytes, endpoint: str, *, mode: str, k: int) -> tuple[object, list[dict]]:
+    """``orjson.loads(body)`` and its samples' ``meta_info`` (``response_metas``), raising as they do.
+
+    In selected mode a large body's ``output_top_logprobs`` are read by ``shared.candidate_scan``
+    and stand in the metas as ``Scanned`` arrays, which ``to_arrays`` takes as they are; the
+    rest of the body is parsed by orjson. Whenever the scan cannot vouch for every sample
+    (another layout, a key in a string, a duplicate key), the whole body is parsed by orjson:
+    either way the arrays and every error are the same.
+    """
+    if mode == "selected" and len(body) >= SCAN_MIN_BYTES:
+        found = candidate_scan.cut(body, k)
+        if found is not None:
+            parsed = _with_scanned(*found, endpoint)
+            if parsed is not None:
+                return parsed
+    doc = orjson.loads(body)
+    return doc, response_metas(doc, endpoint)
+
+
+def _with_scanned(rest: bytes, scanned: list, endpoint: str):
+    """The remainder's doc and metas with cut ``i`` put back at sample ``i``; None unless each sample has its own."""
+    try:
+        doc = orjson.loads(rest)
+        metas = response_metas(doc, endpoint)
+    except (orjson.JSONDecodeError, ContractViolation):
+        return None
+    if len(metas) != len(scanned):
+        return None
+    for i, meta in enumerate(metas):
+        if candidate_scan.marker_index(meta.get("output_top_logprobs")) != i:
+            return None
+    for meta, rows in zip(metas, scanned):
+        meta["output_top_logprobs"] = rows
+    return doc, metas
 
 
 def response_metas(doc, endpoint: str) -> list[dict]:
@@ -142,6 +184,17 @@ def to_arrays(metas: list[dict], *, mode: str, k: int):
     n = int(offsets[-1])
     logprobs, ids = _entries(list(chain.from_iterable(sampled_rows)), "output_token_logprobs")
 
+    scanned = [m.get("output_top_logprobs") for m in metas] if mode == "selected" else []
+    if scanned and all(isinstance(s, candidate_scan.Scanned) and s.ids.shape[1] == k for s in scanned):
+        # rows of exactly K, read by parse_body: what the lists below would give
+        for i, (rows, length) in enumerate(zip(scanned, lengths)):
+            if len(rows) != length:
+                raise malformed(
+                    f"sample {i}: meta_info.output_top_logprobs has {len(rows)} rows for {length} output tokens"
+                )
+        cand_ids = np.concatenate([s.ids for s in scanned])
+        cand_logprobs = np.concatenate([s.logprobs for s in scanned])
+        return ids, logprobs, np.ones(n, bool), cand_ids, cand_logprobs, offsets
     if mode == "selected":
         rows = _rows(metas, "output_top_logprobs", lengths)
         counts = _counts(rows, "output_top_logprobs")

@@ -46,3 +46,17 @@ def test_bench_contract_prints_one_json_object():
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert result["tokens"] == 512 and {"rows_per_s", "ms_per_batch", "mb_per_s"} <= set(result)
+
+
+def test_bench_proxy_audit_table_has_before_and_after_per_size():
+    run = centerline("bench", "proxy", "--json", "--audit-only", "--audit-tokens", "8,32", "--repeats", "2")
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["audit"]
+    assert [(r["tokens"], r["k"]) for r in rows] == [(8, 128), (32, 128)]
+    for row in rows:
+        for when in ("before", "after"):
+            assert row[f"{when}_cpu_ms_per_response"] == pytest.approx(
+                row[f"{when}_audit_ms"] + row[f"{when}_worker_ms"], abs=2e-3
+            )
+            assert row[f"{when}_audit_mb_per_s"] > 0
+        assert row["parse_ms"] > 0 and row["cpu_after_to_before"] > 0

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from router_proxy.audit import audit_body, full_audit, quick_accept
 from router_proxy.bench import native_response
+from shared import sglang_response
+from shared.candidate_scan import Scanned
 from shared.contract import ContractViolation
 from shared.sglang_response import native_metas
 
@@ -337,3 +339,103 @@ def test_another_content_type_is_malformed_even_with_a_valid_body(ctype, shown):
         "malformed_response",
         f"the upstream answered content-type {shown}, expected application/json",
     )
+
+
+# The scanned path (shared/candidate_scan.py, for large bodies) against the full orjson parse.
+
+
+def two_ways(body: bytes, *, mode: str, k: int):
+    """``audit_body`` of ``body`` with every body scanned, then with none: (verdict, arrays) each."""
+    results = []
+    for threshold in (0, 1 << 62):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sglang_response, "SCAN_MIN_BYTES", threshold)
+            results.append(_audited(body, mode=mode, k=k))
+    return results
+
+
+def _audited(body: bytes, *, mode: str, k: int):
+    try:
+        result = audit_body(body, endpoint="generate", mode=mode, k=k, vocab_size=VOCAB)
+        _, metas = sglang_response.parse_body(body, "generate", mode=mode, k=k)
+        arrays = sglang_response.to_arrays(metas, mode=mode, k=k)
+        return ("ok", result.samples, result.tokens), [a.tobytes() for a in arrays]
+    except ContractViolation as v:
+        return ("fail", v.to_dict()), None
+
+
+def compact(doc) -> bytes:
+    """SGLang's layout (orjson, no spaces); json where orjson cannot (integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(doc)
+    except TypeError:
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+# Bytes a hostile upstream might put anywhere in the candidate rows.
+EDITS = st.sampled_from([b"", b" ", b"0", b"9", b"-", b"+", b".", b"e", b"E", b",", b"[", b"]", b"n", b'"', b"x"])
+
+
+@settings(max_examples=600, deadline=None)
+@given(case=mutated(), edit=st.tuples(st.integers(0, 10**9), st.integers(0, 3), EDITS), edited=st.booleans())
+def test_scanned_path_gives_the_full_parse_verdict_and_arrays(case, edit, edited):
+    doc, mode, k = case
+    body = compact(doc)
+    if edited:  # a byte edit inside the candidate rows (or wherever they would be)
+        at, drop, text = edit
+        start = max(body.find(b'"output_top_logprobs"'), 0)
+        at = start + at % max(len(body) - start, 1)
+        body = body[:at] + text + body[at + drop :]
+    fast, full = two_ways(body, mode=mode, k=k)
+    assert fast == full
+
+
+NUMBERS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(-50, 0),
+    st.floats(-1e-3, 0),
+    st.integers(-(10**20), 10**20),
+    st.sampled_from([0.0, -0.0, 0, 1e-300, -5e-324, 1e300, -1e22, -1e23]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(NUMBERS, min_size=8, max_size=8), spaced=st.booleans(), writer=st.sampled_from(["orjson", "json"])
+)
+def test_scanned_log_probs_are_the_full_parse_floats_bit_for_bit(values, spaced, writer):
+    doc = valid(tokens=2, k=8)
+    meta = doc["meta_info"]
+    for row in meta["output_top_logprobs"]:
+        for entry, value in zip(row, values):
+            entry[0] = value
+    if writer == "orjson":
+        body = compact(doc)
+    else:
+        body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    fast, full = two_ways(body, mode="selected", k=8)
+    assert fast == full
+
+
+def test_large_valid_response_takes_the_scanned_path():
+    body = native_response(600, 128, VOCAB)
+    assert len(body) >= sglang_response.SCAN_MIN_BYTES
+    _, metas = sglang_response.parse_body(body, "generate", mode="selected", k=128)
+    assert isinstance(metas[0]["output_top_logprobs"], Scanned)
+    assert audit(body).tokens == 600
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"text":"\\"output_top_logprobs\\":[[[-0.5,1,null]]]","meta_info":MI}',  # the key inside a string
+        b'{"meta_info":MI,"x":{"output_top_logprobs":[[[-0.5,1,null]]]}}',  # the key elsewhere
+        b'{"meta_info":MI,"meta_info":MI}',  # a duplicate key
+        b'[{"meta_info":MI},{"meta_info":{"output_token_logprobs":[]}}]',  # a sample without rows
+    ],
+)
+def test_scan_never_vouches_for_rows_it_cannot_place(text):
+    meta = orjson.dumps(valid(tokens=3, k=8)["meta_info"])
+    body = text.replace(b"MI", meta)
+    fast, full = two_ways(body, mode="selected", k=8)
+    assert fast == full
