@@ -45,7 +45,11 @@ def double(start, kinds):
 
 @pytest.fixture
 def proxy(start, double, kinds):
-    return start(kinds.ProxyProcess, double.url, *K)
+    """The proxy once its first capability probe is over: the probe's own requests to the double
+    would otherwise take an answer a test set with ``double.next``."""
+    proxy = start(kinds.ProxyProcess, double.url, *K)
+    proxy.wait_probed()
+    return proxy
 
 
 def test_compatible_upstream_makes_the_proxy_ready(proxy):
