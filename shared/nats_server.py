@@ -23,6 +23,7 @@ import socket
 import subprocess
 import time
 import typing
+import urllib.request
 from pathlib import Path
 
 from shared import names, nats_auth
@@ -69,12 +70,15 @@ class EmbeddedNats:
         server_name: str | None = None,
         cluster_port: int | None = None,
         routes: typing.Sequence[int] = (),
+        cluster_advertise: str | None = None,
     ):
         self.data_dir = Path(data_dir)
         # A cluster node (NatsCluster): its name, the port its routes listen on and its peers'.
         self.server_name = server_name
         self.cluster_port = cluster_port
         self.routes = list(routes)
+        # host:port this node tells its peers to dial it at (default: its cluster listen address)
+        self.cluster_advertise = cluster_advertise
         self.host = host
         self.port = port
         self.max_payload = max_payload
@@ -114,6 +118,7 @@ class EmbeddedNats:
                 f"  name: {CLUSTER_NAME}",
                 f"  listen: {self.host}:{self.cluster_port}",
                 f"  routes: [{routes}]",
+                *([f"  advertise: {self.cluster_advertise}"] if self.cluster_advertise else []),
                 "}",
             ]
         no_auth = (
@@ -264,17 +269,28 @@ class NatsCluster:
         self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        """Until every running node's ``/healthz`` says JetStream is up with a meta leader."""
+        """Until every running node's ``/healthz`` says JetStream is up with a meta leader, and that
+        leader counts every running node as a current peer (before that, a stream with a replica
+        per node cannot be placed: "no suitable peers for placement, peer offline")."""
         deadline = time.monotonic() + timeout
         running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         while True:
             sick = [n for n in running if not _healthz_ok(n.host, n.http_port)]
-            if not sick:
+            if not sick and self._peers_current(running):
                 return
             if time.monotonic() > deadline:
                 names_ = ", ".join(n.server_name for n in sick)
                 raise TimeoutError(f"NATS cluster nodes {names_} not healthy after {timeout}s:\n{sick[0].log_tail()}")
             time.sleep(0.1)
+
+    def _peers_current(self, running: list[EmbeddedNats]) -> bool:
+        names_ = {n.server_name for n in running}
+        for node in running:
+            meta = _monitor(node.host, node.http_port, "/jsz").get("meta_cluster") or {}
+            if meta.get("leader") == node.server_name:
+                current = {r["name"] for r in meta.get("replicas", []) if r.get("current")}
+                return names_ - {node.server_name} <= current
+        return False
 
     def stop(self, timeout: float = 20.0) -> None:
         for node in self.nodes:
@@ -288,14 +304,20 @@ class NatsCluster:
 
 
 def _healthz_ok(host: str, port: int | None) -> bool:
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2) as resp:
             return resp.status == 200
-    except (OSError, urllib.error.URLError):
+    except OSError:  # URLError, HTTPError (503 while unhealthy), a refused connection
         return False
+
+
+def _monitor(host: str, port: int | None, path: str) -> dict:
+    """A monitoring endpoint's JSON; {} when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=2) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
 
 
 def _info_has_jetstream(host: str, port: int) -> bool:

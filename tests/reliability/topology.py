@@ -31,8 +31,8 @@ from nats.js.errors import NotFoundError
 from centerline.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats
-from shared.streams import ensure_streams
+from shared.nats_server import EmbeddedNats, NatsCluster
+from shared.streams import StreamLimits, ensure_streams
 from shared.toy_tasks import examples
 from shared.wire import decode_batch
 from tests.processes import SGLangProcess, stored_messages
@@ -86,14 +86,16 @@ class Topology:
     (same data directory, same port).
     """
 
-    def __init__(self, dir: Path, upstream: Upstream):
+    def __init__(self, dir: Path, upstream: Upstream, server: NatsCluster | None = None):
+        """``server``: a started NATS cluster to run on instead (streams with 3 replicas)."""
         self.dir, self.upstream = dir, upstream
         self.proxy, self.model = upstream.proxy, upstream.model
-        self.server = EmbeddedNats(dir / "nats", http_port=0).start()
+        self.server = server if server is not None else EmbeddedNats(dir / "nats", http_port=0).start()
+        self.replicas = min(3, len(server.nodes)) if server is not None else None
         self.nats = self.server.url
         self.workers: list[WorkerProcess] = []
         self.trainers: list[Trainer] = []
-        asyncio.run(_ensure(self.nats))
+        asyncio.run(_ensure(self.nats, self.replicas))
 
     def dataset(self, size: int = 64) -> Path:
         path = self.dir / "tasks.jsonl"
@@ -121,6 +123,7 @@ class Topology:
             "--steps",
             str(steps),
             *TRAINER_FLAGS,
+            *(("--nats-stream-replicas", str(self.replicas)) if self.replicas else ()),
             *flags,
         )
         self.trainers.append(trainer)
@@ -149,7 +152,8 @@ class Topology:
     def close(self) -> None:
         for trainer in self.trainers:
             trainer.kill()
-        nats_down = self.server.proc is None or self.server.proc.poll() is not None
+        nodes = getattr(self.server, "nodes", [self.server])
+        nats_down = all(node.proc is None or node.proc.poll() is not None for node in nodes)
         for worker in self.workers:
             if (
                 nats_down and worker.proc.poll() is None
@@ -166,9 +170,9 @@ def server_sync_always(server: EmbeddedNats) -> bool:
         return json.loads(resp.read())["jetstream"]["config"].get("sync_always", False)
 
 
-async def _ensure(url: str) -> None:
+async def _ensure(url: str, replicas: int | None = None) -> None:
     nc = await connect(url)
-    await ensure_streams(nc.jetstream())
+    await ensure_streams(nc.jetstream(), StreamLimits(replicas=replicas))
     await nc.close()
 
 
