@@ -266,7 +266,7 @@ def request_bodies(cfg: dict, model: str, dataset: Path, count: int = 256) -> li
     from router_proxy.rewrite import Contract, rewrite_body
     from shared.config import Config
 
-    config = Config(**cfg)
+    config = Config(**{k: v for k, v in cfg.items() if k in Config.model_fields})  # not the commands' tables
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [orjson.loads(line)["prompt"] for line in dataset.read_bytes().splitlines()[:count]]
     sampling = {
