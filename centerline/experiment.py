@@ -285,8 +285,9 @@ def render_plots(results: list[dict], summary: list[dict]) -> dict[str, tuple[st
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stalenesses))], [f"s = {s}" for s in stalenesses])
         ax.set_title(label, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    handles, labels = axes[0][[key for key, _ in FINAL].index("accuracy_after")].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, bbox_to_anchor=(0.5, -0.1))
+    fig.suptitle(title, fontsize=10, y=1.04)
     plots["final"] = (title, _figure_png(fig))
     plt.close(fig)
     return plots
@@ -332,7 +333,7 @@ def _summary_cells(entry: dict) -> list[str]:
 def markdown_table(summary: list[dict]) -> str:
     """The per-setting table, ready for the README."""
     lines = [
-        "| " + " | ".join(title for title, _ in SUMMARY_COLUMNS) + " |",
+        "| " + " | ".join(title.replace("|", "\\|") for title, _ in SUMMARY_COLUMNS) + " |",
         "|" + "---|" * len(SUMMARY_COLUMNS),
         *("| " + " | ".join(_summary_cells(entry)) + " |" for entry in summary),
     ]

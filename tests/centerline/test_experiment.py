@@ -97,6 +97,7 @@ def test_aggregate_reports_each_setting_with_the_t_interval_over_its_seeds():
     assert reinforce["reward_last"] == {"mean": 0.2, "low": None, "high": None}
     assert reinforce["accuracy_after"] is None
     table = experiment.markdown_table([tis, reinforce]).splitlines()
+    assert table[0].count(" | ") == table[2].count(" | ") and "\\|kl\\| max" in table[0]  # pipes escaped
     assert table[2].startswith("| score_centering+tis | 4 | 3 | 3 | 0.300 [0.300, 0.300] | 0.500 [0.252, 0.748] |")
     assert table[3].startswith("| reinforce | 4 | 1 | 3 | 0.300 | 0.200 | – | 0.600 |")
 
