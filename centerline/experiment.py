@@ -1,20 +1,27 @@
 """`centerline experiment staleness`: score centering against its baselines as batches go stale.
 
-Runs `centerline up` once per (loss, staleness) pair, in sequence, each into
-``OUT/runs/<loss>-s<staleness>``. Staleness ``s`` is made the way an asynchronous job makes
-it: ``--max-inflight-steps s`` publishes prompt tasks up to ``s`` steps ahead, so a batch
-can be sampled by weights up to ``s - 1`` versions behind the trainer, and
-``--max-staleness s`` lets the gate accept it. The staleness each run really had is read
-back from its ``metrics.jsonl``. Then ``OUT/report.html`` (self-contained) and
-``OUT/plots/*.png`` compare, per (loss, staleness): train reward and ``train_rollout_kl``
-over steps, the recorded staleness, and held-out greedy accuracy before and after.
+Runs `centerline up` once per (method, staleness, seed), in sequence, each into
+``OUT/runs/<method>-s<staleness>-seed<seed>``. The methods are plain REINFORCE (``reinforce``),
+REINFORCE with TIS (``tis``) and score centering with each of its importance weights
+(``score_centering``: none, ``score_centering+tis``, ``score_centering+mis``). Staleness ``s`` is
+made the way an asynchronous job makes it: ``--max-inflight-steps s`` publishes prompt tasks up
+to ``s`` steps ahead, so a batch can be sampled by weights up to ``s - 1`` versions behind the
+trainer, and ``--max-staleness s`` lets the gate accept it. The staleness each run really had is
+read back from its ``metrics.jsonl``. ``--seeds N`` runs each setting with seeds 0..N-1 (or
+``--seed-list``); the seed sets the SFT start, the data order and the sampling.
 
-    centerline experiment staleness --steps 40 --staleness 1,4,8 --losses score_centering,reinforce,tis --out
-    runs/staleness
+Per setting (method, staleness), the final train reward (mean of the last quarter of steps),
+the held-out greedy accuracy after training and the ``train_rollout_kl`` maximum are reported as
+the mean over seeds and its 95% Student-t interval, mean +- t(0.975, n-1) * sd / sqrt(n)
+(``centerline/interval.py``): in ``OUT/summary.json``, a Markdown table on stdout, and
+``OUT/report.html`` (self-contained) with ``OUT/plots/*.png`` (curves averaged over seeds, the
+final numbers with error bars). ``OUT/results.json`` has each run's own numbers.
+
+    centerline experiment staleness --steps 40 --staleness 1,4,8 --seeds 3 --out runs/staleness
 
 Any other flag is passed to every `centerline up` run unchanged (``--learning-rate 1e-3``,
-``--task copy``...). Left out on purpose: repeated seeds and confidence intervals (each
-pair runs once; read small differences as noise), running pairs in parallel.
+``--task copy``...); ``--seed`` is not, since the experiment sets it. Left out on purpose:
+running settings in parallel (they would share the CPUs and change each other's staleness).
 """
 
 from __future__ import annotations
@@ -31,25 +38,36 @@ from pathlib import Path
 import orjson
 
 from centerline import launcher
+from centerline.interval import mean_interval
 from centerline.report import _figure_png, load_steps
 
 LOSSES = ("score_centering", "reinforce", "tis")
+IS_MODES = ("none", "tis", "mis")  # score centering's importance weights (--score-centering-is)
+CONFIDENCE = 0.95
+INTERVAL = "mean over seeds and its 95% Student-t interval, mean +- t(0.975, n-1) * sd / sqrt(n)"
+# the per-run numbers summarised across seeds, with the header each table gives them
+FINAL = (("reward_last", "reward last ¼"), ("accuracy_after", "held-out after"), ("kl_max", "|kl| max"))
 SMOOTH = 5  # steps in the moving average drawn over the raw reward
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1 expected")
+def _int_list(text: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated distinct integers >= {minimum} expected")
     return values
 
 
-def _loss_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = sorted(set(values) - set(LOSSES))
-    if not values or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(LOSSES)}")
-    return values
+def _choice_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if not values or set(values) - set(choices):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
+        return list(dict.fromkeys(values))
+
+    return parse
 
 
 def parse(argv: list[str]):
@@ -57,65 +75,110 @@ def parse(argv: list[str]):
         prog="centerline experiment staleness",
         description=__doc__.split("\n")[0],
         epilog="Other flags go to every `centerline up` run.",
+        allow_abbrev=False,  # `--seed` must not read as `--seeds`
     )
     parser.add_argument("--steps", type=int, default=40, help="trainer steps of each run")
     parser.add_argument(
         "--staleness", type=_int_list, default=[1, 4, 8], help="max_inflight_steps values (= max_staleness)"
     )
-    parser.add_argument("--losses", type=_loss_list, default=list(LOSSES), help="losses to compare")
+    parser.add_argument("--losses", type=_choice_list(LOSSES), default=list(LOSSES), help="losses to compare")
+    parser.add_argument(
+        "--score-centering-is",
+        type=_choice_list(IS_MODES),
+        default=list(IS_MODES),
+        help="score centering's importance weights to compare, one setting each",
+    )
+    parser.add_argument("--seeds", type=int, default=1, help="runs per setting, with seeds 0..N-1")
+    parser.add_argument(
+        "--seed-list", type=lambda text: _int_list(text, 0), default=None, help="the seeds, instead of --seeds"
+    )
     parser.add_argument("--out", type=Path, default=None, help="default: runs/staleness-<date-time>")
-    return parser.parse_known_args(argv)
+    args, up_flags = parser.parse_known_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: at least 1")
+    if any(flag == "--seed" or flag.startswith("--seed=") for flag in up_flags):
+        parser.error("--seed: the experiment sets each run's seed; use --seeds N or --seed-list 0,1,2")
+    args.seed_list = args.seed_list or list(range(args.seeds))
+    return args, up_flags
+
+
+def method_name(loss: str, is_mode: str) -> str:
+    """``score_centering+tis`` for score centering with TIS weights; the loss itself otherwise."""
+    return f"{loss}+{is_mode}" if loss == "score_centering" and is_mode != "none" else loss
+
+
+def grid(stalenesses: list[int], losses: list[str], is_modes: list[str], seeds: list[int]) -> list[dict]:
+    """Every run's setting, seed by seed, so an experiment stopped early has whole seeds."""
+    runs = []
+    for seed in seeds:
+        for staleness in stalenesses:
+            for loss in losses:
+                for is_mode in is_modes if loss == "score_centering" else ["none"]:
+                    method = method_name(loss, is_mode)
+                    runs.append(
+                        {
+                            "name": f"{method}-s{staleness}-seed{seed}",
+                            "method": method,
+                            "loss": loss,
+                            "is_mode": is_mode,
+                            "staleness": staleness,
+                            "seed": seed,
+                        }
+                    )
+    return runs
+
+
+def up_argv(run: dict, steps: int, out: Path, up_flags: list[str]) -> list[str]:
+    """The `centerline up` flags of one ``grid`` run: the user's, then the run's setting."""
+    return [
+        *up_flags,
+        "--steps",
+        str(steps),
+        "--eval-every",
+        str(steps),
+        "--loss",
+        run["loss"],
+        "--score-centering-is",
+        run["is_mode"],
+        "--seed",
+        str(run["seed"]),
+        "--max-inflight-steps",
+        str(run["staleness"]),
+        "--max-staleness",
+        str(run["staleness"]),
+        "--run-dir",
+        str(out / "runs" / run["name"]),
+    ]
 
 
 def run_all(args, up_flags: list[str], stopping: list[str]) -> list[dict]:
-    """Each pair's run, in order; a summary dict per run (see ``summarise``)."""
+    """Each run of the grid, in order; a summary dict per run (see ``summarise``)."""
+    runs = grid(args.staleness, args.losses, args.score_centering_is, args.seed_list)
     results = []
-    for staleness in args.staleness:
-        for loss in args.losses:
-            name = f"{loss}-s{staleness}"
-            argv = [
-                *up_flags,
-                "--steps",
-                str(args.steps),
-                "--eval-every",
-                str(args.steps),
-                "--loss",
-                loss,
-                "--max-inflight-steps",
-                str(staleness),
-                "--max-staleness",
-                str(staleness),
-                "--run-dir",
-                str(args.out / "runs" / name),
-            ]
-            up_args, cfg = launcher.parse(argv)
-            print(
-                f"centerline experiment: run {len(results) + 1}/{len(args.staleness) * len(args.losses)}: {name}",
-                file=sys.stderr,
-                flush=True,
-            )
-            t0 = time.monotonic()
-            (args.out / "runs" / name).mkdir(parents=True, exist_ok=True)
-            with (
-                open(args.out / "runs" / f"{name}.progress.jsonl", "w") as progress,
-                contextlib.redirect_stdout(progress),
-            ):
-                run_dir = launcher.launch(up_args, cfg, stopping)
-            results.append(summarise(name, loss, staleness, run_dir, time.monotonic() - t0))
-            print(orjson.dumps({k: v for k, v in results[-1].items() if k != "steps"}).decode(), flush=True)
+    for i, run in enumerate(runs):
+        up_args, cfg = launcher.parse(up_argv(run, args.steps, args.out, up_flags))
+        print(f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        (args.out / "runs" / run["name"]).mkdir(parents=True, exist_ok=True)
+        with (
+            open(args.out / "runs" / f"{run['name']}.progress.jsonl", "w") as progress,
+            contextlib.redirect_stdout(progress),
+        ):
+            run_dir = launcher.launch(up_args, cfg, stopping)
+        results.append(summarise(run, run_dir, time.monotonic() - t0))
+        print(orjson.dumps({k: v for k, v in results[-1].items() if k != "steps"}).decode(), flush=True)
     return results
 
 
-def summarise(name: str, loss: str, staleness: int, run_dir: Path, wall_s: float) -> dict:
+def summarise(run: dict, run_dir: Path, wall_s: float) -> dict:
+    """``run`` (a ``grid`` entry) with what its ``metrics.jsonl`` and ``eval.jsonl`` say."""
     steps = load_steps(run_dir)
     trained = [s for s in steps if "loss" in s]
     evals = [s["eval_accuracy"] for s in steps if "eval_accuracy" in s]
     rewards = [s["reward_mean"] for s in trained]
     tail = max(1, len(rewards) // 4)
     return {
-        "name": name,
-        "loss": loss,
-        "staleness": staleness,
+        **run,
         "run_dir": str(run_dir),
         "wall_s": round(wall_s, 1),
         "steps": trained,
@@ -130,6 +193,31 @@ def summarise(name: str, loss: str, staleness: int, run_dir: Path, wall_s: float
     }
 
 
+def aggregate(results: list[dict]) -> list[dict]:
+    """One entry per setting (method, staleness), in grid order: its seeds, and for each number
+    in ``FINAL`` (and the reward's and accuracy's starting points) ``{"mean", "low", "high"}``
+    over the seeds; ``low``/``high`` are None with one seed, the whole entry None with no values."""
+    settings: dict[tuple[str, int], list[dict]] = {}
+    for r in results:
+        settings.setdefault((r["method"], r["staleness"]), []).append(r)
+    summary = []
+    for (method, staleness), runs in settings.items():
+        entry = {
+            "method": method,
+            "loss": runs[0]["loss"],
+            "is_mode": runs[0]["is_mode"],
+            "staleness": staleness,
+            "seeds": [r["seed"] for r in runs],
+            "staleness_mean": sum(r["staleness_mean"] for r in runs) / len(runs),
+        }
+        for key in ("reward_first", "accuracy_before", *(key for key, _ in FINAL)):
+            values = [r[key] for r in runs if r[key] is not None]
+            mean, low, high = mean_interval(values, CONFIDENCE) if values else (None, None, None)
+            entry[key] = None if mean is None else {"mean": mean, "low": low, "high": high}
+        summary.append(entry)
+    return summary
+
+
 def _smooth(values: list[float]) -> list[float]:
     return [
         sum(values[max(0, i - SMOOTH + 1) : i + 1]) / len(values[max(0, i - SMOOTH + 1) : i + 1])
@@ -137,29 +225,42 @@ def _smooth(values: list[float]) -> list[float]:
     ]
 
 
-def render_plots(results: list[dict]) -> dict[str, tuple[str, bytes]]:
-    """name -> (title, PNG): one panel per staleness, one line per loss, plus held-out accuracy bars."""
+def _mean_curve(runs: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """Steps and the mean of ``key`` over the runs that reached each step."""
+    by_step: dict[int, list[float]] = {}
+    for r in runs:
+        for s in r["steps"]:
+            by_step.setdefault(s["step"], []).append(s[key])
+    steps = sorted(by_step)
+    return steps, [sum(by_step[step]) / len(by_step[step]) for step in steps]
+
+
+def render_plots(results: list[dict], summary: list[dict]) -> dict[str, tuple[str, bytes]]:
+    """name -> (title, PNG): curves (mean over seeds) with one panel per staleness and one line per
+    method, and the final numbers as bars with their intervals as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     stalenesses = sorted({r["staleness"] for r in results})
-    losses = list(dict.fromkeys(r["loss"] for r in results))
-    colors = {loss: f"C{i}" for i, loss in enumerate(losses)}
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    colors = {method: f"C{i}" for i, method in enumerate(methods)}
+    n_seeds = max(len(s["seeds"]) for s in summary)
+    over = f"mean of {n_seeds} seeds" if n_seeds > 1 else "one seed"
     plots = {}
     for name, key, title, smooth in [
-        ("reward", "reward_mean", f"Train reward ({SMOOTH}-step moving average)", True),
-        ("kl", "train_rollout_kl", "train_rollout_kl (k3 on sampled tokens)", False),
-        ("staleness", "staleness_mean", "Recorded staleness (mean over the step's samples)", False),
+        ("reward", "reward_mean", f"Train reward ({SMOOTH}-step moving average, {over})", True),
+        ("kl", "train_rollout_kl", f"train_rollout_kl (k3 on sampled tokens, {over})", False),
+        ("staleness", "staleness_mean", f"Recorded staleness (mean over the step's samples, {over})", False),
     ]:
         fig, axes = plt.subplots(1, len(stalenesses), figsize=(4.2 * len(stalenesses), 3.2), sharey=True, squeeze=False)
         for ax, staleness in zip(axes[0], stalenesses):
-            for r in results:
-                if r["staleness"] == staleness:
-                    xs = [s["step"] for s in r["steps"]]
-                    ys = [s[key] for s in r["steps"]]
-                    ax.plot(xs, _smooth(ys) if smooth else ys, color=colors[r["loss"]], label=r["loss"])
+            for method in methods:
+                runs = [r for r in results if r["staleness"] == staleness and r["method"] == method]
+                if runs:
+                    xs, ys = _mean_curve(runs, key)
+                    ax.plot(xs, _smooth(ys) if smooth else ys, color=colors[method], label=method)
             ax.set_title(f"max_inflight_steps = {staleness}", fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -167,24 +268,27 @@ def render_plots(results: list[dict]) -> dict[str, tuple[str, bytes]]:
         fig.suptitle(title, fontsize=11)
         plots[name] = (title, _figure_png(fig))
         plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    width = 0.8 / len(losses)
-    for i, loss in enumerate(losses):
-        rows = [r for r in results if r["loss"] == loss]
-        ax.bar(
-            [stalenesses.index(r["staleness"]) + i * width for r in rows],
-            [r["accuracy_after"] or 0 for r in rows],
-            width,
-            color=colors[loss],
-            label=loss,
-        )
-    before = [r["accuracy_before"] for r in results if r["accuracy_before"] is not None]
-    if before:
-        ax.axhline(sum(before) / len(before), color="k", linestyle="--", linewidth=1, label="before training")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stalenesses))], [f"s = {s}" for s in stalenesses])
-    ax.set_title("Held-out greedy accuracy after training", fontsize=10)
-    ax.legend(fontsize=8)
-    plots["accuracy"] = ("Held-out greedy accuracy after training", _figure_png(fig))
+    title = "At the end of training: " + (INTERVAL if n_seeds > 1 else "one seed, no interval")
+    fig, axes = plt.subplots(1, len(FINAL), figsize=(4.6 * len(FINAL), 3.4), squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, (key, label) in zip(axes[0], FINAL):
+        for i, method in enumerate(methods):
+            rows = [s for s in summary if s["method"] == method and s[key] is not None]
+            means = [s[key]["mean"] for s in rows]
+            errors = [0.0 if s[key]["low"] is None else s[key]["mean"] - s[key]["low"] for s in rows]
+            xs = [stalenesses.index(s["staleness"]) + i * width for s in rows]
+            ax.bar(xs, means, width, yerr=errors, capsize=3, color=colors[method], label=method)
+        if key == "accuracy_after":
+            before = [s["accuracy_before"]["mean"] for s in summary if s["accuracy_before"] is not None]
+            if before:
+                ax.axhline(sum(before) / len(before), color="k", linestyle="--", linewidth=1, label="before training")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stalenesses))], [f"s = {s}" for s in stalenesses])
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][[key for key, _ in FINAL].index("accuracy_after")].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, bbox_to_anchor=(0.5, -0.1))
+    fig.suptitle(title, fontsize=10, y=1.04)
+    plots["final"] = (title, _figure_png(fig))
     plt.close(fig)
     return plots
 
@@ -193,15 +297,60 @@ def _fmt(value) -> str:
     return "–" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+def _fmt_interval(value: dict | None) -> str:
+    """``0.424 [0.39, 0.46]``, or the mean alone with one seed."""
+    if value is None:
+        return "–"
+    if value["low"] is None:
+        return f"{value['mean']:.3f}"
+    return f"{value['mean']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"
+
+
+SUMMARY_COLUMNS = [
+    ("method", "method"),
+    ("max_inflight_steps", "staleness"),
+    ("seeds", "seeds"),
+    ("staleness mean", "staleness_mean"),
+    ("reward first ¼", "reward_first"),
+    *((title, key) for key, title in FINAL),
+    ("held-out before", "accuracy_before"),
+]
+
+
+def _summary_cells(entry: dict) -> list[str]:
+    cells = []
+    for _, key in SUMMARY_COLUMNS:
+        value = entry[key]
+        if key == "seeds":
+            cells.append(str(len(value)))
+        elif isinstance(value, dict) or value is None:
+            cells.append(_fmt_interval(value))
+        else:
+            cells.append(_fmt(value))
+    return cells
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """The per-setting table, ready for the README."""
+    lines = [
+        "| " + " | ".join(title.replace("|", "\\|") for title, _ in SUMMARY_COLUMNS) + " |",
+        "|" + "---|" * len(SUMMARY_COLUMNS),
+        *("| " + " | ".join(_summary_cells(entry)) + " |" for entry in summary),
+    ]
+    return "\n".join(lines)
+
+
 def write_report(out: Path, results: list[dict], up_flags: list[str]) -> Path:
-    plots = render_plots(results)
+    summary = aggregate(results)
+    plots = render_plots(results, summary)
     (out / "plots").mkdir(parents=True, exist_ok=True)
     for name, (_, png) in plots.items():
         (out / "plots" / f"{name}.png").write_bytes(png)
     columns = [
         ("run", "name"),
-        ("loss", "loss"),
+        ("method", "method"),
         ("max_inflight_steps", "staleness"),
+        ("seed", "seed"),
         ("staleness mean", "staleness_mean"),
         ("staleness max", "staleness_max"),
         ("reward first ¼", "reward_first"),
@@ -212,16 +361,25 @@ def write_report(out: Path, results: list[dict], up_flags: list[str]) -> Path:
         ("held-out after", "accuracy_after"),
         ("wall s", "wall_s"),
     ]
+    n_seeds = max(len(s["seeds"]) for s in summary)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>centerline experiment: staleness</title>",
         "<style>body{font-family:sans-serif;max-width:80em;margin:2em auto;color:#222}img{max-width:100%}"
         "table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #ddd;"
         "text-align:right}</style></head><body>",
         "<h1>centerline experiment: staleness</h1>",
-        f"<p>{len(results)} runs of <code>centerline up</code>, one per (loss, staleness); extra flags: "
-        f"<code>{html.escape(' '.join(up_flags) or '(none)')}</code>. Each pair ran once: differences of a few points "
-        "are noise.</p>",
-        "<table><tr>",
+        f"<p>{len(results)} runs of <code>centerline up</code>, {len(summary)} settings (method, staleness) "
+        f"with up to {n_seeds} seed(s) each; extra flags: <code>{html.escape(' '.join(up_flags) or '(none)')}</code>. "
+        + (
+            f"Per setting: the {html.escape(INTERVAL)}.</p>"
+            if n_seeds > 1
+            else "Each setting ran once: no interval, and differences of a few points are noise.</p>"
+        ),
+        "<h2>Per setting</h2><table><tr>",
+        *(f"<th>{html.escape(title)}</th>" for title, _ in SUMMARY_COLUMNS),
+        "</tr>",
+        *("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _summary_cells(s)) + "</tr>" for s in summary),
+        "</table><h2>Per run</h2><table><tr>",
         *(f"<th>{html.escape(title)}</th>" for title, _ in columns),
         "</tr>",
         *("<tr>" + "".join(f"<td>{html.escape(_fmt(r[key]))}</td>" for _, key in columns) + "</tr>" for r in results),
@@ -236,6 +394,11 @@ def write_report(out: Path, results: list[dict], up_flags: list[str]) -> Path:
     (out / "results.json").write_bytes(
         orjson.dumps([{k: v for k, v in r.items() if k != "steps"} for r in results], option=orjson.OPT_INDENT_2)
     )
+    (out / "summary.json").write_bytes(
+        orjson.dumps({"interval": INTERVAL, "confidence": CONFIDENCE, "settings": summary}, option=orjson.OPT_INDENT_2)
+    )
+    print(f"Per setting: the {INTERVAL} ([low, high]; the mean alone with one seed).\n", flush=True)
+    print(markdown_table(summary), flush=True)
     page = out / "report.html"
     page.write_text("\n".join(parts))
     return page
@@ -245,7 +408,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] != "staleness":
         print(
             "usage: centerline experiment staleness [--steps N --staleness 1,4,8 --losses "
-            "score_centering,reinforce,tis --out DIR] [up flags]",
+            "score_centering,reinforce,tis --score-centering-is none,tis,mis --seeds N | --seed-list 0,1,2 "
+            "--out DIR] [up flags]",
             file=sys.stderr,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2

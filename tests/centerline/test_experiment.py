@@ -1,5 +1,7 @@
-"""`centerline experiment staleness` end to end: a tiny grid of real `centerline up` runs, then the comparison page."""
+"""`centerline experiment staleness`: the grid of settings and seeds, the per-setting intervals,
+and end to end a tiny grid of real `centerline up` runs, then the comparison page."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -7,13 +9,102 @@ from pathlib import Path
 import orjson
 import pytest
 
+from centerline import experiment, launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+METHODS = ["score_centering", "score_centering+tis", "score_centering+mis", "reinforce", "tis"]
+
+
+def test_the_default_grid_has_score_centering_with_each_importance_weight_beside_reinforce_and_tis():
+    args, up_flags = experiment.parse([])
+    runs = experiment.grid(args.staleness, args.losses, args.score_centering_is, args.seed_list)
+    assert up_flags == [] and args.seed_list == [0]
+    assert [r["name"] for r in runs] == [f"{m}-s{s}-seed0" for s in (1, 4, 8) for m in METHODS]
+
+
+def test_seeds_repeat_the_whole_grid_seed_by_seed():
+    args, _ = experiment.parse(["--seeds", "3", "--staleness", "1,4", "--learning-rate", "1e-3"])
+    runs = experiment.grid(args.staleness, args.losses, args.score_centering_is, args.seed_list)
+    assert len(runs) == 3 * 2 * 5
+    assert [r["seed"] for r in runs] == [0] * 10 + [1] * 10 + [2] * 10
+    assert runs[10] == {
+        "name": "score_centering-s1-seed1",
+        "method": "score_centering",
+        "loss": "score_centering",
+        "is_mode": "none",
+        "staleness": 1,
+        "seed": 1,
+    }
+    assert {(r["method"], r["staleness"]) for r in runs[:10]} == {(m, s) for m in METHODS for s in (1, 4)}
+
+
+def test_seed_list_and_a_subset_of_importance_weights_choose_the_runs():
+    args, _ = experiment.parse(["--seed-list", "5,7", "--losses", "score_centering,tis", "--score-centering-is", "mis"])
+    runs = experiment.grid(args.staleness, args.losses, args.score_centering_is, args.seed_list)
+    assert [r["name"] for r in runs if r["staleness"] == 4] == [
+        "score_centering+mis-s4-seed5",
+        "tis-s4-seed5",
+        "score_centering+mis-s4-seed7",
+        "tis-s4-seed7",
+    ]
+
+
+def test_a_seed_passed_to_up_is_refused_since_the_experiment_sets_it(capsys):
+    with pytest.raises(SystemExit):
+        experiment.parse(["--seed", "3"])
+    assert "--seeds N or --seed-list" in capsys.readouterr().err
+
+
+def test_each_run_reaches_up_with_its_loss_importance_weight_seed_and_staleness(tmp_path):
+    run = experiment.grid([4], ["score_centering"], ["mis"], [2])[0]
+    _, cfg = launcher.parse(experiment.up_argv(run, 10, tmp_path, ["--learning-rate", "1e-3"]))
+    assert (cfg.loss, cfg.score_centering_is, cfg.seed) == ("score_centering", "mis", 2)
+    assert (cfg.max_inflight_steps, cfg.max_staleness, cfg.learning_rate) == (4, 4, 1e-3)
+
+
+def _result(method: str, seed: int, reward_last: float, accuracy_after, kl_max: float) -> dict:
+    loss, _, is_mode = method.partition("+")
+    return {
+        "method": method,
+        "loss": loss,
+        "is_mode": is_mode or "none",
+        "staleness": 4,
+        "seed": seed,
+        "staleness_mean": 3.0,
+        "reward_first": 0.3,
+        "reward_last": reward_last,
+        "accuracy_before": 0.3,
+        "accuracy_after": accuracy_after,
+        "kl_max": kl_max,
+    }
+
+
+def test_aggregate_reports_each_setting_with_the_t_interval_over_its_seeds():
+    results = [
+        _result("score_centering+tis", 0, 0.4, 0.40, 0.1),
+        _result("reinforce", 0, 0.2, None, 0.6),
+        _result("score_centering+tis", 1, 0.5, 0.42, 0.1),
+        _result("score_centering+tis", 2, 0.6, 0.44, 0.1),
+    ]
+    tis, reinforce = experiment.aggregate(results)
+    assert (tis["method"], tis["is_mode"], tis["seeds"]) == ("score_centering+tis", "tis", [0, 1, 2])
+    # sd 0.1 over 3 seeds: half-width t(0.975, 2) * 0.1 / sqrt(3) = 0.24841377
+    half = 0.1 * math.sqrt(2 * 0.9025 / 0.0975 / 3)
+    assert tis["reward_last"] == pytest.approx({"mean": 0.5, "low": 0.5 - half, "high": 0.5 + half})
+    assert tis["accuracy_after"] == pytest.approx({"mean": 0.42, "low": 0.42 - half / 5, "high": 0.42 + half / 5})
+    assert tis["kl_max"] == pytest.approx({"mean": 0.1, "low": 0.1, "high": 0.1})
+    assert reinforce["reward_last"] == {"mean": 0.2, "low": None, "high": None}
+    assert reinforce["accuracy_after"] is None
+    table = experiment.markdown_table([tis, reinforce]).splitlines()
+    assert table[0].count(" | ") == table[2].count(" | ") and "\\|kl\\| max" in table[0]  # pipes escaped
+    assert table[2].startswith("| score_centering+tis | 4 | 3 | 3 | 0.300 [0.300, 0.300] | 0.500 [0.252, 0.748] |")
+    assert table[3].startswith("| reinforce | 4 | 1 | 3 | 0.300 | 0.200 | – | 0.600 |")
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_experiment_runs_each_pair_and_writes_the_comparison(tmp_path):
+def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_path):
     out = tmp_path / "exp"
     argv = [
         sys.executable,
@@ -26,7 +117,11 @@ def test_experiment_runs_each_pair_and_writes_the_comparison(tmp_path):
         "--staleness",
         "2",
         "--losses",
-        "score_centering,reinforce",
+        "score_centering",
+        "--score-centering-is",
+        "mis",
+        "--seeds",
+        "2",
         "--out",
         str(out),
         # passed through to every `centerline up` run
@@ -46,8 +141,8 @@ def test_experiment_runs_each_pair_and_writes_the_comparison(tmp_path):
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
 
-    # one staleness, two losses: each run starts its own SGLang server, router and trainer (~50 s here)
-    names = ["score_centering-s2", "reinforce-s2"]
+    # one setting, two seeds: each run starts its own SGLang server, router and trainer (~50 s here)
+    names = ["score_centering+mis-s2-seed0", "score_centering+mis-s2-seed1"]
     results = orjson.loads((out / "results.json").read_bytes())
     assert [r["name"] for r in results] == names
     for r in results:
@@ -55,10 +150,18 @@ def test_experiment_runs_each_pair_and_writes_the_comparison(tmp_path):
         assert [s["step"] for s in steps] == [1, 2]
         assert r["accuracy_before"] is not None and r["accuracy_after"] is not None
         assert r["staleness_max"] <= r["staleness"]
-    config = (out / "runs" / "reinforce-s2" / "config.toml").read_text()
-    assert 'loss = "reinforce"' in config and "max_inflight_steps = 2" in config and "max_staleness = 2" in config
+    config = (out / "runs" / names[1] / "config.toml").read_text()
+    assert 'score_centering_is = "mis"' in config and "seed = 1" in config and "max_staleness = 2" in config
 
-    plots = {"reward", "kl", "staleness", "accuracy"}
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert summary["confidence"] == 0.95 and "Student-t" in summary["interval"]
+    [setting] = summary["settings"]
+    assert (setting["method"], setting["staleness"], setting["seeds"]) == ("score_centering+mis", 2, [0, 1])
+    for key in ("reward_last", "accuracy_after", "kl_max"):
+        assert setting[key]["low"] <= setting[key]["mean"] <= setting[key]["high"]
+    assert "| score_centering+mis | 2 | 2 |" in run.stdout
+
+    plots = {"reward", "kl", "staleness", "final"}
     assert {p.stem for p in (out / "plots").glob("*.png")} == plots
     assert all((out / "plots" / f"{name}.png").read_bytes().startswith(PNG_MAGIC) for name in plots)
     page = (out / "report.html").read_text()
