@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import orjson
+
 from shared.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +52,12 @@ def wait_until(check, deadline_s: float, what: str, proc: subprocess.Popen | Non
             pass
         time.sleep(0.1)  # polling interval, not synchronisation
     raise TimeoutError(f"{what} not ready after {deadline_s}s")
+
+
+def metrics_lines(run_dir: Path) -> list[dict]:
+    """The trainer's ``metrics.jsonl`` in ``run_dir``, one record per step so far ([] before the first)."""
+    path = run_dir / "metrics.jsonl"
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
 
 
 class Process:

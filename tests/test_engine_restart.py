@@ -11,11 +11,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import orjson
 import pytest
+
+from tests.processes import metrics_lines, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STALENESS = 2  # the default (shared/config.py)
@@ -38,20 +38,6 @@ def process_group_serving(port: int) -> int:
     raise AssertionError(f"no SGLang server process found for port {port}")
 
 
-def wait_for(what: str, check, timeout: float, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert proc.poll() is None, f"centerline up exited with {proc.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.5)  # polling interval of the run's files
-    return value
-
-
-def steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
-
-
 def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights(tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "centerline", "up", "--engines", "2", "--task", "copy", "--steps", "1000"]
@@ -62,13 +48,11 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         up_log = lambda: (tmp_path / "up.log").read_text()  # noqa: E731
-        urls = wait_for(
-            "the SGLang servers", lambda: re.search(r"SGLang (\S+) (\S+) behind the router", up_log()), 600, proc
-        )
-        wait_for("3 steps", lambda: len(steps(run_dir)) >= 3, 600, proc)
+        urls = wait_until(lambda: re.search(r"SGLang (\S+) (\S+) behind the router", up_log()), 600, "SGLang up", proc)
+        wait_until(lambda: len(metrics_lines(run_dir)) >= 3, 600, "3 steps", proc)
         for url in urls.groups():
             os.killpg(process_group_serving(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
-        killed_at = len(steps(run_dir))
+        killed_at = len(metrics_lines(run_dir))
 
         trainer_log = run_dir / "logs" / "trainer.log"
 
@@ -80,8 +64,8 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
             ]
             return [int(m.group(1)) for m in found] if all(found) else None
 
-        versions = wait_for("both restarted servers caught up", caught_up, 600, proc)
-        wait_for("3 more steps", lambda: len(steps(run_dir)) >= killed_at + 3, 600, proc)
+        versions = wait_until(caught_up, 600, "both restarted servers caught up", proc)
+        wait_until(lambda: len(metrics_lines(run_dir)) >= killed_at + 3, 600, "3 more steps", proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130
     finally:
@@ -92,7 +76,7 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
 
     for name in ("sglang-0", "sglang-1"):
         assert f"{name} (exit status -9, restart 1) died: started again" in up_log()
-    records = steps(run_dir)
+    records = metrics_lines(run_dir)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # the run never stopped
     # no step finished while they were down (one gathered before the kill may still have)
     assert all(killed_at <= v <= killed_at + 1 for v in versions), (versions, killed_at)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shared.nats_server import NatsCluster
 from shared.ports import free_port
+from tests.reliability.relay import close_socket
 
 
 class Link:
@@ -35,7 +36,7 @@ class Link:
         with self.lock:
             self.is_cut = True
             for sock in self.sockets:
-                _close(sock)
+                close_socket(sock)
 
     def heal(self) -> None:
         with self.lock:
@@ -54,13 +55,13 @@ class Link:
             with self.lock:
                 cut = self.is_cut
             if cut:
-                _close(inbound)
+                close_socket(inbound)
                 continue
             try:
                 outbound = socket.create_connection(self.target, timeout=2)
                 outbound.settimeout(None)
             except OSError:  # the node is down: the dialer sees its connection closed and retries
-                _close(inbound)
+                close_socket(inbound)
                 continue
             with self.lock:
                 self.sockets |= {inbound, outbound}
@@ -74,8 +75,8 @@ class Link:
         except OSError:
             pass
         finally:
-            _close(src)
-            _close(dst)
+            close_socket(src)
+            close_socket(dst)
             with self.lock:
                 self.sockets -= {src, dst}
 
@@ -106,11 +107,3 @@ class PartitionableCluster(NatsCluster):
         super().stop(timeout)
         for link in self.links.values():
             link.close()
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

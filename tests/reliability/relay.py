@@ -89,13 +89,13 @@ class Relay:
         """Reset every connection open now, as a network blip would; the clients reconnect."""
         with self.lock:
             for sock in self.sockets:
-                _close(sock)
+                close_socket(sock)
 
     def close(self) -> None:
         self.listener.close()
         with self.lock:
             for sock in self.sockets:
-                _close(sock)
+                close_socket(sock)
 
     def _accept(self) -> None:
         while True:
@@ -107,7 +107,7 @@ class Relay:
                 server = socket.create_connection(self.target, timeout=2)
                 server.settimeout(None)
             except OSError:  # the server is down: the client sees a refused connection and retries
-                _close(client)
+                close_socket(client)
                 continue
             conn = {"cut": False, "name": "?"}
             with self.lock:
@@ -128,8 +128,8 @@ class Relay:
         except OSError:
             pass
         finally:
-            _close(src)
-            _close(dst)
+            close_socket(src)
+            close_socket(dst)
             with self.lock:
                 self.sockets -= {src, dst}
 
@@ -149,7 +149,7 @@ class Relay:
             return True
 
 
-def _close(sock: socket.socket) -> None:
+def close_socket(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

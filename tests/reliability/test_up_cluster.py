@@ -9,32 +9,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-import orjson
 import pytest
 
 from shared import names
+from tests.processes import metrics_lines, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS = 12, 3
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-def steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
-
-
-def wait_for(what: str, check, timeout: float, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert proc.poll() is None, f"centerline up exited with {proc.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.5)  # polling interval of the run's files
-    return value
 
 
 def node_pid(config: Path) -> int:
@@ -80,14 +65,14 @@ def test_a_run_on_a_three_node_cluster_survives_the_loss_of_the_stream_leader_an
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     killed = []
     try:
-        wait_for("2 steps", lambda: len(steps(run_dir)) >= 2, 600, proc)
+        wait_until(lambda: len(metrics_lines(run_dir)) >= 2, 600, "2 steps", proc)
         leader = stream_leader(nats_dir)
         subprocess.run(["kill", "-KILL", str(node_pid(nats_dir / leader / "nats.conf"))], check=True)
-        killed.append(("leader", leader, len(steps(run_dir))))
-        wait_for("2 more steps", lambda: len(steps(run_dir)) >= killed[0][2] + 2, 300, proc)
+        killed.append(("leader", leader, len(metrics_lines(run_dir))))
+        wait_until(lambda: len(metrics_lines(run_dir)) >= killed[0][2] + 2, 300, "2 more steps", proc)
         follower = next(n for n in ("n0", "n1", "n2") if n != stream_leader(nats_dir))
         subprocess.run(["kill", "-KILL", str(node_pid(nats_dir / follower / "nats.conf"))], check=True)
-        killed.append(("follower", follower, len(steps(run_dir))))
+        killed.append(("follower", follower, len(metrics_lines(run_dir))))
         assert proc.wait(timeout=600) == 0
     finally:
         if proc.poll() is None:
@@ -98,7 +83,7 @@ def test_a_run_on_a_three_node_cluster_survives_the_loss_of_the_stream_leader_an
     log = (tmp_path / "up.log").read_text()
     for _, node, _ in killed:
         assert f"NATS node {node} died: started again" in log
-    records = steps(run_dir)
+    records = metrics_lines(run_dir)
     trained = [bid for r in records for bid in r["batch_ids"]]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert len(trained) == len(set(trained)) == STEPS * PROMPTS  # none lost, none trained twice

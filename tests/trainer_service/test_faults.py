@@ -24,7 +24,7 @@ from shared import names
 from shared.nats_client import connect, pull_consumer
 from shared.nats_server import EmbeddedNats
 from shared.wire import encode_batch
-from tests.processes import ENV, REPO, stored_messages, wait_until
+from tests.processes import ENV, REPO, metrics_lines, stored_messages, wait_until
 from tests.trainer_service import service_stack
 from tests.trainer_service.service_stack import (
     TORCHRUN,
@@ -47,11 +47,6 @@ def stack(tmp_path, sglang, model_dir):
     server."""
     yield tmp_path, model_dir, sglang
     Trainer.kill_all()
-
-
-def metrics_lines(run_dir) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
 
 
 def state_at(run_dir, step: int) -> dict:

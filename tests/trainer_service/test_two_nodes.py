@@ -13,7 +13,7 @@ import pytest
 from centerline.tokenizer import VOCAB_SIZE
 from shared.nats_server import EmbeddedNats
 from shared.ports import free_port
-from tests.processes import wait_until
+from tests.processes import metrics_lines, wait_until
 from tests.trainer_service import service_stack
 from tests.trainer_service.service_stack import StandInWorker, Trainer, write_dataset
 
@@ -25,11 +25,6 @@ STEPS = 5
 def stack(tmp_path, sglang, model_dir):
     yield tmp_path, model_dir, sglang
     Trainer.kill_all()
-
-
-def metrics_lines(run_dir) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
 
 
 def test_a_two_node_trainer_resumes_after_losing_a_node_and_trains_each_batch_once(stack):
