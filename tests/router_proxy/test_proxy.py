@@ -194,7 +194,7 @@ def test_a_plain_client_gets_sglangs_bytes_and_an_arrays_client_the_same_respons
     request = {"text": "a", "sampling_params": {"max_new_tokens": 5}}
     double.next(upstream)
     status, ctype, plain, _ = post_raw(proxy.url + "/generate", request, {"Accept": "application/json, */*"})
-    assert (status, ctype, plain) == (200, "application/json", upstream.encode())
+    assert (status, ctype, plain) == (200, "application/json; charset=utf-8", upstream.encode())  # the double's
     double.next(upstream)
     status, ctype, binary, headers = post_raw(proxy.url + "/generate", request, ACCEPT_ARRAYS)
     assert (status, ctype, headers["x-centerline-audit"]) == (200, "application/x-centerline-arrays", "ok")
@@ -220,7 +220,7 @@ def test_an_eval_request_accepting_arrays_still_passes_untouched_as_json(proxy, 
     status, ctype, body, headers = post_raw(
         proxy.url + "/generate", request, {"X-Centerline-Eval": "1", **ACCEPT_ARRAYS}
     )
-    assert (status, ctype, "x-centerline-audit" in headers) == (200, "application/json", False)
+    assert (status, ctype, "x-centerline-audit" in headers) == (200, "application/json; charset=utf-8", False)
     assert double.last() == request and len(json.loads(body)["meta_info"]["output_top_logprobs"]) == 2
 
 
