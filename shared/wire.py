@@ -2,7 +2,9 @@
 
 A batch is one msgpack map. Arrays are maps ``{"dtype", "shape", "data"}`` whose ``data``
 is little-endian C-order bytes; per-token arrays of all samples are concatenated and
-``offsets[i]:offsets[i+1]`` selects sample ``i``.
+``offsets[i]:offsets[i+1]`` selects sample ``i``. The same array encoding (``encode_map``,
+``decode_map``, ``array_value``) carries the proxy's binary answer to a worker
+(``shared/response_arrays.py``).
 
 Decoding is done by a small strict msgpack reader instead of ``msgpack.unpackb`` for two
 reasons: array payloads are wrapped as read-only numpy views of the message bytes (no
