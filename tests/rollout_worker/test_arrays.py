@@ -55,12 +55,10 @@ MIXED = [SELECTED[0], native([(-1.5, 66)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5,
 )
 def test_the_binary_answer_packs_the_same_batches_as_the_json(doc, mode):
     body = orjson.dumps(doc)
-    samples = binary_samples(body, mode=mode)
-    assert [(s.text, s.finish_reason) for s in samples] == [(s.text, s.finish_reason) for s in json_samples(body)]
-    assert_same_batches(
-        pack(samples, rewards=(1.0, 0.0)[: len(samples)], mode=mode),
-        pack(json_samples(body, mode=mode), rewards=(1.0, 0.0)[: len(samples)], mode=mode),
-    )
+    samples, json_way = binary_samples(body, mode=mode), json_samples(body, mode=mode)
+    assert [(s.text, s.finish_reason) for s in samples] == [(s.text, s.finish_reason) for s in json_way]
+    rewards = (1.0, 0.0)[: len(samples)]
+    assert_same_batches(pack(samples, rewards=rewards, mode=mode), pack(json_way, rewards=rewards, mode=mode))
 
 
 def test_a_chat_answer_carries_the_prompt_ids_sglang_rendered():
