@@ -7,7 +7,8 @@ upstream connection, split in two reads at the second byte, under a 64 KiB answe
 then audited with its content type) or just a body for ``audit_body``. The only acceptable
 failures are ``UpstreamError`` and ``ContractViolation``. Every body is audited twice, with
 the candidate-row scanner (``shared/candidate_scan.py``) forced on and off: the verdicts must
-be the same. Seeds are valid SGLang answers
+be the same, and the binary answer a worker asks for (``shared/response_arrays.py``) must have
+the same verdict and decode to what was audited. Seeds are valid SGLang answers
 (``router_proxy/bench.py``), written to ``fuzz/corpus/proxy_audit/`` when it is empty.
 
     .venv/bin/python -m fuzz.fuzz_proxy_audit -max_total_time=600 -rss_limit_mb=1024 -timeout=5
@@ -29,7 +30,7 @@ from fuzz.fuzz_wire import fuzz
 from router_proxy.audit import audit_body
 from router_proxy.bench import native_response
 from router_proxy.upstream import UpstreamError, UpstreamPool, _Connection
-from shared import sglang_response
+from shared import response_arrays, sglang_response
 from shared.contract import ContractViolation
 
 VOCAB = 300
@@ -94,6 +95,25 @@ def TestOneInput(data: bytes) -> None:
             verdicts.append(exc.to_dict())
     if verdicts[0] != verdicts[1]:
         raise AssertionError(f"scanned {verdicts[0]} != parsed {verdicts[1]}")
+    _check_binary_answer(body, endpoint, mode, ctype, verdicts[1])
+
+
+def _check_binary_answer(body: bytes, endpoint: str, mode: str, ctype, verdict) -> None:
+    """The binary answer (``audit_body(arrays=True)``) has the verdict of the JSON one and decodes to
+    the samples and tokens audited; it may only add ``malformed_response`` for a weight version."""
+    try:
+        result = audit_body(body, endpoint=endpoint, mode=mode, k=K, vocab_size=VOCAB, content_type=ctype, arrays=True)
+    except ContractViolation as exc:
+        if exc.to_dict() != verdict and not (type(verdict) is tuple and exc.rule == "malformed_response"):
+            raise AssertionError(f"binary answer {exc.to_dict()} != JSON answer {verdict}") from None
+        if type(verdict) is tuple and "weight_version" not in str(exc) and "arrays" not in str(exc):
+            raise AssertionError(f"binary answer refused a response the JSON answer passed: {exc}") from None
+        return
+    found = response_arrays.decode(result.reply)
+    if (found.num_samples, len(found.response_ids)) != verdict:
+        raise AssertionError(
+            f"binary answer of {found.num_samples} samples, {len(found.response_ids)} tokens != {verdict}"
+        )
 
 
 def valid_body(endpoint: str, mode: str, tokens: int, seed: int) -> bytes:

@@ -1,12 +1,12 @@
 """Engine responses -> samples -> wire-format batches.
 
-A response of the proxy is SGLang's: native ``/generate`` returns one object per sample
-(a list when ``n > 1``), chat returns ``choices`` each with a native ``meta_info``. Both are
-read by ``shared/sglang_response.py``, the parser the proxy audits with: sampled ids and
-log-probs, ``K`` candidate slots per token (``selected``: the unfiltered top-``K``;
-``support``: the realized support with its renormalised log-probs, which is then also the
-sampled token's), the weight version (``"default"``, the initial weights, is 0), the finish
-reason and the text.
+The worker asks the proxy for the binary answer (``Accept: application/x-centerline-arrays``):
+the arrays the proxy parsed out of SGLang's JSON and audited (``shared/response_arrays.py``),
+so the worker reads them as views and parses no JSON. They hold sampled ids and log-probs,
+``K`` candidate slots per token (``selected``: the unfiltered top-``K``; ``support``: the
+realized support with its renormalised log-probs, which is then also the sampled token's),
+each sample's weight version (``"default"``, the initial weights, is 0), finish reason and
+text. ``samples_from_response`` reads SGLang's JSON into the same arrays, for tools and tests.
 
 Rows shorter than ``K`` keep their leading slots and leave the rest empty (``-1`` / ``-inf``)
 for the contract to judge; nothing is padded into a full row or repaired here.
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared import sglang_response
+from shared import response_arrays, sglang_response
 from shared.contract import ContractViolation
+from shared.response_arrays import ResponseArrays
 from shared.task import PromptTask
 from shared.wire import Batch
 
@@ -41,32 +42,32 @@ class Sample:
     finish_reason: str | None = None
 
 
-def samples_from_response(doc, *, endpoint: str, mode: str, k: int) -> list[Sample]:
-    """Every sample of a native (``endpoint="generate"``) or chat response body (parsed JSON),
-    read by ``shared.sglang_response``, the parser the proxy audits with."""
-    try:
-        metas = sglang_response.response_metas(doc, endpoint)
-        ids, logprobs, _, cand_ids, cand_logprobs, offsets = sglang_response.to_arrays(metas, mode=mode, k=k)
-        versions = sglang_response.weight_versions(metas)
-    except ContractViolation as exc:
-        raise ResponseError(str(exc)) from None
-    texts = sglang_response.response_texts(doc, endpoint)
-    reasons = sglang_response.finish_reasons(metas)
-    ids, logprobs = ids.astype(np.int32), logprobs.astype(np.float32)
-    cand_ids, cand_logprobs = cand_ids.astype(np.int32), cand_logprobs.astype(np.float32)
-    bounds = offsets.tolist()
+def samples_from_arrays(found: ResponseArrays) -> list[Sample]:
+    """Every sample of a response, from its arrays (the proxy's binary answer, decoded)."""
+    bounds = found.offsets.tolist()
     return [
         Sample(
-            text=texts[i],
-            response_ids=ids[a:b],
-            sampled_logprobs=logprobs[a:b],
-            cand_ids=cand_ids[a:b],
-            cand_logprobs=cand_logprobs[a:b],
-            weight_version=versions[i],
-            finish_reason=reasons[i],
+            text=found.texts[i],
+            response_ids=found.response_ids[a:b],
+            sampled_logprobs=found.sampled_logprobs[a:b],
+            cand_ids=found.cand_ids[a:b],
+            cand_logprobs=found.cand_logprobs[a:b],
+            weight_version=found.weight_versions[i],
+            finish_reason=found.finish_reasons[i],
         )
         for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
     ]
+
+
+def samples_from_response(doc, *, endpoint: str, mode: str, k: int) -> list[Sample]:
+    """Every sample of a native (``endpoint="generate"``) or chat response body (parsed JSON): the
+    samples of the same arrays as the proxy's binary answer."""
+    try:
+        metas = sglang_response.response_metas(doc, endpoint)
+        found = response_arrays.from_parsed(doc, metas, endpoint, mode=mode, k=k)
+    except ContractViolation as exc:
+        raise ResponseError(str(exc)) from None
+    return samples_from_arrays(found)
 
 
 def pack_group(

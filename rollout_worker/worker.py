@@ -33,17 +33,18 @@ import aiohttp
 import numpy as np
 import orjson
 
-from rollout_worker.packing import ResponseError, pack_group, samples_from_response
+from rollout_worker.packing import pack_group, samples_from_arrays
 from rollout_worker.rewards import RewardError, group_advantages, score
-from shared import names, sglang_response
+from shared import names, response_arrays
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
 from shared.nats_client import PublishError, PullConsumer, connect, publish_batch, pull_consumer
+from shared.response_arrays import ResponseArrays
 from shared.split import PayloadTooLargeError
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
-from shared.wire import encode_batch
+from shared.wire import WireError, encode_batch
 
 log = logging.getLogger("centerline.worker")
 
@@ -88,22 +89,16 @@ class Outcome:
     tokens: int = 0
 
 
-def served_prompt_ids(doc) -> list[int]:
+def served_prompt_ids(found: ResponseArrays) -> list[int]:
     """The prompt ids SGLang sampled a chat response on (``choices[0].prompt_token_ids``, asked
     for by the proxy with ``return_prompt_token_ids``); the worker's own rendering of the chat
     template may differ from the server's."""
-    choices = doc.get("choices") if isinstance(doc, dict) else None
-    ids = (
-        choices[0].get("prompt_token_ids")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict)
-        else None
-    )
-    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+    if found.prompt_ids is None:
         raise Rejected(
             "the chat response carries no prompt_token_ids (the router dropped return_prompt_token_ids?), so the "
             "prompt SGLang sampled on is unknown; use --rollout-endpoint generate or a router that keeps it"
         )
-    return ids
+    return found.prompt_ids
 
 
 class Worker:
@@ -288,15 +283,10 @@ class Worker:
         cfg = self.cfg
         endpoint = cfg.rollout_endpoint
         prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
-        doc = await self.sample(task, prompt_ids)
+        found = await self.sample(task, prompt_ids)
         if endpoint == "chat":  # SGLang renders the chat template itself: train on what it sampled on
-            prompt_ids = served_prompt_ids(doc)
-        try:
-            samples = samples_from_response(
-                doc, endpoint=endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num
-            )
-        except ResponseError as exc:
-            raise Transient(f"unusable response from the proxy: {exc}") from None
+            prompt_ids = served_prompt_ids(found)
+        samples = samples_from_arrays(found)
         if len(samples) != task.n:
             raise Transient(f"the proxy returned {len(samples)} samples for n={task.n}")
         aborted = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
@@ -346,29 +336,30 @@ class Worker:
             "sampling_params": {"n": task.n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling},
         }
 
-    async def sample(self, task: PromptTask, prompt_ids: list[int]):
+    async def sample(self, task: PromptTask, prompt_ids: list[int]) -> ResponseArrays:
+        """The audited response as arrays: the proxy parsed SGLang's JSON once, to audit it, and
+        answers this worker in binary (``shared/response_arrays.py``); nothing is parsed here."""
         path = "/v1/chat/completions" if self.cfg.rollout_endpoint == "chat" else "/generate"
         url = self.cfg.proxy_url.rstrip("/") + path
+        headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
         try:
             async with self.session.post(
-                url,
-                data=orjson.dumps(self.request_body(task, prompt_ids)),
-                headers={"Content-Type": "application/json"},
+                url, data=orjson.dumps(self.request_body(task, prompt_ids)), headers=headers
             ) as resp:
                 status, body = resp.status, await resp.read()
+                ctype, verdict = resp.content_type, resp.headers.get("X-Centerline-Audit")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Transient(f"{url}: {exc!r}") from None
         if status in (400, 413, 422):  # the proxy or SGLang refused the request itself: asking again cannot help
             raise Rejected(f"the proxy refused the request with {status}: {body[:1000].decode(errors='replace')}")
         if status != 200:
             raise Transient(f"{url} answered {status}: {body[:500].decode(errors='replace')}")
-        cfg = self.cfg
-        try:  # candidate rows of a large body are scanned, not parsed into lists (shared/candidate_scan.py)
-            doc, _ = sglang_response.parse_body(
-                body, cfg.rollout_endpoint, mode=cfg.rollout_logprobs_mode, k=cfg.rollout_top_logprobs_num
+        if ctype != response_arrays.MEDIA_TYPE:  # an observe-mode proxy passing a response it could not read
+            raise Transient(
+                f"{url} answered {ctype}, not {response_arrays.MEDIA_TYPE} (audit verdict: {verdict}); the worker "
+                "reads only the binary answer of a centerline proxy"
             )
-        except orjson.JSONDecodeError as exc:
-            raise Transient(f"{url} answered with invalid JSON: {exc}") from None
-        except ContractViolation:  # not the response shape: samples_from_response names the defect
-            doc = orjson.loads(body)
-        return doc
+        try:
+            return response_arrays.decode(body)
+        except WireError as exc:
+            raise Transient(f"unusable response from the proxy: {exc}") from None

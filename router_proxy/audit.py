@@ -1,10 +1,12 @@
 """A response audited against the completeness contract.
 
     response bytes -> shared.sglang_response.parse_body (orjson; large candidate rows scanned by
-    shared.candidate_scan) -> arrays -> shared.contract.check_rows
+    shared.candidate_scan) -> arrays -> shared.contract.check_rows [-> shared.response_arrays]
 
-The parse is ``shared/sglang_response.py``, the one the worker packs with; an aborted sample
-is refused before anything else. ``centerline bench proxy`` measures the audit against
+The parse is ``shared/sglang_response.py``; an aborted sample is refused before anything
+else. Asked with ``arrays=True`` (a worker that accepts the binary answer), a passed audit
+also returns the arrays it checked, encoded as the proxy's binary answer: the worker packs
+those and never parses the JSON itself. ``centerline bench proxy`` measures the audit against
 ``orjson.loads`` of the same body.
 
 Small responses (up to ``SMALL_ENTRIES`` candidates) are first tried by ``quick_accept``, a
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from shared import response_arrays
 from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
 from shared.sglang_response import check_not_aborted, malformed, parse_body, to_arrays
 
@@ -53,12 +56,22 @@ class AuditResult:
 
     samples: int
     tokens: int
+    reply: bytes | None = None  # with audit_body(arrays=True): the binary answer (shared/response_arrays.py)
 
 
 def audit_body(
-    body: bytes, *, endpoint: str, mode: str, k: int, vocab_size: int, content_type: bytes | None = None
+    body: bytes,
+    *,
+    endpoint: str,
+    mode: str,
+    k: int,
+    vocab_size: int,
+    content_type: bytes | None = None,
+    arrays: bool = False,
 ) -> AuditResult:
-    """Raise ``ContractViolation`` for the first defect of an upstream response body; else say what was checked.
+    """Raise ``ContractViolation`` for the first defect of an upstream response body; else say what was checked
+    and, with ``arrays``, return the response as the binary answer (``shared/response_arrays.py``;
+    a weight version that is not one raises ``malformed_response`` then: it cannot be put in it).
 
     ``content_type``, when given, must be JSON: SGLang answers ``application/json``, and a
     client must not be handed another media type as a training response.
@@ -71,29 +84,46 @@ def audit_body(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _audit(body, endpoint, mode, k, vocab_size)
+        return _audit(body, endpoint, mode, k, vocab_size, arrays)
     finally:
         if enabled:
             gc.enable()
 
 
-def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int) -> AuditResult:
+def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, arrays: bool) -> AuditResult:
     try:
-        _, metas = parse_body(body, endpoint, mode=mode, k=k)
+        doc, metas = parse_body(body, endpoint, mode=mode, k=k)
     except orjson.JSONDecodeError as exc:
         raise malformed(f"the upstream body is not valid JSON ({exc})") from None
     check_not_aborted(metas)
     tokens = quick_accept(metas, mode=mode, k=k, vocab_size=vocab_size)
-    if tokens is not None:
+    if tokens is None:
+        built = checked_arrays(metas, mode=mode, k=k, vocab_size=vocab_size)
+        tokens = int(built[0].shape[0])
+    elif arrays:
+        built = to_arrays(metas, mode=mode, k=k)
+    if not arrays:
         return AuditResult(samples=len(metas), tokens=tokens)
-    return full_audit(metas, mode=mode, k=k, vocab_size=vocab_size)
+    found = response_arrays.from_parsed(doc, metas, endpoint, mode=mode, k=k, arrays=built)
+    try:
+        reply = response_arrays.encode(found)
+    except OverflowError as exc:  # msgpack: an int beyond 64 bits
+        raise malformed(f"the response cannot be put in arrays ({exc})") from None
+    return AuditResult(samples=len(metas), tokens=tokens, reply=reply)
 
 
 def full_audit(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> AuditResult:
     """The numpy way: arrays, then ``check_rows``; raises the first defect."""
-    arrays = to_arrays(metas, mode=mode, k=k)
-    check_rows(*arrays[:5], mode=mode, k=k, vocab_size=vocab_size, offsets=arrays[5])
-    return AuditResult(samples=len(metas), tokens=int(arrays[0].shape[0]))
+    return AuditResult(
+        samples=len(metas), tokens=int(checked_arrays(metas, mode=mode, k=k, vocab_size=vocab_size)[0].shape[0])
+    )
+
+
+def checked_arrays(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> tuple:
+    """``to_arrays(metas)`` once ``check_rows`` passed them; raises the first defect."""
+    found = to_arrays(metas, mode=mode, k=k)
+    check_rows(*found[:5], mode=mode, k=k, vocab_size=vocab_size, offsets=found[5])
+    return found
 
 
 def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> int | None:

@@ -10,10 +10,12 @@ proxy (load -> proxy -> upstream) for ``--seconds``, in ``--rounds`` paired roun
 figure is the median over rounds, each ratio the median of the rounds' ratios.
 
 Audit cost (``"audit"``, one entry per ``--audit-tokens``, K=128): ``orjson.loads`` of a native
-response (``parse_ms``), and before (the whole body through orjson) and after (candidate rows
-scanned, ``shared/candidate_scan.py``): the proxy's audit (``audit_body``: parse, convert,
-check), the worker's read of the same body, and their sum, the CPU per response; median CPU
-time of ``--repeats``. ``--audit-only`` prints just this table:
+response (``parse_ms``), and the CPU per response across proxy and worker, before and after.
+Before: the proxy's audit (``audit_body``) parses the whole body with orjson and forwards the
+JSON, which the worker parses again. After: the audit scans the candidate rows
+(``shared/candidate_scan.py``), and the proxy encodes the arrays it checked as its binary
+answer (``shared/response_arrays.py``), which the worker decodes instead of parsing JSON.
+Each figure is the median CPU time of ``--repeats``. ``--audit-only`` prints just this table:
 
     centerline bench proxy --json --audit-only --audit-tokens 1024,8192
 
@@ -245,34 +247,52 @@ def _cpu_ms(fn, repeats: int) -> float:
 
 
 def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int = 32768) -> dict:
-    """One native response of ``tokens`` x ``k``: orjson.loads of it, and the proxy's audit plus the worker's
-    read of it (``samples_from_response``) the old way (the whole body through orjson) and the new
-    (candidate rows scanned, ``shared/sglang_response.parse_body``); CPU ms per response."""
-    from rollout_worker.packing import samples_from_response
-    from shared import sglang_response
+    """One native response of ``tokens`` x ``k``: orjson.loads of it, and its CPU cost across proxy and
+    worker, before and after, in ms per response.
+
+    before: the proxy audits the body parsed whole by orjson and forwards the JSON, which the
+    worker parses again (``parse_body`` + ``samples_from_response``). after: the proxy audits with
+    candidate rows scanned (``shared/candidate_scan.py``) and encodes the checked arrays as its
+    binary answer; the worker decodes them (``shared/response_arrays.py``) and parses nothing.
+    ``*_audit_ms`` is the audit alone (what the audit-to-parse ratio compares), ``*_proxy_ms`` the
+    proxy's whole share."""
+    from rollout_worker.packing import samples_from_arrays, samples_from_response
+    from shared import response_arrays, sglang_response
 
     body = native_response(tokens, k, vocab_size)
+    reply = audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size, arrays=True).reply
 
-    def audit():
-        audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size)
+    def audit(arrays: bool):
+        return lambda: audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size, arrays=arrays)
 
-    def worker():
+    def json_worker():
         doc, _ = sglang_response.parse_body(body, "generate", mode="selected", k=k)
         samples_from_response(doc, endpoint="generate", mode="selected", k=k)
 
-    out = {"tokens": tokens, "k": k, "body_bytes": len(body), "parse_ms": _cpu_ms(lambda: orjson.loads(body), repeats)}
-    for name, threshold in (("before", 1 << 62), ("after", sglang_response.SCAN_MIN_BYTES)):
-        saved, sglang_response.SCAN_MIN_BYTES = sglang_response.SCAN_MIN_BYTES, threshold
-        try:
-            audit_ms, worker_ms = _cpu_ms(audit, repeats), _cpu_ms(worker, repeats)
-        finally:
-            sglang_response.SCAN_MIN_BYTES = saved
-        out[f"{name}_audit_ms"] = round(audit_ms, 3)
-        out[f"{name}_worker_ms"] = round(worker_ms, 3)
-        out[f"{name}_cpu_ms_per_response"] = round(audit_ms + worker_ms, 3)
-        out[f"{name}_audit_to_parse_ratio"] = round(audit_ms / out["parse_ms"], 3)
-        out[f"{name}_audit_mb_per_s"] = round(len(body) / audit_ms / 1e3, 1)
-    out["parse_ms"] = round(out["parse_ms"], 3)
+    def binary_worker():
+        samples_from_arrays(response_arrays.decode(reply))
+
+    saved, sglang_response.SCAN_MIN_BYTES = sglang_response.SCAN_MIN_BYTES, 1 << 62  # before: nothing scanned
+    try:
+        before = {"audit": _cpu_ms(audit(False), repeats), "worker": _cpu_ms(json_worker, repeats)}
+    finally:
+        sglang_response.SCAN_MIN_BYTES = saved
+    after = {
+        "audit": _cpu_ms(audit(False), repeats),
+        "proxy": _cpu_ms(audit(True), repeats),
+        "worker": _cpu_ms(binary_worker, repeats),
+    }
+    before["proxy"] = before["audit"]
+    parse_ms = _cpu_ms(lambda: orjson.loads(body), repeats)
+    out = {"tokens": tokens, "k": k, "body_bytes": len(body), "reply_bytes": len(reply), "parse_ms": round(parse_ms, 3)}
+    for name, ms in (("before", before), ("after", after)):
+        out[f"{name}_audit_ms"] = round(ms["audit"], 3)
+        out[f"{name}_proxy_ms"] = round(ms["proxy"], 3)
+        out[f"{name}_worker_ms"] = round(ms["worker"], 3)
+        out[f"{name}_cpu_ms_per_response"] = round(ms["proxy"] + ms["worker"], 3)
+        out[f"{name}_audit_to_parse_ratio"] = round(ms["audit"] / parse_ms, 3)
+        out[f"{name}_audit_mb_per_s"] = round(len(body) / ms["audit"] / 1e3, 1)
+    out["after_encode_ms"] = round(after["proxy"] - after["audit"], 3)
     out["cpu_after_to_before"] = round(out["after_cpu_ms_per_response"] / out["before_cpu_ms_per_response"], 3)
     return out
 

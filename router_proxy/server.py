@@ -7,6 +7,10 @@
   them; ``enforce`` turns a defect into 502 ``{"error": {rule, message, row, expected, found}}``,
   ``observe`` passes it with an ``X-Centerline-Audit`` header. ``X-Centerline-Eval: 1`` requests
   pass through untouched (their K is still bounded by ``--max-top-logprobs-num``).
+- A training request with ``Accept: application/x-centerline-arrays`` (the rollout worker's)
+  gets a passed response as the arrays the audit checked (``shared/response_arrays.py``,
+  that content type) instead of SGLang's JSON, so the response is parsed once; every other
+  client gets SGLang's bytes unchanged, and errors are the same JSON for both.
 - Limits: a request body above ``--max-request-body-bytes`` is 413; an upstream answer above
   ``--max-upstream-response-bytes`` is cut off and becomes 502 ``upstream_too_large``.
 - GET /ready is 503 until the capability probe (``probe.py``) passes; GET /capabilities runs
@@ -41,7 +45,7 @@ from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
 from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
-from shared import admin_key, logs
+from shared import admin_key, logs, response_arrays
 from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
 from shared.settings import MAX_REQUEST_BODY_BYTES, MAX_TOP_LOGPROBS_NUM, MAX_UPSTREAM_RESPONSE_BYTES, ProxySettings
@@ -51,6 +55,7 @@ log = logging.getLogger("centerline.proxy")
 EVAL_HEADER = b"x-centerline-eval"
 AUDIT_HEADER = b"x-centerline-audit"
 JSON = b"application/json"
+ARRAYS = response_arrays.MEDIA_TYPE.encode()
 FORWARDED_HEADERS = (b"x-request-id",)  # never authorization: see the module docstring
 TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
@@ -259,6 +264,7 @@ class Proxy:
             self.metrics.count(self.metrics.requests, endpoint, "eval")
             return await self.forward(b"POST", req.target, req.body, req.headers)
         started = time.perf_counter()
+        binary = _accepts_arrays(req.headers)
         if vocab is not None and self.contract.mode == "selected" and self.contract.k > vocab:
             self.metrics.count(self.metrics.requests, endpoint, "rejected")
             message = (
@@ -297,7 +303,7 @@ class Proxy:
             violation = self._unreachable(req.target, exc)
         upstream_s = time.perf_counter() - sent_at
         if violation is None:
-            violation, result = self._audit(endpoint, status, body, ctype)
+            violation, result = self._audit(endpoint, status, body, ctype, binary)
         added_s = time.perf_counter() - started - upstream_s
         self.metrics.observe_added(added_s)
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
@@ -325,9 +331,22 @@ class Proxy:
         verdict = b"ok" if violation is None else _verdict(violation).encode()
         if status == 0:  # observe mode and no upstream answer: nothing to pass on
             return _error(502, violation, [(AUDIT_HEADER, verdict)])
+        if result is not None and result.reply is not None:
+            return status, result.reply, ARRAYS, [(AUDIT_HEADER, verdict)]
+        if binary and status == 200:  # observe mode passed a defect: its arrays where it has them, else the JSON
+            reply = self._unchecked_arrays(endpoint, body)
+            if reply is not None:
+                return status, reply, ARRAYS, [(AUDIT_HEADER, verdict)]
         return status, body, ctype or JSON, [(AUDIT_HEADER, verdict)]
 
-    def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes):
+    def _unchecked_arrays(self, endpoint: str, body: bytes) -> bytes | None:
+        try:
+            found = response_arrays.from_body(body, endpoint, mode=self.contract.mode, k=self.contract.k)
+            return response_arrays.encode(found)
+        except Exception:  # noqa: BLE001 - unreadable as arrays: the client gets the JSON and the verdict header
+            return None
+
+    def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes, binary: bool):
         if status in REFUSED:
             text = body[:1000].decode(errors="replace")
             return ContractViolation(
@@ -353,6 +372,7 @@ class Proxy:
                 k=self.contract.k,
                 vocab_size=self.vocab_size,
                 content_type=ctype,
+                arrays=binary,
             )
         except ContractViolation as exc:
             return exc, None
@@ -361,6 +381,12 @@ class Proxy:
             return ContractViolation(
                 "malformed_response", f"the response could not be audited ({type(exc).__name__}: {exc})"
             ), None
+
+
+def _accepts_arrays(headers: dict) -> bool:
+    """Whether the client's ``Accept`` names the binary answer (parameters and case aside)."""
+    accept = headers.get(b"accept")
+    return accept is not None and any(part.split(b";", 1)[0].strip().lower() == ARRAYS for part in accept.split(b","))
 
 
 def _sent_headers(headers: dict) -> list:

@@ -1,5 +1,5 @@
-"""SGLang responses parsed once, for everyone: the proxy audits what this returns, the worker
-packs it (one parser, so a fix reaches both).
+"""SGLang responses parsed once, by the proxy: it audits what this returns and hands a worker
+the same arrays (``shared/response_arrays.py``), so nobody parses a response twice.
 
     parsed JSON -> per-sample meta_info -> flat Python lists -> numpy [N] / [N, K]
 
@@ -12,7 +12,7 @@ arrays, ``offsets[i]:offsets[i+1]`` its tokens. Sampled tokens come from
 rows and a ``null`` row no candidates, so the contract reports it (``short_row``,
 ``support_mass``) with its likely cause; nothing is padded into a full row or repaired.
 Besides the arrays: each sample's weight version (SGLang's ``"default"``, the initial
-weights, is version 0), finish reason and text.
+weights, is version 0), finish reason and text, and a chat response's prompt ids.
 
 The conversion never loops over tokens in Python bytecode: each nested list is flattened
 with ``itertools.chain`` (C), types are checked with ``set(map(type, ...))`` (C), and numpy
@@ -93,6 +93,17 @@ def response_texts(doc, endpoint: str) -> list[str]:
     if endpoint == "chat":
         return [_text((c.get("message") or {}).get("content")) for c in doc["choices"]]
     return [_text(item.get("text")) for item in (doc if isinstance(doc, list) else [doc])]
+
+
+def prompt_token_ids(doc) -> list[int] | None:
+    """The prompt ids SGLang sampled a chat response on (``choices[0].prompt_token_ids``, asked for
+    by the proxy with ``return_prompt_token_ids``), None where absent or not a list of token ids."""
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    ids = first.get("prompt_token_ids") if isinstance(first, dict) else None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < 2**31 for i in ids):
+        return None
+    return ids
 
 
 def _text(value) -> str:

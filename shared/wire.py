@@ -2,7 +2,9 @@
 
 A batch is one msgpack map. Arrays are maps ``{"dtype", "shape", "data"}`` whose ``data``
 is little-endian C-order bytes; per-token arrays of all samples are concatenated and
-``offsets[i]:offsets[i+1]`` selects sample ``i``.
+``offsets[i]:offsets[i+1]`` selects sample ``i``. The same array encoding (``encode_map``,
+``decode_map``, ``array_value``) carries the proxy's binary answer to a worker
+(``shared/response_arrays.py``).
 
 Decoding is done by a small strict msgpack reader instead of ``msgpack.unpackb`` for two
 reasons: array payloads are wrapped as read-only numpy views of the message bytes (no
@@ -13,6 +15,7 @@ Encoding uses ``msgpack.packb``, which writes the same subset.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import struct
@@ -113,12 +116,7 @@ class WireLimits:
 
 
 def encode_batch(batch: Batch) -> bytes:
-    """Serialise ``batch`` to wire format v1. Arrays are converted to their wire dtype.
-
-    The message is assembled as a list of msgpack fragments and raw array buffers joined
-    once, so each array byte is copied exactly once (``msgpack.packb`` on the whole map
-    regrows its buffer and copies the payload several times).
-    """
+    """Serialise ``batch`` to wire format v1. Arrays are converted to their wire dtype."""
     head: dict = {"v": WIRE_VERSION}
     for name in SCALAR_FIELDS:
         head[name] = getattr(batch, name)
@@ -126,22 +124,33 @@ def encode_batch(batch: Batch) -> bytes:
     head["top_p"] = float(batch.top_p)
     for name in LIST_FIELDS:
         head[name] = list(getattr(batch, name))
+    return encode_map(head, {name: (getattr(batch, name), dtype) for name, dtype in ARRAY_FIELDS.items()})
+
+
+def encode_map(head: dict, arrays: dict[str, tuple[np.ndarray, str]]) -> bytes:
+    """One msgpack map: ``head``'s plain values, then ``arrays`` (name -> (array, wire dtype)) in the
+    array encoding of section 4. ``encode_batch`` writes batches with it, the proxy its binary answers
+    (``shared/response_arrays.py``); ``decode_map`` and ``array_value`` read it back.
+
+    The message is assembled as a list of msgpack fragments and raw array buffers joined
+    once, so each array byte is copied exactly once (``msgpack.packb`` on the whole map
+    regrows its buffer and copies the payload several times).
+    """
     parts = [
-        _map_header(len(head) + len(ARRAY_FIELDS)),
+        _map_header(len(head) + len(arrays)),
         msgpack.packb(head, use_bin_type=True)[_map_header_len(len(head)) :],
     ]
-    for name, dtype in ARRAY_FIELDS.items():
-        arr = np.ascontiguousarray(getattr(batch, name), dtype=DTYPES[dtype])
+    for name, (value, dtype) in arrays.items():
+        arr = np.ascontiguousarray(value, dtype=DTYPES[dtype])
         # A C-contiguous array is its own buffer: join copies its bytes straight into the message.
-        parts += [_ARRAY_PREFIX[name], msgpack.packb(arr.shape), b"\xa4data", _bin_header(arr.nbytes), arr]
+        parts += [_array_prefix(name, dtype), msgpack.packb(arr.shape), b"\xa4data", _bin_header(arr.nbytes), arr]
     return b"".join(parts)
 
 
-# key + '{"dtype": <dtype>, "shape": ' of each array field: the same bytes for every batch.
-_ARRAY_PREFIX = {
-    name: msgpack.packb(name) + b"\x83" + msgpack.packb("dtype") + msgpack.packb(dtype) + msgpack.packb("shape")
-    for name, dtype in ARRAY_FIELDS.items()
-}
+@functools.cache
+def _array_prefix(name: str, dtype: str) -> bytes:
+    """key + '{"dtype": <dtype>, "shape": ' of an array field: the same bytes in every message."""
+    return msgpack.packb(name) + b"\x83" + msgpack.packb("dtype") + msgpack.packb(dtype) + msgpack.packb("shape")
 
 
 def _map_header(n: int) -> bytes:
@@ -166,20 +175,36 @@ def decode_batch(data: bytes | bytearray | memoryview, *, limits: WireLimits = W
     For ``bytes`` input, array fields of the result are read-only numpy views of ``data``
     (no copy); a ``bytearray`` or ``memoryview`` is copied once first, since it could change.
     """
+    return _batch_from_doc(decode_map(data, limits=limits), limits)
+
+
+def decode_map(data: bytes | bytearray | memoryview, *, limits: WireLimits = WireLimits()) -> dict:
+    """The top-level map of a message written by ``encode_map``, its array fields still to be taken
+    with ``array_value``. Raises ``WireError`` for anything malformed or beyond ``limits``."""
     size = memoryview(data).nbytes
     if size > limits.max_message_bytes:
         raise WireError(
             f"message is {size} bytes, above the decoder limit max_message_bytes="
             f"{limits.max_message_bytes}; raise WireLimits.max_message_bytes if this is intended"
         )
-    # Arrays must not change under the batch: mutable buffers are copied once, bytes are wrapped.
+    # Arrays must not change under the caller: mutable buffers are copied once, bytes are wrapped.
     reader = _Reader(data if type(data) is bytes else bytes(data), limits)
     doc = reader.read(0)
     if reader.pos != reader.end:
-        raise WireError(f"{reader.end - reader.pos} trailing bytes after the batch map")
+        raise WireError(f"{reader.end - reader.pos} trailing bytes after the top-level map")
     if not isinstance(doc, dict):
         raise WireError(f"top level is {type(doc).__name__}, expected a map")
-    return _batch_from_doc(doc, limits)
+    return doc
+
+
+def array_value(doc: dict, name: str, dtype: str, limits: WireLimits = WireLimits()) -> np.ndarray:
+    """Field ``name`` of a ``decode_map`` result as an array of wire dtype ``dtype`` (a read-only view
+    of the message), else ``WireError`` naming what is wrong with it."""
+    spec = _require(doc, name)
+    # The reader's canonical path already built and size-checked the view; only the dtype is left.
+    if type(spec) is np.ndarray and spec.dtype == DTYPES[dtype]:
+        return spec
+    return _array_from_doc(name, spec, dtype, limits)
 
 
 def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
@@ -203,10 +228,7 @@ def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
             raise WireError(f"field {name!r} must be a list of strings")
         values[name] = value
     for name, dtype in ARRAY_FIELDS.items():
-        spec = _require(doc, name)
-        # The reader's canonical path already built and size-checked the view; only the dtype is left.
-        ok = type(spec) is np.ndarray and spec.dtype == DTYPES[dtype]
-        values[name] = spec if ok else _array_from_doc(name, spec, dtype, limits)
+        values[name] = array_value(doc, name, dtype, limits)
     extra = {key: value for key, value in doc.items() if key not in _KNOWN_KEYS}
     return Batch(**values, extra=extra)
 

@@ -56,7 +56,8 @@ def test_bench_proxy_audit_table_has_before_and_after_per_size():
     for row in rows:
         for when in ("before", "after"):
             assert row[f"{when}_cpu_ms_per_response"] == pytest.approx(
-                row[f"{when}_audit_ms"] + row[f"{when}_worker_ms"], abs=2e-3
+                row[f"{when}_proxy_ms"] + row[f"{when}_worker_ms"], abs=2e-3
             )
             assert row[f"{when}_audit_mb_per_s"] > 0
         assert row["parse_ms"] > 0 and row["cpu_after_to_before"] > 0
+        assert row["before_proxy_ms"] == row["before_audit_ms"] and row["reply_bytes"] > 0  # after: + the encode

@@ -165,3 +165,74 @@ def test_metrics_count_requests_and_verdicts(proxy, double):
     assert 'centerline_proxy_audit_verdicts_total{verdict="ok"} 1.0' in text
     assert 'centerline_proxy_audit_verdicts_total{verdict="malformed_response"} 1.0' in text
     assert "centerline_proxy_added_latency_seconds_count 2.0" in text
+
+
+# ---------------------------------------------------------------------------- the binary answer
+
+ACCEPT_ARRAYS = {"Accept": "application/x-centerline-arrays"}
+
+
+def post_raw(url: str, body: dict, headers: dict | None = None) -> tuple[int, str, bytes, dict]:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read(), dict(exc.headers)
+
+
+def test_a_plain_client_gets_sglangs_bytes_and_an_arrays_client_the_same_response_as_arrays(proxy, double):
+    from router_proxy.bench import native_response
+    from shared import response_arrays
+
+    upstream = native_response(5, 128, 300).decode()
+    request = {"text": "a", "sampling_params": {"max_new_tokens": 5}}
+    double.next(upstream)
+    status, ctype, plain, _ = post_raw(proxy.url + "/generate", request, {"Accept": "application/json, */*"})
+    assert (status, ctype, plain) == (200, "application/json; charset=utf-8", upstream.encode())  # the double's
+    double.next(upstream)
+    status, ctype, binary, headers = post_raw(proxy.url + "/generate", request, ACCEPT_ARRAYS)
+    assert (status, ctype, headers["x-centerline-audit"]) == (200, "application/x-centerline-arrays", "ok")
+    found = response_arrays.decode(binary)
+    expected = response_arrays.from_body(plain, "generate", mode="selected", k=128)
+    assert (found.texts, found.weight_versions, found.finish_reasons) == (["xxxxx"], [0], ["length"])
+    for name in response_arrays.ARRAYS:
+        assert getattr(found, name).tobytes() == getattr(expected, name).tobytes(), name
+
+
+def test_a_failing_audit_is_the_same_json_502_whatever_the_client_accepts(start, kinds):
+    double = start(kinds.Double, "--truncate", "20")
+    proxy = start(kinds.ProxyProcess, double.url, *K)
+    request = {"text": "a", "sampling_params": {"max_new_tokens": 3}}
+    plain = post_raw(proxy.url + "/generate", request)
+    binary = post_raw(proxy.url + "/generate", request, ACCEPT_ARRAYS)
+    assert plain[:3] == binary[:3] and plain[:2] == (502, "application/json")
+    assert json.loads(binary[2])["error"]["rule"] == "short_row"
+
+
+def test_an_eval_request_accepting_arrays_still_passes_untouched_as_json(proxy, double):
+    request = {"text": "a", "top_logprobs_num": 3, "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    status, ctype, body, headers = post_raw(
+        proxy.url + "/generate", request, {"X-Centerline-Eval": "1", **ACCEPT_ARRAYS}
+    )
+    assert (status, ctype, "x-centerline-audit" in headers) == (200, "application/json; charset=utf-8", False)
+    assert double.last() == request and len(json.loads(body)["meta_info"]["output_top_logprobs"]) == 2
+
+
+def test_observe_mode_hands_an_arrays_client_the_defective_arrays_with_the_verdict(start, kinds):
+    from shared import response_arrays
+
+    double = start(kinds.Double, "--truncate", "20")
+    proxy = start(kinds.ProxyProcess, double.url, *K, "--proxy-audit-mode", "observe")
+    status, ctype, body, headers = post_raw(
+        proxy.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}}, ACCEPT_ARRAYS
+    )
+    assert (status, ctype) == (200, "application/x-centerline-arrays")
+    assert headers["x-centerline-audit"].startswith("fail; rule=short_row")
+    found = response_arrays.decode(body)
+    assert found.cand_ids.shape == (2, 128) and (found.cand_ids[:, 20:] == -1).all()

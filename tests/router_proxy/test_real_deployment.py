@@ -251,7 +251,7 @@ def test_chat_training_responses_carry_the_prompt_ids_sglang_rendered(sglang, pr
     """The worker trains on these ids, not on its own rendering of the chat template."""
     from transformers import AutoTokenizer
 
-    from rollout_worker.worker import served_prompt_ids
+    from shared.sglang_response import prompt_token_ids
 
     url = proxy_to(sglang.url)
     messages = [{"role": "user", "content": "hello"}]
@@ -263,7 +263,7 @@ def test_chat_training_responses_carry_the_prompt_ids_sglang_rendered(sglang, pr
         messages, add_generation_prompt=True, tokenize=True
     )
     rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-    assert served_prompt_ids(out) == rendered
+    assert prompt_token_ids(out) == rendered
     assert [c["prompt_token_ids"] for c in out["choices"]] == [rendered, rendered]
     assert out["choices"][0]["meta_info"]["prompt_tokens"] == len(rendered)
 

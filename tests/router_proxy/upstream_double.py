@@ -51,6 +51,7 @@ def meta_info(req: dict, params: dict, k: int, support: bool, args) -> dict:
         "finish_reason": {"type": "length", "length": n},
         "prompt_tokens": 3,
         "completion_tokens": n,
+        "weight_version": "default",  # SGLang 0.5.23 writes it in every meta_info
     }
     if req.get("return_logprob") or req.get("logprobs"):
         meta["output_token_logprobs"] = sampled

@@ -1,0 +1,136 @@
+"""An audited SGLang response as the arrays a rollout worker packs: the proxy's binary answer.
+
+    training request with  Accept: application/x-centerline-arrays
+    -> the proxy parses and audits SGLang's JSON once -> ResponseArrays -> encode (shared/wire.py)
+    -> Content-Type: application/x-centerline-arrays -> the worker decodes: views, no parse
+
+A client that does not name this media type in ``Accept`` gets SGLang's JSON bytes unchanged.
+The message is one msgpack map in the array encoding of the wire format (``wire.encode_map``,
+docs/design.md section 4); it holds what ``rollout_worker/packing.py`` reads and nothing else:
+
+| field | type | meaning |
+|---|---|---|
+| ``v`` | int | 1 |
+| ``texts`` | list[str] | each sample's decoded text ("" where absent), what rewards read |
+| ``finish_reasons`` | list[str or nil] | each sample's ``finish_reason.type`` |
+| ``weight_versions`` | list[int] | each sample's weight version (SGLang's ``"default"`` is 0) |
+| ``prompt_ids`` | int32 [P] or nil | chat: the prompt ids SGLang rendered (``choices[0].prompt_token_ids``) |
+| ``offsets`` | int64 [B+1] | sample ``i`` is ``offsets[i]:offsets[i+1]`` of the per-token arrays |
+| ``response_ids``, ``sampled_logprobs`` | int32 [N], float32 [N] | sampled tokens and their log-probs |
+| ``cand_ids``, ``cand_logprobs`` | int32 [N, K], float32 [N, K] | candidates, ``-1`` / ``-inf`` = empty slot |
+
+The arrays are ``shared/sglang_response.to_arrays``' in the batch's dtypes, so a worker packs
+the same batches from this as from the JSON (``tests/rollout_worker/test_packing.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared import sglang_response, wire
+
+MEDIA_TYPE = "application/x-centerline-arrays"
+VERSION = 1
+ARRAYS = {
+    "offsets": "int64",
+    "response_ids": "int32",
+    "sampled_logprobs": "float32",
+    "cand_ids": "int32",
+    "cand_logprobs": "float32",
+}
+# Texts are as long as the response: no string limit below the message's own size.
+LIMITS = wire.WireLimits(max_str_len=wire.WireLimits().max_message_bytes)
+
+
+@dataclass
+class ResponseArrays:
+    """B samples, N tokens in all, K candidate slots per token."""
+
+    texts: list[str]
+    finish_reasons: list[str | None]  # "stop", "length", "abort"; None while unfinished
+    weight_versions: list[int]
+    prompt_ids: list[int] | None  # chat: what SGLang sampled on; None for native or where absent
+    offsets: np.ndarray  # int64 [B+1]
+    response_ids: np.ndarray  # int32 [N]
+    sampled_logprobs: np.ndarray  # float32 [N]
+    cand_ids: np.ndarray  # int32 [N, K]
+    cand_logprobs: np.ndarray  # float32 [N, K]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.texts)
+
+
+def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arrays=None) -> ResponseArrays:
+    """The arrays of a parsed response (``sglang_response.parse_body``'s doc and metas); ``arrays``:
+    ``to_arrays(metas)`` where already built. Raises ``ContractViolation`` as ``to_arrays`` and
+    ``weight_versions`` do."""
+    ids, logprobs, _, cand_ids, cand_logprobs, offsets = arrays or sglang_response.to_arrays(metas, mode=mode, k=k)
+    return ResponseArrays(
+        texts=sglang_response.response_texts(doc, endpoint),
+        finish_reasons=sglang_response.finish_reasons(metas),
+        weight_versions=sglang_response.weight_versions(metas),
+        prompt_ids=sglang_response.prompt_token_ids(doc) if endpoint == "chat" else None,
+        offsets=offsets,
+        response_ids=ids.astype(np.int32),
+        sampled_logprobs=logprobs.astype(np.float32),
+        cand_ids=cand_ids.astype(np.int32),
+        cand_logprobs=cand_logprobs.astype(np.float32),
+    )
+
+
+def from_body(body: bytes, endpoint: str, *, mode: str, k: int) -> ResponseArrays:
+    """The arrays of a response body, unchecked; raises as ``parse_body`` and ``from_parsed`` do."""
+    doc, metas = sglang_response.parse_body(body, endpoint, mode=mode, k=k)
+    return from_parsed(doc, metas, endpoint, mode=mode, k=k)
+
+
+def encode(r: ResponseArrays) -> bytes:
+    head = {
+        "v": VERSION,
+        "texts": r.texts,
+        "finish_reasons": r.finish_reasons,
+        "weight_versions": r.weight_versions,
+        "prompt_ids": None,
+    }
+    arrays = {name: (getattr(r, name), dtype) for name, dtype in ARRAYS.items()}
+    if r.prompt_ids is not None:
+        del head["prompt_ids"]
+        arrays["prompt_ids"] = (np.asarray(r.prompt_ids, np.int32), "int32")
+    return wire.encode_map(head, arrays)
+
+
+def decode(data: bytes) -> ResponseArrays:
+    """Read an ``encode``d message; ``wire.WireError`` naming the field for anything else, so
+    that a sample can never be read out of step with its arrays."""
+    doc = wire.decode_map(data, limits=LIMITS)
+    version = doc.get("v")
+    if type(version) is not int or version != VERSION:
+        raise wire.WireError(f"arrays message version {version!r} is not supported; this decoder reads {VERSION}")
+    values = {name: wire.array_value(doc, name, dtype, LIMITS) for name, dtype in ARRAYS.items()}
+    texts, reasons, versions = (doc.get(name) for name in ("texts", "finish_reasons", "weight_versions"))
+    if not (type(texts) is list and set(map(type, texts)) <= {str}):
+        raise wire.WireError("arrays message: texts must be a list of strings")
+    if not (type(reasons) is list and set(map(type, reasons)) <= {str, type(None)}):
+        raise wire.WireError("arrays message: finish_reasons must be a list of strings or nil")
+    if not (type(versions) is list and set(map(type, versions)) <= {int}):
+        raise wire.WireError("arrays message: weight_versions must be a list of ints")
+    offsets, ids, cand_ids = values["offsets"], values["response_ids"], values["cand_ids"]
+    if offsets.ndim != 1 or not len(offsets) == len(texts) + 1 == len(reasons) + 1 == len(versions) + 1:
+        raise wire.WireError(f"arrays message: offsets of shape {offsets.shape} for {len(texts)} samples")
+    n = len(ids) if ids.ndim == 1 else -1
+    if n < 0 or offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) < 0).any():
+        raise wire.WireError(f"arrays message: offsets must rise from 0 to N={n}, one-dimensional response_ids")
+    shapes = [values[name].shape for name in ("sampled_logprobs", "cand_ids", "cand_logprobs")]
+    if cand_ids.ndim != 2 or shapes != [(n,), (n, cand_ids.shape[1]), cand_ids.shape]:
+        raise wire.WireError(f"arrays message: per-token arrays of shapes {shapes}, expected [N], [N, K], [N, K]")
+    prompt = doc.get("prompt_ids")
+    return ResponseArrays(
+        texts=texts,
+        finish_reasons=reasons,
+        weight_versions=versions,
+        prompt_ids=None if prompt is None else wire.array_value(doc, "prompt_ids", "int32", LIMITS).tolist(),
+        **values,
+    )
