@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml deploy/sglang-cpu.txt
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# The production topology on one machine, with two SGLang servers behind the router.
 run: $(STAMP)
-	$(BIN)/centerline up
+	$(BIN)/centerline up --engines 2
 
 # pytest exits 5 when it collected no tests; that must fail, never pass silently.
 test: $(STAMP)
