@@ -86,13 +86,17 @@ def TestOneInput(data: bytes) -> None:
     except UpstreamError:
         return
     verdicts = []
-    for threshold in (0, 1 << 62):  # scanned, then parsed whole by orjson
-        sglang_response.SCAN_MIN_BYTES = threshold
-        try:
-            result = audit_body(body, endpoint=endpoint, mode=mode, k=K, vocab_size=VOCAB, content_type=ctype)
-            verdicts.append((result.samples, result.tokens))
-        except ContractViolation as exc:
-            verdicts.append(exc.to_dict())
+    saved = sglang_response.SCAN_MIN_BYTES
+    try:
+        for threshold in (0, 1 << 62):  # scanned, then parsed whole by orjson
+            sglang_response.SCAN_MIN_BYTES = threshold
+            try:
+                result = audit_body(body, endpoint=endpoint, mode=mode, k=K, vocab_size=VOCAB, content_type=ctype)
+                verdicts.append((result.samples, result.tokens))
+            except ContractViolation as exc:
+                verdicts.append(exc.to_dict())
+    finally:
+        sglang_response.SCAN_MIN_BYTES = saved  # the module's own threshold for everyone else
     if verdicts[0] != verdicts[1]:
         raise AssertionError(f"scanned {verdicts[0]} != parsed {verdicts[1]}")
     _check_binary_answer(body, endpoint, mode, ctype, verdicts[1])

@@ -18,7 +18,7 @@ from shared import names
 from tests.processes import metrics_lines, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS = 12, 3
+STEPS, PROMPTS = 30, 3  # long enough that both kills land while the run goes on
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
