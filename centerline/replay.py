@@ -12,7 +12,8 @@ steps offline, or printed for people.
   torchrun as many ranks as the trainer had (rank 0 reads the file and sends each step, as
   in the trainer). Steps are grouped as
   ``--steps-from RUN_DIR/metrics.jsonl`` lists them (``batch_ids`` of each step after the
-  checkpoint's), else every ``--batches-per-step`` accepted batches in recorded order.
+  checkpoint's; by default the ``metrics.jsonl`` of the checkpoint's run directory), else
+  every ``--batches-per-step`` accepted batches in recorded order.
   Writes ``RUN_DIR/metrics.jsonl`` (same fields as the trainer's), weights and checkpoints.
   The configuration defaults to the ``config.toml`` of the checkpoint's run directory, which
   the trainer wrote with every setting: the shared ones and, from its ``[trainer]`` table,
@@ -22,7 +23,7 @@ steps offline, or printed for people.
     centerline replay seg.clrec --to nats://127.0.0.1:4222
     centerline replay seg.clrec --jsonl
     torchrun --standalone --nproc-per-node 2 -m centerline replay seg.clrec --train \\
-        --checkpoint runs/x/checkpoints/step-000002 --steps-from runs/x/metrics.jsonl --run-dir runs/x-replay
+        --checkpoint runs/x/checkpoints/step-000002 --run-dir runs/x-replay
 
 Left out: the gate counts of messages a ``--steps-from`` step does not list (the original
 gather may have rejected or dropped others on the way), and gather/weight-sync timings.
@@ -83,6 +84,11 @@ def parse(argv: list[str]):
         default = settings.checkpoint.resolve().parent.parent / "config.toml"
         if default.is_file():
             args.config = str(default)
+    grouped = settings.steps_from is not None or "batches_per_step" in vars(args) or settings.batches_per_step != 1
+    if args.train and not grouped:  # the steps as the run trained them, from its metrics.jsonl
+        metrics = settings.checkpoint.resolve().parent.parent / "metrics.jsonl"
+        if metrics.is_file():
+            settings = settings.model_copy(update={"steps_from": metrics})
     return args, settings
 
 

@@ -219,7 +219,9 @@ class ReplaySettings(Section):
     checkpoint: Path | None = Field(None, description="--train: checkpoint directory to start from (step-NNNNNN).")
     run_dir: Path | None = Field(None, description="--train: output directory; unset: FILE with suffix .replay.")
     steps_from: Path | None = Field(
-        None, description="--train: the original metrics.jsonl; batches are grouped into steps as it lists them."
+        None,
+        description="--train: the original metrics.jsonl; batches are grouped into steps as it lists them. "
+        "Unset: the one in the checkpoint's run directory, unless --batches-per-step is given.",
     )
     batches_per_step: int = Field(1, ge=1, description="--train without --steps-from: accepted batches per step.")
     steps: int | None = Field(None, ge=0, description="--train: replay at most this many steps; unset: all.")

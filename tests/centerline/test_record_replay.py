@@ -115,10 +115,8 @@ def test_replay_train_reproduces_the_step_bit_for_bit(run):
         "--train",
         "--checkpoint",
         str(run_dir / "checkpoints" / "step-000002"),
-        "--steps-from",
-        str(run_dir / "metrics.jsonl"),
         "--run-dir",
-        str(out),
+        str(out),  # the steps' grouping and settings: the checkpoint's run's metrics.jsonl and config.toml
     ]
     replay = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr[-3000:]
@@ -254,3 +252,17 @@ def test_replay_train_takes_every_setting_from_the_runs_config_toml(tmp_path):
     )
     _, trainer = replay.run_settings(replay.parse([*argv, "--threads", "1"])[0])
     assert trainer.threads == 1  # a flag still wins
+
+
+def test_replay_train_groups_steps_as_the_checkpoints_run_did_unless_told_otherwise(tmp_path):
+    from centerline import replay
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    checkpoint = str(tmp_path / "checkpoints" / "step-000002")
+    assert replay.parse(["seg.clrec", "--train", "--checkpoint", checkpoint])[1].steps_from == (
+        tmp_path / "metrics.jsonl"
+    )
+    given = replay.parse(["seg.clrec", "--train", "--checkpoint", checkpoint, "--batches-per-step", "4"])[1]
+    assert (given.steps_from, given.batches_per_step) == (None, 4)
+    (tmp_path / "metrics.jsonl").unlink()
+    assert replay.parse(["seg.clrec", "--train", "--checkpoint", checkpoint])[1].steps_from is None
