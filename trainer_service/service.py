@@ -87,7 +87,12 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
 
     while state.step < settings.steps and not stopping.is_set():
         t0 = time.perf_counter()
-        await tasks.publish_until(js, state.step, cfg.max_inflight_steps, settings.steps)
+        # A stop while NATS does not answer must not wait out the publish's retries (and its
+        # error): tasks not stored are published again, under the same ids, by the next start.
+        if not await unless_stopped(
+            tasks.publish_until(js, state.step, cfg.max_inflight_steps, settings.steps), stopping
+        ):
+            break
         held = await gate.gather(
             target,
             state.version,
@@ -148,6 +153,19 @@ def candidates_fit(cfg, vocab_size: int) -> bool:
             vocab_size,
         )
         return False
+    return True
+
+
+async def unless_stopped(work, stopping: asyncio.Event) -> bool:
+    """Await ``work``, or cancel it when ``stopping`` is set first; whether it finished."""
+    job, stop = asyncio.ensure_future(work), asyncio.ensure_future(stopping.wait())
+    done, _ = await asyncio.wait({job, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if job not in done:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)  # let it unwind before the stream closes
+        return False
+    job.result()  # its error, if it failed on its own
     return True
 
 
