@@ -14,6 +14,8 @@ from pathlib import Path
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from trainer_service.step import METRICS
+
 log = logging.getLogger("centerline.trainer.metrics")
 
 # Step metrics exported as gauges (names as docs/design.md section 6), prefixed centerline_trainer_.
@@ -27,14 +29,7 @@ GAUGES = (
     "reward_mean",
     "staleness_mean",
     "staleness_max",
-    "sc_correction",
-    "sc_residual_l1",
-    "sc_train_head_mass",
-    "sc_rollout_head_mass",
-    "sc_tail_ratio",
-    "sc_importance_weight",
-    "train_rollout_kl",
-    "train_rollout_logprob_abs_diff",
+    *METRICS,  # the loss's, named once in step.py
     "step_s",
 )
 
