@@ -5,11 +5,11 @@ The first input byte picks the case: bit 0 the endpoint (generate, chat), bit 1 
 (selected, support), bit 2 whether the rest is a whole HTTP response (parsed by the proxy's
 upstream connection, split in two reads at the second byte, under a 64 KiB answer limit,
 then audited with its content type) or just a body for ``audit_body``. The only acceptable
-failures are ``UpstreamError`` and ``ContractViolation``. Every body is audited twice, with
-the candidate-row scanner (``shared/candidate_scan.py``) forced on and off: the verdicts must
-be the same, and the binary answer a worker asks for (``shared/response_arrays.py``) must have
-the same verdict and decode to what was audited. Seeds are valid SGLang answers
-(``router_proxy/bench.py``), written to ``fuzz/corpus/proxy_audit/`` when it is empty.
+failures are ``UpstreamError`` and ``ContractViolation``. Every body is audited with each
+candidate-row scanner (``shared/candidate_scan.py``: C where built, numpy) and once parsed
+whole by orjson: the verdicts must be the same, and the binary answer a worker asks for
+(``shared/response_arrays.py``) must have the same verdict and decode to what was audited.
+Seeds are valid SGLang answers (``router_proxy/bench.py``), written to ``fuzz/corpus/proxy_audit/`` when it is empty.
 
     .venv/bin/python -m fuzz.fuzz_proxy_audit -max_total_time=600 -rss_limit_mb=1024 -timeout=5
 
@@ -30,11 +30,13 @@ from fuzz.fuzz_wire import fuzz
 from router_proxy.audit import audit_body
 from router_proxy.bench import native_response
 from router_proxy.upstream import UpstreamError, UpstreamPool, _Connection
-from shared import response_arrays, sglang_response
+from shared import candidate_scan, response_arrays, sglang_response
 from shared.contract import ContractViolation
 
 VOCAB = 300
 K = 8  # support rows hold up to K ids, selected rows exactly K
+# (SCAN_MIN_BYTES, SCANNER) of each audit: every scanner built here, then the whole-body parse last
+WAYS = [(0, "c")] * (candidate_scan._rowscan is not None) + [(0, "numpy"), (1 << 62, candidate_scan.SCANNER)]
 LIMIT = 64 << 10
 CORPUS = Path(__file__).resolve().parent / "corpus" / "proxy_audit"
 ENDPOINTS, MODES = ("generate", "chat"), ("selected", "support")
@@ -86,19 +88,20 @@ def TestOneInput(data: bytes) -> None:
     except UpstreamError:
         return
     verdicts = []
-    saved = sglang_response.SCAN_MIN_BYTES
+    saved = sglang_response.SCAN_MIN_BYTES, candidate_scan.SCANNER
     try:
-        for threshold in (0, 1 << 62):  # scanned, then parsed whole by orjson
-            sglang_response.SCAN_MIN_BYTES = threshold
+        for threshold, scanner in WAYS:
+            sglang_response.SCAN_MIN_BYTES, candidate_scan.SCANNER = threshold, scanner
             try:
                 result = audit_body(body, endpoint=endpoint, mode=mode, k=K, vocab_size=VOCAB, content_type=ctype)
                 verdicts.append((result.samples, result.tokens))
             except ContractViolation as exc:
                 verdicts.append(exc.to_dict())
     finally:
-        sglang_response.SCAN_MIN_BYTES = saved  # the module's own threshold for everyone else
-    if verdicts[0] != verdicts[1]:
-        raise AssertionError(f"scanned {verdicts[0]} != parsed {verdicts[1]}")
+        sglang_response.SCAN_MIN_BYTES, candidate_scan.SCANNER = saved  # the module's own for everyone else
+    for (_, scanner), verdict in zip(WAYS, verdicts[:-1]):
+        if verdict != verdicts[-1]:
+            raise AssertionError(f"scanned ({scanner}) {verdict} != parsed {verdicts[-1]}")
     _check_binary_answer(body, endpoint, mode, ctype, verdicts[1])
 
 

@@ -13,7 +13,8 @@ Audit cost (``"audit"``, one entry per ``--audit-tokens``, K=128): ``orjson.load
 response (``parse_ms``), and the CPU per response across proxy and worker, before and after.
 Before: the proxy's audit (``audit_body``) parses the whole body with orjson and forwards the
 JSON, which the worker parses again. After: the audit scans the candidate rows
-(``shared/candidate_scan.py``), and the proxy encodes the arrays it checked as its binary
+(``shared/candidate_scan.py``, its C scanner where built: ``"scanner"``; the numpy one's audit
+alone is ``numpy_scanner_audit_ms``), and the proxy encodes the arrays it checked as its binary
 answer (``shared/response_arrays.py``), which the worker decodes instead of parsing JSON.
 Each figure is the median CPU time of ``--repeats``. ``--audit-only`` prints just this table:
 
@@ -257,7 +258,7 @@ def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int =
     ``*_audit_ms`` is the audit alone (what the audit-to-parse ratio compares), ``*_proxy_ms`` the
     proxy's whole share."""
     from rollout_worker.packing import samples_from_arrays, samples_from_response
-    from shared import response_arrays, sglang_response
+    from shared import candidate_scan, response_arrays, sglang_response
 
     body = native_response(tokens, k, vocab_size)
     reply = audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size, arrays=True).reply
@@ -283,8 +284,21 @@ def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int =
         "worker": _cpu_ms(binary_worker, repeats),
     }
     before["proxy"] = before["audit"]
+    saved, candidate_scan.SCANNER = candidate_scan.SCANNER, "numpy"  # the fallback without a C compiler
+    try:
+        numpy_audit_ms = _cpu_ms(audit(False), repeats)
+    finally:
+        candidate_scan.SCANNER = saved
     parse_ms = _cpu_ms(lambda: orjson.loads(body), repeats)
-    out = {"tokens": tokens, "k": k, "body_bytes": len(body), "reply_bytes": len(reply), "parse_ms": round(parse_ms, 3)}
+    out = {
+        "tokens": tokens,
+        "k": k,
+        "scanner": candidate_scan.SCANNER,
+        "body_bytes": len(body),
+        "reply_bytes": len(reply),
+        "parse_ms": round(parse_ms, 3),
+        "parse_mb_per_s": round(len(body) / parse_ms / 1e3, 1),
+    }
     for name, ms in (("before", before), ("after", after)):
         out[f"{name}_audit_ms"] = round(ms["audit"], 3)
         out[f"{name}_proxy_ms"] = round(ms["proxy"], 3)
@@ -293,6 +307,8 @@ def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int =
         out[f"{name}_audit_to_parse_ratio"] = round(ms["audit"] / parse_ms, 3)
         out[f"{name}_audit_mb_per_s"] = round(len(body) / ms["audit"] / 1e3, 1)
     out["after_encode_ms"] = round(after["proxy"] - after["audit"], 3)
+    out["numpy_scanner_audit_ms"] = round(numpy_audit_ms, 3)
+    out["numpy_scanner_audit_to_parse_ratio"] = round(numpy_audit_ms / parse_ms, 3)
     out["cpu_after_to_before"] = round(out["after_cpu_ms_per_response"] / out["before_cpu_ms_per_response"], 3)
     return out
 

@@ -45,7 +45,7 @@ from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
 from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
-from shared import admin_key, logs, response_arrays
+from shared import admin_key, candidate_scan, logs, response_arrays
 from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
 from shared.settings import MAX_REQUEST_BODY_BYTES, MAX_TOP_LOGPROBS_NUM, MAX_UPSTREAM_RESPONSE_BYTES, ProxySettings
@@ -418,7 +418,15 @@ async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_REQU
     await front.start(host, port)
     # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
     gc.freeze()
-    log.warning("proxy on http://%s:%d -> %s (%s)", host, port, proxy.upstream, proxy.contract)
+    log.warning(
+        "proxy on http://%s:%d -> %s (%s; candidate rows scanned by the %s scanner%s)",
+        host,
+        port,
+        proxy.upstream,
+        proxy.contract,
+        candidate_scan.SCANNER or "no",
+        "" if candidate_scan.SCANNER == "c" else ": shared/_rowscan.c is not built, pip install it with a C compiler",
+    )
     await stopping.wait()
     await front.shutdown(SHUTDOWN_GRACE_S)
     await proxy.stop()

@@ -60,4 +60,5 @@ def test_bench_proxy_audit_table_has_before_and_after_per_size():
             )
             assert row[f"{when}_audit_mb_per_s"] > 0
         assert row["parse_ms"] > 0 and row["cpu_after_to_before"] > 0
+        assert row["scanner"] == "c" and row["numpy_scanner_audit_ms"] > 0
         assert row["before_proxy_ms"] == row["before_audit_ms"] and row["reply_bytes"] > 0  # after: + the encode

@@ -1073,12 +1073,13 @@ def test_build_context_holds_the_packages_and_their_build_inputs_only():
     text = (DEPLOY / "Dockerfile").read_text()
     sources = re.findall(r"^COPY (\S+) \S+$", text, re.M)
     packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert set(sources) == {"pyproject.toml", "deploy/sglang-cpu.txt", *(f"{p}/" for p in packages)}
+    assert set(sources) == {"pyproject.toml", "setup.py", "deploy/sglang-cpu.txt", *(f"{p}/" for p in packages)}
     assert "\n!deploy/sglang-cpu.txt\n" in dockerignore
     for package in packages:
         assert f"\n!{package}/\n" in dockerignore, package
     context = DockerIgnore(dockerignore, "deploy/Dockerfile").context(ROOT)
     assert {"deploy/Dockerfile", ".dockerignore"} <= context
+    assert not [f for f in context if f.endswith(".so")]  # the C scanner is built in the image, or not at all
     # Every COPY finds its files, the tracked ones of each package all of them.
     tracked = git_files()
     for source in sources:

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from router_proxy.audit import audit_body, full_audit, quick_accept
 from router_proxy.bench import native_response
-from shared import sglang_response
+from shared import candidate_scan, sglang_response
 from shared.candidate_scan import Scanned
 from shared.contract import ContractViolation
 from shared.sglang_response import native_metas
@@ -344,14 +345,30 @@ def test_another_content_type_is_malformed_even_with_a_valid_body(ctype, shown):
 # The scanned path (shared/candidate_scan.py, for large bodies) against the full orjson parse.
 
 
-def two_ways(body: bytes, *, mode: str, k: int):
-    """``audit_body`` of ``body`` with every body scanned, then with none: (verdict, arrays) each."""
+# Each scanner built here: the C one must be (make setup compiles it), the numpy one always is.
+SCANNERS = ("c", "numpy")
+
+
+def test_the_c_scanner_is_built_and_used():
+    assert candidate_scan._rowscan is not None, "shared/_rowscan.c is not built: pip install -e . with a C compiler"
+    assert candidate_scan.SCANNER == "c"
+
+
+def all_ways(body: bytes, *, mode: str, k: int) -> list:
+    """``audit_body`` of ``body`` scanned by each scanner, then parsed whole: (verdict, arrays) each."""
     results = []
-    for threshold in (0, 1 << 62):
+    for scanner, threshold in [(name, 0) for name in SCANNERS] + [(candidate_scan.SCANNER, 1 << 62)]:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(sglang_response, "SCAN_MIN_BYTES", threshold)
+            patch.setattr(candidate_scan, "SCANNER", scanner)
             results.append(_audited(body, mode=mode, k=k))
     return results
+
+
+def agree(results: list) -> None:
+    *scanned, full = results
+    for name, result in zip(SCANNERS, scanned):
+        assert result == full, name
 
 
 def _audited(body: bytes, *, mode: str, k: int):
@@ -386,8 +403,7 @@ def test_scanned_path_gives_the_full_parse_verdict_and_arrays(case, edit, edited
         start = max(body.find(b'"output_top_logprobs"'), 0)
         at = start + at % max(len(body) - start, 1)
         body = body[:at] + text + body[at + drop :]
-    fast, full = two_ways(body, mode=mode, k=k)
-    assert fast == full
+    agree(all_ways(body, mode=mode, k=k))
 
 
 NUMBERS = st.one_of(
@@ -413,8 +429,7 @@ def test_scanned_log_probs_are_the_full_parse_floats_bit_for_bit(values, spaced,
         body = compact(doc)
     else:
         body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":")).encode()
-    fast, full = two_ways(body, mode="selected", k=8)
-    assert fast == full
+    agree(all_ways(body, mode="selected", k=8))
 
 
 def test_large_valid_response_takes_the_scanned_path():
@@ -437,5 +452,32 @@ def test_large_valid_response_takes_the_scanned_path():
 def test_scan_never_vouches_for_rows_it_cannot_place(text):
     meta = orjson.dumps(valid(tokens=3, k=8)["meta_info"])
     body = text.replace(b"MI", meta)
-    fast, full = two_ways(body, mode="selected", k=8)
-    assert fast == full
+    agree(all_ways(body, mode="selected", k=8))
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(
+            st.tuples(NUMBERS.filter(lambda v: abs(v) < 2**53), st.integers(-(2**40), 2**40)), min_size=3, max_size=3
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_each_scanner_reads_every_compact_row_orjson_writes_bit_for_bit(rows):
+    body = b'{"output_top_logprobs":' + orjson.dumps([[[lp, i, None] for lp, i in row] for row in rows]) + b"}"
+    expect_ids = np.array([[i for _, i in row] for row in rows], np.int64)
+    expect_logprobs = np.array([[float(lp) for lp, _ in row] for row in rows])  # an int log-prob reads as float(int)
+    for scanner in SCANNERS:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(candidate_scan, "SCANNER", scanner)
+            found = candidate_scan.cut(body, 3)
+        if scanner == "numpy" and any(len(str(i)) > 7 for row in rows for _, i in row):
+            assert found is None  # it reads ids of up to 7 characters; the general parse reads the rest
+            continue
+        assert found is not None, scanner
+        rest, (scanned,) = found
+        assert candidate_scan.marker_index(orjson.loads(rest)["output_top_logprobs"]) == 0
+        assert scanned.ids.tolist() == expect_ids.tolist(), scanner
+        assert scanned.logprobs.view(np.int64).tolist() == expect_logprobs.view(np.int64).tolist(), scanner
