@@ -1,18 +1,25 @@
-"""`centerline bench pipeline [--json]`: samples/s and tokens/s of a short `centerline up` run,
-beside SGLang alone at the same concurrency, and the share of wall time SGLang had work.
+"""`centerline bench pipeline [--json]`: on-policy and asynchronous runs side by side, each with
+its samples/s and tokens/s, the share of wall time SGLang had work, and the held-out accuracy it
+reached in the same training time; beside SGLang alone at the same concurrency.
 
-Phase 1, the pipeline: ``centerline up`` (its own process, every service real, SGLang started
-with ``--enable-metrics``) for ``--steps`` steps. The measured window runs from the end of step
-``--warmup-steps`` to the end of the last step, as this process sees lines appear in
-``metrics.jsonl`` (polled every ``--poll`` s), so start-up, the first batches and the final
-evaluation are outside it. Samples and tokens are the trainer's own counts for the steps in the
-window (``samples``, ``trained_tokens``; every generated token is trained).
+Phase 1, the pipeline, once per ``--modes`` entry: ``on-policy`` is ``centerline up
+--max-inflight-steps 1`` (the engine samples a step's batches, then waits while the trainer
+trains on them), ``async`` is ``--max-inflight-steps 2``, the default (the engine samples the
+next step while the trainer trains, so a batch is at most one weight version stale and score
+centering corrects for it). Each run is its own process, every service real, SGLang started
+with ``--enable-metrics``, and trains for ``--train-seconds`` (``up --train-seconds``: the
+trainer starts no step after that), then ``up`` evaluates ``--eval-prompts`` held-out prompts,
+as it did before training. The measured window runs from the end of step ``--warmup-steps`` to
+the end of the last step, as this process sees lines appear in ``metrics.jsonl`` (polled every
+``--poll`` s), so start-up, the first batches and the evaluations are outside it. Samples and
+tokens are the trainer's own counts for the steps in the window (``samples``,
+``trained_tokens``; every generated token is trained).
 
 Phase 2, SGLang alone: after ``up`` has stopped, a fresh ``centerline sglang`` of the same model
 (weights of step 0, the same recipe and flags) gets the requests the workers send, as the proxy
 rewrites them (``router_proxy.rewrite``: the run's ``rollout_n``, ``max_new_tokens``,
 temperature, ``top_logprobs_num = K``; prompts of the run's dataset, tokenized as the worker
-does), straight to the server, from ``workers x WorkerOptions.concurrency`` closed-loop clients:
+does), straight to the server, from ``workers x`` the worker's ``concurrency`` closed-loop clients:
 the most requests the pipeline can have in flight. Completions in ``--alone-seconds`` (default:
 as long as the pipeline's window) after ``--alone-warmup`` s count. The ratios are pipeline over
 SGLang alone; the rest of the machine is idle in phase 2, so SGLang alone is the ceiling.
@@ -73,6 +80,8 @@ import orjson
 from centerline.launcher import PYTHON, Stack, wait_http
 from shared.ports import free_port
 
+# --modes: each a `centerline up` run with this --max-inflight-steps
+MODES = {"on-policy": 1, "async": 2}
 IDLE = "sglang:scheduler_idle_seconds_total"
 CPU = "sglang:scheduler_process_cpu_seconds_total"  # grows at every flush of IDLE
 
@@ -149,10 +158,12 @@ def duty_cycle(samples: list[tuple[float, float, float]], start: float, end: flo
 # ---------------------------------------------------------------------------- phase 1: the pipeline
 
 
-def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, str]:
-    """``centerline up`` to its end; returns its figures, its resolved configuration and its model."""
+def run_pipeline(args, mode: str, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, str]:
+    """``centerline up`` in ``mode`` (``MODES``) to its end; returns its figures, its resolved configuration and
+    its model."""
     from shared.config import load_toml
 
+    run_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         PYTHON,
         "-m",
@@ -177,13 +188,16 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
         "--run-dir",
         str(run_dir),
         "--sglang-args=--enable-metrics",
+        "--max-inflight-steps",
+        str(MODES[mode]),
+        *(["--train-seconds", str(args.train_seconds)] if args.train_seconds else []),
         *up_extra,
     ]
     log = run_dir / "up.log"
     started = time.monotonic()
     with open(log, "wb") as out:
         up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    progress("up", run_dir=str(run_dir), log=str(log))
+    progress("up", mode=mode, run_dir=str(run_dir), log=str(log))
     try:
         config, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
         while not config.exists():
@@ -201,11 +215,13 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
         while 1 not in seen:
             seen |= _new_steps(metrics, seen)
             _poll(up, log, args.poll)
-        progress("startup", engine=engine, model=model, first_step_s=round(seen[1] - started, 1))
+        progress("startup", mode=mode, engine=engine, model=model, first_step_s=round(seen[1] - started, 1))
         with Scraper(engine, args.poll) as scraper:
-            while args.steps not in seen:
+            # to the last step: --steps, or the one --train-seconds ended on (then up evaluates)
+            while up.poll() is None and args.steps not in seen:
                 seen |= _new_steps(metrics, seen)
-                _poll(up, log, args.poll)
+                time.sleep(args.poll)
+            seen |= _new_steps(metrics, seen)
         while up.poll() is None:  # the final evaluation and the report
             time.sleep(args.poll)
         if up.returncode != 0:
@@ -219,10 +235,20 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
                 os.killpg(up.pid, signal.SIGKILL)
                 up.wait()
     steps = [orjson.loads(line) for line in metrics.read_bytes().splitlines()]
+    last = steps[-1]["step"]
+    if last <= args.warmup_steps:
+        raise RuntimeError(f"the run ended at step {last}, within --warmup-steps {args.warmup_steps}; see {log}")
     window = [s for s in steps if s["step"] > args.warmup_steps]
-    start, end = seen[args.warmup_steps], seen[args.steps]
+    start, end = seen[args.warmup_steps], seen[last]
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
+    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
     figures = {
+        "max_inflight_steps": MODES[mode],
+        "steps_done": last,
+        "steps_wall_s": round(sum(s["step_s"] for s in steps), 3),  # the trainer's own clock, all steps
+        "staleness_max": max(s["staleness_max"] for s in steps),
+        "accuracy_before": evals[0]["eval_accuracy"],
+        "accuracy_after": evals[-1]["eval_accuracy"] if evals[-1]["step"] == last else None,
         "pipeline_window_s": round(end - start, 3),
         "pipeline_steps": len(window),
         "samples_total": sum(s["samples"] for s in steps),
@@ -236,7 +262,7 @@ def run_pipeline(args, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, 
         },
         **duty_cycle(scraper.samples, start, end),
     }
-    progress("pipeline", **figures)
+    progress("pipeline", mode=mode, **figures)
     return figures, cfg, model
 
 
@@ -317,11 +343,12 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, warmup: f
 
 def run_alone(args, cfg: dict, model: str, dataset: Path, run_dir: Path, seconds: float) -> dict:
     """A fresh SGLang server of ``model``, the pipeline's requests at its most concurrency, then stopped."""
-    from rollout_worker.worker import WorkerOptions
+    from shared.settings import WorkerSettings
 
-    concurrency = args.workers * WorkerOptions.concurrency
+    concurrency = args.workers * WorkerSettings.model_fields["concurrency"].default
     bodies = request_bodies(cfg, model, dataset)
     url = f"http://127.0.0.1:{free_port()}"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = Stack(run_dir / "logs", {})
     try:
         started = time.monotonic()
@@ -373,7 +400,19 @@ def bench_pipeline(argv: list[str]) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
     parser.add_argument("--task", default="upper", help="toy task (centerline up's default)")
-    parser.add_argument("--steps", type=int, default=20, help="trainer steps")
+    parser.add_argument(
+        "--modes",
+        default="on-policy,async",
+        help="runs, in this order, comma-separated: on-policy (--max-inflight-steps 1), async (2, the default)",
+    )
+    parser.add_argument("--steps", type=int, default=1000, help="trainer steps, at most (--train-seconds ends runs)")
+    parser.add_argument(
+        "--train-seconds",
+        type=float,
+        default=60.0,
+        help="each run's training time limit (centerline up --train-seconds): the modes train for the same wall "
+        "time; 0: none, each runs --steps",
+    )
     parser.add_argument(
         "--warmup-steps", type=int, default=2, help="first steps left out of the window (start-up, first batches)"
     )
@@ -385,7 +424,7 @@ def bench_pipeline(argv: list[str]) -> int:
     parser.add_argument(
         "--eval-prompts",
         type=int,
-        default=8,
+        default=50,
         help="held-out prompts of the evaluations before and after, outside the window",
     )
     parser.add_argument(
@@ -396,7 +435,7 @@ def bench_pipeline(argv: list[str]) -> int:
         "--alone-seconds",
         type=float,
         default=None,
-        help="measured seconds of SGLang alone (default: the pipeline's window)",
+        help="measured seconds of SGLang alone (default: the last mode's window)",
     )
     parser.add_argument(
         "--alone-warmup", type=float, default=3.0, help="seconds of SGLang alone before the measured ones"
@@ -408,39 +447,50 @@ def bench_pipeline(argv: list[str]) -> int:
         help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics",
     )
     args = parser.parse_args(ours)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
+        parser.error(f"--modes {args.modes}: distinct names from {', '.join(MODES)}")
+    if any(flag.startswith("--max-inflight-steps") for flag in up_extra):
+        parser.error("--max-inflight-steps after --: --modes sets it for each run")
     if not 1 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {args.steps}")
     run_dir = args.run_dir or Path("runs") / datetime.now().strftime("bench-pipeline-%Y-%m-%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
     try:
-        pipeline, cfg, model = run_pipeline(args, up_extra, run_dir)
-        alone = run_alone(
-            args, cfg, model, run_dir / "train.jsonl", run_dir, args.alone_seconds or pipeline["pipeline_window_s"]
-        )
+        for mode in modes:
+            results[mode], cfg, model = run_pipeline(args, mode, up_extra, run_dir / mode)
+        seconds = args.alone_seconds or results[modes[-1]]["pipeline_window_s"]
+        alone = run_alone(args, cfg, model, run_dir / modes[-1] / "train.jsonl", run_dir, seconds)
     except RuntimeError as exc:
         print(f"centerline bench pipeline: {exc}", file=sys.stderr)
         return 1
-    from rollout_worker.worker import WorkerOptions
+    from shared.settings import WorkerSettings
 
+    for figures in results.values():
+        figures["samples_per_s_ratio"] = round(
+            figures["pipeline_samples_per_s"] / alone["sglang_alone_samples_per_s"], 4
+        )
+        figures["tokens_per_s_ratio"] = round(figures["pipeline_tokens_per_s"] / alone["sglang_alone_tokens_per_s"], 4)
     result = {
         "task": args.task,
         "model": model,
         "steps": args.steps,
+        "train_seconds": args.train_seconds or None,
         "warmup_steps": args.warmup_steps,
         "workers": args.workers,
         "trainer_ranks": args.trainer_ranks,
         "prompts_per_step": args.prompts_per_step,
+        "eval_prompts": args.eval_prompts,
         "rollout_n": cfg["rollout_n"],
         "rollout_max_new_tokens": cfg["rollout_max_new_tokens"],
         "rollout_top_logprobs_num": cfg["rollout_top_logprobs_num"],
         "rollout_temperature": cfg["rollout_temperature"],
-        "concurrent_requests": args.workers * WorkerOptions.concurrency,
+        "concurrent_requests": args.workers * WorkerSettings.model_fields["concurrency"].default,
         "cpus": os.cpu_count(),
         "run_dir": str(run_dir),
-        **pipeline,
+        "modes": results,
         **alone,
-        "samples_per_s_ratio": round(pipeline["pipeline_samples_per_s"] / alone["sglang_alone_samples_per_s"], 4),
-        "tokens_per_s_ratio": round(pipeline["pipeline_tokens_per_s"] / alone["sglang_alone_tokens_per_s"], 4),
     }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -15,7 +15,14 @@ the held-out greedy accuracy after training and the ``train_rollout_kl`` maximum
 the mean over seeds and its 95% Student-t interval, mean +- t(0.975, n-1) * sd / sqrt(n)
 (``centerline/interval.py``): in ``OUT/summary.json``, a Markdown table on stdout, and
 ``OUT/report.html`` (self-contained) with ``OUT/plots/*.png`` (curves averaged over seeds, the
-final numbers with error bars). ``OUT/results.json`` has each run's own numbers.
+final numbers with error bars). ``OUT/results.json`` has each run's own numbers. Seeds differ
+most in where they start (each its own SFT model), so the final reward and held-out accuracy
+are also given as differences to REINFORCE's run of the same seed and staleness, with the same
+interval over those paired differences: what the method adds, without the seed's luck.
+
+A run whose directory already holds a finished run of the same settings (its report written,
+its ``config.toml`` equal but for ports) is kept, not run again: an interrupted grid goes on
+where it stopped, and a wider grid into the same ``--out`` runs only what is new.
 
     centerline experiment staleness --steps 40 --staleness 1,4,8 --seeds 3 --out runs/staleness
 
@@ -48,6 +55,10 @@ INTERVAL = "mean over seeds and its 95% Student-t interval, mean +- t(0.975, n-1
 # the per-run numbers summarised across seeds, with the header each table gives them
 FINAL = (("reward_last", "reward last ¼"), ("accuracy_after", "held-out after"), ("kl_max", "|kl| max"))
 SMOOTH = 5  # steps in the moving average drawn over the raw reward
+BASELINE = "reinforce"  # the paired differences' reference method
+PAIRED = ("reward_last", "accuracy_after")  # numbers also reported as differences to BASELINE, seed by seed
+# settings `centerline up` chooses as it starts (ports, replicas): not part of what a run is
+RUN_TIME = ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls")
 
 
 def _int_list(text: str, minimum: int = 1) -> list[int]:
@@ -157,6 +168,16 @@ def run_all(args, up_flags: list[str], stopping: list[str]) -> list[dict]:
     results = []
     for i, run in enumerate(runs):
         up_args, cfg = launcher.parse(up_argv(run, args.steps, args.out, up_flags))
+        run_dir = args.out / "runs" / run["name"]
+        if finished(run_dir, up_args, cfg):
+            print(
+                f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}: finished before with these "
+                "settings, kept",
+                file=sys.stderr,
+                flush=True,
+            )
+            results.append(summarise(run, run_dir, None))
+            continue
         print(f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         (args.out / "runs" / run["name"]).mkdir(parents=True, exist_ok=True)
@@ -170,7 +191,25 @@ def run_all(args, up_flags: list[str], stopping: list[str]) -> list[dict]:
     return results
 
 
-def summarise(run: dict, run_dir: Path, wall_s: float) -> dict:
+def finished(run_dir: Path, up_args, cfg) -> bool:
+    """Whether ``run_dir`` holds a finished `centerline up` run (its report written) of exactly these
+    settings: a grid run again into the same ``--out`` keeps it instead of running it again."""
+    from shared.config import load_toml
+    from shared.settings import UpSettings
+
+    if not (run_dir / "report.html").exists() or not (run_dir / "config.toml").exists():
+        return False
+    saved = load_toml(str(run_dir / "config.toml"))
+    wanted = cfg.model_dump(mode="json", exclude=set(RUN_TIME))
+    if any(saved.get(key) != value for key, value in wanted.items()):
+        return False
+    saved_up = saved.get(UpSettings.name, {})
+    return all(
+        saved_up.get(key) == value for key, value in up_args.model_dump(mode="json").items() if value is not None
+    )
+
+
+def summarise(run: dict, run_dir: Path, wall_s: float | None) -> dict:
     """``run`` (a ``grid`` entry) with what its ``metrics.jsonl`` and ``eval.jsonl`` say."""
     steps = load_steps(run_dir)
     trained = [s for s in steps if "loss" in s]
@@ -180,7 +219,7 @@ def summarise(run: dict, run_dir: Path, wall_s: float) -> dict:
     return {
         **run,
         "run_dir": str(run_dir),
-        "wall_s": round(wall_s, 1),
+        "wall_s": None if wall_s is None else round(wall_s, 1),
         "steps": trained,
         "staleness_mean": sum(s["staleness_mean"] for s in trained) / len(trained),
         "staleness_max": max(s["staleness_max"] for s in trained),
@@ -211,11 +250,28 @@ def aggregate(results: list[dict]) -> list[dict]:
             "staleness_mean": sum(r["staleness_mean"] for r in runs) / len(runs),
         }
         for key in ("reward_first", "accuracy_before", *(key for key, _ in FINAL)):
-            values = [r[key] for r in runs if r[key] is not None]
-            mean, low, high = mean_interval(values, CONFIDENCE) if values else (None, None, None)
-            entry[key] = None if mean is None else {"mean": mean, "low": low, "high": high}
+            entry[key] = _interval([r[key] for r in runs])
+        # Paired by seed: a seed's runs share their SFT start and data order, so the difference to
+        # REINFORCE's run of the same seed and staleness leaves out how good that start was.
+        baseline = {r["seed"]: r for r in settings.get((BASELINE, staleness), [])}
+        for key in PAIRED:
+            pairs = [
+                r[key] - baseline[r["seed"]][key]
+                for r in runs
+                if r["seed"] in baseline and r[key] is not None and baseline[r["seed"]][key] is not None
+            ]
+            entry[f"{key}_vs_{BASELINE}"] = None if method == BASELINE else _interval(pairs)
         summary.append(entry)
     return summary
+
+
+def _interval(values: list) -> dict | None:
+    """``{"mean", "low", "high"}`` of the values that are not None; None if there are none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    mean, low, high = mean_interval(values, CONFIDENCE)
+    return {"mean": mean, "low": low, "high": high}
 
 
 def _smooth(values: list[float]) -> list[float]:
@@ -314,6 +370,7 @@ SUMMARY_COLUMNS = [
     ("reward first ¼", "reward_first"),
     *((title, key) for key, title in FINAL),
     ("held-out before", "accuracy_before"),
+    *((f"{title} − {BASELINE}, same seed", f"{key}_vs_{BASELINE}") for key, title in FINAL if key in PAIRED),
 ]
 
 

@@ -449,6 +449,7 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
         str(up.steps),
         "--prompts-per-step",
         str(up.prompts_per_step),
+        *(["--train-seconds", str(up.train_seconds)] if up.train_seconds else []),
         *common,
     ]
     if up.trainer_ranks > 1:
@@ -468,7 +469,7 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
     trainer = stack.start("trainer", launcher + trainer_argv, nats_user="trainer", engine_key=engine_key)
 
     metrics = run_dir / "metrics.jsonl"
-    seen = 0
+    seen, last_step, evaluated = 0, 0, 0
     while True:
         if stopping:
             log(f"{stopping[0]}: stopping every service")
@@ -477,14 +478,20 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
             log(f"{restarted} died: started again; the trainer sends it the latest weights")
         for name in restart_dead_nats_nodes(nats):
             log(f"NATS node {name} died: started again on its store; clients reconnect")
-        lines = metrics.read_bytes().splitlines() if metrics.exists() else []
+        finished = trainer.poll() is not None  # before the read: its last line is in the file then
+        data = metrics.read_bytes() if metrics.exists() else b""
+        lines = data[: data.rfind(b"\n") + 1].splitlines()  # complete lines only
         for line in lines[seen:]:
             record = orjson.loads(line)
             progress.show(record, up.steps)
-            if record["step"] % up.eval_every == 0 or record["step"] == up.steps:
-                record_eval(record["step"])
+            last_step = record["step"]
+            if last_step % up.eval_every == 0 or last_step == up.steps:
+                record_eval(last_step)
+                evaluated = last_step
         seen = len(lines)
-        if trainer.poll() is not None:
+        if finished:
+            if trainer.returncode == 0 and evaluated < last_step:  # stopped early by --train-seconds
+                record_eval(last_step)
             break
         time.sleep(0.5)  # polling interval of the progress display
     if progress.tty:

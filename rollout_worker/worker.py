@@ -41,6 +41,7 @@ from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
 from shared.nats_client import PublishError, PullConsumer, connect, publish_batch, pull_consumer
 from shared.response_arrays import ResponseArrays
+from shared.settings import WorkerSettings
 from shared.split import PayloadTooLargeError
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
@@ -66,7 +67,7 @@ class WorkerOptions:
     producer: str  # worker id, written into every batch
     vocab_size: int
     ack_wait: float = 30.0  # seconds before an unacked task is redelivered
-    concurrency: int = 2  # tasks in flight (the engine batches their requests)
+    concurrency: int = WorkerSettings.model_fields["concurrency"].default  # tasks in flight (the engine batches them)
     request_timeout: float = 600.0
     nak_delay: float = 2.0  # seconds before a NAKed task is redelivered the first time, doubling up to 60
     max_deliver: int = 10  # deliveries of a task before JetStream gives up on it (advisory in ADVISORIES)

@@ -93,7 +93,9 @@ class Config(BaseModel):
     # Trainer.
     max_staleness: int = Field(2, description="Oldest accepted batch, in weight versions behind the trainer.")
     max_inflight_steps: int = Field(
-        1, description="Steps of prompt tasks published ahead of training; bounds staleness."
+        2,
+        description="Steps of prompt tasks published ahead of training; bounds staleness. 2: the engines sample "
+        "the next step while the trainer trains (batches at most one version stale); 1: on-policy, one at a time.",
     )
     learning_rate: float = Field(1e-4, description="Optimizer learning rate (AdamW).")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")

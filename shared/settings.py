@@ -60,6 +60,12 @@ class TrainerSettings(Section):
         None, description="Checkpoints, weight versions, metrics.jsonl and the run's config.toml. Required."
     )
     steps: int = Field(100, ge=0, description="Train until this many steps are done.")
+    train_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="Also stop, after the step in progress, once this many seconds have passed since training "
+        "began; unset: no time limit.",
+    )
     prompts_per_step: int = Field(8, ge=1, description="Prompt groups per step.")
     weight_sync_interval: int = Field(1, ge=1, description="Publish weights every this many steps.")
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked batch is redelivered.")
@@ -187,6 +193,12 @@ class UpSettings(Section):
         "exact", description="Training reward (held-out accuracy is always exact match)."
     )
     steps: int = Field(300, ge=0, description="Trainer steps.")
+    train_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="The trainer's time limit: it stops after the step in progress once this many seconds have "
+        "passed since training began, then the run evaluates and ends as after its last step; unset: none.",
+    )
     workers: int = Field(2, ge=1, description="Rollout worker processes.")
     engines: int = Field(1, ge=1, description="SGLang servers behind the router.")
     nats_nodes: int = Field(

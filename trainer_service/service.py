@@ -13,7 +13,8 @@ The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
 A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes early after
 ``--step-timeout`` seconds with whatever arrived; with less than one sample per rank it
 publishes one more step of tasks every ``--step-timeout`` (groups given up by ``max_deliver``
-or terminated by a worker never come). SIGTERM/SIGINT: a running step is
+or terminated by a worker never come). ``--train-seconds`` stops the loop, like ``--steps``,
+before the first step that would begin after that many seconds. SIGTERM/SIGINT: a running step is
 finished and committed, a step still gathering is abandoned (its batches are nak'ed, none
 acked), then the process exits 0. Left out: evaluation, learning-rate schedules, and
 checkpoints less often than every step (acks wait for a checkpoint).
@@ -84,8 +85,12 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     catching_up = asyncio.create_task(engines.watch())  # an engine that restarted gets the latest weights
     target = settings.prompts_per_step * cfg.rollout_n
     log.info("run %s resumes at step %d, version %d", state.run_id, state.step, state.version)
+    deadline = time.monotonic() + settings.train_seconds if settings.train_seconds else float("inf")
 
     while state.step < settings.steps and not stopping.is_set():
+        if time.monotonic() >= deadline:
+            log.info("--train-seconds %g have passed: no further step", settings.train_seconds)
+            break
         t0 = time.perf_counter()
         # A stop while NATS does not answer must not wait out the publish's retries (and its
         # error): tasks not stored are published again, under the same ids, by the next start.

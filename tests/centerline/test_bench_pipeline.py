@@ -5,14 +5,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from centerline.bench_pipeline import duty_cycle
 
 ROOT = Path(__file__).resolve().parents[2]
 
-STEPS, WARMUP, PROMPTS, N, MAX_NEW, ALONE_S = 40, 1, 2, 2, 8, 5.0
+# Each mode trains for TRAIN_S seconds (up --train-seconds), fewer than STEPS steps take.
+STEPS, TRAIN_S, WARMUP, PROMPTS, N, MAX_NEW, ALONE_S = 1000, 15.0, 1, 2, 2, 8, 5.0
 PIPELINE_KEYS = {
+    "max_inflight_steps",
+    "steps_done",
+    "steps_wall_s",
+    "staleness_max",
+    "accuracy_before",
+    "accuracy_after",
+    "samples_per_s_ratio",
+    "tokens_per_s_ratio",
     "pipeline_window_s",
     "pipeline_steps",
     "samples_total",
@@ -42,7 +52,9 @@ SETTING_KEYS = {
     "task",
     "model",
     "steps",
+    "train_seconds",
     "warmup_steps",
+    "eval_prompts",
     "workers",
     "trainer_ranks",
     "prompts_per_step",
@@ -53,6 +65,7 @@ SETTING_KEYS = {
     "concurrent_requests",
     "cpus",
     "run_dir",
+    "modes",
 }
 
 
@@ -99,6 +112,8 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         "copy",
         "--steps",
         str(STEPS),
+        "--train-seconds",
+        str(TRAIN_S),
         "--warmup-steps",
         str(WARMUP),
         "--workers",
@@ -129,26 +144,47 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert _processes_mentioning(str(tmp_path)) == []  # up's services and the SGLang-alone server are all stopped
     phases = [json.loads(line)["phase"] for line in run.stderr.splitlines() if line.startswith('{"bench": "pipeline"')]
-    assert phases == ["up", "startup", "pipeline", "sglang_alone_ready", "sglang_alone"]
+    assert phases == ["up", "startup", "pipeline"] * 2 + ["sglang_alone_ready", "sglang_alone"]
 
     r = json.loads(run.stdout)
-    assert set(r) == SETTING_KEYS | PIPELINE_KEYS | ALONE_KEYS | {"samples_per_s_ratio", "tokens_per_s_ratio"}
+    assert set(r) == SETTING_KEYS | ALONE_KEYS
     assert (r["steps"], r["warmup_steps"], r["rollout_n"], r["rollout_max_new_tokens"]) == (STEPS, WARMUP, N, MAX_NEW)
+    assert r["train_seconds"] == TRAIN_S
     assert r["concurrent_requests"] == 1 * 2  # one worker, two tasks in flight
     assert r["model"] == str(tmp_path / "models" / "sft-copy-seed0")
-    # Every step trains prompts x n samples; the window leaves out the warm-up steps.
-    assert r["samples_total"] == STEPS * PROMPTS * N
-    assert (r["pipeline_steps"], r["pipeline_samples"]) == (STEPS - WARMUP, (STEPS - WARMUP) * PROMPTS * N)
-    assert r["pipeline_samples"] <= r["pipeline_tokens"] <= MAX_NEW * r["pipeline_samples"]
-    assert r["pipeline_samples_per_s"] == pytest.approx(r["pipeline_samples"] / r["pipeline_window_s"], rel=1e-3)
-    assert r["pipeline_tokens_per_s"] == pytest.approx(r["pipeline_tokens"] / r["pipeline_window_s"], rel=1e-3)
+    assert list(r["modes"]) == ["on-policy", "async"]
+    for mode, inflight in (("on-policy", 1), ("async", 2)):
+        m = r["modes"][mode]
+        assert set(m) == PIPELINE_KEYS, mode
+        assert m["max_inflight_steps"] == inflight and WARMUP < m["steps_done"] < STEPS, mode
+        run_dir = tmp_path / "run" / mode
+        steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+        assert [s["step"] for s in steps] == list(range(1, m["steps_done"] + 1))
+        # the time limit ends training: the last step began before it, and up evaluated after it
+        assert sum(s["step_s"] for s in steps[:-1]) < TRAIN_S
+        assert m["steps_wall_s"] == round(sum(s["step_s"] for s in steps), 3)
+        assert f"--train-seconds {TRAIN_S:g} have passed" in (run_dir / "logs" / "trainer.log").read_text()
+        evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
+        assert [e["step"] for e in evals] == [0, m["steps_done"]]
+        # on-policy every batch meets the weights that sampled it; async at most one version later
+        assert 0 <= m["staleness_max"] <= inflight - 1, mode
+        assert 0 <= m["accuracy_before"] <= 1 and 0 <= m["accuracy_after"] <= 1
+        # Every step trains prompts x n samples; the window leaves out the warm-up steps.
+        done = m["steps_done"]
+        assert m["samples_total"] == done * PROMPTS * N
+        assert (m["pipeline_steps"], m["pipeline_samples"]) == (done - WARMUP, (done - WARMUP) * PROMPTS * N)
+        assert m["pipeline_samples"] <= m["pipeline_tokens"] <= MAX_NEW * m["pipeline_samples"]
+        assert m["pipeline_samples_per_s"] == pytest.approx(m["pipeline_samples"] / m["pipeline_window_s"], rel=1e-3)
+        assert m["pipeline_tokens_per_s"] == pytest.approx(m["pipeline_tokens"] / m["pipeline_window_s"], rel=1e-3)
+        assert m["samples_per_s_ratio"] == round(m["pipeline_samples_per_s"] / r["sglang_alone_samples_per_s"], 4)
+        assert m["tokens_per_s_ratio"] == round(m["pipeline_tokens_per_s"] / r["sglang_alone_tokens_per_s"], 4)
+        assert 0 <= m["duty_cycle"] <= 1
+        assert 0 < m["duty_cycle_window_s"] <= m["pipeline_window_s"]
+        assert 0 < m["duty_cycle_error_bound"] < 1
     # SGLang alone: n samples per request.
     assert r["sglang_alone_samples"] == N * r["sglang_alone_requests"] > 0
     assert r["sglang_alone_samples"] <= r["sglang_alone_tokens"] <= MAX_NEW * r["sglang_alone_samples"]
     assert r["sglang_alone_window_s"] == ALONE_S
-    assert r["samples_per_s_ratio"] == round(r["pipeline_samples_per_s"] / r["sglang_alone_samples_per_s"], 4)
-    assert r["tokens_per_s_ratio"] == round(r["pipeline_tokens_per_s"] / r["sglang_alone_tokens_per_s"], 4)
-    for prefix, window in (("", r["pipeline_window_s"]), ("sglang_alone_", r["sglang_alone_window_s"])):
-        assert 0 <= r[prefix + "duty_cycle"] <= 1
-        assert 0 < r[prefix + "duty_cycle_window_s"] <= window
-        assert 0 < r[prefix + "duty_cycle_error_bound"] < 1
+    assert 0 <= r["sglang_alone_duty_cycle"] <= 1
+    assert 0 < r["sglang_alone_duty_cycle_window_s"] <= r["sglang_alone_window_s"]
+    assert 0 < r["sglang_alone_duty_cycle_error_bound"] < 1

@@ -102,6 +102,51 @@ def test_aggregate_reports_each_setting_with_the_t_interval_over_its_seeds():
     assert table[3].startswith("| reinforce | 4 | 1 | 3 | 0.300 | 0.200 | – | 0.600 |")
 
 
+def test_differences_to_reinforce_are_paired_by_seed():
+    results = [
+        _result("reinforce", 0, 0.10, 0.05, 0.6),
+        _result("reinforce", 1, 0.30, 0.20, 0.6),
+        _result("reinforce", 2, 0.50, None, 0.6),  # no evaluation: that seed's pair is left out
+        _result("tis", 0, 0.15, 0.10, 0.1),
+        _result("tis", 1, 0.34, 0.26, 0.1),
+        _result("tis", 2, 0.56, 0.40, 0.1),
+    ]
+    reinforce, tis = experiment.aggregate(results)
+    assert reinforce["reward_last_vs_reinforce"] is None and reinforce["accuracy_after_vs_reinforce"] is None
+    # reward: differences 0.05, 0.04, 0.06 (mean 0.05, sd 0.01) although the seeds' own rewards spread 0.15-0.56
+    half = 0.01 * math.sqrt(2 * 0.9025 / 0.0975 / 3)
+    assert tis["reward_last_vs_reinforce"] == pytest.approx({"mean": 0.05, "low": 0.05 - half, "high": 0.05 + half})
+    assert tis["reward_last"]["high"] - tis["reward_last"]["low"] > 20 * 2 * half
+    # held-out: seeds 0 and 1 only (0.05 and 0.06)
+    t1 = 12.706204736174698  # t(0.975, 1)
+    assert tis["accuracy_after_vs_reinforce"] == pytest.approx(
+        {"mean": 0.055, "low": 0.055 - t1 * 0.005, "high": 0.055 + t1 * 0.005}
+    )
+    header = experiment.markdown_table([reinforce, tis]).splitlines()[0]
+    assert header.endswith("| reward last ¼ − reinforce, same seed | held-out after − reinforce, same seed |")
+
+
+def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_path):
+    run = {"name": "tis-s4-seed1", "method": "tis", "loss": "tis", "is_mode": "none", "staleness": 4, "seed": 1}
+    up_args, cfg = launcher.parse(experiment.up_argv(run, 40, tmp_path, ["--task", "copy"]))
+    run_dir = tmp_path / "runs" / run["name"]
+    run_dir.mkdir(parents=True)
+    # what `centerline up` wrote: the ports it chose, the trainer's table, then the report last
+    ran = cfg.model_copy(update={"nats_url": "nats://127.0.0.1:4999", "engine_urls": ["http://127.0.0.1:5000"]})
+    (run_dir / "config.toml").write_text(launcher.shared_config.to_toml(ran, up_args) + "\n[trainer]\nsteps = 40\n")
+    assert not experiment.finished(run_dir, up_args, cfg)  # no report: it did not finish
+    (run_dir / "report.html").write_text("<html></html>")
+    assert experiment.finished(run_dir, up_args, cfg)
+    for other in (
+        experiment.up_argv(run, 80, tmp_path, ["--task", "copy"]),  # more steps
+        experiment.up_argv(run, 40, tmp_path, ["--task", "upper"]),  # another task
+        experiment.up_argv(run, 40, tmp_path, ["--task", "copy", "--learning-rate", "1e-3"]),
+        experiment.up_argv({**run, "seed": 2}, 40, tmp_path, ["--task", "copy"])[:-2]
+        + ["--run-dir", str(run_dir)],  # another seed in this directory
+    ):
+        assert not experiment.finished(run_dir, *launcher.parse(other)), other
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_path):
@@ -167,3 +212,12 @@ def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == len(plots)
     assert all(f"<td>{name}</td>" in page for name in names)
+
+    # The same command again: both runs are kept (no process started), the comparison rewritten from them.
+    again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [line for line in again.stderr.splitlines() if line.startswith("centerline experiment: run")] == [
+        f"centerline experiment: run {i}/2: {name}: finished before with these settings, kept"
+        for i, name in enumerate(names, 1)
+    ]
+    assert orjson.loads((out / "summary.json").read_bytes()) == summary
