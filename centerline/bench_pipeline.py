@@ -261,6 +261,8 @@ def run_pipeline(args, mode: str, up_extra: list[str], run_dir: Path) -> tuple[d
             for k in ("step_s", "gather_s", "train_s")
         },
         **duty_cycle(scraper.samples, start, end),
+        # the trainer's side: the share of its step time not spent waiting for batches
+        "trainer_duty_cycle": round(1 - sum(s["gather_s"] for s in window) / sum(s["step_s"] for s in window), 4),
     }
     progress("pipeline", mode=mode, **figures)
     return figures, cfg, model

@@ -1,7 +1,7 @@
 """`centerline worker`: a stateless rollout worker (docs/design.md section 2); run any number of them.
 
     centerline worker --proxy-url http://127.0.0.1:30010 --nats-url nats://127.0.0.1:4222 \
-        [--tokenizer DIR] [--vocab-size V] [--ack-wait 30] [--concurrency 2] [--metrics-port P] [config flags]
+        [--tokenizer DIR] [--vocab-size V] [--ack-wait 30] [--concurrency 8] [--metrics-port P] [config flags]
 
 The tokenizer (prompt -> ids) is ``--tokenizer``, else the ``tokenizer_path`` the proxy's
 upstream reports on /get_model_info; the vocabulary size (for the contract check) is

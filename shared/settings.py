@@ -101,7 +101,12 @@ class WorkerSettings(Section):
     )
     worker_id: str | None = Field(None, description="Producer id written into batches; unset: host-pid.")
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked task is redelivered.")
-    concurrency: int = Field(2, ge=1, description="Tasks in flight.")
+    concurrency: int = Field(
+        8,
+        ge=1,
+        description="Tasks in flight (the engine batches their requests); enough to keep it busy while the "
+        "trainer trains.",
+    )
     nak_delay: float = Field(
         2.0, ge=0, description="Seconds before a NAKed task is redelivered (doubling per delivery, up to 60)."
     )

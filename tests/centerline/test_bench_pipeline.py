@@ -36,6 +36,7 @@ PIPELINE_KEYS = {
     "duty_cycle",
     "duty_cycle_window_s",
     "duty_cycle_error_bound",
+    "trainer_duty_cycle",
 }
 ALONE_KEYS = {
     "sglang_alone_window_s",
@@ -150,7 +151,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert set(r) == SETTING_KEYS | ALONE_KEYS
     assert (r["steps"], r["warmup_steps"], r["rollout_n"], r["rollout_max_new_tokens"]) == (STEPS, WARMUP, N, MAX_NEW)
     assert r["train_seconds"] == TRAIN_S
-    assert r["concurrent_requests"] == 1 * 2  # one worker, two tasks in flight
+    assert r["concurrent_requests"] == 1 * 8  # one worker, eight tasks in flight (the worker's default)
     assert r["model"] == str(tmp_path / "models" / "sft-copy-seed0")
     assert list(r["modes"]) == ["on-policy", "async"]
     for mode, inflight in (("on-policy", 1), ("async", 2)):
@@ -181,6 +182,8 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         assert 0 <= m["duty_cycle"] <= 1
         assert 0 < m["duty_cycle_window_s"] <= m["pipeline_window_s"]
         assert 0 < m["duty_cycle_error_bound"] < 1
+        busy = 1 - sum(s["gather_s"] for s in steps[WARMUP:]) / sum(s["step_s"] for s in steps[WARMUP:])
+        assert m["trainer_duty_cycle"] == round(busy, 4)
     # SGLang alone: n samples per request.
     assert r["sglang_alone_samples"] == N * r["sglang_alone_requests"] > 0
     assert r["sglang_alone_samples"] <= r["sglang_alone_tokens"] <= MAX_NEW * r["sglang_alone_samples"]
