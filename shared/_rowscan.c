@@ -63,8 +63,7 @@ static int grow_put(Grow *g, const void *item, Py_ssize_t n) {
 static inline int is_digit(char c) { return c >= '0' && c <= '9'; }
 
 /* A JSON number at *pp (ending before ``end``) as orjson reads it, as a double in *out.
- * Returns 1 on success, 0 when the caller must give up (not JSON, out of range, too long),
- * -1 on a Python error. */
+ * Returns 1 on success, 0 when the caller must give up (not JSON, out of range, too long). */
 static int read_logprob(const char **pp, const char *end, double *out) {
     const char *p = *pp, *tok = p;
     int neg = 0, slow = 0, is_int = 1;
@@ -156,8 +155,10 @@ static int read_logprob(const char **pp, const char *end, double *out) {
         memcpy(text, tok, n);
         text[n] = 0;
         v = PyOS_string_to_double(text, NULL, NULL);
-        if (v == -1.0 && PyErr_Occurred())
-            return -1;
+        if (v == -1.0 && PyErr_Occurred()) {  /* cannot happen for a JSON number: give up, not raise */
+            PyErr_Clear();
+            return 0;
+        }
         if (!isfinite(v))
             return 0;
         *out = v;  /* signed already */
@@ -223,10 +224,7 @@ static PyObject *rows(PyObject *self, PyObject *args) {
             if (j)
                 EXPECT(',');
             EXPECT('[');
-            int ok = read_logprob(&p, end, &lp);
-            if (ok < 0)
-                goto error;
-            if (!ok)
+            if (!read_logprob(&p, end, &lp))
                 goto give_up;
             EXPECT(',');
             if (!read_id(&p, end, &id))
