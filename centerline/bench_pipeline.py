@@ -46,16 +46,18 @@ another is running. Phase 2 reports its own duty cycle the same way, what the pi
 at this concurrency: short of 1 by the round trips between an answer and the next request, which
 are long beside a small model's forward passes (top-K log-probs are formatted in Python).
 
-Measured with the defaults (2 CPUs shared with other work, load about 3.8; 20 steps of 16 x 8
-samples, 4 requests in flight; 168 s in all, the upper model made on the way): pipeline 80
-samples/s and 390 tokens/s, SGLang alone 169 and 859, ratios 0.48 and 0.45; duty cycle 0.34
-+- 0.01 in the pipeline, 0.63 alone.
+Measured here (2 CPUs otherwise idle; ``--train-seconds 120 --eval-prompts 200``, otherwise the
+defaults): on-policy 187 steps, 198.8 samples/s, SGLang duty cycle 0.356, trainer 0.570,
+held-out accuracy 0.08 -> 0.225; async 202 steps, 215.9 samples/s, duty cycles 0.512 and
+0.959, 0.08 -> 0.31; SGLang alone at 16 requests 347.2 samples/s, duty cycle 0.708. On 2 cores
+the trainer is the slower stage once the two overlap (they share the cores), so the engine
+waits for the next step's tasks; ``trainer_duty_cycle`` says which side waits.
 
 Left out: more than one SGLang server (``--engines``), GPUs, and the pipeline's latency
 figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step).
 
     centerline bench pipeline --json
-    centerline bench pipeline --steps 40 --workers 4 -- --rollout-n 4 --rollout-max-new-tokens 16
+    centerline bench pipeline --modes async --train-seconds 30 --workers 4 -- --rollout-n 4
 
 Flags after ``--`` go to ``centerline up`` unchanged.
 """

@@ -326,27 +326,45 @@ def render_plots(results: list[dict], summary: list[dict]) -> dict[str, tuple[st
         plt.close(fig)
     title = "At the end of training: " + (INTERVAL if n_seeds > 1 else "one seed, no interval")
     fig, axes = plt.subplots(1, len(FINAL), figsize=(4.6 * len(FINAL), 3.4), squeeze=False)
-    width = 0.8 / len(methods)
     for ax, (key, label) in zip(axes[0], FINAL):
-        for i, method in enumerate(methods):
-            rows = [s for s in summary if s["method"] == method and s[key] is not None]
-            means = [s[key]["mean"] for s in rows]
-            errors = [0.0 if s[key]["low"] is None else s[key]["mean"] - s[key]["low"] for s in rows]
-            xs = [stalenesses.index(s["staleness"]) + i * width for s in rows]
-            ax.bar(xs, means, width, yerr=errors, capsize=3, color=colors[method], label=method)
+        _bars(ax, summary, key, methods, stalenesses, colors)
         if key == "accuracy_after":
             before = [s["accuracy_before"]["mean"] for s in summary if s["accuracy_before"] is not None]
             if before:
                 ax.axhline(sum(before) / len(before), color="k", linestyle="--", linewidth=1, label="before training")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stalenesses))], [f"s = {s}" for s in stalenesses])
         ax.set_title(label, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][[key for key, _ in FINAL].index("accuracy_after")].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, bbox_to_anchor=(0.5, -0.1))
     fig.suptitle(title, fontsize=10, y=1.04)
     plots["final"] = (title, _figure_png(fig))
     plt.close(fig)
+    others = [m for m in methods if m != BASELINE]
+    if BASELINE in methods and others:
+        title = f"Difference to {BASELINE}, paired by seed: " + (INTERVAL if n_seeds > 1 else "one seed, no interval")
+        fig, axes = plt.subplots(1, len(PAIRED), figsize=(4.6 * len(PAIRED), 3.4), squeeze=False)
+        for ax, key in zip(axes[0], PAIRED):
+            _bars(ax, summary, f"{key}_vs_{BASELINE}", others, stalenesses, colors)
+            ax.axhline(0, color="k", linewidth=1)
+            ax.set_title(f"{dict(FINAL)[key]} − {BASELINE}", fontsize=10)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, bbox_to_anchor=(0.5, -0.1))
+        fig.suptitle(title, fontsize=10, y=1.04)
+        plots["paired"] = (title, _figure_png(fig))
+        plt.close(fig)
     return plots
+
+
+def _bars(ax, summary: list[dict], key: str, methods: list[str], stalenesses: list[int], colors: dict) -> None:
+    """``key``'s mean per (staleness, method) as grouped bars, its interval as error bars."""
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        rows = [s for s in summary if s["method"] == method and s[key] is not None]
+        means = [s[key]["mean"] for s in rows]
+        errors = [0.0 if s[key]["low"] is None else s[key]["mean"] - s[key]["low"] for s in rows]
+        xs = [stalenesses.index(s["staleness"]) + i * width for s in rows]
+        ax.bar(xs, means, width, yerr=errors, capsize=3, color=colors[method], label=method)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stalenesses))], [f"s = {s}" for s in stalenesses])
+    ax.grid(axis="y", alpha=0.3)
 
 
 def _fmt(value) -> str:

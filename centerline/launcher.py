@@ -29,7 +29,11 @@ learning rate 3e-4, 16 prompts x 8 samples per step (fewer samples per step left
 reward flat at 1e-4 and collapsed it at 1e-3: too much gradient noise for AdamW), 8 new
 tokens, 300 steps. Measured on real SGLang (seed 0, 2 workers, 2 trainer ranks, 480 s):
 held-out accuracy 0.115 -> 0.31 on 200 prompts, train reward 0.11 -> 0.37 (30-step means).
-``UP_DEFAULTS`` holds the shared settings this job changes.
+``UP_DEFAULTS`` holds the shared settings this job changes. The pipeline is asynchronous, as
+everywhere by default (``max_inflight_steps`` 2: SGLang samples the next step while the trainer
+trains); ``--max-inflight-steps 1`` runs on-policy. ``--train-seconds T`` ends training after
+``T`` seconds instead of ``--steps``, then evaluates as after the last step: runs compared at
+equal wall time (``centerline bench pipeline`` does).
 
 Left out on purpose: restarts of crashed services (use compose or Kubernetes for that).
 """

@@ -126,6 +126,25 @@ def test_differences_to_reinforce_are_paired_by_seed():
     assert header.endswith("| reward last ¼ − reinforce, same seed | held-out after − reinforce, same seed |")
 
 
+def test_the_paired_differences_get_their_own_plot_when_reinforce_ran():
+    with_baseline = [
+        {**_result(method, seed, 0.1 + seed / 10, 0.2, 0.1), "steps": []}
+        for method in ("reinforce", "tis")
+        for seed in (0, 1)
+    ]
+    plots = experiment.render_plots(with_baseline, experiment.aggregate(with_baseline))
+    assert set(plots) == {"reward", "kl", "staleness", "final", "paired"}
+    assert plots["paired"][0].startswith("Difference to reinforce, paired by seed: mean over seeds")
+    assert plots["paired"][1].startswith(PNG_MAGIC)
+    without = [r for r in with_baseline if r["method"] == "tis"]
+    assert set(experiment.render_plots(without, experiment.aggregate(without))) == {
+        "reward",
+        "kl",
+        "staleness",
+        "final",
+    }
+
+
 def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_path):
     run = {"name": "tis-s4-seed1", "method": "tis", "loss": "tis", "is_mode": "none", "staleness": 4, "seed": 1}
     up_args, cfg = launcher.parse(experiment.up_argv(run, 40, tmp_path, ["--task", "copy"]))

@@ -27,7 +27,7 @@ from tests.reliability.partition import PartitionableCluster
 from tests.reliability.topology import Topology, run_accounting
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
-STEPS = 40  # long enough that both faults land while the run goes on, however fast its steps
+STEPS = 80  # long enough that both faults land while the run goes on (checked below)
 
 
 async def rollouts_leader(url: str) -> str | None:
@@ -76,6 +76,8 @@ def test_a_run_survives_a_partitioned_stream_leader_and_a_rolling_restart(upstre
     finally:
         topology.close()
 
+    # every fault landed while the trainer still had steps to go
+    assert all(int(where.rsplit("@step", 1)[1]) < STEPS for where in faults), faults
     figures.faults = len(faults)
     figures.notes = {"where": faults}
     print("\n" + figures.summary("nats-cluster"))

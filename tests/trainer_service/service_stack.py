@@ -37,9 +37,11 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 K = 16  # candidates per token in these tests (--rollout-top-logprobs-num)
 TOKENS = 5  # response tokens per sample
 # The trainer settings of these tests: 2 prompt groups of 4 samples per step, batches at most one
-# version stale, a 3 s ack wait so that a dead holder's batch is back within seconds.
+# version stale, a 3 s ack wait so that a dead holder's batch is back within seconds. On-policy
+# (one step of tasks at a time, not the default 2): the tests stage their faults at known
+# steps and weight versions, which tasks published a step ahead would blur.
 FLAGS = ("--prompts-per-step", "2", "--rollout-n", "4", "--max-staleness", "1", "--ack-wait", "3")
-FLAGS += ("--step-timeout", "60", "--learning-rate", "1e-3")
+FLAGS += ("--step-timeout", "60", "--learning-rate", "1e-3", "--max-inflight-steps", "1")
 
 
 def write_dataset(path: Path, size: int = 16) -> Path:
