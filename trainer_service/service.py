@@ -14,9 +14,10 @@ A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes e
 ``--step-timeout`` seconds with whatever arrived; with less than one sample per rank it
 publishes one more step of tasks every ``--step-timeout`` (groups given up by ``max_deliver``
 or terminated by a worker never come). ``--train-seconds`` stops the loop, like ``--steps``,
-before the first step that would begin after that many seconds. SIGTERM/SIGINT: a running step is
-finished and committed, a step still gathering is abandoned (its batches are nak'ed, none
-acked), then the process exits 0. Left out: evaluation, learning-rate schedules, and
+before the first step that would begin after that many seconds. SIGTERM/SIGINT: a running
+step is finished and committed (its weights are not sent to the engines), a step still
+gathering is abandoned (its batches are nak'ed, none acked), then the process exits 0.
+Left out: evaluation, learning-rate schedules, and
 checkpoints less often than every step (acks wait for a checkpoint).
 
     centerline trainer --model runs/model --dataset runs/tasks.jsonl --run-dir runs/trainer --steps 100
@@ -123,7 +124,9 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         await gate.commit(state.step)  # step, checkpoint and ledger are durable: ack its batches
         faults.hit("trainer.after_acks", step.after.step)
         t2 = time.perf_counter()
-        if step.weights is not None:
+        # Stopping: the engines are being stopped too, and a new start loads this version into
+        # them first thing; an update now could only wait on servers that are going away.
+        if step.weights is not None and not stopping.is_set():
             await engines.publish(step.after.version, step.weights)
         timings = {"gather_s": t1 - t0, "weights_s": time.perf_counter() - t2, "step_s": time.perf_counter() - t0}
         record = step_record(step, metrics.gate(gate.take_counts()), timings)

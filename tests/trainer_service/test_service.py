@@ -225,6 +225,37 @@ def test_sigterm_while_gathering_exits_0_without_acking_the_held_batch(stack, sg
     assert not (run_dir / "checkpoints" / "step-000002").exists()
 
 
+def test_sigterm_while_training_commits_the_step_and_leaves_the_engines_alone(stack, sglang):
+    """A stop lands while step 2 trains (a failpoint holds it there 8 s): the step is committed,
+    and its weights are not sent to the engines, which are being stopped with the trainer in a
+    real shutdown; the next start sends them first thing."""
+    (tmp, _, model), engine = stack, sglang
+    with EmbeddedNats(tmp / "nats-sigterm-training") as nats:
+        run_dir = tmp / "run-sigterm-training"
+        with StandInWorker(nats.url, engine.url, VOCAB_SIZE):
+            trainer = Trainer(
+                run_dir,
+                model,
+                write_dataset(tmp / "tasks-sigterm-training.jsonl"),
+                nats.url,
+                engine.url,
+                "--steps",
+                str(STEPS),
+                *FLAGS,
+                nproc=1,
+                failpoints="trainer.train@2=sleep:8",
+            )
+            wait_until(
+                lambda: "failpoint trainer.train at step 2" in trainer.log(), 180, "step 2 training", trainer.proc
+            )
+            trainer.proc.send_signal(signal.SIGTERM)
+            code = trainer.wait(60)
+    assert code == 0, trainer.log()
+    assert [r["step"] for r in metrics_lines(run_dir)] == [1, 2]  # step 2 finished and committed
+    assert (run_dir / "checkpoints" / "step-000002").exists()
+    assert engine.weight_version() == "1"  # version 2 was not sent
+
+
 def test_weight_sync_interval_publishes_every_second_step(stack, sglang):
     (tmp, nats, model), engine = stack, sglang
     run_dir = tmp / "run-interval"
