@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
         )
     command = server_argv(args.model, args.host, args.port, args.device, extra, args.dtype)
     if key:
-        command += ["--admin-api-key", key]
+        command.append(f"--admin-api-key={key}")  # one argument: a key may begin with "-"
     sys.stdout.flush()
     os.execve(command[0], command, server_env(os.environ, args.device))
     return 0  # not reached
