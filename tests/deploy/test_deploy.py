@@ -569,7 +569,7 @@ def test_compose_gpu_entrypoint_hands_sglang_the_command_and_the_admin_key(tmp_p
         env={"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [*svc["command"], "--admin-api-key", "the-key"]
+    assert json.loads(out.stdout) == [*svc["command"], "--admin-api-key=the-key"]
 
 
 @pytest.mark.parametrize("files", COMPOSE_FILES)
@@ -886,7 +886,7 @@ def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_el
     (gpu,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
     assert (
         ref in gpu["env"]
-        and gpu["args"][gpu["args"].index("--admin-api-key") + 1] == "$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
+        and gpu["args"][-1] == "--admin-api-key=$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
     )
     kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     assert {"name": "engine-admin-key", "envs": ["engine-admin-key.env"]} in kustomization["secretGenerator"]
@@ -1247,8 +1247,7 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
         "--dtype",
         "float32",
         "--enable-metrics",
-        "--admin-api-key",
-        "$(CENTERLINE_ENGINE_ADMIN_API_KEY)",
+        "--admin-api-key=$(CENTERLINE_ENGINE_ADMIN_API_KEY)",
     ]
     assert {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "0"} in container["env"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
