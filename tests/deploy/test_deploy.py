@@ -884,10 +884,7 @@ def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_el
     assert holders == {"sglang": ref, "trainer": ref}
     # The GPU overlay keeps the key in the environment and hands it to SGLang as a flag.
     (gpu,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
-    assert (
-        ref in gpu["env"]
-        and gpu["args"][-1] == "--admin-api-key=$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
-    )
+    assert ref in gpu["env"] and gpu["args"][-1] == "--admin-api-key=$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
     kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     assert {"name": "engine-admin-key", "envs": ["engine-admin-key.env"]} in kustomization["secretGenerator"]
     assert "deploy/k8s/engine-admin-key.env" in (ROOT / ".gitignore").read_text().splitlines()
