@@ -214,6 +214,7 @@ def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -
             cfg=cfg,
             strategy=trainer.strategy,
             max_grad_norm=trainer.max_grad_norm or None,
+            micro_batch_tokens=trainer.micro_batch_tokens,
         )
         if not main_rank:
             policy.follow()

@@ -27,6 +27,7 @@ from shared.toy_tasks import REWARDS
 MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
 MAX_UPSTREAM_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB a token, so ~65k tokens per answer
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
+MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 
 
 class Section(BaseModel):
@@ -74,6 +75,13 @@ class TrainerSettings(Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port (rank 0); unset: off.")
     threads: int = Field(1, ge=1, description="Torch intra-op threads per rank.")
+    micro_batch_tokens: int = Field(
+        MICRO_BATCH_TOKENS,
+        ge=1,
+        description="Padded tokens per forward pass: a rank runs its samples through the model in runs of "
+        "consecutive samples this large (samples x (longest prompt + longest response)), one sample at least. "
+        "Lower it when activations do not fit; the step is the same to float32 rounding.",
+    )
     max_deliver: int = Field(
         20,
         description="Deliveries of a batch (each crash of the trainer holding it is one) before JetStream gives up "
@@ -86,7 +94,7 @@ class TrainerSettings(Section):
 
 
 # What `centerline replay --train` takes from the run's [trainer] table: the settings of a step.
-TRAINER_STEP_FIELDS = ("strategy", "max_grad_norm", "threads", "weight_sync_interval")
+TRAINER_STEP_FIELDS = ("strategy", "max_grad_norm", "threads", "weight_sync_interval", "micro_batch_tokens")
 
 
 class WorkerSettings(Section):

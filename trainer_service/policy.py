@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shared import faults
+from shared.settings import MICRO_BATCH_TOKENS
 from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.distributed import agree, device, is_main, rank_and_world
@@ -43,9 +44,11 @@ class Policy:
         cfg,
         strategy: str,
         max_grad_norm: float | None,
+        micro_batch_tokens: int = MICRO_BATCH_TOKENS,
         keep_checkpoints: int = checkpoint.KEEP,
     ):
         self.initial, self.run_dir, self.max_grad_norm, self.keep = model_dir, run_dir, max_grad_norm, keep_checkpoints
+        self.micro_batch_tokens = micro_batch_tokens
         torch.manual_seed(cfg.seed)
         self.model = wrap_model(load_model(str(resume / "model" if resume else model_dir), device=device()), strategy)
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
@@ -72,7 +75,12 @@ class Policy:
             agree(cmd)
         t0 = time.perf_counter()
         metrics = train_step(
-            self.model, self.optimizer, decode_batch(cmd.batch), self.settings, max_grad_norm=self.max_grad_norm
+            self.model,
+            self.optimizer,
+            decode_batch(cmd.batch),
+            self.settings,
+            max_grad_norm=self.max_grad_norm,
+            micro_batch_tokens=self.micro_batch_tokens,
         )
         t1 = time.perf_counter()
         rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine

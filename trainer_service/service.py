@@ -245,6 +245,7 @@ def main(argv: list[str]) -> int:
             cfg=cfg,
             strategy=settings.strategy,
             max_grad_norm=settings.max_grad_norm or None,
+            micro_batch_tokens=settings.micro_batch_tokens,
             keep_checkpoints=settings.keep_checkpoints,
         )
         if not main_rank:

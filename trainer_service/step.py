@@ -1,16 +1,24 @@
 """One training step on one global batch, on 1 process or many under `torchrun`.
 
 Every rank is given the same global ``shared.wire.Batch``; rank r trains on a contiguous
-block of its samples (``shard``). Each sample is one micro-batch: the model runs on
-prompt + response, the logits at the positions that predict response tokens go to the
-loss, and the loss is divided by the GLOBAL trained-token count (an all_reduce), so the
-summed gradient is the same as one process on the whole batch. DDP and FSDP2 average
-gradients over ranks; the backward pass multiplies by the world size to undo that.
-Gradients are synchronised on the last micro-batch only.
+block of its samples (``shard``). The block is cut into micro-batches of consecutive samples
+(``micro_batches``): as many as fit in ``micro_batch_tokens`` padded tokens, one at least.
+A micro-batch runs through the model as one padded forward, prompts left-padded and
+responses right-padded so every response starts at the same position, and the logits at the
+positions that predict response tokens go to the loss. The loss is divided by the GLOBAL
+trained-token count (an all_reduce), so the summed gradient is the same as one process on the
+whole batch. DDP and FSDP2 average gradients over ranks; the backward pass multiplies by the
+world size to undo that. Gradients are synchronised on the last micro-batch only.
 
-Left out on purpose: packing several samples per forward (one sample per micro-batch keeps
-activations small and the numerics independent of the sharding), checkpoints of the
-optimizer state, and the batch gate (the trainer runs the contract before a batch gets here).
+Padding changes nothing but the order of float sums: left pads are masked out of attention
+and positions count from each sample's first token; right pads come after every response
+token, so causal attention never lets a trained position see them, and their rows never reach
+the loss. One forward per sample (``micro_batch_tokens`` 1) computes the same step to float32
+rounding, in about 3x the time on the toy model (32 samples, 10-token prompts, 16-token
+responses, K=128, one core: 0.24 s against 0.08 s).
+
+Left out on purpose: checkpoints of the optimizer state, and the batch gate (the trainer runs
+the contract before a batch gets here).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
+from shared.settings import MICRO_BATCH_TOKENS
 from trainer_service.distributed import rank_and_world
 from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
 
@@ -73,35 +82,71 @@ def shard(num_samples: int, rank: int, world: int) -> range:
     return range(int(bounds[rank]), int(bounds[rank + 1]))
 
 
-def sample_inputs(batch, i: int, device) -> dict:
-    """Sample ``i``'s token ids and the loss inputs of its response tokens (advantage broadcast)."""
-    rows = batch.sample_slice(i)
-    prompt = batch.prompt_ids[int(batch.prompt_offsets[i]) : int(batch.prompt_offsets[i + 1])]
-    if len(prompt) == 0:
-        raise ValueError(
-            f"sample {batch.sample_ids[i]!r} has an empty prompt; the first response token has no "
-            "position predicting it"
-        )
-    response = batch.response_ids[rows]
+def micro_batches(batch, samples: range, budget: int) -> list[range]:
+    """``samples`` cut into runs of consecutive samples whose padded size, samples x (longest
+    prompt + longest response), is at most ``budget`` tokens; a sample larger alone is its own run."""
+    runs, start, longest_prompt, longest_response = [], samples.start, 0, 0
+    for i in samples:
+        prompt = int(batch.prompt_offsets[i + 1] - batch.prompt_offsets[i])
+        response = int(batch.offsets[i + 1] - batch.offsets[i])
+        p, r = max(longest_prompt, prompt), max(longest_response, response)
+        if i > start and (i - start + 1) * (p + r) > budget:
+            runs.append(range(start, i))
+            start, p, r = i, prompt, response
+        longest_prompt, longest_response = p, r
+    if len(samples):
+        runs.append(range(start, samples.stop))
+    return runs
+
+
+def micro_batch_inputs(batch, samples: range, device) -> dict:
+    """The padded model inputs of consecutive ``samples`` and the loss inputs of their response
+    tokens, row for row in the batch's order (each sample's advantage broadcast to its tokens)."""
+    prompts = [batch.prompt_ids[int(batch.prompt_offsets[i]) : int(batch.prompt_offsets[i + 1])] for i in samples]
+    responses = [batch.response_ids[batch.sample_slice(i)] for i in samples]
+    for i, prompt in zip(samples, prompts):
+        if len(prompt) == 0:
+            raise ValueError(
+                f"sample {batch.sample_ids[i]!r} has an empty prompt; the first response token has no "
+                "position predicting it"
+            )
+    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
+    input_ids = np.zeros((len(samples), width_p + width_r), dtype=np.int64)  # pads: any id, never seen
+    attention = np.zeros_like(input_ids)
+    for k, (prompt, response) in enumerate(zip(prompts, responses)):
+        start, end = width_p - len(prompt), width_p + len(response)
+        input_ids[k, start:width_p], input_ids[k, width_p:end] = prompt, response
+        attention[k, start:end] = 1
+    rows = slice(int(batch.offsets[samples.start]), int(batch.offsets[samples.stop]))
+    lengths = np.array([len(r) for r in responses])
     as_tensor = lambda a, dtype: torch.as_tensor(np.array(a), dtype=dtype, device=device)  # noqa: E731 (copies a read-only view)
+    left_padded = len({len(p) for p in prompts}) > 1
     return {
-        "input_ids": as_tensor(np.concatenate([prompt, response]), torch.int64)[None],
-        "prompt_len": len(prompt),
-        "response_ids": as_tensor(response, torch.int64),
+        "input_ids": as_tensor(input_ids, torch.int64),
+        # Without left pads the model runs unmasked (causal attention already hides right pads).
+        "attention_mask": as_tensor(attention, torch.int64) if left_padded else None,
+        "position_ids": as_tensor(np.maximum(attention.cumsum(1) - 1, 0), torch.int64) if left_padded else None,
+        "rows": as_tensor(np.arange(width_r)[None] < lengths[:, None], torch.bool),
+        "response_ids": as_tensor(batch.response_ids[rows], torch.int64),
         "sampled_logprobs": as_tensor(batch.sampled_logprobs[rows], torch.float32),
         "cand_ids": as_tensor(batch.cand_ids[rows], torch.int32),
         "cand_logprobs": as_tensor(batch.cand_logprobs[rows], torch.float32),
-        "advantages": torch.full((len(response),), float(batch.advantages[i]), dtype=torch.float32, device=device),
+        "advantages": as_tensor(np.repeat(batch.advantages[samples.start : samples.stop], lengths), torch.float32),
         "loss_mask": as_tensor(batch.loss_mask[rows], torch.bool),
     }
 
 
-def response_logits(model, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Logits [R, V] at the positions predicting each of the R response tokens."""
-    n_response = input_ids.shape[1] - prompt_len
+def response_logits(model, x: dict) -> torch.Tensor:
+    """Logits [N, V] at the positions predicting each of a micro-batch's N response tokens."""
+    width_r = x["rows"].shape[1]
     # logits_to_keep skips the LM head on prompt positions that predict nothing we train on.
-    logits = model(input_ids=input_ids, logits_to_keep=n_response + 1).logits[0]
-    return logits[:-1]
+    logits = model(
+        input_ids=x["input_ids"],
+        attention_mask=x["attention_mask"],
+        position_ids=x["position_ids"],
+        logits_to_keep=width_r + 1,
+    ).logits[:, :-1]
+    return logits[x["rows"]]
 
 
 def _sync_context(model, sync: bool):
@@ -123,7 +168,15 @@ def _micro_batch_count(model, local: int, world: int) -> int:
     return int(count.item())
 
 
-def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(), *, max_grad_norm: float | None = 1.0):
+def train_step(
+    model,
+    optimizer,
+    batch,
+    settings: LossSettings = LossSettings(),
+    *,
+    max_grad_norm: float | None = 1.0,
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+):
     """One optimizer step on the global ``batch``; returns metrics identical on every rank.
 
     Metrics: ``loss`` (global sum / global trained tokens), ``grad_norm`` (before clipping),
@@ -134,7 +187,7 @@ def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(),
     device = next(model.parameters()).device
     loss_fn = LOSSES[settings.loss]
     mine = shard(batch.num_samples, rank, world)
-    inputs = [sample_inputs(batch, i, device) for i in mine]
+    inputs = [micro_batch_inputs(batch, run, device) for run in micro_batches(batch, mine, micro_batch_tokens)]
     counts = torch.tensor([float(sum(int(x["loss_mask"].sum()) for x in inputs))], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(counts)
@@ -145,10 +198,10 @@ def train_step(model, optimizer, batch, settings: LossSettings = LossSettings(),
     for j in range(steps):
         with _sync_context(model, sync=j == steps - 1):
             if j >= len(inputs):  # FSDP2 padding step: same collectives, zero gradient
-                (response_logits(model, inputs[0]["input_ids"], inputs[0]["prompt_len"]).sum() * 0.0).backward()
+                (response_logits(model, inputs[0]).sum() * 0.0).backward()
                 continue
             x = inputs[j]
-            logits = response_logits(model, x["input_ids"], x["prompt_len"])
+            logits = response_logits(model, x)
             loss, metrics = loss_fn(
                 logits,
                 x["response_ids"],

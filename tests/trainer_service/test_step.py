@@ -1,14 +1,39 @@
-"""trainer_service.step in one process: the step's gradient is the loss on the whole batch."""
+"""trainer_service.step in one process: the step's gradient is the loss on the whole batch,
+however its samples are cut into padded micro-batches."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from tests.trainer_service.conftest import global_batch
+from shared.wire import replace_arrays
+from tests.trainer_service.conftest import VOCAB, global_batch
 from trainer_service.loss import score_centering_loss
 from trainer_service.model import load_model
-from trainer_service.step import LossSettings, make_optimizer, sample_inputs, shard, train_step
+from trainer_service.step import (
+    LossSettings,
+    make_optimizer,
+    micro_batch_inputs,
+    micro_batches,
+    shard,
+    train_step,
+)
+
+PROMPT_LENS = [3, 1, 5, 2, 4]
+RESPONSE_LENS = [2, 6, 3, 9, 10]
+
+
+def ragged_batch(mode: str = "selected"):
+    """``global_batch``'s 30 rows regrouped into 5 samples of different prompt and response lengths."""
+    batch = global_batch(samples=5, tokens_per_sample=6, mode=mode)
+    prompts = np.random.default_rng(7).integers(0, VOCAB, sum(PROMPT_LENS)).astype(batch.prompt_ids.dtype)
+    return replace_arrays(
+        batch,
+        offsets=np.concatenate([[0], np.cumsum(RESPONSE_LENS)]).astype(batch.offsets.dtype),
+        prompt_offsets=np.concatenate([[0], np.cumsum(PROMPT_LENS)]).astype(batch.prompt_offsets.dtype),
+        prompt_ids=prompts,
+    )
 
 
 @pytest.mark.parametrize("num_samples, world", [(5, 2), (7, 3), (4, 4), (9, 1)])
@@ -23,33 +48,92 @@ def test_shard_rejects_fewer_samples_than_ranks():
         shard(3, 0, 4)
 
 
-def test_advantages_are_broadcast_to_every_token_of_their_sample():
-    batch = global_batch()
-    x = sample_inputs(batch, 2, "cpu")
-    assert torch.equal(x["advantages"], torch.full((6,), float(batch.advantages[2])))
-    assert x["input_ids"].shape == (1, 4 + 6)
+@pytest.mark.parametrize(
+    "samples, budget, runs",
+    [
+        (range(5), 1, [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 5)]),
+        # 1x(3+2)=5, 2x(3+6)=18, then 3x(5+6)=33 > 20; 1x(5+3)=8, 2x(5+9)=28 > 20; ...
+        (range(5), 20, [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]),
+        (range(5), 4096, [range(0, 5)]),
+        (range(2, 5), 30, [range(2, 4), range(4, 5)]),  # a rank's shard: 2x(5+9)=28, 3x(5+10)=45 > 30
+        (range(3, 3), 4096, []),
+    ],
+)
+def test_micro_batches_are_runs_of_consecutive_samples_within_the_padded_budget(samples, budget, runs):
+    assert micro_batches(ragged_batch(), samples, budget) == runs
 
 
-@pytest.mark.parametrize("mode", ("selected", "support"))
-def test_step_update_is_minus_the_whole_batch_loss_gradient(tiny_model_dir, mode):
-    # SGD with lr = 1 and no clipping: the update is exactly -grad of the loss on all tokens.
-    batch = global_batch(mode=mode)
+def test_micro_batch_inputs_left_pad_prompts_right_pad_responses_and_keep_the_rows_in_order():
+    batch = ragged_batch()
+    x = micro_batch_inputs(batch, range(0, 2), "cpu")
+    p0, p1 = batch.prompt_ids[:3].tolist(), batch.prompt_ids[3:4].tolist()
+    r0, r1 = batch.response_ids[:2].tolist(), batch.response_ids[2:8].tolist()
+    assert x["input_ids"].tolist() == [p0 + r0 + [0] * 4, [0, 0] + p1 + r1]
+    assert x["attention_mask"].tolist() == [[1] * 5 + [0] * 4, [0, 0] + [1] * 7]
+    assert x["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4, 5, 6]]
+    assert x["rows"].tolist() == [[True] * 2 + [False] * 4, [True] * 6]
+    assert x["response_ids"].tolist() == r0 + r1
+    a0, a1 = float(batch.advantages[0]), float(batch.advantages[1])
+    assert x["advantages"].tolist() == [a0] * 2 + [a1] * 6
+    assert x["loss_mask"].tolist() == batch.loss_mask[:8].astype(bool).tolist()
+
+
+def test_micro_batch_inputs_of_equal_prompts_need_no_mask():
+    x = micro_batch_inputs(global_batch(), range(0, 5), "cpu")
+    assert x["attention_mask"] is None and x["position_ids"] is None and x["input_ids"].shape == (5, 4 + 6)
+
+
+def test_an_empty_prompt_is_refused_with_its_sample_id():
+    batch = ragged_batch()
+    batch = replace_arrays(batch, prompt_offsets=np.array([0, 0, 1, 6, 8, 12], dtype=batch.prompt_offsets.dtype))
+    with pytest.raises(ValueError, match=f"sample {batch.sample_ids[0]!r} has an empty prompt"):
+        micro_batch_inputs(batch, range(0, 2), "cpu")
+
+
+def reference_inputs(batch, i: int) -> tuple[torch.Tensor, int, dict]:
+    """Sample ``i`` alone, as the oracle below runs it: its tokens, prompt length and loss inputs."""
+    rows = batch.sample_slice(i)
+    prompt = batch.prompt_ids[int(batch.prompt_offsets[i]) : int(batch.prompt_offsets[i + 1])]
+    ids = torch.as_tensor(np.concatenate([prompt, batch.response_ids[rows]]), dtype=torch.int64)[None]
+    n = rows.stop - rows.start
+    loss_inputs = {
+        "response_ids": torch.as_tensor(batch.response_ids[rows], dtype=torch.int64),
+        "sampled_logprobs": torch.as_tensor(batch.sampled_logprobs[rows], dtype=torch.float32),
+        "cand_ids": torch.as_tensor(batch.cand_ids[rows], dtype=torch.int32),
+        "cand_logprobs": torch.as_tensor(batch.cand_logprobs[rows], dtype=torch.float32),
+        "advantages": torch.full((n,), float(batch.advantages[i])),
+        "loss_mask": torch.as_tensor(batch.loss_mask[rows], dtype=torch.bool),
+    }
+    return ids, len(prompt), loss_inputs
+
+
+@pytest.mark.parametrize("micro_batch_tokens", (1, 20, 4096))
+@pytest.mark.parametrize(
+    "make, mode", [(global_batch, "selected"), (global_batch, "support"), (ragged_batch, "selected")]
+)
+def test_step_update_is_minus_the_whole_batch_loss_gradient(tiny_model_dir, make, mode, micro_batch_tokens):
+    # SGD with lr = 1 and no clipping: the update is exactly -grad of the loss on all tokens,
+    # whether each sample runs alone (1), padded in runs (20) or all in one forward (4096).
+    batch = make(mode=mode)
     model = load_model(tiny_model_dir)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     metrics = train_step(
-        model, make_optimizer(model, "sgd", 1.0), batch, LossSettings(is_mode="tis"), max_grad_norm=None
+        model,
+        make_optimizer(model, "sgd", 1.0),
+        batch,
+        LossSettings(is_mode="tis"),
+        max_grad_norm=None,
+        micro_batch_tokens=micro_batch_tokens,
     )
 
+    # The oracle: each sample through the model alone, unpadded, and one loss on all the rows.
     reference = load_model(tiny_model_dir)
-    parts = [sample_inputs(batch, i, "cpu") for i in range(batch.num_samples)]
-    logits = torch.cat([reference(input_ids=x["input_ids"]).logits[0, x["prompt_len"] - 1 : -1] for x in parts])
-    cat = {
-        key: torch.cat([x[key] for x in parts])
-        for key in ("response_ids", "sampled_logprobs", "cand_ids", "cand_logprobs", "advantages", "loss_mask")
-    }
+    parts = [reference_inputs(batch, i) for i in range(batch.num_samples)]
+    logits = torch.cat([reference(input_ids=ids).logits[0, prompt_len - 1 : -1] for ids, prompt_len, _ in parts])
+    cat = {key: torch.cat([x[key] for _, _, x in parts]) for key in parts[0][2]}
     loss, ref_metrics = score_centering_loss(logits, **cat, mode=mode, is_mode="tis")
     loss.backward()
-    # float32 sums in a different order (per sample vs all at once): ~1e-7 relative.
+    # float32 sums in a different order (per micro-batch vs all at once, padded matmuls): ~1e-7 relative.
     assert metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
     assert metrics["trained_tokens"] == int(batch.loss_mask.sum()) == 25
     for key, value in ref_metrics.items():
