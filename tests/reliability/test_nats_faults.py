@@ -248,7 +248,7 @@ def test_a_run_survives_sigkill_of_the_server_while_publishing_and_while_committ
 
     dropped = sum(m["gate_duplicate"] for m in run["metrics"])
     figures.faults = len(kills)
-    figures.notes = {"kills": kills, "ledger_dropped_redeliveries": dropped, "sync_always": sync_always}
+    figures.notes.update({"kills": kills, "ledger_dropped_redeliveries": dropped, "sync_always": sync_always})
     print("\n" + figures.summary("nats-full-run"))
     assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
     assert (figures.lost, figures.duplicated, figures.dead_lettered) == (0, 0, 0)

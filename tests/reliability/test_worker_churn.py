@@ -93,14 +93,16 @@ def test_workers_killed_mid_task_and_scaled_up_and_down_lose_no_group_and_train_
         name for name, w in workers.items() if name != publisher and task_done(w, published.group_ids[0])
     )
     figures.faults = 3
-    figures.notes = {
-        "workers": len(workers),
-        "sigkill_holding_task": (holder, held.task_id),
-        "sigkill_after_publish": (publisher, published.batch_id),
-        "republished_by": republished_by,
-        "sigterm": leaving,
-        "steps_done_at_4_workers": at_scale,
-    }
+    figures.notes.update(
+        {
+            "workers": len(workers),
+            "sigkill_holding_task": (holder, held.task_id),
+            "sigkill_after_publish": (publisher, published.batch_id),
+            "republished_by": republished_by,
+            "sigterm": leaving,
+            "steps_done_at_4_workers": at_scale,
+        }
+    )
     print("\n" + figures.summary("worker-churn"))
     assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
     assert (figures.lost, figures.duplicated, figures.dead_lettered) == (0, 0, 0)

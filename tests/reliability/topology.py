@@ -264,14 +264,19 @@ def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[Worke
         f"{run_id}/{s}/{j}/{i}" for s in range(steps) for j in range(PROMPTS_PER_STEP) for i in range(ROLLOUT_N)
     }
     acked = published_and_acked(workers)
+    dlq = asyncio.run(dead_letters(nats_url))
     figures = Figures(
         published=len(stored),
         acked=len(acked),
         trained=len(batches),
-        dead_lettered=len(asyncio.run(dead_letters(nats_url))),
+        dead_lettered=len(dlq),
         lost=len(expected - set(trained)) + len(acked - set(ids)),
         duplicated=sum(n - 1 for n in trained.values()) + sum(n - 1 for n in ids.values()),
     )
+    if dlq:  # why, in the RELIABILITY line: the gate's rule and reason headers
+        figures.notes["dead_letters"] = [
+            f"{h.get('batch_id')} {h.get('rule')}: {h.get('reason', '')[:300]}" for h, _ in dlq
+        ]
     ledger_ok = set(ledger) == set(batches) and all(by_seq[seq].batch_id == bid for bid, (seq, _) in ledger.items())
     details = {
         "state": state,
