@@ -347,9 +347,11 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, warmup: f
 
 def run_alone(args, cfg: dict, model: str, dataset: Path, run_dir: Path, seconds: float) -> dict:
     """A fresh SGLang server of ``model``, the pipeline's requests at its most concurrency, then stopped."""
+    from shared.config import resolve_section
     from shared.settings import WorkerSettings
 
-    concurrency = args.workers * WorkerSettings.model_fields["concurrency"].default
+    # The workers' own setting: its default, or CENTERLINE_WORKER_CONCURRENCY as up's workers read it.
+    concurrency = args.workers * resolve_section(WorkerSettings, only=()).concurrency
     bodies = request_bodies(cfg, model, dataset)
     url = f"http://127.0.0.1:{free_port()}"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

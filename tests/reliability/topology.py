@@ -42,7 +42,13 @@ from tests.trainer_service.service_stack import Trainer, dead_letters
 
 ACK_WAIT = "3"  # seconds, workers and trainer alike: a dead holder's message is back this fast
 PROMPTS_PER_STEP, ROLLOUT_N = 2, 4
+# On-policy (--max-inflight-steps 1, not the default 2): these runs count every sample trained
+# exactly once. With tasks a step ahead, the other batches fill a step while a fault holds one
+# back, and steps here last about 0.1 s, so a batch held back a second is more than
+# --max-staleness versions old when it arrives and is dead-lettered as stale, as it should be.
 TRAINER_FLAGS = (
+    "--max-inflight-steps",
+    "1",
     "--prompts-per-step",
     str(PROMPTS_PER_STEP),
     "--rollout-n",
