@@ -47,11 +47,11 @@ at this concurrency: short of 1 by the round trips between an answer and the nex
 are long beside a small model's forward passes (top-K log-probs are formatted in Python).
 
 Measured here (2 CPUs otherwise idle; ``--train-seconds 120 --eval-prompts 200``, otherwise the
-defaults): on-policy 187 steps, 198.8 samples/s, SGLang duty cycle 0.356, trainer 0.570,
-held-out accuracy 0.08 -> 0.225; async 202 steps, 215.9 samples/s, duty cycles 0.512 and
-0.959, 0.08 -> 0.31; SGLang alone at 16 requests 347.2 samples/s, duty cycle 0.708. On 2 cores
-the trainer is the slower stage once the two overlap (they share the cores), so the engine
-waits for the next step's tasks; ``trainer_duty_cycle`` says which side waits.
+defaults): on-policy 241 steps, 257.5 samples/s, SGLang duty cycle 0.588, trainer 0.313,
+held-out accuracy 0.075 -> 0.215; async 297 steps, 317.4 samples/s, duty cycles 0.865 and
+0.920, 0.065 -> 0.22; SGLang alone at 16 requests 347.9 samples/s, duty cycle 0.854. Async,
+SGLang has work as often as when driven alone at the workers' concurrency; what both miss of
+1 are the round trips above. ``trainer_duty_cycle`` says which side waits.
 
 Left out: more than one SGLang server (``--engines``), GPUs, and the pipeline's latency
 figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step).
