@@ -8,8 +8,15 @@ from hypothesis import strategies as st
 from shared.contract import RULES, ContractViolation, check_batch
 from shared.synth import make_batch
 from shared.wire import replace_arrays
+from tests.rounding import U32, sum_tolerance
 
 VOCAB = 64
+
+
+def float32_mass_tolerance(logprobs) -> float:
+    """How far the contract's float32 row mass (K exps, each within an ulp, then their sum) may be
+    from the exact mass of the same float32 log-probs."""
+    return sum_tolerance(float(np.exp(logprobs.astype(np.float64)).sum()), len(logprobs) + 1, U32)
 
 
 def selected(**kw):
@@ -130,7 +137,7 @@ def test_row_mass_above_one_is_rejected():
     lps[i, 0] = batch.sampled_logprobs[i] if batch.cand_ids[i, 0] == batch.response_ids[i] else lps[i, 0]
     err = violation(replace_arrays(batch, cand_logprobs=lps))
     assert (err.rule, err.sample, err.row, err.expected) == ("row_mass", 0, 2, 1.0)
-    assert err.found == pytest.approx(float(np.exp(lps[i]).sum()), rel=1e-6)
+    assert abs(err.found - float(np.exp(lps[i].astype(np.float64)).sum())) <= float32_mass_tolerance(lps[i])
 
 
 def test_support_mass_not_one_is_rejected():
@@ -141,7 +148,7 @@ def test_support_mass_not_one_is_rejected():
     slp[i] -= 0.01
     err = violation(replace_arrays(batch, cand_logprobs=lps, sampled_logprobs=slp))
     assert (err.rule, err.sample, err.row) == ("support_mass", 3, 3)
-    assert err.found == pytest.approx(np.exp(-0.01), abs=1e-6)
+    assert abs(err.found - float(np.exp(lps[i].astype(np.float64)).sum())) <= float32_mass_tolerance(lps[i])
 
 
 def test_empty_support_blames_dropped_support_fields():
@@ -174,7 +181,8 @@ def test_sampled_logprob_mismatch_is_rejected():
     i = row_of(2, 2)
     err = violation(edit(batch, "sampled_logprobs", i, batch.sampled_logprobs[i] - 1e-3))
     assert (err.rule, err.sample, err.row) == ("sampled_mismatch", 2, 2)
-    assert err.expected == pytest.approx(float(batch.sampled_logprobs[i]) - 1e-3, abs=1e-6)
+    expected = float(batch.sampled_logprobs[i]) - 1e-3
+    assert abs(err.expected - expected) <= sum_tolerance(abs(expected), 1, U32)  # one float32 rounding
 
 
 def test_sampled_logprob_within_tolerance_passes():

@@ -95,3 +95,11 @@ def fresh(case):
     out = dict(case)
     out["logits"] = case["logits"].detach().clone().requires_grad_()
     return out
+
+
+def in_dtype(case, dtype):
+    """The same inputs with every floating-point tensor cast to ``dtype``: from float32 to float64
+    the values are identical, so the two computations differ only in their own rounding."""
+    out = {key: value.detach().to(dtype) if value.is_floating_point() else value for key, value in case.items()}
+    out["logits"].requires_grad_()
+    return out

@@ -2,7 +2,10 @@
 
     .venv/bin/python -m tests.trainer_service.make_golden
 
-Commit the result with the change that moved the numbers, so the review shows them.
+The figures are computed in float64 from float32 inputs (each case as a float32 batch carries
+them), so they hold on every processor to float64 rounding; test_golden.py compares the float32
+computation to them within its rounding bound. Commit the result with the change that moved the
+numbers, so the review shows them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.trainer_service.cases import fresh, make_case
+from tests.trainer_service.cases import in_dtype, make_case
 from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
 
 PATH = Path(__file__).with_name("golden_loss.json")
@@ -28,8 +31,14 @@ def configurations():
         yield {"loss": loss, "mode": "selected", "is_mode": "none", "temperature": 0.7}
 
 
-def figures(config: dict) -> dict:
-    case = fresh(make_case(100, mode=config["mode"], n=16, vocab=50, k=8, dtype=torch.float32, padded_rows=(3,)))
+def golden_case(config: dict):
+    """The float32 inputs of one configuration (a fixed seed, one padded row)."""
+    return make_case(100, mode=config["mode"], n=16, vocab=50, k=8, dtype=torch.float32, padded_rows=(3,))
+
+
+def figures(config: dict, dtype: torch.dtype) -> dict:
+    """The configuration's figures with the loss computing in ``dtype``."""
+    case = in_dtype(golden_case(config), dtype)
     kwargs = {key: value for key, value in config.items() if key != "loss"}
     loss, metrics = LOSSES[config["loss"]](**case, **kwargs)
     loss.backward()
@@ -42,8 +51,8 @@ def figures(config: dict) -> dict:
     }
 
 
-def compute() -> list[dict]:
-    return [{"config": config, "figures": figures(config)} for config in configurations()]
+def compute(dtype: torch.dtype = torch.float64) -> list[dict]:
+    return [{"config": config, "figures": figures(config, dtype)} for config in configurations()]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+import torch
+
 from shared.wire import decode_batch
 from trainer_service.distributed import device, in_world, is_main
 from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
@@ -26,12 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="the model's parameters")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
         with open(args.batch, "rb") as fh:
             batch = decode_batch(fh.read())
-        model = wrap_model(load_model(args.model, device=device()), args.strategy)
+        model = wrap_model(load_model(args.model, dtype=getattr(torch, args.dtype), device=device()), args.strategy)
         optimizer = make_optimizer(model, args.optimizer, args.lr)
         metrics = train_step(model, optimizer, batch, LossSettings(), max_grad_norm=1.0)
         save_model(model, args.out)
