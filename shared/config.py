@@ -1,7 +1,9 @@
 """Typed configuration shared by every service, one documented field per setting.
 
-Sources, highest precedence first (docs/design.md section 2): command-line flags, a TOML file
-(``--config FILE``), ``CENTERLINE_*`` environment variables, then the defaults below.
+Sources, highest precedence first (docs/design.md section 2): command-line flags, ``CENTERLINE_*``
+environment variables, a TOML file (``--config FILE``), then the defaults below: the environment
+beats a file, as with pydantic-settings, Docker and twelve-factor apps, so a deployment overrides
+one value of a mounted file with a variable.
 Field ``rollout_top_logprobs_num`` is the flag ``--rollout-top-logprobs-num``, the TOML key
 ``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``.
 
@@ -237,7 +239,7 @@ def _flag_kwargs(name: str, info, metavar: bool) -> dict:
 
 
 def resolve(args: argparse.Namespace | None = None, env: typing.Mapping[str, str] | None = None) -> Config:
-    """The shared settings: environment, TOML file and flags merged (in rising precedence), then validated."""
+    """The shared settings: TOML file, environment and flags merged (in rising precedence), then validated."""
     return validate(_build(Config, None, args, env, None))
 
 
@@ -266,14 +268,14 @@ def resolve_section(
 def _build(model: type[M], section: type[Section] | None, args, env, only) -> M:
     env = os.environ if env is None else env
     values: dict = {}
-    for name, info in model.model_fields.items():
-        raw = env.get(env_name(name, section))
-        if raw is not None:
-            values[name] = raw.split(",") if _base_type(info.annotation) is list else raw
     args_dict = vars(args) if args is not None else {}
     if "config" in args_dict:
         data = load_toml(args_dict["config"])
         values.update(data.get(section.name, {}) if section else {k: v for k, v in data.items() if k not in SECTIONS})
+    for name, info in model.model_fields.items():
+        raw = env.get(env_name(name, section))
+        if raw is not None:
+            values[name] = raw.split(",") if _base_type(info.annotation) is list else raw
     values.update(
         {k: v for k, v in args_dict.items() if k in model.model_fields and (only is None or k in only or not section)}
     )

@@ -3,7 +3,7 @@
 A field of ``TrainerSettings`` (table ``trainer``) such as ``max_grad_norm`` is the flag
 ``--max-grad-norm`` of ``centerline trainer``, the key ``max_grad_norm`` of the TOML file's
 ``[trainer]`` table and the variable ``CENTERLINE_TRAINER_MAX_GRAD_NORM``; sources and
-precedence are the shared ones (flags, file, environment, defaults). A setting the command
+precedence are the shared ones (flags, environment, file, defaults). A setting the command
 cannot start without is listed in ``required`` (default None, so a file or the environment
 may give it). ``checks`` returns the failures as ``(failed, field, value, fix)``, the shape of
 ``shared.config.validate``; simple bounds are field constraints. ``docs/config.md`` lists

@@ -1400,8 +1400,8 @@ def test_compose_cluster_nodes_run_the_cluster_config_with_routes_to_every_node(
 
 def resolved_config(argv: list[str], env: dict, toml: str, tmp_path: Path):
     """The settings a centerline service resolves from `centerline SUB ARGV` (after SUB), its
-    environment and its --config file (given here as its text): flags over the file over the
-    environment (shared/config.py)."""
+    environment and its --config file (given here as its text): flags over the environment over
+    the file (shared/config.py)."""
     import argparse
 
     from shared.config import add_arguments, resolve
@@ -1445,9 +1445,9 @@ def test_compose_services_connect_to_every_nats_node(files, tmp_path):
             assert_stream_replicas(cfg, as_mapping(svc["environment"]), len(nodes))
         else:
             assert STREAM_REPLICAS_ENV not in as_mapping(svc["environment"]), name  # 1, the default
-        if len(nodes) > 1:  # docker-compose.yml's command, plus the server list
-            base = project(files.replace("-nats-cluster", ""))["services"][name]["command"]
-            assert svc["command"] == [*base, "--nats-url", ",".join(urls)]
+        if len(nodes) > 1:  # docker-compose.yml's command; the server list from the environment
+            assert svc["command"] == project(files.replace("-nats-cluster", ""))["services"][name]["command"]
+            assert as_mapping(svc["environment"])["CENTERLINE_NATS_URL"] == ",".join(urls)
 
 
 @pytest.mark.parametrize("files", CLUSTER_PROJECTS)
@@ -1459,7 +1459,7 @@ def test_compose_cluster_override_changes_only_nats_and_its_clients(files):
     assert list(override["services"]) == changed
     assert set(override["services"]["nats"]) == {"command", "environment", "volumes", "healthcheck", "restart"}
     for name in NATS_CLIENTS["compose"]:
-        assert set(override["services"][name]) <= {"command", "environment", "depends_on"}
+        assert set(override["services"][name]) == {"environment", "depends_on"}
     single, cluster = merged_files(files.replace("-nats-cluster", ""), {}), merged_files(files, {})
     assert {k: v for k, v in cluster["services"].items() if k not in changed} == {
         k: v for k, v in single["services"].items() if k not in changed

@@ -1,4 +1,4 @@
-"""Configuration: flags over TOML over environment, and start-up refusals that name the flag."""
+"""Configuration: flags over environment over TOML, and start-up refusals that name the flag."""
 
 import argparse
 import subprocess
@@ -39,16 +39,23 @@ def test_defaults_are_the_embedded_toy_job():
     ) == (128, 1.0, "selected", "none")
 
 
-def test_flags_override_toml_which_overrides_environment(tmp_path):
+def test_flags_override_the_environment_which_overrides_the_toml_file(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text("rollout_top_logprobs_num = 64\nrollout_temperature = 0.7\n")
+    toml.write_text(
+        'rollout_top_logprobs_num = 64\nrollout_temperature = 0.7\nseed = 3\nnats_url = "nats://file:4222"\n'
+    )
     env = {
         "CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM": "32",
         "CENTERLINE_ROLLOUT_TEMPERATURE": "0.5",
         "CENTERLINE_MAX_STALENESS": "5",
+        "CENTERLINE_NATS_URL": "nats://env:4222",
     }
     cfg = parse(["--config", str(toml), "--rollout-temperature", "0.9"], env)
-    assert (cfg.rollout_top_logprobs_num, cfg.rollout_temperature, cfg.max_staleness) == (64, 0.9, 5)
+    # flag > environment > file > default, setting by setting
+    assert (cfg.rollout_temperature, cfg.rollout_top_logprobs_num, cfg.seed, cfg.max_inflight_steps) == (0.9, 32, 3, 2)
+    assert (cfg.max_staleness, cfg.nats_url) == (5, "nats://env:4222")
+    assert parse(["--config", str(toml), "--nats-url", "nats://flag:4222"], env).nats_url == "nats://flag:4222"
+    assert parse(["--config", str(toml)], {}).nats_url == "nats://file:4222"
 
 
 def test_list_settings_come_from_flags_and_comma_separated_environment():
@@ -185,7 +192,7 @@ def test_a_command_setting_is_a_flag_a_key_of_its_table_and_a_variable(tmp_path)
         "CENTERLINE_TRAINER_STEPS": "7",
     }
     settings = parse_section(TrainerSettings, [*TRAINER, "--config", str(toml), "--threads", "4"], env)
-    assert (settings.threads, settings.max_grad_norm, settings.steps, settings.strategy) == (4, 0.5, 7, "ddp")
+    assert (settings.threads, settings.max_grad_norm, settings.steps, settings.strategy) == (4, 0.25, 7, "ddp")
     assert settings.model == Path("m")
 
 
