@@ -74,6 +74,17 @@ class TrainerSettings(Section):
     strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="How ranks share the model: DDP or FSDP2.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port (rank 0); unset: off.")
+    tensorboard: bool = Field(
+        True,
+        description="Write each step's metrics as TensorBoard scalars into the run directory "
+        "(`tensorboard --logdir runs/` shows every run by its id).",
+    )
+    wandb: Literal["off", "offline", "online"] = Field(
+        "off",
+        description="Log each step's metrics to Weights & Biases (the `wandb` extra: pip install 'centerline[wandb]'); "
+        "offline writes the run under the run directory without network, for `wandb sync` later.",
+    )
+    wandb_project: str = Field("centerline", description="W&B project of --wandb offline/online runs.")
     threads: int = Field(1, ge=1, description="Torch intra-op threads per rank.")
     micro_batch_tokens: int = Field(
         MICRO_BATCH_TOKENS,

@@ -1,5 +1,7 @@
 """Per-step metrics: one JSON line on stdout, one line appended to ``<run_dir>/metrics.jsonl``,
-and Prometheus gauges/counters at ``/metrics`` when ``--metrics-port`` is given.
+the same figures as TensorBoard scalars (event files in ``<run_dir>``, so ``tensorboard --logdir
+runs/`` shows each run by its id), to Weights & Biases when ``--wandb`` is ``offline`` or
+``online``, and Prometheus gauges/counters at ``/metrics`` when ``--metrics-port`` is given.
 
 The HTTP server is optional and can never stop training: a port that cannot be bound is
 logged and the trainer goes on without it.
@@ -14,6 +16,7 @@ from pathlib import Path
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from shared.config import ConfigError
 from trainer_service.step import METRICS
 
 log = logging.getLogger("centerline.trainer.metrics")
@@ -34,9 +37,35 @@ GAUGES = (
 )
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """A step record's numbers as scalar tags: top-level numbers by name, a table of numbers
+    (``gate_rejected``) as ``name/key``; booleans, strings and lists are not scalars."""
+    out = {}
+    for name, value in record.items():
+        if isinstance(value, dict):
+            out.update({f"{name}/{key}": float(v) for key, v in value.items() if _number(v)})
+        elif _number(value):
+            out[name] = float(value)
+    return out
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class Metrics:
-    def __init__(self, run_dir: Path, port: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        port: int | None = None,
+        *,
+        tensorboard: bool = True,
+        wandb: str = "off",
+        wandb_project: str = "centerline",
+    ):
         self.path = run_dir / "metrics.jsonl"
+        self.run_dir, self.tensorboard, self._tb = run_dir, tensorboard, None
+        self._wandb = _wandb_run(run_dir, wandb, wandb_project) if wandb != "off" else None
         self.registry = CollectorRegistry()
         self.gauges = {
             name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES
@@ -114,3 +143,34 @@ class Metrics:
         for name, gauge in self.gauges.items():
             if isinstance(record.get(name), (int, float)):
                 gauge.set(record[name])
+        values, step = scalars(record), int(record["step"])
+        if self.tensorboard:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                # purge_step: a run resumed after a crash drops the events its last process wrote
+                # for steps it trains again, as metrics.jsonl does.
+                self._tb = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_run(run_dir: Path, mode: str, project: str):
+    """A W&B run named by the run directory, resumed when it exists (a restarted trainer)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            f"--wandb {mode} needs the wandb package, which is not installed: pip install 'centerline[wandb]' "
+            "(or --wandb off)"
+        ) from None
+    return wandb.init(project=project, name=run_dir.name, id=run_dir.name, dir=str(run_dir), mode=mode, resume="allow")

@@ -77,7 +77,13 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         next_step=state.next_task_step,
     )
     engines = weights.WeightPublisher(js, cfg.engine_urls)
-    metrics = Metrics(settings.run_dir, settings.metrics_port)
+    metrics = Metrics(
+        settings.run_dir,
+        settings.metrics_port,
+        tensorboard=settings.tensorboard,
+        wandb=settings.wandb,
+        wandb_project=settings.wandb_project,
+    )
     metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
     initial = weights.version_dir(settings.run_dir / "weights", state.version) if state.version else settings.model
@@ -138,6 +144,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     keep_alive.cancel()
     catching_up.cancel()
     log.info("stopped after %d steps at version %d", state.step, state.version)
+    metrics.close()
     try:
         await engines.close()
         await nc.flush(timeout=5)  # naks are plain publishes; acks were confirmed one by one

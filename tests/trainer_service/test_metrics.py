@@ -1,0 +1,90 @@
+"""The trainer's step metrics where users look: TensorBoard event files in the run directory
+(read back with TensorBoard's own reader) and Weights & Biases offline."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from shared.config import ConfigError
+from trainer_service.metrics import Metrics, scalars
+
+
+def record(step: int, loss: float) -> dict:
+    return {
+        "step": step,
+        "version": step,
+        "loss": loss,
+        "trained_tokens": 40 * step,
+        "gate_rejected": {"short_row": step - 1},
+        "recovered": False,
+        "batch_ids": ["a", "b"],
+    }
+
+
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_a_step_record_becomes_scalars_by_name_with_tables_as_name_slash_key():
+    assert scalars(record(2, 0.5)) == {
+        "step": 2.0,
+        "version": 2.0,
+        "loss": 0.5,
+        "trained_tokens": 80.0,
+        "gate_rejected/short_row": 1.0,
+    }
+
+
+def test_every_step_is_a_tensorboard_scalar_in_the_run_directory(tmp_path):
+    metrics = Metrics(tmp_path)
+    for step, loss in ((1, -0.25), (2, 0.125), (3, 1.0 / 3)):
+        metrics.step(record(step, loss))
+    metrics.close()
+    found = tensorboard_scalars(tmp_path)
+    assert set(found) == {"step", "version", "loss", "trained_tokens", "gate_rejected/short_row"}
+    assert found["loss"] == [(1, -0.25), (2, 0.125), (3, float(np.float32(1.0 / 3)))]  # stored as float32
+    assert found["gate_rejected/short_row"] == [(1, 0.0), (2, 1.0), (3, 2.0)]
+
+
+def test_a_resumed_trainer_replaces_the_events_of_the_steps_it_trains_again(tmp_path):
+    first = Metrics(tmp_path)
+    for step in (1, 2, 3):
+        first.step(record(step, float(step)))
+    first.close()  # as if it died after step 3's line; the checkpoint it resumes from is step 1
+    again = Metrics(tmp_path)
+    for step in (2, 3):
+        again.step(record(step, 10.0 * step))
+    again.close()
+    assert tensorboard_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 20.0), (3, 30.0)]
+
+
+def test_tensorboard_off_writes_no_event_file(tmp_path):
+    metrics = Metrics(tmp_path, tensorboard=False)
+    metrics.step(record(1, 0.5))
+    metrics.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_wandb_offline_logs_every_step_under_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run-7"
+    run_dir.mkdir()
+    metrics = Metrics(run_dir, wandb="offline", wandb_project="tests")
+    for step in (1, 2):
+        metrics.step(record(step, 0.5 * step))
+    metrics.close()
+    (offline,) = (run_dir / "wandb").glob("offline-run-*-run-7")
+    (data,) = offline.glob("run-run-7.wandb")
+    body = data.read_bytes()
+    assert b"gate_rejected/short_row" in body and b"trained_tokens" in body
+
+
+def test_wandb_without_the_package_stops_start_up_naming_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
+    with pytest.raises(ConfigError, match=r"--wandb online needs the wandb package.*centerline\[wandb\]"):
+        Metrics(tmp_path, wandb="online")
