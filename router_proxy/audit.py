@@ -9,12 +9,19 @@ also returns the arrays it checked, encoded as the proxy's binary answer: the wo
 those and never parses the JSON itself. ``centerline bench proxy`` measures the audit against
 ``orjson.loads`` of the same body.
 
+The audit judges the values as they travel: the arrays are converted to the wire dtypes first
+(int32 ids, float32 log-probs; ``response_arrays.to_wire_dtypes`` refuses a value that would not
+survive it), and ``check_rows`` runs on those, as the worker's and the trainer's checks do. The
+texts and finish reasons the binary answer carries are judged for both answers too, so the
+JSON and the binary verdicts are the same (but for a weight version, see ``audit_body``).
+
 Small responses (up to ``SMALL_ENTRIES`` candidates) are first tried by ``quick_accept``, a
 pure-Python pass: numpy's fixed cost (~60 us of array set-up and two dozen whole-array
 operations) is ten times a short response's own. It only ever *accepts*, and only what
-``check_rows`` certainly accepts (exact types, mass with a margin for summation order);
-anything else, defects included, goes the numpy way, so every verdict and error message
-comes from ``check_rows``. ``tests/router_proxy/test_audit.py`` checks both agree.
+``check_rows`` certainly accepts on the float32 values (exact types, masses and differences with
+a margin for float32 rounding and summation order); anything else, defects included, goes the
+numpy way, so every verdict and error message comes from ``check_rows``.
+``tests/router_proxy/test_audit.py`` checks both agree.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import gc
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 
 from shared import response_arrays
 from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
-from shared.sglang_response import check_not_aborted, malformed, parse_body, to_arrays
+from shared.response_arrays import to_wire_dtypes
+from shared.sglang_response import check_not_aborted, finish_reasons, malformed, parse_body, response_texts, to_arrays
 
 # Rules the proxy adds to shared.contract.RULES for responses that cannot even be read.
 PROXY_RULES = {
@@ -48,6 +57,14 @@ SMALL_ENTRIES = 256
 # quick_accept sums probabilities in another order (and with math.exp) than numpy: it accepts
 # only masses this far inside the tolerance, leaving the boundary to check_rows.
 _MARGIN = 1e-9
+# check_rows judges float32 values; quick_accept reads the float64 ones. _U32 is float32's unit roundoff:
+# a row of L entries keeps (2L + 8) * _U32 more margin for its mass (each log-prob's rounding moves its
+# probability by at most _U32 * |lp| * p, and sum(p * |lp|) <= max(ln L, 1); numpy's float32 exp is within
+# 3 ulp = 6 _U32 of exact, numpy's accuracy tests; any float32 summation order of L terms within (L - 1) _U32),
+# and a sampled log-prob's difference to its candidate's keeps _U32 * (|a| + |b|), both roundings.
+_U32 = 2.0**-24
+_TOL32 = float(np.float32(MASS_TOL))  # the tolerance as check_rows compares float32 differences to it
+_FLT_MAX = float(np.finfo(np.float32).max)  # beyond it a log-prob may not survive float32: to_wire_dtypes decides
 
 
 @dataclass(frozen=True)
@@ -96,12 +113,14 @@ def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, array
     except orjson.JSONDecodeError as exc:
         raise malformed(f"the upstream body is not valid JSON ({exc})") from None
     check_not_aborted(metas)
+    response_texts(doc, endpoint)  # what the binary answer carries besides the arrays, judged for both answers
+    finish_reasons(metas)
     tokens = quick_accept(metas, mode=mode, k=k, vocab_size=vocab_size)
     if tokens is None:
         built = checked_arrays(metas, mode=mode, k=k, vocab_size=vocab_size)
         tokens = int(built[0].shape[0])
     elif arrays:
-        built = to_arrays(metas, mode=mode, k=k)
+        built = to_wire_dtypes(to_arrays(metas, mode=mode, k=k), mode=mode)
     if not arrays:
         return AuditResult(samples=len(metas), tokens=tokens)
     found = response_arrays.from_parsed(doc, metas, endpoint, mode=mode, k=k, arrays=built)
@@ -120,8 +139,9 @@ def full_audit(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> Audi
 
 
 def checked_arrays(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> tuple:
-    """``to_arrays(metas)`` once ``check_rows`` passed them; raises the first defect."""
-    found = to_arrays(metas, mode=mode, k=k)
+    """``to_arrays(metas)`` in the wire dtypes (``to_wire_dtypes``) once ``check_rows`` passed them as such;
+    raises the first defect."""
+    found = to_wire_dtypes(to_arrays(metas, mode=mode, k=k), mode=mode)
     check_rows(*found[:5], mode=mode, k=k, vocab_size=vocab_size, offsets=found[5])
     return found
 
@@ -130,17 +150,21 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
     """The token count if the samples certainly pass ``check_rows``; None when large, unusual or defective.
 
     Accepted entries are exactly ``[float logprob, int id(, text)]`` (orjson never yields a
-    non-finite float), ids in ``[0, vocab)``, no duplicates, log-probs <= ``LOGPROB_TOL``.
-    Selected mode: each row holds ``min(K, vocab)`` candidates, mass <= 1 + tol, and the
-    sampled token, when in its row, has the same log-prob within tol. Support mode: rows of
-    1..K ids with parallel log-probs, mass 1 within tol, the sampled token in the row (its
-    log-prob is then the row's, see ``_support_sampled_logprobs``).
+    non-finite float), ids in ``[0, vocab)``, no duplicates, log-probs in ``[-FLT_MAX, LOGPROB_TOL]``
+    (so finite in float32 too). Selected mode: each row holds ``min(K, vocab)`` candidates,
+    mass <= 1 + tol, and the sampled token, when in its row, has the same log-prob within tol.
+    Support mode: rows of 1..K ids with parallel log-probs, mass 1 within tol, the sampled token
+    in the row (its log-prob is then the row's, see ``_support_sampled_logprobs``). Masses and
+    differences keep the float32 margins above, so what passes here passes ``check_rows`` on
+    the float32 values.
     A plain loop: ``set(map(type, ...))`` and friends measured slower on rows this short.
     """
     selected = mode == "selected"
     need = min(k, vocab_size)
     budget, tokens = SMALL_ENTRIES, 0
-    exp, top = math.exp, 1 + MASS_TOL - _MARGIN
+    exp, low = math.exp, -_FLT_MAX
+    top = 1 + MASS_TOL - _MARGIN - (2 * need + 8) * _U32  # selected rows: all of width need
+    match_tol = _TOL32 - _MARGIN
     try:
         for meta in metas:
             sampled = meta.get("output_token_logprobs")
@@ -165,6 +189,7 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
                     type(lp) is not float
                     or type(token) is not int
                     or not 0 <= token < vocab_size
+                    or lp < low
                     or (selected and lp > LOGPROB_TOL)
                 ):
                     return None
@@ -172,7 +197,12 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
                 for clp, cid, _ in (
                     row if selected else zip(lp_row, row, row)
                 ):  # selected: exactly 3 items, else ValueError
-                    if type(clp) is not float or type(cid) is not int or not 0 <= cid < vocab_size or clp > LOGPROB_TOL:
+                    if (
+                        type(clp) is not float
+                        or type(cid) is not int
+                        or not 0 <= cid < vocab_size
+                        or not low <= clp <= LOGPROB_TOL
+                    ):
                         return None
                     seen[cid] = clp
                     mass += exp(clp)
@@ -180,9 +210,9 @@ def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> in
                     return None
                 if selected:
                     hit = seen.get(token)
-                    if mass > top or (hit is not None and abs(hit - lp) > MASS_TOL):
+                    if mass > top or (hit is not None and abs(hit - lp) + (abs(hit) + abs(lp)) * _U32 > match_tol):
                         return None
-                elif abs(mass - 1) > MASS_TOL - _MARGIN or token not in seen:
+                elif abs(mass - 1) > MASS_TOL - _MARGIN - (2 * len(row) + 8) * _U32 or token not in seen:
                     return None  # (in the row, the sampled log-prob is the row's own: _support_sampled_logprobs)
             tokens += len(sampled)
     except (TypeError, ValueError):  # an entry that is not a [logprob, id, text] list: the numpy path names the defect

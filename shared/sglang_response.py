@@ -89,10 +89,22 @@ def response_metas(doc, endpoint: str) -> list[dict]:
 
 
 def response_texts(doc, endpoint: str) -> list[str]:
-    """Each sample's decoded text (what rewards read), in sample order; "" where absent."""
+    """Each sample's decoded text (what rewards read), in sample order; "" where absent or null.
+
+    Native ``text``, chat ``message.content``: a string, or null or absent (chat: a message
+    without content). Any other type raises ``malformed_response``: it would reach the worker as
+    "" and be rewarded as an empty answer.
+    """
     if endpoint == "chat":
-        return [_text((c.get("message") or {}).get("content")) for c in doc["choices"]]
-    return [_text(item.get("text")) for item in (doc if isinstance(doc, list) else [doc])]
+        texts = []
+        for i, choice in enumerate(doc["choices"]):
+            message = choice.get("message")
+            if message is not None and not isinstance(message, dict):
+                raise malformed(f"choices[{i}].message is {type(message).__name__}, expected an object")
+            texts.append(_text((message or {}).get("content"), f"choices[{i}].message.content"))
+        return texts
+    items = doc if isinstance(doc, list) else [doc]
+    return [_text(item.get("text"), f"sample {i}: text") for i, item in enumerate(items)]
 
 
 def prompt_token_ids(doc) -> list[int] | None:
@@ -106,30 +118,60 @@ def prompt_token_ids(doc) -> list[int] | None:
     return ids
 
 
-def _text(value) -> str:
-    return value if isinstance(value, str) else ""
+def _text(value, name: str) -> str:
+    if value is None:
+        return ""
+    if type(value) is not str:
+        raise malformed(f"{name} is {type(value).__name__}, expected a string or null")
+    return value
 
 
 def weight_versions(metas: list[dict]) -> list[int]:
-    """Each sample's weight version as the trainer numbers them."""
+    """Each sample's weight version as the trainer numbers them: SGLang writes the string the
+    trainer sent (``str(v)``: ASCII digits, fewer than 20 so that 64 bits hold it) or
+    ``"default"``. Anything else raises ``malformed_response``, where ``int()`` would read 1.5,
+    ``true`` or ``" 3"`` as a version."""
     out = []
     for i, meta in enumerate(metas):
         version = meta.get("weight_version")
-        try:
-            out.append(0 if version == INITIAL_VERSION else int(version))
-        except (TypeError, ValueError):
+        if version == INITIAL_VERSION:
+            out.append(0)
+        elif type(version) is str and len(version) < 20 and version.isascii() and version.isdigit():
+            out.append(int(version))
+        else:
             raise malformed(
-                f"sample {i}: meta_info.weight_version is {version!r}, expected {INITIAL_VERSION!r} or a string of an "
-                "int "
-                "(the trainer names versions 0, 1, ...)"
-            ) from None
+                f"sample {i}: meta_info.weight_version is {repr(version)[:80]}, expected {INITIAL_VERSION!r} or a "
+                "string of an int (up to 19 ASCII digits: the trainer names versions 0, 1, ...)"
+            )
     return out
 
 
+# SGLang's finish reasons (schedule_batch.py, FINISH_*.to_json): {"type": "stop", "matched": ...},
+# {"type": "length", "length": N}, {"type": "abort", "message": ...}; null while unfinished.
+FINISH_TYPES = ("stop", "length", "abort")
+_FINISH_SHAPE = '{"type": ' + " | ".join(f'"{t}"' for t in FINISH_TYPES) + ", ...}"
+
+
 def finish_reasons(metas: list[dict]) -> list[str | None]:
-    """Each sample's ``finish_reason.type`` (``stop``, ``length``, ``abort``), None while unfinished."""
-    reasons = [meta.get("finish_reason") for meta in metas]
-    return [r.get("type") if isinstance(r, dict) else r for r in reasons]
+    """Each sample's ``finish_reason.type`` (``stop``, ``length``, ``abort``), None while unfinished.
+
+    A finish reason is null or an object whose ``type`` is one of ``FINISH_TYPES``; anything
+    else raises ``malformed_response``. The type is what travels (the binary answer's
+    ``finish_reasons``); the object's other keys do not and are not judged.
+    """
+    out = []
+    for i, meta in enumerate(metas):
+        reason = meta.get("finish_reason")
+        if reason is None:
+            out.append(None)
+        elif isinstance(reason, dict) and type(reason.get("type")) is str and reason["type"] in FINISH_TYPES:
+            out.append(reason["type"])
+        else:
+            raise malformed(
+                f"sample {i}: meta_info.finish_reason is {repr(reason)[:80]}, expected null or SGLang's object "
+                f"{_FINISH_SHAPE}"
+            )
+    return out
 
 
 def check_not_aborted(metas: list[dict]) -> None:

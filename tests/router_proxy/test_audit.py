@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from router_proxy.audit import audit_body, full_audit, quick_accept
 from router_proxy.bench import native_response
-from shared import candidate_scan, sglang_response
+from shared import candidate_scan, response_arrays, sglang_response
 from shared.candidate_scan import Scanned
 from shared.contract import ContractViolation
 from shared.sglang_response import native_metas
@@ -221,8 +221,10 @@ def support(doc: dict, width: int) -> dict:
 
 
 TOL = 1e-5
-# Values at and around the contract's tolerances, where summation order could decide.
+# Values at and around the contract's tolerances, where summation order or float32's rounding (the audit
+# judges float32 values) could decide, and past float32's range.
 EDGES = [TOL, TOL * (1 + 1e-12), TOL * (1 - 1e-12), 2 * TOL, 0.0, 1e-300, -1e-300, 0.5, -0.5, 1e-7, -1e-7]
+EDGES += [TOL * 0.8, TOL * 0.95, TOL * 1.05, 1e300, 3.4028235677973366e38, 3.4028234663852886e38]
 
 
 @st.composite
@@ -340,6 +342,190 @@ def test_another_content_type_is_malformed_even_with_a_valid_body(ctype, shown):
         "malformed_response",
         f"the upstream answered content-type {shown}, expected application/json",
     )
+
+
+# What a worker receives is what was audited: the audit judges the values as they travel, in the
+# wire dtypes (int32 ids, float32 log-probs), and the fields the binary answer carries besides.
+
+FLT_MAX = 3.4028234663852886e38
+FLT_MIDPOINT = 2.0**128 - 2.0**103  # halfway from float32's largest finite value to 2**128: rounds to inf
+
+
+def both_answers(doc, **kw) -> list:
+    """The verdict of the JSON answer and of the binary one: ("ok", tokens) or (rule, message)."""
+    body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    out = []
+    for arrays in (False, True):
+        try:
+            result = audit_body(
+                body,
+                endpoint=kw.get("endpoint", "generate"),
+                mode=kw.get("mode", "selected"),
+                k=kw.get("k", 8),
+                vocab_size=VOCAB,
+                arrays=arrays,
+            )
+            out.append(("ok", result.tokens))
+        except ContractViolation as v:
+            out.append((v.rule, str(v)))
+    return out
+
+
+def test_a_finish_reason_of_another_type_is_malformed_in_both_answers():
+    # found by fuzz/fuzz_proxy_audit.py: it passed, and its binary answer did not decode
+    doc = orjson.loads(native_response(1, 8, VOCAB))
+    doc["meta_info"]["finish_reason"] = {"type": 1}
+    expected = (
+        "malformed_response",
+        "sample 0: meta_info.finish_reason is {'type': 1}, expected null or SGLang's object "
+        '{"type": "stop" | "length" | "abort", ...}',
+    )
+    assert both_answers(doc) == [expected, expected]
+
+
+@pytest.mark.parametrize("reason", ["stop", {"type": "eos"}, {"type": None}, {}, ["stop"], True, 0])
+def test_a_finish_reason_not_of_sglangs_shape_is_malformed(reason):
+    doc = orjson.loads(native_response(1, 8, VOCAB))
+    doc["meta_info"]["finish_reason"] = reason
+    assert [rule for rule, _ in both_answers(doc)] == ["malformed_response", "malformed_response"]
+
+
+@pytest.mark.parametrize(
+    "reason, travels",
+    [
+        (None, None),
+        ({"type": "stop", "matched": 2}, "stop"),
+        ({"type": "stop", "matched": "\n"}, "stop"),
+        ({"type": "length", "length": 1}, "length"),
+    ],
+)
+def test_sglangs_finish_reasons_pass_and_travel_as_their_type(reason, travels):
+    doc = orjson.loads(native_response(1, 8, VOCAB))
+    doc["meta_info"]["finish_reason"] = reason
+    result = audit_body(orjson.dumps(doc), endpoint="generate", mode="selected", k=8, vocab_size=VOCAB, arrays=True)
+    assert response_arrays.decode(result.reply).finish_reasons == [travels]
+
+
+def test_a_log_prob_below_float32s_range_is_malformed_in_both_answers():
+    # found by fuzz/fuzz_proxy_audit.py: it passed, and travelled as -inf, an empty slot beside a real id
+    doc = orjson.loads(native_response(2, 8, VOCAB, seed=1))
+    doc["meta_info"]["output_top_logprobs"][0][-1][0] = -1e300
+    expected = (
+        "malformed_response",
+        "sample 0 row 0: output_top_logprobs log-prob -1e+300 is beyond float32's range, the wire format's log-prob "
+        "dtype: it would travel as -inf",
+    )
+    assert both_answers(doc) == [expected, expected]
+    v = violation(doc, k=8)
+    assert (v.sample, v.row, v.found) == (0, 0, -1e300)
+
+
+def test_float32s_rounding_to_inf_is_where_a_log_prob_stops_surviving():
+    doc = orjson.loads(native_response(2, 8, VOCAB, seed=1))
+    rows = doc["meta_info"]["output_top_logprobs"]
+    rows[1][-1][0] = -FLT_MIDPOINT
+    v = violation(doc, k=8)
+    assert (v.rule, v.sample, v.row, v.found) == ("malformed_response", 0, 1, -FLT_MIDPOINT)
+    rows[1][-1][0] = -math.nextafter(FLT_MIDPOINT, 0)  # rounds to float32's largest finite value instead
+    result = audit_body(orjson.dumps(doc), endpoint="generate", mode="selected", k=8, vocab_size=VOCAB, arrays=True)
+    assert response_arrays.decode(result.reply).cand_logprobs[1, -1] == np.float32(-FLT_MAX)
+
+
+@pytest.mark.parametrize(
+    "where, field",
+    [("sampled", "output_token_logprobs"), ("support", "output_token_sampling_logprobs")],
+)
+def test_a_log_prob_beyond_float32_is_named_by_its_field(where, field):
+    doc = orjson.loads(native_response(3, 8, VOCAB))
+    mode = "selected"
+    if where == "sampled":  # the sampled token is its row's head: its candidate too
+        doc["meta_info"]["output_token_logprobs"][2][0] = -1e39
+        doc["meta_info"]["output_top_logprobs"][2][0][0] = -1e39
+    else:
+        doc, mode = support(doc, 4), "support"
+        doc["meta_info"]["output_token_sampling_logprobs"][2][3] = -1e39
+    v = violation(doc, mode=mode, k=8)
+    assert (v.rule, v.sample, v.row, v.found) == ("malformed_response", 0, 2, -1e39)
+    assert str(v).startswith(f"sample 0 row 2: {field} log-prob -1e+39 is beyond float32's range")
+
+
+@pytest.mark.parametrize("where", ["sampled", "candidate"])
+def test_an_id_beyond_int32_is_malformed_rather_than_wrapped(where):
+    doc = valid(tokens=2, k=8)
+    meta = doc["meta_info"]
+    if where == "sampled":  # 2**32 + id would wrap to id itself
+        meta["output_token_logprobs"][1][1] += 2**32
+        field = "output_token_logprobs"
+    else:
+        meta["output_top_logprobs"][1][3][1] += 2**32
+        field = "output_top_logprobs"
+    v = violation(doc, k=8)
+    assert (v.rule, v.sample, v.row) == ("malformed_response", 0, 1)
+    assert str(v) == f"sample 0 row 1: {field} id {v.found} is outside int32, the wire format's id dtype: it would wrap"
+
+
+def test_a_sampled_log_prob_equal_to_its_candidates_in_float64_but_not_in_float32_is_a_mismatch():
+    # 8.9e-6 apart as sent, 1.53e-5 apart as float32, which the worker's and the trainer's checks read
+    doc = orjson.loads(native_response(1, 8, VOCAB))
+    doc["meta_info"]["output_token_logprobs"][0][0] = -100.0000039
+    doc["meta_info"]["output_top_logprobs"][0][0][0] = -99.999995
+    v = violation(doc, k=8)
+    assert (v.rule, v.sample, v.row, v.expected, v.found) == (
+        "sampled_mismatch",
+        0,
+        0,
+        float(np.float32(-100.0000039)),
+        float(np.float32(-99.999995)),
+    )
+
+
+@pytest.mark.parametrize("text", [5, True, ["x"], {"text": "x"}])
+def test_a_text_that_is_not_a_string_is_malformed(text):
+    doc = valid(tokens=1, k=8)
+    doc["text"] = text
+    expected = f"sample 0: text is {type(text).__name__}, expected a string or null"
+    assert both_answers(doc) == [("malformed_response", expected)] * 2
+
+
+def test_a_chat_message_that_is_not_an_object_is_malformed():
+    chat = {"choices": [{"index": 0, "message": "x", "meta_info": valid(tokens=1, k=8)["meta_info"]}]}
+    expected = ("malformed_response", "choices[0].message is str, expected an object")
+    assert both_answers(chat, endpoint="chat") == [expected, expected]
+
+
+def test_a_chat_message_without_content_travels_as_an_empty_text():
+    chat = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None},
+                "meta_info": valid(tokens=1, k=8)["meta_info"],
+            }
+        ]
+    }
+    result = audit_body(json.dumps(chat).encode(), endpoint="chat", mode="selected", k=8, vocab_size=VOCAB, arrays=True)
+    assert response_arrays.decode(result.reply).texts == [""]
+
+
+@pytest.mark.parametrize("version", [1.5, True, 3, " 3", "+3", "3_0", "\u0663", "-1", "", "1" * 20, "0" * 5000])
+def test_a_weight_version_not_sglangs_string_of_an_int_refuses_only_the_binary_answer(version):
+    doc = valid(tokens=1, k=8)
+    doc["meta_info"]["weight_version"] = version
+    expected = (
+        f"sample 0: meta_info.weight_version is {repr(version)[:80]}, expected 'default' or a string of an int "
+        "(up to 19 ASCII digits: the trainer names versions 0, 1, ...)"
+    )
+    assert both_answers(doc) == [("ok", 1), ("malformed_response", expected)]
+
+
+@pytest.mark.parametrize("version, travels", [("default", 0), ("0", 0), ("17", 17), ("9" * 19, 10**19 - 1)])
+def test_sglangs_weight_versions_travel_as_ints(version, travels):
+    doc = valid(tokens=1, k=8)
+    doc["meta_info"]["weight_version"] = version
+    result = audit_body(
+        json.dumps(doc).encode(), endpoint="generate", mode="selected", k=8, vocab_size=VOCAB, arrays=True
+    )
+    assert response_arrays.decode(result.reply).weight_versions == [travels]
 
 
 # The scanned path (shared/candidate_scan.py, for large bodies) against the full orjson parse.
@@ -481,3 +667,14 @@ def test_each_scanner_reads_every_compact_row_orjson_writes_bit_for_bit(rows):
         assert candidate_scan.marker_index(orjson.loads(rest)["output_top_logprobs"]) == 0
         assert scanned.ids.tolist() == expect_ids.tolist(), scanner
         assert scanned.logprobs.view(np.int64).tolist() == expect_logprobs.view(np.int64).tolist(), scanner
+
+
+@pytest.mark.parametrize("value", [-1e300, -FLT_MIDPOINT, -math.nextafter(FLT_MIDPOINT, 0), -1e38])
+def test_every_scanner_and_the_full_parse_judge_float32_alike(value):
+    doc = valid(tokens=300, k=8)  # large enough to be scanned
+    doc["meta_info"]["output_top_logprobs"][299][5][0] = value
+    body = orjson.dumps(doc)
+    assert len(body) >= sglang_response.SCAN_MIN_BYTES
+    results = all_ways(body, mode="selected", k=8)
+    agree(results)
+    assert results[-1][0][0] == ("fail" if value <= -FLT_MIDPOINT else "ok")
