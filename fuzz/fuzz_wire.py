@@ -58,9 +58,10 @@ def write_corpus(directory: Path, messages: list[bytes]) -> Path:
     return directory
 
 
-def fuzz(argv: list[str], test, corpus: Path, messages: list[bytes], modules: tuple[str, ...]) -> None:
+def fuzz(argv: list[str], test, corpus: Path, messages: list[bytes], modules: tuple[str, ...], mutator=None) -> None:
     """Run libFuzzer on ``test``, with coverage of the functions of ``modules``, on the corpus
-    directories ``argv`` names (default ``corpus``); the first is seeded with ``messages`` when empty."""
+    directories ``argv`` names (default ``corpus``); the first is seeded with ``messages`` when empty.
+    ``mutator``: libFuzzer's custom mutator, ``(data, max_size, seed) -> bytes``."""
     import gc
     import types
 
@@ -76,7 +77,7 @@ def fuzz(argv: list[str], test, corpus: Path, messages: list[bytes], modules: tu
     write_corpus(Path(directories[0]), messages)
     if not any(arg.startswith("-artifact_prefix=") for arg in argv):
         argv.append(f"-artifact_prefix={corpus.parent}/{corpus.name}-")  # crash-*, timeout-*, oom-* beside the corpus
-    atheris.Setup(argv, test)
+    atheris.Setup(argv, test, **({"custom_mutator": mutator} if mutator else {}))
     atheris.Fuzz()
 
 
