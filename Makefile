@@ -1,6 +1,7 @@
 # The two commands of the README. Both set up everything on a fresh machine first.
 #   make run   the main job on the local defaults (real SGLang on the CPU behind the SGLang router)
 #   make test  the whole test suite (CI runs exactly this, see .ci/run)
+#   make test-fast  lint and the tests that start no server (for contributors)
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 # (tests/test_setup.py keeps them equal).
 SGLANG_VERSION := 0.5.23
 
-.PHONY: run test setup docs clean
+.PHONY: run test test-fast setup docs clean
 
 setup: $(STAMP)
 
@@ -40,6 +41,14 @@ test: $(STAMP)
 	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider; status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$status
+
+# The contributors' tier: lint, the docs check and every test that starts no server or process
+# (about 1.5 minutes here); `make test` stays the whole suite.
+test-fast: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/python scripts/gen_config_docs.py --check
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow and not compose and not real_model"
 
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_config_docs.py
