@@ -1,4 +1,4 @@
-"""`centerline up`: the whole system on one machine, on a verifiable toy task.
+"""`centerline up`: the whole system on one machine, on a verifiable toy task or on your own.
 
 Starts, each as its own process with its log in ``RUN_DIR/logs/``: the embedded NATS
 server, ``--engines`` real SGLang servers on the CPU (``centerline sglang``; model made by
@@ -11,6 +11,14 @@ match of one sample per prompt at the rollout temperature, ``--eval-prompts`` pr
 measured on the first SGLang server before training and after every ``--eval-every``
 steps. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
+Your own task (``prepare``, ``centerline/user_task.py``): ``--model DIR`` replaces the toy model,
+``--dataset FILE`` the toy task (its rows without ``"split": "eval"`` become the trainer's
+``RUN_DIR/train.jsonl``), ``--reward`` names the reward, and the held-out figure is then the mean
+reward of one sample per held-out row (``--eval-dataset``, else the rows marked eval, else none:
+``RUN_DIR/heldout.json`` and the report say which). ``--chat-template`` (auto: on for a
+``--model`` whose tokenizer has one) has the workers and the evaluation render each prompt as one
+user message; the model's eos ends a response. Same topology, credentials and keys as the toy run.
+
 NATS runs with shared/nats_auth.py's users, passwords made for this run: the launcher
 creates the streams as ``admin``, and each service gets only its own user and password, in its
 environment (``service_env``), never in ``config.toml``. Likewise the engines' admin key
@@ -22,6 +30,7 @@ SIGTERM stops every process, trainer first (it commits or abandons its step), NA
 
     centerline up                       # defaults: 2 workers, 2 trainer ranks, task upper, 300 steps
     centerline up --steps 5 --workers 1 --eval-prompts 16
+    centerline up --model models/smollm2 --dataset data.jsonl --reward rewards:score --steps 3
 
 Defaults are chosen so that the default run learns on 2 CPU cores in under 10 minutes:
 task ``upper`` (its errors are per-character mappings shared across prompts), exact reward,
@@ -50,18 +59,27 @@ import sys
 import time
 import urllib.request
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import orjson
 
 from centerline import sglang
+from centerline.user_task import (
+    UserTask,
+    UserTaskError,
+    chat_template_on,
+    check_reward,
+    load_task,
+    write_trainer_dataset,
+)
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
 from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.ports import free_port
-from shared.settings import UpSettings
+from shared.settings import UpSettings, WorkerSettings
 from shared.streams import StreamLimits, provision
 from shared.toy_tasks import REWARDS, examples
 
@@ -208,6 +226,47 @@ class _Answer:
         self.answer = answer
 
 
+class UserEvaluator:
+    """The held-out figure of a user's task: the mean reward of one response per held-out row,
+    sampled as rollouts sample (``evaluate``'s settings, ``max_new_tokens`` as in training), the
+    prompts rendered as the workers render them (the chat template when on)."""
+
+    def __init__(self, model: Path, rows: list, reward: str, chat_template: bool):
+        from rollout_worker.main import load_tokenizer
+        from rollout_worker.rewards import load_reward
+        from shared.task import PromptTask
+
+        tokenizer, _ = load_tokenizer(str(model), chat_template)  # the workers' own rendering of a prompt
+        self.reward, self.fn = reward, load_reward(reward)
+        self.tasks = [
+            PromptTask(f"eval/{i}", f"eval/{i}", row.prompt, row.answer, reward, 1, 0, row.meta)
+            for i, row in enumerate(rows)
+        ]
+        self.prompts = [tokenizer.encode(row.prompt) for row in rows]
+
+    def __call__(self, engine_url: str, temperature: float, max_new_tokens: int, seed: int) -> float:
+        params = {
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": -1,
+            **NEUTRAL,
+            "min_new_tokens": 0,
+            "max_new_tokens": max_new_tokens,
+            "sampling_seed": seed,
+        }
+        body = {"input_ids": self.prompts, "sampling_params": params}
+        request = urllib.request.Request(
+            f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            outputs = orjson.loads(resp.read())
+        try:
+            scores = [float(self.fn(out["text"], task)) for out, task in zip(outputs, self.tasks)]
+        except Exception as exc:  # a user's function: any failure ends the run with its name
+            raise RuntimeError(f"reward {self.reward!r} failed on a held-out row: {type(exc).__name__}: {exc}") from exc
+        return sum(scores) / len(scores)
+
+
 class Progress:
     """A live line on a terminal, one JSON line per record otherwise."""
 
@@ -220,6 +279,8 @@ class Progress:
             self.stream.write(orjson.dumps(record).decode() + "\n")
         elif "eval_accuracy" in record and "loss" not in record:
             self.stream.write(f"\r\x1b[K  held-out accuracy at step {record['step']}: {record['eval_accuracy']:.3f}\n")
+        elif "eval_reward" in record and "loss" not in record:
+            self.stream.write(f"\r\x1b[K  held-out mean reward at step {record['step']}: {record['eval_reward']:.3f}\n")
         else:
             done = record.get("step", 0)
             bar = "#" * int(30 * done / max(steps, 1))
@@ -282,7 +343,7 @@ def main(argv: list[str]) -> int:
     except (KeyboardInterrupt, Stopped):
         print("\ncenterline up: interrupted; stopping every service", file=sys.stderr)
         return 130
-    except RuntimeError as exc:
+    except (RuntimeError, UserTaskError) as exc:
         print(f"\ncenterline up: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -308,31 +369,60 @@ def launch(up: UpSettings, cfg, stopping: list[str] | None = None) -> Path:
     return run_dir
 
 
-def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
-    def log(message: str) -> None:
-        print(f"centerline up: {message}", file=sys.stderr, flush=True)
+@dataclass(frozen=True)
+class Prepared:
+    """What a run trains and evaluates: the model, the trainer's dataset, the held-out set."""
 
-    model = up.model_dir / f"sft-{up.task}-seed{cfg.seed}"
-    log(f"run directory {run_dir}; model {model} (made once, then cached)")
-    subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "centerline",
-            "init-model",
-            "--sft",
-            "--task",
-            up.task,
-            "--seed",
-            str(cfg.seed),
-            "--sft-steps",
-            str(up.sft_steps),
-            "--out",
-            str(model),
-        ],
-        check=True,
-    )
+    model: Path
+    dataset: Path
+    chat_template: bool  # the workers and the evaluation render each prompt with the model's chat template
+    heldout: list  # the toy task's (prompt, answer) pairs, or a user task's Rows
+    user: UserTask | None = None  # None: the toy task
+
+
+def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
+    """The model (``--model``, else the toy model made and cached by init-model --sft), the trainer's
+    dataset in ``run_dir/train.jsonl`` (``--dataset``'s training rows, else the toy task's) and the
+    held-out rows; a bad row, reward or model fails here, before any service starts."""
+    check_reward(up.reward)  # as the workers will load it
+    user = None
+    if up.dataset is not None:
+        user = load_task(up.dataset, up.eval_dataset)
+        log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
+    if up.model is not None:
+        model = up.model
+        if not (model / "config.json").is_file():
+            raise UserTaskError(
+                f"--model {model}: no config.json there; give an HF model directory (`centerline make-model smollm2 "
+                f"--out {model}` makes one)"
+            )
+        log(f"run directory {run_dir}; model {model}")
+    else:
+        model = up.model_dir / f"sft-{up.task}-seed{cfg.seed}"
+        log(f"run directory {run_dir}; model {model} (made once, then cached)")
+        subprocess.run(
+            [
+                PYTHON,
+                "-m",
+                "centerline",
+                "init-model",
+                "--sft",
+                "--task",
+                up.task,
+                "--seed",
+                str(cfg.seed),
+                "--sft-steps",
+                str(up.sft_steps),
+                "--out",
+                str(model),
+            ],
+            check=True,
+        )
+    chat = chat_template_on(up.chat_template, model, toy=up.model is None)
     dataset = run_dir / "train.jsonl"
+    if user is not None:
+        write_trainer_dataset(user.train, up.reward, dataset)
+        return Prepared(model, dataset, chat, user.heldout, user)
     subprocess.run(
         [
             PYTHON,
@@ -353,7 +443,15 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
         check=True,
         stdout=subprocess.DEVNULL,
     )
+    return Prepared(model, dataset, chat, examples(up.task, up.eval_prompts, cfg.seed, "heldout"))
 
+
+def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
+    def log(message: str) -> None:
+        print(f"centerline up: {message}", file=sys.stderr, flush=True)
+
+    task = prepare(up, cfg, run_dir, log)
+    model = task.model
     replicas = stream_replicas(cfg.nats_stream_replicas, up.nats_nodes)
     nats.start()
     # workers and the proxy may not create streams
@@ -369,7 +467,8 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
         }
     )
     config_file = run_dir / "config.toml"
-    config_file.write_text(shared_config.to_toml(cfg, up))  # the trainer adds its [trainer] table
+    # the trainer adds its [trainer] table
+    config_file.write_text(shared_config.to_toml(cfg, up, WorkerSettings(chat_template=task.chat_template)))
     common = ["--config", str(config_file)]
 
     engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
@@ -415,22 +514,35 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
         f"(ready: the upstream returns complete candidate sets), NATS {nats.url}"
     )
 
-    heldout = examples(up.task, up.eval_prompts, cfg.seed, "heldout")
     progress = Progress()
     evals = run_dir / "eval.jsonl"
     evals.write_bytes(b"")
+    if task.user is not None:
+        (run_dir / "heldout.json").write_bytes(
+            orjson.dumps({"rows": len(task.heldout), "source": task.user.heldout_source, "reward": up.reward})
+        )
+        evaluator = UserEvaluator(task.model, task.heldout, up.reward, task.chat_template)
+
+    def measure(url: str) -> dict | None:
+        if task.user is None:
+            return {"eval_accuracy": evaluate(url, task.heldout, cfg.rollout_temperature, cfg.seed)}
+        if not task.heldout:
+            return None
+        return {"eval_reward": evaluator(url, cfg.rollout_temperature, cfg.rollout_max_new_tokens, cfg.seed)}
 
     def record_eval(step: int) -> None:
         for url in engine_urls:  # the first server that answers (one may be restarting)
             try:
-                accuracy = evaluate(url, heldout, cfg.rollout_temperature, cfg.seed)
+                figures = measure(url)
                 break
             except OSError as exc:  # URLError, a refused or broken connection
                 log(f"evaluation at step {step}: {url} did not answer ({exc}); trying the next server")
         else:
             log(f"evaluation at step {step} skipped: no SGLang server answered")
             return
-        record = {"step": step, "eval_accuracy": accuracy}
+        if figures is None:  # a user task without held-out rows
+            return
+        record = {"step": step, **figures}
         with open(evals, "ab") as fh:
             fh.write(orjson.dumps(record) + b"\n")
         progress.show(record, up.steps)
@@ -446,7 +558,7 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
         "--model",
         str(model),
         "--dataset",
-        str(dataset),
+        str(task.dataset),
         "--run-dir",
         str(run_dir),
         "--steps",

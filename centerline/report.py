@@ -1,7 +1,9 @@
 """`centerline report RUN_DIR`: the page people look at after a run.
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and, when present,
-``RUN_DIR/eval.jsonl`` (``{step, eval_accuracy}`` from `centerline up`), and writes
+``RUN_DIR/eval.jsonl`` (``{step, eval_accuracy}`` from `centerline up` on the toy task,
+``{step, eval_reward}`` on a user's, whose ``RUN_DIR/heldout.json`` says which rows were held
+out, if any), and writes
 ``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
 as ``RUN_DIR/plots/<name>.png``. The resolved configuration (``RUN_DIR/config.toml``) is
 shown at the end when the run wrote one.
@@ -27,6 +29,7 @@ import orjson
 LINE_PLOTS = [
     ("reward", "Reward (mean over the step's samples)", [("reward_mean", "train reward")]),
     ("accuracy", "Held-out accuracy", [("eval_accuracy", "held-out exact match")]),
+    ("heldout_reward", "Held-out mean reward (one sample per held-out row)", [("eval_reward", "held-out reward")]),
     (
         "sc_correction",
         "Score-centering correction: signed term sum_H c log p, and L1 mass sum_H |c|",
@@ -66,7 +69,8 @@ def load_steps(run_dir: Path) -> list[dict]:
     by_step = {record["step"]: record for record in _read_jsonl(path)}
     if (run_dir / "eval.jsonl").exists():
         for record in _read_jsonl(run_dir / "eval.jsonl"):
-            by_step.setdefault(record["step"], {"step": record["step"]})["eval_accuracy"] = record["eval_accuracy"]
+            figures = {k: v for k, v in record.items() if k in ("eval_accuracy", "eval_reward")}
+            by_step.setdefault(record["step"], {"step": record["step"]}).update(figures)
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -130,11 +134,14 @@ def _gate_series(steps: list[dict]) -> dict[str, list[int]]:
     return series
 
 
-def summary(steps: list[dict]) -> list[tuple[str, str]]:
+def summary(steps: list[dict], heldout: dict | None = None) -> list[tuple[str, str]]:
+    """The table at the top; ``heldout``: a user task's ``heldout.json``."""
     trained = [s for s in steps if "loss" in s or "gate_accepted" in s] or steps
     first, last = trained[0], trained[-1]
     rows = [("steps", str(len(trained)))]
-    for key in ("reward_mean", "eval_accuracy", "train_rollout_kl", "sc_correction"):
+    if heldout is not None:
+        rows.append(("held-out rows", f"{heldout['rows']}: {heldout['source']} (reward {heldout['reward']})"))
+    for key in ("reward_mean", "eval_accuracy", "eval_reward", "train_rollout_kl", "sc_correction"):
         values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         if values:
             rows.append((key, f"{values[0]:.4g} → {values[-1]:.4g}"))
@@ -153,6 +160,7 @@ def write_report(run_dir: Path) -> Path:
     for name, (_, png) in plots.items():
         (run_dir / "plots" / f"{name}.png").write_bytes(png)
     config = run_dir / "config.toml"
+    heldout = orjson.loads((run_dir / "heldout.json").read_bytes()) if (run_dir / "heldout.json").exists() else None
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>centerline run report</title>",
         "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
@@ -160,7 +168,7 @@ def write_report(run_dir: Path) -> Path:
         ".grid{display:grid;grid-template-columns:1fr 1fr;gap:1em}"
         "pre{background:#f6f6f6;padding:1em}</style></head><body>",
         f"<h1>centerline run: {html.escape(run_dir.name)}</h1><table>",
-        *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary(steps)),
+        *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary(steps, heldout)),
         "</table><div class='grid'>",
         *(
             f"<figure><img alt='{html.escape(title)}' "

@@ -4,12 +4,14 @@
         [--tokenizer DIR] [--vocab-size V] [--ack-wait 30] [--concurrency 8] [--metrics-port P] [config flags]
 
 The tokenizer (prompt -> ids) is ``--tokenizer``, else the ``tokenizer_path`` the proxy's
-upstream reports on /get_model_info; the vocabulary size (for the contract check) is
-``--vocab-size``, else ``vocab_size`` from the proxy's /get_model_info (the proxy adds what it
-learned from SGLang), else the tokenizer directory's config.json. K above the vocabulary
-is refused at start. Logs are JSON lines on stderr, one ``task done`` line per task. SIGTERM or
-Ctrl-C: stop fetching, finish the tasks in flight within ``--shutdown-grace`` (NAK the rest),
-exit 0. Heavy imports (transformers, the worker loop) happen after argument parsing.
+upstream reports on /get_model_info; with ``--chat-template`` a prompt for native /generate is
+rendered with its chat template as one user message (the chat endpoint has SGLang render it).
+The vocabulary size (for the contract check) is ``--vocab-size``, else ``vocab_size`` from the
+proxy's /get_model_info (the proxy adds what it learned from SGLang), else the tokenizer
+directory's config.json. K above the vocabulary is refused at start. Logs are JSON lines on
+stderr, one ``task done`` line per task. SIGTERM or Ctrl-C: stop fetching, finish the tasks in
+flight within ``--shutdown-grace`` (NAK the rest), exit 0. Heavy imports (transformers, the
+worker loop) happen after argument parsing.
 """
 
 from __future__ import annotations
@@ -79,18 +81,28 @@ def model_info(proxy_url: str, deadline_s: float = 120.0) -> dict:
             time.sleep(0.5)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: bool = False):
+    """``(Tokenizer, hf_tokenizer)``. With ``chat_template`` a native /generate prompt is rendered
+    with the tokenizer's chat template too (one user message, the generation prompt added)."""
     from transformers import AutoTokenizer
 
     from rollout_worker.worker import Tokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
+    if chat_template and not tok.chat_template:
+        raise ValueError(
+            f"--chat-template: the tokenizer at {path} has no chat template; turn worker.chat_template off or give "
+            "a tokenizer that has one (--tokenizer)"
+        )
 
     def encode_chat(prompt: str) -> list[int]:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    return Tokenizer(encode=lambda prompt: list(tok(prompt)["input_ids"]), encode_chat=encode_chat), tok
+    def encode(prompt: str) -> list[int]:
+        return list(tok(prompt)["input_ids"])
+
+    return Tokenizer(encode=encode_chat if chat_template else encode, encode_chat=encode_chat), tok
 
 
 def vocab_size_of(info: dict, tokenizer_path: str | None) -> int | None:
@@ -118,7 +130,11 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    tokenizer, hf_tok = load_tokenizer(tokenizer_path)
+    try:
+        tokenizer, hf_tok = load_tokenizer(tokenizer_path, settings.chat_template)
+    except ValueError as exc:
+        print(f"centerline worker: {exc}", file=sys.stderr)
+        return 2
     vocab = settings.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
     if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab:
         print(

@@ -134,6 +134,11 @@ class WorkerSettings(Section):
         description="Deliveries of a task before JetStream gives up on it and reports it in the ADVISORIES stream; "
         "-1: no limit.",
     )
+    chat_template: bool = Field(
+        False,
+        description="On native /generate, render each prompt with the tokenizer's chat template as one user message "
+        "with the generation prompt (the chat endpoint always has SGLang render it); off: the prompt's own tokens.",
+    )
     shutdown_grace: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish the tasks in flight.")
     request_timeout: float = Field(600.0, gt=0, description="Seconds per proxy request.")
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port; unset: off.")
@@ -209,12 +214,35 @@ class UpSettings(Section):
     name: ClassVar[str] = "up"
     command: ClassVar[str] = "centerline up"
 
-    task: str = Field("upper", description="Toy task (shared/toy_tasks.py).")
+    model: Path | None = Field(
+        None,
+        description="Your own causal LM, an HF directory that SGLang and transformers load (`centerline make-model "
+        "smollm2 --out DIR` makes one); unset: the toy model, made for --task by init-model --sft.",
+    )
+    dataset: Path | None = Field(
+        None,
+        description='Your own JSONL dataset: rows {"prompt", "answer", optional "meta": {...}, optional "split": '
+        '"train" | "eval"} (centerline/user_task.py); unset: the toy task --task.',
+    )
+    eval_dataset: Path | None = Field(
+        None,
+        description="Held-out rows (same format, every row used) for --dataset; unset: the rows --dataset marks "
+        '"split": "eval", else none. The held-out figure is the mean reward of one sample per row.',
+    )
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Apply the model's chat template to each prompt as one user message with the generation "
+        "prompt. auto: on for a --model whose tokenizer has one, off for the toy model.",
+    )
+    task: str = Field("upper", description="Toy task (shared/toy_tasks.py), when --dataset is unset.")
     sft_steps: int = Field(
         0, ge=0, description="Warm-start steps of the model (0 = the task's default in centerline/sft.py)."
     )
-    reward: Literal[tuple(sorted(REWARDS))] = Field(
-        "exact", description="Training reward (held-out accuracy is always exact match)."
+    reward: str = Field(
+        "exact",
+        description="Training reward: a built-in (exact, prefix) or module:function, importable from the directory "
+        "up runs in, called as reward(response_text, task) -> float. The toy task's held-out accuracy is always "
+        "exact match.",
     )
     steps: int = Field(300, ge=0, description="Trainer steps.")
     train_seconds: float | None = Field(
@@ -242,6 +270,23 @@ class UpSettings(Section):
     sglang_args: str = Field(
         "", description="Extra flags for every SGLang server, one string: --sglang-args=--enable-metrics."
     )
+
+    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+        module, sep, function = self.reward.partition(":")
+        return [
+            (
+                self.reward not in REWARDS and not (sep and module and function),
+                "reward",
+                self.reward,
+                f"a built-in ({', '.join(sorted(REWARDS))}) or module:function",
+            ),
+            (
+                self.eval_dataset is not None and self.dataset is None,
+                "eval_dataset",
+                self.eval_dataset,
+                "held-out rows of your own dataset need --dataset too",
+            ),
+        ]
 
 
 class ReplaySettings(Section):

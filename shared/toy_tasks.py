@@ -124,7 +124,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--split", choices=("train", "heldout"), default="train", help="heldout: prompts with crc32 %% 10 == 0"
     )
-    parser.add_argument("--reward", choices=sorted(REWARDS), default="exact", help="reward function named in each row")
+    parser.add_argument(
+        "--reward", default="exact", help="reward function named in each row: exact, prefix or module:function"
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     args = parser.parse_args(argv)
     if args.n < 0:

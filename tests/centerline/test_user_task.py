@@ -1,0 +1,171 @@
+"""A user's own task for `centerline up`: dataset rows, held-out rows, reward and chat template, each
+bad input refused at start-up with the file, line, field and fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from centerline.user_task import (
+    Row,
+    UserTaskError,
+    chat_template_on,
+    check_reward,
+    load_rows,
+    load_task,
+    write_trainer_dataset,
+)
+from tests.processes import ENV, REPO
+from trainer_service.tasks import load_dataset
+
+
+def write(path, *rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_rows_keep_prompt_answer_meta_and_split_and_other_keys_join_meta(tmp_path):
+    path = write(
+        tmp_path / "d.jsonl",
+        {"prompt": "2+3?", "answer": "5"},
+        "",
+        {"prompt": "7+1?", "answer": "8", "meta": {"source": "drill"}, "split": "eval", "id": 7},
+    )
+    assert load_rows(path) == [Row("2+3?", "5"), Row("7+1?", "8", {"source": "drill", "id": 7}, "eval")]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "d.jsonl:2: not JSON"),
+        ('["a"]', "d.jsonl:2: a row is list, expected a JSON object with prompt and answer"),
+        ('{"prompt": "p"}', "d.jsonl:2: field 'answer' is None, expected a string"),
+        ('{"prompt": 3, "answer": "a"}', "d.jsonl:2: field 'prompt' is 3, expected a string"),
+        ('{"prompt": "", "answer": "a"}', "d.jsonl:2: field 'prompt' is empty; give the text the model answers"),
+        ('{"promt": "p", "answer": "a"}', "d.jsonl:2: field 'prompt' is None, expected a string"),
+        (
+            '{"prompt": "p", "answer": "a", "reward": "exact"}',
+            "d.jsonl:2: field 'reward' is 'exact'; --reward scores every row, drop the field",
+        ),
+        ('{"prompt": "p", "answer": "a", "meta": [1]}', "d.jsonl:2: field 'meta' is [1], expected a JSON object"),
+        (
+            '{"prompt": "p", "answer": "a", "meta": {"answer": "x"}}',
+            "d.jsonl:2: meta holds 'answer', also a field of the row; rename it in meta",
+        ),
+        (
+            '{"prompt": "p", "answer": "a", "id": 1, "meta": {"id": 2}}',
+            "d.jsonl:2: meta holds 'id', also a field of the row; rename it in meta",
+        ),
+        (
+            '{"prompt": "p", "answer": "a", "split": "test"}',
+            "d.jsonl:2: field 'split' is 'test', expected 'train' or 'eval'",
+        ),
+    ],
+)
+def test_a_bad_row_names_the_file_line_field_and_fix(tmp_path, line, message):
+    path = write(tmp_path / "d.jsonl", {"prompt": "p", "answer": "a"}, line)
+    with pytest.raises(UserTaskError) as err:
+        load_rows(path)
+    assert message in str(err.value)
+
+
+def test_an_empty_or_missing_dataset_is_refused(tmp_path):
+    with pytest.raises(UserTaskError, match="holds no rows; write one JSON object per line"):
+        load_rows(write(tmp_path / "empty.jsonl", ""))
+    with pytest.raises(UserTaskError, match=r"dataset .*nothing.jsonl: cannot be read \(No such file or directory\)"):
+        load_rows(tmp_path / "nothing.jsonl")
+
+
+def test_held_out_rows_are_the_eval_dataset_else_the_marked_rows_else_none(tmp_path):
+    plain = write(tmp_path / "plain.jsonl", {"prompt": "a", "answer": "1"})
+    marked = write(
+        tmp_path / "marked.jsonl", {"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", "split": "eval"}
+    )
+    other = write(tmp_path / "other.jsonl", {"prompt": "c", "answer": "3", "split": "train"})
+    task = load_task(marked, None)
+    assert (task.train, task.heldout) == ([Row("a", "1")], [Row("b", "2", split="eval")])
+    assert task.heldout_source == f'the rows of {marked} marked "split": "eval"'
+    task = load_task(marked, other)
+    assert (task.train, task.heldout) == ([Row("a", "1")], [Row("c", "3")])  # the marked row is never trained on
+    assert task.heldout_source == f"every row of --eval-dataset {other}"
+    task = load_task(plain, None)
+    assert task.heldout == []
+    assert task.heldout_source == f'none: {plain} marks no row "split": "eval" and --eval-dataset is unset'
+    only_eval = write(tmp_path / "only.jsonl", {"prompt": "a", "answer": "1", "split": "eval"})
+    with pytest.raises(UserTaskError, match="every row is marked split 'eval'; leave some rows to train on"):
+        load_task(only_eval, None)
+
+
+def test_the_trainer_reads_the_training_rows_with_the_reward_and_meta(tmp_path):
+    out = tmp_path / "train.jsonl"
+    write_trainer_dataset([Row("a", "1", {"source": "drill"}), Row("b", "2")], "tests.rewards:f", out)
+    examples = load_dataset(out)
+    assert [(e.prompt, e.answer, e.reward, e.meta) for e in examples] == [
+        ("a", "1", "tests.rewards:f", {"source": "drill"}),
+        ("b", "2", "tests.rewards:f", {}),
+    ]
+
+
+def test_a_reward_that_cannot_be_imported_is_refused_by_name():
+    assert check_reward("tests.real_model.rewards:contains_answer").__name__ == "contains_answer"
+    with pytest.raises(UserTaskError, match=r"--reward nowhere_module:f: reward 'nowhere_module:f' cannot be loaded"):
+        check_reward("nowhere_module:f")
+
+
+def test_up_refuses_a_reward_that_is_neither_built_in_nor_module_function():
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "up", "--reward", "exactly"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "centerline up: --reward exactly: a built-in (exact, prefix) or module:function" in run.stderr
+
+
+def test_up_stops_at_a_bad_row_before_starting_anything(tmp_path):
+    data = write(tmp_path / "d.jsonl", {"prompt": "p", "answer": "a"}, {"prompt": "p", "answer": 5})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "centerline",
+            "up",
+            "--dataset",
+            data,
+            "--model",
+            str(tmp_path),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert f"centerline up: {data}:2: field 'answer' is 5, expected a string" in run.stderr
+    assert list((tmp_path / "run" / "logs").iterdir()) == []  # no service was started
+
+
+def test_the_chat_template_is_auto_on_for_a_user_model_and_off_for_the_toy(model_dir, tmp_path):
+    assert chat_template_on("auto", model_dir, toy=False) is True  # the byte-level tokenizer has one
+    assert chat_template_on("auto", model_dir, toy=True) is False
+    assert chat_template_on("off", model_dir, toy=False) is False
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    config = orjson.loads((bare / "tokenizer_config.json").read_bytes())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    assert chat_template_on("auto", bare, toy=False) is False
+    with pytest.raises(UserTaskError, match=f"--chat-template on: the tokenizer of {bare} has no chat template"):
+        chat_template_on("on", bare, toy=False)
