@@ -71,7 +71,9 @@ def _row(line: bytes, where: str) -> Row:
         raise UserTaskError(f"{where}: field 'reward' is {doc['reward']!r}; --reward scores every row, drop the field")
     for name in ("prompt", "answer"):
         if not isinstance(doc.get(name), str):
-            raise UserTaskError(f"{where}: field {name!r} is {doc.get(name)!r}, expected a string")
+            raise UserTaskError(
+                f"{where}: field {name!r} is {doc.get(name)!r}, expected a string (every row needs prompt and answer)"
+            )
     if not doc["prompt"]:
         raise UserTaskError(f"{where}: field 'prompt' is empty; give the text the model answers")
     meta = doc.get("meta", {})
