@@ -146,24 +146,17 @@ def main(argv: list[str]) -> int:
         )
         return 2
 
-    from rollout_worker.worker import Worker, WorkerOptions
+    from rollout_worker.worker import Worker
 
-    opts = WorkerOptions(
-        producer=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
-        vocab_size=vocab,
-        ack_wait=settings.ack_wait,
-        concurrency=settings.concurrency,
-        request_timeout=settings.request_timeout,
-        nak_delay=settings.nak_delay,
-        shutdown_grace=settings.shutdown_grace,
-        max_deliver=settings.max_deliver,
-    )
+    # What this process found out, in the settings' own fields: the worker takes them whole.
+    worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    settings = settings.model_copy(update={"worker_id": worker_id, "vocab_size": vocab})
     metrics = WorkerMetrics()
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
-    return asyncio.run(_run(Worker(cfg, tokenizer, opts, metrics)))
+    return asyncio.run(_run(Worker(cfg, settings, tokenizer, metrics)))
 
 
 async def _run(worker) -> int:

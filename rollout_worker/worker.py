@@ -63,19 +63,6 @@ class Rejected(RuntimeError):
 
 
 @dataclass
-class WorkerOptions:
-    producer: str  # worker id, written into every batch
-    vocab_size: int
-    ack_wait: float = 30.0  # seconds before an unacked task is redelivered
-    concurrency: int = WorkerSettings.model_fields["concurrency"].default  # tasks in flight (the engine batches them)
-    request_timeout: float = 600.0
-    nak_delay: float = 2.0  # seconds before a NAKed task is redelivered the first time, doubling up to 60
-    max_deliver: int = 10  # deliveries of a task before JetStream gives up on it (advisory in ADVISORIES)
-    shutdown_grace: float = 30.0  # SIGTERM: seconds to finish tasks in flight before NAKing them
-    dlq: bool = True  # publish batches that break the contract to rollouts.dlq
-
-
-@dataclass
 class Tokenizer:
     """The two encodings the worker needs; built from an HF tokenizer by ``main``."""
 
@@ -103,8 +90,12 @@ def served_prompt_ids(found: ResponseArrays) -> list[int]:
 
 
 class Worker:
-    def __init__(self, cfg: Config, tokenizer: Tokenizer, opts: WorkerOptions, metrics=None):
-        self.cfg, self.tok, self.opts, self.metrics = cfg, tokenizer, opts, metrics
+    def __init__(self, cfg: Config, settings: WorkerSettings, tokenizer: Tokenizer, metrics=None):
+        """``settings`` whole, as ``main`` resolved them: ``worker_id`` (written into every batch) and
+        ``vocab_size`` (the contract check's) set."""
+        if settings.worker_id is None or settings.vocab_size is None:
+            raise ValueError("Worker needs settings with worker_id and vocab_size resolved (rollout_worker/main.py)")
+        self.cfg, self.settings, self.tok, self.metrics = cfg, settings, tokenizer, metrics
         self.stopping = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
         self.nc = self.js = self.consumer = None
@@ -113,7 +104,7 @@ class Worker:
 
     async def run(self) -> None:
         """Consume until ``stopping`` is set, then finish (or NAK) what is in flight and close."""
-        self.nc = await connect(self.cfg.nats_url, name=f"centerline-worker-{self.opts.producer}")
+        self.nc = await connect(self.cfg.nats_url, name=f"centerline-worker-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
         self.consumer: PullConsumer = await pull_consumer(
@@ -121,17 +112,17 @@ class Worker:
             names.PROMPTS_STREAM,
             names.WORKERS_CONSUMER,
             filter_subject=names.PROMPTS_SUBJECT,
-            ack_wait=self.opts.ack_wait,
-            max_deliver=self.opts.max_deliver,
+            ack_wait=self.settings.ack_wait,
+            max_deliver=self.settings.max_deliver,
         )
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.opts.request_timeout, sock_connect=10)
+            timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout, sock_connect=10)
         )
         log.info(
             "worker ready",
             extra={
                 "fields": {
-                    "producer": self.opts.producer,
+                    "producer": self.settings.worker_id,
                     "proxy": self.cfg.proxy_url,
                     "nats": redact(self.cfg.nats_url),
                 }
@@ -140,7 +131,7 @@ class Worker:
         inflight: set[asyncio.Task] = set()
         try:
             while not self.stopping.is_set():
-                if len(inflight) >= self.opts.concurrency:
+                if len(inflight) >= self.settings.concurrency:
                     await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 msgs = await self.consumer.fetch(1, timeout=1.0)
@@ -152,14 +143,14 @@ class Worker:
                     inflight.add(task)
                     task.add_done_callback(inflight.discard)
             if inflight:
-                _, late = await asyncio.wait(inflight, timeout=self.opts.shutdown_grace)
+                _, late = await asyncio.wait(inflight, timeout=self.settings.shutdown_grace)
                 for task in late:  # each NAKs its message when cancelled
                     task.cancel()
                 await asyncio.gather(*late, return_exceptions=True)
         finally:
             await self.session.close()
             await self._close_nats()
-        log.info("worker stopped", extra={"fields": {"producer": self.opts.producer}})
+        log.info("worker stopped", extra={"fields": {"producer": self.settings.worker_id}})
 
     async def _close_nats(self) -> None:
         """Unsubscribe, flush the NAKs and TERMs (plain publishes), close. With NATS unreachable
@@ -237,7 +228,7 @@ class Worker:
         """Seconds before a task that failed for a passing reason comes back: ``nak_delay``,
         doubled per delivery up to 60 s, so ``max_deliver`` deliveries span minutes of an
         outage rather than seconds."""
-        return min(self.opts.nak_delay * 2 ** (msg.metadata.num_delivered - 1), 60.0)
+        return min(self.settings.nak_delay * 2 ** (msg.metadata.num_delivered - 1), 60.0)
 
     async def _ack(self, msg, task: PromptTask, outcome: Outcome) -> bool:
         """Ack the task, its batches stored. A lost ack (NATS restarting or unreachable) is no
@@ -255,19 +246,19 @@ class Worker:
 
     async def _heartbeat(self, msg) -> None:
         while True:
-            await asyncio.sleep(self.opts.ack_wait / 2)
+            await asyncio.sleep(self.settings.ack_wait / 2)
             await msg.in_progress()
 
     async def _term(self, msg, task: PromptTask | None, reason: str, batch=None) -> None:
         task_id = task.task_id if task else None
         log.error("task rejected", extra={"fields": {"task_id": task_id, "reason": reason}})
-        if self.opts.dlq and (batch is not None or task is not None):
+        if batch is not None or task is not None:
             # a batch that breaks the contract, else the task itself (a request SGLang refuses), with the reason
             data = encode_batch(batch) if batch is not None else msg.data
             if len(data) <= self.nc.max_payload - 4096:
                 headers = {
                     "Centerline-Reason": reason[:1000],
-                    "Centerline-Producer": self.opts.producer,
+                    "Centerline-Producer": self.settings.worker_id,
                     "Centerline-Stage": "worker",
                     "Centerline-Kind": "batch" if batch is not None else "task",
                 }
@@ -304,7 +295,7 @@ class Worker:
             samples,
             rewards,
             advantages,
-            producer=self.opts.producer,
+            producer=self.settings.worker_id,
             mode=cfg.rollout_logprobs_mode,
             k=cfg.rollout_top_logprobs_num,
             temperature=cfg.rollout_temperature,
@@ -313,7 +304,7 @@ class Worker:
         )
         for batch in batches:
             try:
-                check_batch(batch, vocab_size=self.opts.vocab_size)
+                check_batch(batch, vocab_size=self.settings.vocab_size)
             except ContractViolation as exc:
                 raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
         return Outcome(batches, rewards, sum(len(s.response_ids) for s in samples))

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from rollout_worker.main import load_tokenizer
-from rollout_worker.worker import Worker, WorkerOptions
+from rollout_worker.worker import Worker
 from shared import response_arrays
 from shared.config import Config
+from shared.settings import WorkerSettings
 from shared.task import PromptTask
 from tests.processes import ENV, REPO, Process, free_port, http, wait_until
 from tests.real_model.conftest import IM_END, VOCAB
@@ -114,7 +115,7 @@ def run_worker(proxy_url: str, real_model, endpoint: str, reward: str, answer: s
         rollout_n=2,
     )
     tokenizer, hf = load_tokenizer(str(real_model), chat_template=True)
-    worker = Worker(cfg, tokenizer, WorkerOptions(producer="test", vocab_size=VOCAB))
+    worker = Worker(cfg, WorkerSettings(worker_id="test", vocab_size=VOCAB), tokenizer)
     task = PromptTask("t/0/0", "t/0/0", QUESTION, answer, reward, 2, 0)
 
     async def go():

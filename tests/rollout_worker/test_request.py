@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rollout_worker.worker import Tokenizer, Worker, WorkerOptions
+from rollout_worker.worker import Tokenizer, Worker
 from shared.config import Config
+from shared.settings import WorkerSettings
 from shared.task import PromptTask
 
 TASK = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", reward="exact", n=4, step=0)
@@ -12,8 +13,8 @@ TASK = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", r
 def worker(**cfg) -> Worker:
     return Worker(
         Config(**cfg),
+        WorkerSettings(worker_id="w", vocab_size=260),
         Tokenizer(lambda p: list(p.encode()), lambda p: list(p.encode())),
-        WorkerOptions(producer="w", vocab_size=260),
     )
 
 
