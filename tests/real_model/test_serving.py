@@ -143,7 +143,12 @@ def test_the_workers_batch_holds_the_prompt_as_sglang_rendered_it_and_im_end_end
     assert hf.decode(rendered).endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
     bounds = batch.offsets.tolist()
     responses = [batch.response_ids[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
-    expected = hf(ANSWER, add_special_tokens=False)["input_ids"] + [IM_END]
-    assert responses == [expected, expected]
-    assert batch.loss_mask.tolist() == [1] * (2 * len(expected))  # <|im_end|> trained on
-    assert batch.rewards.tolist() == [1.0, 1.0]  # exact match: the text had no <|im_end|>
+    # What was sampled is up to SGLang (it ignores seeds on the CPU), so each response is judged by
+    # its shape: <|im_end|> only as its last token, or the 16-token budget used up without it.
+    for response in responses:
+        assert IM_END not in response[:-1], response
+        assert response[-1] == IM_END or len(response) == 16, response
+    assert batch.loss_mask.tolist() == [1] * sum(map(len, responses))  # <|im_end|> trained on
+    # exact match on the text without <|im_end|>: the reward never sees the end-of-turn token
+    texts = [hf.decode([t for t in response if t != IM_END]) for response in responses]
+    assert batch.rewards.tolist() == [float(text == ANSWER) for text in texts], texts
