@@ -16,9 +16,11 @@ steps offline, or printed for people.
   every ``--batches-per-step`` accepted batches in recorded order.
   Writes ``RUN_DIR/metrics.jsonl`` (same fields as the trainer's), weights and checkpoints.
   The configuration defaults to the ``config.toml`` of the checkpoint's run directory, which
-  the trainer wrote with every setting: the shared ones and, from its ``[trainer]`` table,
-  the settings of a step (``--strategy``, ``--max-grad-norm``, ``--threads``,
-  ``--weight-sync-interval``; a flag still overrides one).
+  holds every setting of the run: the shared ones and the whole ``[trainer]`` table, which the
+  replay restores (a step's ``strategy``, ``max_grad_norm``, ``threads``, ``weight_sync_interval``,
+  ``micro_batch_tokens``; ``keep_checkpoints``; ``tensorboard`` and ``wandb``); a flag still
+  overrides one of those. Only what names the original run is replaced: the model is the
+  checkpoint's, the run directory ``--run-dir``, and no ``/metrics`` port is served.
 
     centerline replay seg.clrec --to nats://127.0.0.1:4222
     centerline replay seg.clrec --jsonl
@@ -45,7 +47,7 @@ from centerline.record import Message, RecordFileError, print_summary, quiet, re
 from shared import config as shared_config
 from shared import logs
 from shared.nats_auth import CredentialsError
-from shared.settings import TRAINER_STEP_FIELDS, ReplaySettings, TrainerSettings
+from shared.settings import TRAINER_REPLAY_FIELDS, ReplaySettings, TrainerSettings
 
 log = logging.getLogger("centerline.replay")
 
@@ -67,7 +69,7 @@ def parse(argv: list[str]):
     shared_config.add_arguments(
         parser,
         TrainerSettings,
-        only=TRAINER_STEP_FIELDS,
+        only=TRAINER_REPLAY_FIELDS,
         shared=False,
         title="--train: the trainer's settings of a step (default: the [trainer] table of the run's config.toml)",
     )
@@ -116,10 +118,10 @@ def main(argv: list[str]) -> int:
 
 
 def run_settings(args) -> tuple[shared_config.Config, TrainerSettings]:
-    """The shared settings and the trainer's (of which a step uses ``TRAINER_STEP_FIELDS``), from
-    the flags over the run's ``config.toml`` (``args.config``) over the environment."""
+    """The shared settings and the trainer's, from the flags (``TRAINER_REPLAY_FIELDS`` of the
+    trainer's), the environment and the run's ``config.toml`` (``args.config``), in that order."""
     cfg = shared_config.resolve(args)
-    return cfg, shared_config.resolve_section(TrainerSettings, args, cfg=cfg, only=TRAINER_STEP_FIELDS)
+    return cfg, shared_config.resolve_section(TrainerSettings, args, cfg=cfg, only=TRAINER_REPLAY_FIELDS)
 
 
 async def republish(messages: list[Message], url: str, subject: str | None) -> dict:
@@ -181,8 +183,15 @@ def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: i
     return groups
 
 
+def replayed(trainer: TrainerSettings, settings: ReplaySettings, run_dir: Path) -> TrainerSettings:
+    """The run's trainer settings as the replay runs them: every one kept but what names the
+    original run (its initial model, its run directory) and the ``/metrics`` port, which an
+    offline replay does not serve."""
+    return trainer.model_copy(update={"model": settings.checkpoint / "model", "run_dir": run_dir, "metrics_port": None})
+
+
 def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -> int:
-    """The replayed steps, with the shared settings ``cfg`` and the trainer's settings of a step."""
+    """The replayed steps, with the shared settings ``cfg`` and the run's trainer settings."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -193,6 +202,7 @@ def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -
     hf_logging.disable_progress_bar()
     torch.set_num_threads(trainer.threads)
     run_dir = settings.run_dir or file.with_suffix(".replay")
+    trainer = replayed(trainer, settings, run_dir)
 
     def body() -> int:
         main_rank = is_main()
@@ -207,20 +217,12 @@ def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -
             if main_rank:
                 print(f"centerline replay: {problem}", file=sys.stderr)
             return 2
-        policy = Policy(
-            model_dir=settings.checkpoint / "model",
-            run_dir=run_dir,
-            resume=settings.checkpoint,
-            cfg=cfg,
-            strategy=trainer.strategy,
-            max_grad_norm=trainer.max_grad_norm or None,
-            micro_batch_tokens=trainer.micro_batch_tokens,
-        )
+        policy = Policy(trainer, cfg, resume=settings.checkpoint)
         if not main_rank:
             policy.follow()
             return 0
         try:
-            replay_steps(file, settings, trainer, cfg, policy, run_dir, *plan)
+            replay_steps(file, settings, trainer, cfg, policy, *plan)
         finally:
             policy.stop()
         return 0
@@ -247,7 +249,7 @@ def plan_replay(file: Path, settings: ReplaySettings, run_dir: Path):
 
 
 def replay_steps(
-    file: Path, replay: ReplaySettings, trainer: TrainerSettings, cfg, policy, run_dir: Path, messages, saved, groups
+    file: Path, replay: ReplaySettings, trainer: TrainerSettings, cfg, policy, messages, saved, groups
 ) -> None:
     """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches,
     with its admission and its commit of a step; no DLQ, no acks, no engines."""
@@ -260,7 +262,7 @@ def replay_steps(
     state = TrainerState.from_dict(saved)
     settings = GateSettings(policy.vocab_size, cfg)
     ledger, held, counts = dict(state.ledger), {}, Counter()
-    metrics = Metrics(run_dir)
+    metrics = Metrics(trainer)
     stream = iter(messages)
     for n in range(len(groups) if groups is not None else sys.maxsize):
         if replay.steps is not None and n >= replay.steps:

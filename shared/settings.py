@@ -104,8 +104,19 @@ class TrainerSettings(Section):
         return [_max_deliver_check(self.max_deliver)]
 
 
-# What `centerline replay --train` takes from the run's [trainer] table: the settings of a step.
-TRAINER_STEP_FIELDS = ("strategy", "max_grad_norm", "threads", "weight_sync_interval", "micro_batch_tokens")
+# The trainer settings `centerline replay --train` has flags for: those of a step, of its checkpoints and of
+# its metrics. It takes every setting from the run's [trainer] table; a flag overrides one of these.
+TRAINER_REPLAY_FIELDS = (
+    "strategy",
+    "max_grad_norm",
+    "threads",
+    "weight_sync_interval",
+    "micro_batch_tokens",
+    "keep_checkpoints",
+    "tensorboard",
+    "wandb",
+    "wandb_project",
+)
 
 
 class WorkerSettings(Section):
@@ -291,7 +302,8 @@ class UpSettings(Section):
 
 class ReplaySettings(Section):
     """``centerline replay``: a record file back into NATS or into the trainer's steps (centerline/replay.py).
-    With ``--train`` it also reads the run's ``[trainer]`` table for the settings of a step."""
+    With ``--train`` it also restores every setting of the run's ``[trainer]`` table (but its model, run
+    directory and metrics port)."""
 
     name: ClassVar[str] = "replay"
     command: ClassVar[str] = "centerline replay"

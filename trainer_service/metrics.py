@@ -17,6 +17,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from shared.config import ConfigError
+from shared.settings import TrainerSettings
 from trainer_service.step import METRICS
 
 log = logging.getLogger("centerline.trainer.metrics")
@@ -54,18 +55,12 @@ def _number(value) -> bool:
 
 
 class Metrics:
-    def __init__(
-        self,
-        run_dir: Path,
-        port: int | None = None,
-        *,
-        tensorboard: bool = True,
-        wandb: str = "off",
-        wandb_project: str = "centerline",
-    ):
+    def __init__(self, settings: TrainerSettings):
+        """From the trainer's ``settings``: ``run_dir``, ``metrics_port``, ``tensorboard``, ``wandb``."""
+        run_dir, port = settings.run_dir, settings.metrics_port
         self.path = run_dir / "metrics.jsonl"
-        self.run_dir, self.tensorboard, self._tb = run_dir, tensorboard, None
-        self._wandb = _wandb_run(run_dir, wandb, wandb_project) if wandb != "off" else None
+        self.run_dir, self.tensorboard, self._tb = run_dir, settings.tensorboard, None
+        self._wandb = _wandb_run(run_dir, settings.wandb, settings.wandb_project) if settings.wandb != "off" else None
         self.registry = CollectorRegistry()
         self.gauges = {
             name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES

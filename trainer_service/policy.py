@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shared import faults
-from shared.settings import MICRO_BATCH_TOKENS
+from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.distributed import agree, device, is_main, rank_and_world
@@ -35,26 +35,18 @@ class StepCommand:
 
 
 class Policy:
-    def __init__(
-        self,
-        *,
-        model_dir: Path,
-        run_dir: Path,
-        resume: Path | None,
-        cfg,
-        strategy: str,
-        max_grad_norm: float | None,
-        micro_batch_tokens: int = MICRO_BATCH_TOKENS,
-        keep_checkpoints: int = checkpoint.KEEP,
-    ):
-        self.initial, self.run_dir, self.max_grad_norm, self.keep = model_dir, run_dir, max_grad_norm, keep_checkpoints
-        self.micro_batch_tokens = micro_batch_tokens
+    def __init__(self, settings: TrainerSettings, cfg, resume: Path | None):
+        """The trainer's ``settings`` whole (``model``: version 0; ``run_dir``: where versions and
+        checkpoints go; the step's ``strategy``, ``max_grad_norm``, ``micro_batch_tokens``,
+        ``keep_checkpoints``) and the shared ``cfg``; ``resume``: a checkpoint to start from."""
+        self.settings, self.initial, self.run_dir = settings, settings.model, settings.run_dir
         torch.manual_seed(cfg.seed)
-        self.model = wrap_model(load_model(str(resume / "model" if resume else model_dir), device=device()), strategy)
+        start = resume / "model" if resume else settings.model
+        self.model = wrap_model(load_model(str(start), device=device()), settings.strategy)
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
             checkpoint.load_optimizer(resume, self.model, self.optimizer)
-        self.settings = LossSettings.from_config(cfg)
+        self.loss = LossSettings.from_config(cfg)
 
     @property
     def world_size(self) -> int:
@@ -78,9 +70,9 @@ class Policy:
             self.model,
             self.optimizer,
             decode_batch(cmd.batch),
-            self.settings,
-            max_grad_norm=self.max_grad_norm,
-            micro_batch_tokens=self.micro_batch_tokens,
+            self.loss,
+            max_grad_norm=self.settings.max_grad_norm or None,  # 0: no clipping
+            micro_batch_tokens=self.settings.micro_batch_tokens,
         )
         t1 = time.perf_counter()
         rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine
@@ -91,7 +83,12 @@ class Policy:
             faults.hit("trainer.before_checkpoint", cmd.step + 1)
         state = {**state, "metrics": metrics} if state else {"step": cmd.step + 1}
         checkpoint.save(
-            self.run_dir / "checkpoints", self.model, self.optimizer, state, weights_dir=weights, keep=self.keep
+            self.run_dir / "checkpoints",
+            self.model,
+            self.optimizer,
+            state,
+            weights_dir=weights,
+            keep=self.settings.keep_checkpoints,
         )
         return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
 

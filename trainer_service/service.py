@@ -77,13 +77,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         next_step=state.next_task_step,
     )
     engines = weights.WeightPublisher(js, cfg.engine_urls)
-    metrics = Metrics(
-        settings.run_dir,
-        settings.metrics_port,
-        tensorboard=settings.tensorboard,
-        wandb=settings.wandb,
-        wandb_project=settings.wandb_project,
-    )
+    metrics = Metrics(settings)
     metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
     initial = weights.version_dir(settings.run_dir / "weights", state.version) if state.version else settings.model
@@ -245,16 +239,7 @@ def main(argv: list[str]) -> int:
             shared_config.write_run_config(settings.run_dir / "config.toml", args, cfg, settings)
             checkpoint.remove_partial(settings.run_dir / "checkpoints")
         resume = agree(checkpoint.latest(settings.run_dir / "checkpoints") if main_rank else None)
-        policy = Policy(
-            model_dir=settings.model,
-            run_dir=settings.run_dir,
-            resume=resume,
-            cfg=cfg,
-            strategy=settings.strategy,
-            max_grad_norm=settings.max_grad_norm or None,
-            micro_batch_tokens=settings.micro_batch_tokens,
-            keep_checkpoints=settings.keep_checkpoints,
-        )
+        policy = Policy(settings, cfg, resume)
         if not main_rank:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank

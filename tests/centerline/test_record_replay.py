@@ -140,6 +140,42 @@ def test_replay_train_reproduces_the_step_bit_for_bit(run):
     assert orjson.loads((mine / "state.json").read_bytes()) == orjson.loads((theirs / "state.json").read_bytes())
 
 
+def test_replay_train_restores_every_trainer_setting_of_the_run(run, tmp_path):
+    tmp, run_dir, _ = run
+    # The run's config.toml with two trainer settings a replay used to drop: it kept 2 checkpoints
+    # and wrote TensorBoard events whatever the run said.
+    written = tomllib.loads((run_dir / "config.toml").read_text())
+    assert (written["trainer"]["keep_checkpoints"], written["trainer"]["tensorboard"]) == (2, True)
+    config = tmp_path / "config.toml"
+    config.write_text(
+        (run_dir / "config.toml")
+        .read_text()
+        .replace("keep_checkpoints = 2", "keep_checkpoints = 1")
+        .replace("tensorboard = true", "tensorboard = false")
+    )
+    out = tmp_path / "replayed"
+    replay = centerline(
+        "replay",
+        str(tmp / "seg.clrec"),
+        "--train",
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "step-000002"),
+        "--run-dir",
+        str(out),
+        "--config",
+        str(config),
+        "--batches-per-step",
+        "1",  # step 3's batches one per step: a step and a checkpoint each
+        "--max-staleness",
+        "10",  # the later ones meet weights more than 2 versions newer than theirs
+    )
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    steps = [r["step"] for r in lines(out / "metrics.jsonl")]
+    assert len(steps) >= 2 and steps == list(range(3, 3 + len(steps)))
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{steps[-1]:06d}"]  # only the newest kept
+    assert list(out.glob("events.out.tfevents.*")) == []
+
+
 def test_replay_to_a_fresh_server_delivers_the_same_messages(run, tmp_path):
     tmp, _, _ = run
     with EmbeddedNats(tmp_path / "fresh") as fresh:
@@ -170,7 +206,22 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
         assert batch["batch_id"] == r["headers"][names.MSG_ID_HEADER]
         assert batch["producer"] in {"worker-0", "worker-1"} and batch["mode"] == "selected" and batch["k"] == 128
         assert batch["samples"] == 2 and batch["tokens"] > 0 and 0.0 <= batch["reward_mean"] <= 1.0
-        assert set(batch) == {"batch_id", "producer", "weight_version", "mode", "k", "samples", "tokens", "reward_mean"}
+        assert batch["task_id"] == batch["batch_id"] and (batch["attempt"], batch["parts"]) == (1, 1)
+        assert batch["oldest_trained_version"] == batch["weight_version"]  # one version sampled each toy group
+        assert set(batch) == {
+            "batch_id",
+            "producer",
+            "task_id",
+            "attempt",
+            "parts",
+            "weight_version",
+            "oldest_trained_version",
+            "mode",
+            "k",
+            "samples",
+            "tokens",
+            "reward_mean",
+        }
 
 
 def test_live_recording_stops_after_count_messages(tmp_path):
@@ -252,6 +303,32 @@ def test_replay_train_takes_every_setting_from_the_runs_config_toml(tmp_path):
     )
     _, trainer = replay.run_settings(replay.parse([*argv, "--threads", "1"])[0])
     assert trainer.threads == 1  # a flag still wins
+
+
+def test_a_replay_runs_the_trainer_settings_of_the_run_but_its_model_run_directory_and_metrics_port(tmp_path):
+    from centerline import replay
+    from shared.settings import ReplaySettings, TrainerSettings
+
+    run = TrainerSettings(
+        model="m",
+        dataset="d",
+        run_dir="r",
+        strategy="fsdp2",
+        micro_batch_tokens=64,
+        keep_checkpoints=5,
+        tensorboard=False,
+        wandb="offline",
+        wandb_project="p",
+        metrics_port=9100,
+    )
+    checkpoint = tmp_path / "checkpoints" / "step-000002"
+    got = replay.replayed(run, ReplaySettings(checkpoint=checkpoint), tmp_path / "out")
+    assert got.model_dump() == {
+        **run.model_dump(),
+        "model": checkpoint / "model",
+        "run_dir": tmp_path / "out",
+        "metrics_port": None,
+    }
 
 
 def test_replay_train_groups_steps_as_the_checkpoints_run_did_unless_told_otherwise(tmp_path):

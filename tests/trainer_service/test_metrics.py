@@ -10,6 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from shared.config import ConfigError
+from shared.settings import TrainerSettings
 from trainer_service.metrics import Metrics, scalars
 
 
@@ -42,7 +43,7 @@ def test_a_step_record_becomes_scalars_by_name_with_tables_as_name_slash_key():
 
 
 def test_every_step_is_a_tensorboard_scalar_in_the_run_directory(tmp_path):
-    metrics = Metrics(tmp_path)
+    metrics = Metrics(TrainerSettings(run_dir=tmp_path))
     for step, loss in ((1, -0.25), (2, 0.125), (3, 1.0 / 3)):
         metrics.step(record(step, loss))
     metrics.close()
@@ -53,11 +54,11 @@ def test_every_step_is_a_tensorboard_scalar_in_the_run_directory(tmp_path):
 
 
 def test_a_resumed_trainer_replaces_the_events_of_the_steps_it_trains_again(tmp_path):
-    first = Metrics(tmp_path)
+    first = Metrics(TrainerSettings(run_dir=tmp_path))
     for step in (1, 2, 3):
         first.step(record(step, float(step)))
     first.close()  # as if it died after step 3's line; the checkpoint it resumes from is step 1
-    again = Metrics(tmp_path)
+    again = Metrics(TrainerSettings(run_dir=tmp_path))
     for step in (2, 3):
         again.step(record(step, 10.0 * step))
     again.close()
@@ -65,7 +66,7 @@ def test_a_resumed_trainer_replaces_the_events_of_the_steps_it_trains_again(tmp_
 
 
 def test_tensorboard_off_writes_no_event_file(tmp_path):
-    metrics = Metrics(tmp_path, tensorboard=False)
+    metrics = Metrics(TrainerSettings(run_dir=tmp_path, tensorboard=False))
     metrics.step(record(1, 0.5))
     metrics.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
@@ -74,7 +75,7 @@ def test_tensorboard_off_writes_no_event_file(tmp_path):
 def test_wandb_offline_logs_every_step_under_the_run_directory(tmp_path):
     run_dir = tmp_path / "run-7"
     run_dir.mkdir()
-    metrics = Metrics(run_dir, wandb="offline", wandb_project="tests")
+    metrics = Metrics(TrainerSettings(run_dir=run_dir, wandb="offline", wandb_project="tests"))
     for step in (1, 2):
         metrics.step(record(step, 0.5 * step))
     metrics.close()
@@ -87,4 +88,4 @@ def test_wandb_offline_logs_every_step_under_the_run_directory(tmp_path):
 def test_wandb_without_the_package_stops_start_up_naming_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
     with pytest.raises(ConfigError, match=r"--wandb online needs the wandb package.*centerline\[wandb\]"):
-        Metrics(tmp_path, wandb="online")
+        Metrics(TrainerSettings(run_dir=tmp_path, wandb="online"))
