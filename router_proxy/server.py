@@ -46,9 +46,9 @@ from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
 from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
 from shared import admin_key, candidate_scan, logs, response_arrays
-from shared.config import ENV_PREFIX, add_arguments, load_toml, parse_args
+from shared.config import ENV_PREFIX, Config, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation
-from shared.settings import MAX_REQUEST_BODY_BYTES, MAX_TOP_LOGPROBS_NUM, MAX_UPSTREAM_RESPONSE_BYTES, ProxySettings
+from shared.settings import ProxySettings
 
 log = logging.getLogger("centerline.proxy")
 
@@ -56,7 +56,9 @@ EVAL_HEADER = b"x-centerline-eval"
 AUDIT_HEADER = b"x-centerline-audit"
 JSON = b"application/json"
 ARRAYS = response_arrays.MEDIA_TYPE.encode()
-FORWARDED_HEADERS = (b"x-request-id",)  # never authorization: see the module docstring
+# x-smg-routing-key: a session's key, which keeps its turns on one engine behind smg. Never authorization:
+# see the module docstring.
+FORWARDED_HEADERS = (b"x-request-id", b"x-smg-routing-key")
 TRAINING_PATHS = {b"/generate": "generate", b"/v1/chat/completions": "chat"}
 # Read-only upstream paths the proxy forwards as they are.
 PASS_THROUGH = {b"/health", b"/health_generate", b"/v1/models"}
@@ -102,32 +104,20 @@ class Proxy:
     """The routes and their state: contract, upstream pool, readiness, metrics and audit events."""
 
     def __init__(
-        self,
-        upstream: str,
-        contract: Contract,
-        *,
-        audit_mode: str = "enforce",
-        vocab_size: int | None = None,
-        nats_url: str | None = None,
-        upstream_timeout: float = 1800.0,
-        max_connections: int = 512,
-        max_response_bytes: int = MAX_UPSTREAM_RESPONSE_BYTES,
-        max_k: int = MAX_TOP_LOGPROBS_NUM,
-        upstream_api_key: str | None = None,
+        self, settings: ProxySettings, cfg: Config, *, nats_url: str | None = None, upstream_api_key: str | None = None
     ):
+        """The proxy's ``settings`` and the shared ``cfg`` whole (the contract, the audit mode);
+        ``nats_url``: where audit events go (None: nowhere); ``upstream_api_key``: a secret, never a setting."""
+        self.settings, self.cfg = settings, cfg
         self.pool = UpstreamPool(
-            upstream,
-            timeout=upstream_timeout,
-            max_connections=max_connections,
-            max_response_bytes=max_response_bytes,
+            settings.upstream,
+            timeout=settings.upstream_timeout,
+            max_response_bytes=settings.max_upstream_response_bytes,
             api_key=upstream_api_key,
         )
-        self.max_k = max_k
         self.upstream = self.pool.url
-        self.contract = contract
-        self.audit_mode = audit_mode
-        self.vocab_flag = vocab_size
-        self.vocab_size = vocab_size
+        self.contract = Contract.from_config(cfg)
+        self.vocab_size = settings.vocab_size  # then what the probe learns from the upstream
         self.metrics = ProxyMetrics()
         self.publisher = AuditPublisher(nats_url, self.metrics)
         self.report: ProbeReport | None = None
@@ -148,7 +138,7 @@ class Proxy:
         await self.pool.close()
 
     async def run_probe(self) -> ProbeReport:
-        report = await probe(self.pool, self.contract, vocab_size=self.vocab_flag)
+        report = await probe(self.pool, self.contract, vocab_size=self.settings.vocab_size)
         if report.vocab_size:
             self.vocab_size = report.vocab_size
         if (
@@ -254,7 +244,8 @@ class Proxy:
         """One training (or eval) request: rewrite, forward, audit, then pass, block or flag the answer."""
         # Nothing asks SGLang for more candidates than the vocabulary holds: that takes its server down.
         vocab = await self.known_vocab()
-        limit = self.max_k if vocab is None else min(self.max_k, vocab)
+        max_k = self.settings.max_top_logprobs_num
+        limit = max_k if vocab is None else min(max_k, vocab)
         if req.headers.get(EVAL_HEADER) == b"1":
             try:
                 check_eval_body(req.body, endpoint, limit, vocab)
@@ -307,7 +298,7 @@ class Proxy:
         added_s = time.perf_counter() - started - upstream_s
         self.metrics.observe_added(added_s)
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
-        blocked = violation is not None and self.audit_mode == "enforce"
+        blocked = violation is not None and self.cfg.proxy_audit_mode == "enforce"
         if self.publisher.enabled:
             self.publisher.emit(
                 {
@@ -315,7 +306,7 @@ class Proxy:
                     "path": req.path.decode("latin-1"),
                     "mode": self.contract.mode,
                     "k": self.contract.k,
-                    "audit_mode": self.audit_mode,
+                    "audit_mode": self.cfg.proxy_audit_mode,
                     "verdict": "fail" if violation else "ok",
                     "action": "blocked" if blocked else "passed",
                     "error": violation.to_dict() if violation else None,
@@ -407,14 +398,16 @@ def _error(status: int, v: ContractViolation, headers: list | None = None) -> Re
     return status, orjson.dumps({"error": v.to_dict()}), JSON, headers or []
 
 
-async def run(proxy: Proxy, host: str, port: int, max_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> None:
-    """Serve until SIGTERM or SIGINT, then finish the requests in progress (up to ``SHUTDOWN_GRACE_S``) and stop."""
+async def run(proxy: Proxy) -> None:
+    """Serve on the settings' host and port until SIGTERM or SIGINT, then finish the requests in
+    progress (up to ``SHUTDOWN_GRACE_S``) and stop."""
+    host, port = proxy.settings.host, proxy.settings.port
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await proxy.start()
-    front = Front(proxy.handle, max_body_bytes=max_body_bytes)
+    front = Front(proxy.handle, max_body_bytes=proxy.settings.max_request_body_bytes)
     await front.start(host, port)
     # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
     gc.freeze()
@@ -445,23 +438,13 @@ def main(argv: list[str]) -> int:
         print(f"centerline proxy: {exc}", file=sys.stderr)
         return 2
     try:
-        proxy = Proxy(
-            settings.upstream,
-            Contract.from_config(cfg),
-            audit_mode=cfg.proxy_audit_mode,
-            vocab_size=settings.vocab_size,
-            nats_url=nats_url,
-            upstream_timeout=settings.upstream_timeout,
-            max_response_bytes=settings.max_upstream_response_bytes,
-            max_k=settings.max_top_logprobs_num,
-            upstream_api_key=api_key,
-        )
+        proxy = Proxy(settings, cfg, nats_url=nats_url, upstream_api_key=api_key)
     except ValueError as exc:
         print(f"centerline proxy: --upstream: {exc}", file=sys.stderr)
         return 2
     import uvloop
 
-    uvloop.run(run(proxy, settings.host, settings.port, settings.max_request_body_bytes))
+    uvloop.run(run(proxy))
     return 0
 
 
