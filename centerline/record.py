@@ -146,6 +146,7 @@ def _message(where: str, offset: int, doc: dict) -> Message:
 
 def summary(msg: Message) -> dict:
     """One message for people: where it came from and, for a wire-format batch, what it holds."""
+    from shared.contract import oldest_trained_version
     from shared.wire import WireError, decode_batch
 
     out = {"subject": msg.subject, "seq": msg.seq, "time": msg.time, "headers": msg.headers, "bytes": len(msg.data)}
@@ -157,7 +158,11 @@ def summary(msg: Message) -> dict:
     out["batch"] = {
         "batch_id": b.batch_id,
         "producer": b.producer,
+        "task_id": b.task_id,
+        "attempt": b.attempt,
+        "parts": b.parts,
         "weight_version": b.weight_version,
+        "oldest_trained_version": oldest_trained_version(b),
         "mode": b.mode,
         "k": b.k,
         "samples": b.num_samples,

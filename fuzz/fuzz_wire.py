@@ -1,6 +1,6 @@
 """Fuzz the trainer's intake: ``decode_batch`` then ``check_batch`` on hostile bytes.
 
-The only acceptable failures are ``WireError`` (not a v1 batch) and ``ContractViolation``
+The only acceptable failures are ``WireError`` (not a v2 batch) and ``ContractViolation``
 (a batch that may not be trained on); anything else, a hang (libFuzzer ``-timeout``) or a
 memory blow-up (``-rss_limit_mb``) is a finding. Seeds are valid batches from
 ``shared/synth.py`` (both modes, a few shapes), written to ``fuzz/corpus/wire/`` when that

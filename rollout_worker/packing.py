@@ -70,6 +70,35 @@ def samples_from_response(doc, *, endpoint: str, mode: str, k: int) -> list[Samp
     return samples_from_arrays(found)
 
 
+@dataclass
+class Trajectory:
+    """One sample as it is trained: a prompt and the L tokens after it. A plain response is all
+    sampled tokens; a session's holds the template's tokens of every later message too, untrained
+    (loss mask 0, an empty candidate row, sampled log-prob 0)."""
+
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [L]
+    sampled_logprobs: np.ndarray  # float32 [L]
+    loss_mask: np.ndarray  # uint8 [L], 1 exactly on the tokens SGLang sampled
+    token_versions: np.ndarray  # int32 [L], the weight version that sampled each token
+    cand_ids: np.ndarray  # int32 [L, K], -1 = empty slot
+    cand_logprobs: np.ndarray  # float32 [L, K], -inf = empty slot
+
+    @classmethod
+    def of_sample(cls, prompt_ids, s: Sample) -> Trajectory:
+        """A plain response: every token sampled, by the sample's weight version."""
+        n = len(s.response_ids)
+        return cls(
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            response_ids=s.response_ids,
+            sampled_logprobs=s.sampled_logprobs,
+            loss_mask=np.ones(n, np.uint8),
+            token_versions=np.full(n, s.weight_version, np.int32),
+            cand_ids=s.cand_ids,
+            cand_logprobs=s.cand_logprobs,
+        )
+
+
 def pack_group(
     task: PromptTask,
     prompt_ids: list[int],
@@ -77,53 +106,67 @@ def pack_group(
     rewards: np.ndarray,
     advantages: np.ndarray,
     *,
+    attempt: int = 1,
+    **settings,
+) -> Batch:
+    """The group's one batch: every sample on ``prompt_ids``, all of its tokens trained.
+    ``settings``: ``producer``, ``mode``, ``k``, ``temperature``, ``top_p``, ``top_k``, as in
+    ``pack_trajectories``."""
+    trajectories = [Trajectory.of_sample(prompt_ids, s) for s in samples]
+    return pack_trajectories(task, trajectories, rewards, advantages, attempt=attempt, **settings)
+
+
+def pack_trajectories(
+    task: PromptTask,
+    trajectories: list[Trajectory],
+    rewards: np.ndarray,
+    advantages: np.ndarray,
+    *,
+    attempt: int = 1,
     producer: str,
     mode: str,
     k: int,
     temperature: float,
     top_p: float,
     top_k: int,
-) -> list[Batch]:
-    """One batch per weight version of the group, in version order.
-
-    ``batch_id`` is the ``task_id`` when one version sampled the whole group, else
-    ``f"{task_id}/w{version}"``: a redelivered task re-publishes the same ids and JetStream
-    drops the copy. Sample ``i`` of the group is ``f"{task_id}/{i}"`` in every batch.
-    """
-    versions = sorted({s.weight_version for s in samples})
-    batches = []
-    for version in versions:
-        idx = [i for i, s in enumerate(samples) if s.weight_version == version]
-        part = [samples[i] for i in idx]
-        lengths = [len(s.response_ids) for s in part]
-        offsets = np.zeros(len(part) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
-        batches.append(
-            Batch(
-                batch_id=task.task_id if len(versions) == 1 else f"{task.task_id}/w{version}",
-                producer=producer,
-                weight_version=version,
-                mode=mode,
-                k=k,
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                sample_ids=[f"{task.task_id}/{i}" for i in idx],
-                group_ids=[task.group_id] * len(part),
-                rewards=np.asarray(rewards, dtype=np.float32)[idx],
-                advantages=np.asarray(advantages, dtype=np.float32)[idx],
-                offsets=offsets,
-                prompt_offsets=np.arange(len(part) + 1, dtype=np.int64) * len(prompt),
-                prompt_ids=np.tile(prompt, len(part)),
-                response_ids=_cat([s.response_ids for s in part], np.int32, (0,)),
-                sampled_logprobs=_cat([s.sampled_logprobs for s in part], np.float32, (0,)),
-                loss_mask=np.ones(int(offsets[-1]), dtype=np.uint8),  # every generated token is trained
-                cand_ids=_cat([s.cand_ids for s in part], np.int32, (0, k)),
-                cand_logprobs=_cat([s.cand_logprobs for s in part], np.float32, (0, k)),
-            )
-        )
-    return batches
+) -> Batch:
+    """The group's one batch (wire format v2): ``batch_id`` and ``task_id`` are the task's, so a
+    redelivered task re-publishes the same id and JetStream drops the copy; sample ``i`` is
+    ``f"{task_id}/{i}"``. Each token carries the version that sampled it, and the batch the newest
+    of them, so one batch holds a group however many weight versions sampled it. ``attempt`` is the
+    task's delivery; ``parts`` is 1 until the publisher splits the batch by size."""
+    lengths = [len(t.response_ids) for t in trajectories]
+    offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    prompt_offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
+    np.cumsum([len(t.prompt_ids) for t in trajectories], out=prompt_offsets[1:])
+    token_versions = _cat([t.token_versions for t in trajectories], np.int32, (0,))
+    return Batch(
+        batch_id=task.task_id,
+        producer=producer,
+        task_id=task.task_id,
+        attempt=int(attempt),
+        parts=1,
+        weight_version=int(token_versions.max()) if token_versions.size else 0,
+        mode=mode,
+        k=k,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        sample_ids=[f"{task.task_id}/{i}" for i in range(len(trajectories))],
+        group_ids=[task.group_id] * len(trajectories),
+        rewards=np.asarray(rewards, dtype=np.float32),
+        advantages=np.asarray(advantages, dtype=np.float32),
+        offsets=offsets,
+        prompt_offsets=prompt_offsets,
+        prompt_ids=_cat([t.prompt_ids for t in trajectories], np.int32, (0,)),
+        response_ids=_cat([t.response_ids for t in trajectories], np.int32, (0,)),
+        sampled_logprobs=_cat([t.sampled_logprobs for t in trajectories], np.float32, (0,)),
+        loss_mask=_cat([t.loss_mask for t in trajectories], np.uint8, (0,)),
+        token_versions=token_versions,
+        cand_ids=_cat([t.cand_ids for t in trajectories], np.int32, (0, k)),
+        cand_logprobs=_cat([t.cand_logprobs for t in trajectories], np.float32, (0, k)),
+    )
 
 
 def _cat(arrays: list[np.ndarray], dtype, empty_shape: tuple) -> np.ndarray:

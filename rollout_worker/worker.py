@@ -1,7 +1,7 @@
 """The rollout worker loop: prompt task in, candidate batches out, ack last.
 
     fetch task (PROMPTS, durable `rollout_workers`) -> n samples through the proxy -> rewards
-    -> GRPO advantages -> one batch per weight version -> check_batch -> publish (dedup by
+    -> GRPO advantages -> one batch for the group -> check_batch -> publish (dedup by
     batch_id) -> ack
 
 A task is acked only after JetStream acked every batch of it, so a worker killed at any
@@ -182,7 +182,7 @@ class Worker:
             return
         beat = asyncio.create_task(self._heartbeat(msg))
         try:
-            outcome = await self.process(task)
+            outcome = await self.process(task, attempt=msg.metadata.num_delivered)
             for batch in outcome.batches:
                 await publish_batch(self.js, batch, max_payload=self.nc.max_payload)
             acked = await self._ack(msg, task, outcome)
@@ -270,8 +270,9 @@ class Worker:
         if self.metrics is not None:
             self.metrics.tasks.labels(outcome).inc()
 
-    async def process(self, task: PromptTask) -> Outcome:
-        """Sample the group, score it and pack it; raises ``Transient`` or ``Rejected``."""
+    async def process(self, task: PromptTask, attempt: int = 1) -> Outcome:
+        """Sample the group, score it and pack it (``attempt``: the task's delivery); raises ``Transient`` or
+        ``Rejected``."""
         cfg = self.cfg
         endpoint = cfg.rollout_endpoint
         prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
@@ -289,7 +290,7 @@ class Worker:
         except RewardError as exc:
             raise Rejected(str(exc)) from None
         advantages = group_advantages(rewards, std_norm=cfg.advantage_std_norm)
-        batches = pack_group(
+        batch = pack_group(
             task,
             prompt_ids,
             samples,
@@ -301,13 +302,13 @@ class Worker:
             temperature=cfg.rollout_temperature,
             top_p=cfg.rollout_top_p,
             top_k=cfg.rollout_top_k,
+            attempt=attempt,
         )
-        for batch in batches:
-            try:
-                check_batch(batch, vocab_size=self.settings.vocab_size)
-            except ContractViolation as exc:
-                raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
-        return Outcome(batches, rewards, sum(len(s.response_ids) for s in samples))
+        try:
+            check_batch(batch, vocab_size=self.settings.vocab_size)
+        except ContractViolation as exc:
+            raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
+        return Outcome([batch], rewards, sum(len(s.response_ids) for s in samples))
 
     def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
         """The training request; the proxy adds the log-prob fields of the contract."""

@@ -22,20 +22,22 @@ MASS_TOL = 1e-5
 LOGPROB_TOL = 1e-5
 
 RULES = {
-    "shape": "shapes, dtypes, offsets or header fields disagree with wire format v1",
+    "shape": "shapes, dtypes, offsets or header fields disagree with wire format v2",
     "bad_token": "a sampled token id is outside [0, vocab)",
     "bad_candidate": "a candidate id is outside [-1, vocab)",
     "padding": "an empty slot (id -1) carries a log-prob other than -inf",
     "non_finite": "a log-prob, reward or advantage is NaN or infinite",
     "positive_logprob": "a log-prob is above 0",
     "short_row": "a trained row holds fewer candidates than the contract requires",
+    "row_on_untrained_token": "an untrained token (loss_mask 0) carries candidates; its row must be empty",
     "duplicate_candidate": "a row lists the same candidate id twice",
     "row_mass": "a row's candidate probabilities sum to more than 1",
     "support_mass": "a support-mode row's probabilities do not sum to 1",
     "sampled_not_in_support": "a support-mode row does not contain the sampled token",
     "sampled_mismatch": "the sampled token's candidate log-prob differs from sampled_logprobs",
+    "token_version": "a token's weight version is negative or newer than the batch's weight_version",
     "unknown_version": "weight_version is not a version the trainer has published",
-    "stale": "the batch is more than max_staleness versions old",
+    "stale": "the oldest trained token is more than max_staleness versions old",
     "duplicate_batch": "batch_id was already trained on",
 }
 
@@ -84,7 +86,10 @@ def check_batch(
             found=batch.batch_id,
         )
     if current_version is not None:
-        _check_version(batch.weight_version, current_version, max_staleness)
+        _check_known(batch.weight_version, current_version)
+    check_token_versions(batch)
+    if current_version is not None and max_staleness is not None:
+        _check_stale(oldest_trained_version(batch), current_version, max_staleness)
     for name in ("rewards", "advantages"):
         bad = np.flatnonzero(~np.isfinite(getattr(batch, name)))
         if bad.size:
@@ -110,7 +115,7 @@ def check_batch(
 
 
 def check_shapes(batch: Batch) -> None:
-    """Rule 1: dtypes and shapes agree with section 4, offsets are monotone and end at N."""
+    """Rule 1: dtypes, shapes and header fields agree with section 4, offsets are monotone and end at N."""
 
     def fail(message: str):
         raise ContractViolation("shape", f"batch {batch.batch_id!r}: {message}")
@@ -123,6 +128,8 @@ def check_shapes(batch: Batch) -> None:
         fail(f"mode is {batch.mode!r}, expected one of {MODES}")
     if batch.k <= 0:
         fail(f"k is {batch.k}, expected a positive candidate width")
+    if batch.attempt < 1 or batch.parts < 1:
+        fail(f"attempt is {batch.attempt} and parts {batch.parts}, expected both at least 1")
     b, n = len(batch.sample_ids), batch.response_ids.shape[0] if batch.response_ids.ndim == 1 else -1
     if b == 0:
         fail("the batch holds no samples")
@@ -136,6 +143,7 @@ def check_shapes(batch: Batch) -> None:
         "response_ids": (n,),
         "sampled_logprobs": (n,),
         "loss_mask": (n,),
+        "token_versions": (n,),
         "cand_ids": (n, batch.k),
         "cand_logprobs": (n, batch.k),
     }
@@ -155,7 +163,32 @@ def check_shapes(batch: Batch) -> None:
         fail("loss_mask holds values other than 0 and 1")
 
 
-def _check_version(version: int, current: int, max_staleness: int | None) -> None:
+def check_token_versions(batch: Batch) -> None:
+    """Rule ``token_version``: every token was sampled by a version in ``[0, weight_version]``."""
+    bad = (batch.token_versions < 0) | (batch.token_versions > batch.weight_version)
+    if bad.any():
+        where = _Locator(batch.offsets)
+        i = where.first(bad)
+        found = int(batch.token_versions[i])
+        raise where.violation(
+            "token_version",
+            i,
+            f"was sampled by weight version {found}, outside [0, {batch.weight_version}]: the batch's weight_version "
+            "must be the newest version that sampled any of its tokens",
+            expected=batch.weight_version,
+            found=found,
+        )
+
+
+def oldest_trained_version(batch: Batch) -> int:
+    """The weight version that staleness is judged on: the oldest among the trained tokens'
+    (``weight_version`` for a batch that trains none)."""
+    trained = batch.token_versions[batch.loss_mask.astype(bool, copy=False)]
+    return int(trained.min()) if trained.size else batch.weight_version
+
+
+def _check_known(version: int, current: int) -> None:
+    """Rule ``unknown_version`` on the batch's ``weight_version``, its newest token's."""
     if version < 0 or version > current:
         raise ContractViolation(
             "unknown_version",
@@ -164,13 +197,17 @@ def _check_version(version: int, current: int, max_staleness: int | None) -> Non
             expected=current,
             found=version,
         )
-    if max_staleness is not None and current - version > max_staleness:
+
+
+def _check_stale(oldest: int, current: int, max_staleness: int) -> None:
+    """Rule ``stale`` on the oldest trained token's version."""
+    if current - oldest > max_staleness:
         raise ContractViolation(
             "stale",
-            f"batch sampled by weights {version} is {current - version} versions old, above "
+            f"batch's oldest trained token, sampled by weights {oldest}, is {current - oldest} versions old, above "
             f"--max-staleness {max_staleness}; lower --max-inflight-steps or raise --max-staleness",
             expected=max_staleness,
-            found=current - version,
+            found=current - oldest,
         )
 
 
@@ -249,6 +286,17 @@ def check_rows(
                 expected=need,
                 found=int(counts[i]),
             )
+    bad = ~loss_mask & (counts > 0)
+    if bad.any():
+        i = where.first(bad)
+        raise where.violation(
+            "row_on_untrained_token",
+            i,
+            f"is not trained (loss_mask 0) yet holds {int(counts[i])} candidates; a token SGLang did not sample (a "
+            "prompt or template token of a session) carries an empty row",
+            expected=0,
+            found=int(counts[i]),
+        )
 
     ordered = np.sort(cand_ids, axis=1)
     bad = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1)

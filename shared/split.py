@@ -50,6 +50,7 @@ def select_samples(batch: Batch, indices: slice | list[int] | np.ndarray) -> Bat
         response_ids=batch.response_ids[tok],
         sampled_logprobs=batch.sampled_logprobs[tok],
         loss_mask=batch.loss_mask[tok],
+        token_versions=batch.token_versions[tok],
         cand_ids=batch.cand_ids[tok],
         cand_logprobs=batch.cand_logprobs[tok],
         extra=dict(batch.extra),
@@ -67,7 +68,7 @@ def _gather(offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 class Part(NamedTuple):
     batch_id: str  # the Nats-Msg-Id of this message
-    data: bytes  # wire format v1
+    data: bytes  # wire format v2
 
 
 def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
@@ -75,15 +76,17 @@ def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
 
     A batch that fits is one part with its own ``batch_id``. Otherwise consecutive samples
     are packed greedily and part ``[a, b)`` gets ``batch_id = f"{batch_id}/{a}-{b}"``: the
-    same batch always splits the same way, so a re-publish deduplicates part by part.
+    same batch always splits the same way, so a re-publish deduplicates part by part. Each
+    part then says how many its attempt publishes: ``parts`` is the batch's times the split's.
     Raises ``PayloadTooLargeError`` when a single sample cannot fit.
     """
     whole = encode_batch(batch)
     if len(whole) <= max_bytes:
         return [Part(batch.batch_id, whole)]
     cost = _sample_bytes(batch)
-    # Upper bound of what the empty batch's headers can grow by: 10 arrays x (bin header + 2 shape ints) + 2 lists.
-    fixed = len(encode_batch(select_samples(batch, slice(0, 0)))) + 10 * (3 + 2 * 9) + 2 * 4
+    # Upper bound of what the empty batch's headers can grow by: 11 arrays x (bin header + 2 shape ints) + 2 lists,
+    # and the part count's int.
+    fixed = len(encode_batch(select_samples(batch, slice(0, 0)))) + 11 * (3 + 2 * 9) + 2 * 4 + 9
     parts, start, size = [], 0, fixed
     for i, c in enumerate(cost.tolist()):
         if fixed + c > max_bytes:
@@ -100,7 +103,8 @@ def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
     parts.append((start, len(cost)))
     out = []
     for a, b in parts:
-        data = encode_batch(replace(select_samples(batch, slice(a, b)), batch_id=f"{batch.batch_id}/{a}-{b}"))
+        part = replace(select_samples(batch, slice(a, b)), batch_id=f"{batch.batch_id}/{a}-{b}")
+        data = encode_batch(replace(part, parts=batch.parts * len(parts)))
         assert len(data) <= max_bytes, (a, b, len(data), max_bytes)  # the bound above is an upper bound
         out.append(Part(f"{batch.batch_id}/{a}-{b}", data))
     return out
@@ -112,5 +116,5 @@ def _sample_bytes(batch: Batch) -> np.ndarray:
     prompt = np.diff(np.asarray(batch.prompt_offsets, dtype=np.int64))
     k = batch.cand_ids.shape[1] if batch.cand_ids.ndim == 2 else 0
     strings = np.array([len(s.encode()) + len(g.encode()) + 10 for s, g in zip(batch.sample_ids, batch.group_ids)])
-    # rewards, advantages (4+4), two offsets (8+8); per token: id, logprob, mask, K ids, K logprobs
-    return 24 + 4 * prompt + tokens * (9 + 8 * k) + strings.astype(np.int64)
+    # rewards, advantages (4+4), two offsets (8+8); per token: id, logprob, mask, version, K ids, K logprobs
+    return 24 + 4 * prompt + tokens * (13 + 8 * k) + strings.astype(np.int64)

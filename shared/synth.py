@@ -60,6 +60,9 @@ def make_batch(
     return Batch(
         batch_id=batch_id,
         producer="synth",
+        task_id=batch_id,
+        attempt=1,
+        parts=1,
         weight_version=weight_version,
         mode=mode,
         k=k,
@@ -76,6 +79,7 @@ def make_batch(
         response_ids=head[rows, pick].astype(np.int32),
         sampled_logprobs=cand_lp[rows, pick].copy(),
         loss_mask=np.ones(n, np.uint8),
+        token_versions=np.full(n, weight_version, np.int32),
         cand_ids=cand_ids,
         cand_logprobs=cand_lp,
     )

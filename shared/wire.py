@@ -1,4 +1,4 @@
-"""Wire format v1 for `rollouts.batches` (docs/design.md section 4).
+"""Wire format v2 for `rollouts.batches` (docs/design.md section 4).
 
 A batch is one msgpack map. Arrays are maps ``{"dtype", "shape", "data"}`` whose ``data``
 is little-endian C-order bytes; per-token arrays of all samples are concatenated and
@@ -11,6 +11,11 @@ reasons: array payloads are wrapped as read-only numpy views of the message byte
 copy), and every declared length is checked against the bytes that are actually left
 before anything is allocated, so hostile input costs at most a few times its own size.
 Encoding uses ``msgpack.packb``, which writes the same subset.
+
+v2 is v1 plus ``token_versions`` (the weight version that sampled each response token) and the
+batch's ``task_id``, ``attempt`` and ``parts``. A v1 message is refused by name, as any other
+version is: every producer is this codebase, and a v1 batch cannot say which weights sampled a
+token of a response that spans an update.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field, fields
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MODES = ("selected", "support")
 DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4"), "uint8": np.dtype("u1"), "int64": np.dtype("<i8")}
 
@@ -38,12 +43,16 @@ ARRAY_FIELDS = {
     "response_ids": "int32",
     "sampled_logprobs": "float32",
     "loss_mask": "uint8",
+    "token_versions": "int32",
     "cand_ids": "int32",
     "cand_logprobs": "float32",
 }
 SCALAR_FIELDS = {
     "batch_id": str,
     "producer": str,
+    "task_id": str,
+    "attempt": int,
+    "parts": int,
     "weight_version": int,
     "mode": str,
     "k": int,
@@ -55,7 +64,7 @@ LIST_FIELDS = ("sample_ids", "group_ids")
 
 
 class WireError(ValueError):
-    """Bytes that are not a valid v1 batch. The message names the field and what was found."""
+    """Bytes that are not a valid v2 batch. The message names the field and what was found."""
 
 
 @dataclass(slots=True)
@@ -67,7 +76,10 @@ class Batch:
 
     batch_id: str
     producer: str
-    weight_version: int
+    task_id: str  # the prompt task whose group this batch holds (all of it, or one part)
+    attempt: int  # the task's delivery that sampled it: 1 the first, 2 a redelivery, ...
+    parts: int  # how many messages this attempt of the task publishes, this one among them
+    weight_version: int  # the newest weights that sampled any of its tokens (SGLang's "default" is 0)
     mode: str  # "selected": unfiltered sampling, top-K head; "support": full realized support
     k: int
     temperature: float
@@ -82,7 +94,8 @@ class Batch:
     prompt_ids: np.ndarray  # int32 [P]
     response_ids: np.ndarray  # int32 [N], sampled tokens
     sampled_logprobs: np.ndarray  # float32 [N], sampler log-prob of each sampled token
-    loss_mask: np.ndarray  # uint8 [N], 1 = trained position
+    loss_mask: np.ndarray  # uint8 [N], 1 = trained position (a token SGLang sampled)
+    token_versions: np.ndarray  # int32 [N], the weight version that sampled each token (<= weight_version)
     cand_ids: np.ndarray  # int32 [N, K], -1 = empty slot
     cand_logprobs: np.ndarray  # float32 [N, K], -inf = empty slot
     v: int = WIRE_VERSION
@@ -116,7 +129,7 @@ class WireLimits:
 
 
 def encode_batch(batch: Batch) -> bytes:
-    """Serialise ``batch`` to wire format v1. Arrays are converted to their wire dtype."""
+    """Serialise ``batch`` to wire format v2. Arrays are converted to their wire dtype."""
     head: dict = {"v": WIRE_VERSION}
     for name in SCALAR_FIELDS:
         head[name] = getattr(batch, name)
@@ -170,7 +183,7 @@ def _bin_header(n: int) -> bytes:
 
 
 def decode_batch(data: bytes | bytearray | memoryview, *, limits: WireLimits = WireLimits()) -> Batch:
-    """Parse wire format v1. Raises ``WireError`` for anything malformed.
+    """Parse wire format v2; raises ``WireError`` for anything malformed, a v1 message included.
 
     For ``bytes`` input, array fields of the result are read-only numpy views of ``data``
     (no copy); a ``bytearray`` or ``memoryview`` is copied once first, since it could change.
@@ -213,7 +226,14 @@ def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
         type(version) is not int or version != WIRE_VERSION
     ):  # an array-shaped map is read as an ndarray: compare no such thing
         shown = repr(version) if version is None or type(version) in (int, str) else type(version).__name__
-        raise WireError(f"wire format version {shown} is not supported; this decoder reads version {WIRE_VERSION}")
+        raise WireError(
+            f"wire format version {shown} is not supported; this decoder reads version {WIRE_VERSION}"
+            + (
+                " (v2 adds token_versions, task_id, attempt and parts; re-record with this release)"
+                if type(version) is int and version == 1
+                else ""
+            )
+        )
     values: dict = {}
     for name, kind in SCALAR_FIELDS.items():
         value = _require(doc, name)

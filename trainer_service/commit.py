@@ -73,8 +73,9 @@ def commit_step(
 
 def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
     """The step's line of ``metrics.jsonl``: ``step`` counts completed steps, like ``--steps``
-    (the first step logs step 1); staleness is per sample, in versions behind the trainer."""
-    staleness = [step.before.version - h.batch.weight_version for h in step.held for _ in range(h.batch.num_samples)]
+    (the first step logs step 1); staleness is per sample, in versions behind the trainer, of the
+    sample's oldest trained token (the one the gate judges)."""
+    staleness = [step.before.version - version for h in step.held for version in sample_versions(h.batch)]
     return {
         "step": step.after.step,
         "version": step.after.version,
@@ -86,3 +87,13 @@ def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
         "batch_ids": [h.batch.batch_id for h in step.held],
         **extra,
     }
+
+
+def sample_versions(batch) -> list[int]:
+    """Each sample's oldest trained token's weight version (``weight_version`` where it trains none)."""
+    out = []
+    for i in range(batch.num_samples):
+        part = batch.sample_slice(i)
+        trained = batch.token_versions[part][batch.loss_mask[part].astype(bool)]
+        out.append(int(trained.min()) if trained.size else batch.weight_version)
+    return out

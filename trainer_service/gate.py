@@ -276,7 +276,8 @@ class Gate:
 
 def concat_batches(batches: list[Batch], batch_id: str) -> Batch:
     """One global batch from accepted batches (same mode, K and sampling settings, which the
-    gate enforces); offsets are rebased, ``extra["batch_ids"]`` lists the parts in order."""
+    gate enforces); offsets are rebased, ``extra["batch_ids"]`` lists the parts in order. It
+    belongs to no task: ``task_id`` is ``batch_id``, one attempt, one part."""
     first = batches[0]
     arrays = {}
     for name in ARRAY_FIELDS:
@@ -291,7 +292,10 @@ def concat_batches(batches: list[Batch], batch_id: str) -> Batch:
     return Batch(
         batch_id=batch_id,
         producer="trainer",
-        weight_version=min(b.weight_version for b in batches),
+        task_id=batch_id,
+        attempt=1,
+        parts=1,
+        weight_version=max(b.weight_version for b in batches),  # the newest token's, as in every batch
         mode=first.mode,
         k=first.k,
         temperature=first.temperature,

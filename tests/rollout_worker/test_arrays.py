@@ -20,16 +20,15 @@ from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, 
 ARRAYS_ACCEPT = {"Accept": response_arrays.MEDIA_TYPE}
 
 
-def assert_same_batches(left: list[Batch], right: list[Batch]) -> None:
-    assert len(left) == len(right)
-    for a, b in zip(left, right):
-        for name in ("batch_id", "producer", "weight_version", "mode", "k", "temperature", "top_p", "top_k"):
-            assert getattr(a, name) == getattr(b, name), name
-        assert (a.sample_ids, a.group_ids) == (b.sample_ids, b.group_ids)
-        for name in ARRAY_FIELDS:  # bit for bit, dtype and shape included (NaN/-inf compare equal)
-            x, y = getattr(a, name), getattr(b, name)
-            assert x.dtype == y.dtype and x.shape == y.shape, name
-            assert x.tobytes() == y.tobytes(), name
+def assert_same_batches(a: Batch, b: Batch) -> None:
+    names = ("batch_id", "producer", "task_id", "attempt", "parts", "weight_version", "mode", "k")
+    for name in (*names, "temperature", "top_p", "top_k"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert (a.sample_ids, a.group_ids) == (b.sample_ids, b.group_ids)
+    for name in ARRAY_FIELDS:  # bit for bit, dtype and shape included (NaN/-inf compare equal)
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), name
 
 
 def binary_samples(body: bytes, *, endpoint: str = "generate", mode: str = "selected", k: int = K):
@@ -81,7 +80,7 @@ def test_a_large_scanned_response_packs_the_same_batches_either_way():
     assert_same_batches(pack_k(found, 128), pack_k(json_samples(body, k=128), 128))
 
 
-def pack_k(samples, k: int) -> list[Batch]:
+def pack_k(samples, k: int) -> Batch:
     rewards = np.arange(len(samples), dtype=np.float64)
     return pack_group(
         TASK,

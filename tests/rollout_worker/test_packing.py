@@ -63,7 +63,7 @@ def pack(samples, rewards=(1.0, 0.0), mode="selected"):
 def test_selected_mode_packs_sampled_tokens_and_top_k_candidates():
     samples = samples_from_response(SELECTED, endpoint="generate", mode="selected", k=K)
     assert [s.text for s in samples] == ["A", "B"] and [s.finish_reason for s in samples] == ["stop", "length"]
-    (batch,) = pack(samples)
+    batch = pack(samples)
     check_batch(batch, vocab_size=VOCAB)
     assert batch.batch_id == "run/0/7" and batch.weight_version == 3 and batch.producer == "w0"
     assert batch.sample_ids == ["run/0/7/0", "run/0/7/1"] and batch.group_ids == ["run/g7", "run/g7"]
@@ -82,7 +82,7 @@ def test_support_mode_takes_the_sampled_log_prob_from_the_renormalised_support_r
     item = native([(-0.9, 65)], support=[[(math.log(0.6), 65), (math.log(0.4), 66)]], text="A")
     other = native([(-1.2, 66)], support=[[(math.log(0.6), 65), (math.log(0.4), 66)]], text="B")
     samples = samples_from_response([item, other], endpoint="generate", mode="support", k=K)
-    (batch,) = pack(samples, mode="support")
+    batch = pack(samples, mode="support")
     check_batch(batch, vocab_size=VOCAB)
     np.testing.assert_allclose(batch.sampled_logprobs, [math.log(0.6), math.log(0.4)], rtol=U32)  # stored as float32
     assert batch.cand_ids.tolist() == [[65, 66, -1], [65, 66, -1]]
@@ -90,15 +90,16 @@ def test_support_mode_takes_the_sampled_log_prob_from_the_renormalised_support_r
     assert (batch.top_p, batch.top_k, batch.mode) == (0.9, 2, "support")
 
 
-def test_a_group_sampled_by_two_weight_versions_becomes_one_batch_per_version_with_group_advantages():
+def test_a_group_sampled_by_two_weight_versions_is_one_batch_with_each_tokens_version():
     mixed = [SELECTED[0], native([(-1.5, 66)], tops=[[(-0.5, 65), (-1.5, 66), (-2.5, 67)]], version="4", text="B")]
     samples = samples_from_response(mixed, endpoint="generate", mode="selected", k=K)
-    first, second = pack(samples, rewards=(1.0, 0.0))
-    assert (first.batch_id, first.weight_version, first.sample_ids) == ("run/0/7/w3", 3, ["run/0/7/0"])
-    assert (second.batch_id, second.weight_version, second.sample_ids) == ("run/0/7/w4", 4, ["run/0/7/1"])
-    assert first.advantages.tolist() == [0.5] and second.advantages.tolist() == [-0.5]  # over the whole group
-    for batch in (first, second):
-        check_batch(batch, vocab_size=VOCAB)
+    batch = pack(samples, rewards=(1.0, 0.0))
+    assert (batch.batch_id, batch.task_id, batch.attempt, batch.parts) == ("run/0/7", "run/0/7", 1, 1)
+    assert batch.weight_version == 4 and batch.token_versions.tolist() == [3, 3, 4]  # the newest, and per token
+    assert batch.sample_ids == ["run/0/7/0", "run/0/7/1"] and batch.advantages.tolist() == [0.5, -0.5]
+    check_batch(batch, vocab_size=VOCAB)
+    err = pytest.raises(ContractViolation, check_batch, batch, vocab_size=VOCAB, current_version=5, max_staleness=1)
+    assert (err.value.rule, err.value.found) == ("stale", 2)  # judged on the oldest trained token, version 3
 
 
 def test_sglangs_initial_weight_version_default_is_version_0():
@@ -111,7 +112,7 @@ def test_sglangs_initial_weight_version_default_is_version_0():
 def test_a_short_candidate_row_is_left_short_for_the_contract_to_reject():
     short = native([(-0.5, 65)], tops=[[(-0.5, 65), (-1.5, 66)]], text="A")
     samples = samples_from_response([short, SELECTED[1]], endpoint="generate", mode="selected", k=K)
-    (batch,) = pack(samples)
+    batch = pack(samples)
     assert batch.cand_ids[0].tolist() == [65, 66, -1]
     with pytest.raises(ContractViolation) as err:
         check_batch(batch, vocab_size=VOCAB)

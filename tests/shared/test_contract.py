@@ -83,6 +83,84 @@ def test_empty_slots_are_allowed_in_untrained_rows():
     check_batch(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=mask), vocab_size=VOCAB)
 
 
+@pytest.mark.parametrize("make, rule", [(selected, "short_row"), (support, "support_mass")])
+def test_a_trained_token_with_an_empty_row_is_refused_in_either_mode(make, rule):
+    batch = make()
+    i = row_of(2, 4)
+    ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
+    ids[i, :], lps[i, :] = -1, -np.inf
+    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps))
+    assert (err.rule, err.sample, err.row) == (rule, 2, 4)
+
+
+@pytest.mark.parametrize("make", [selected, support])
+def test_a_candidate_row_on_an_untrained_token_is_row_on_untrained_token(make):
+    batch = make()
+    mask = np.array(batch.loss_mask)
+    mask[row_of(3, 6)] = 0
+    err = violation(replace_arrays(batch, loss_mask=mask))
+    assert (err.rule, err.sample, err.row, err.expected) == ("row_on_untrained_token", 3, 6, 0)
+    assert str(err).startswith("sample 3 row 6 is not trained (loss_mask 0) yet holds ")
+
+
+def session_like(**kw):
+    """Sample 1 as a session holds it: rows 2-4 a message the template rendered (untrained, empty
+    rows, sampled log-prob 0), the tokens after them sampled by version 5, those before by 4."""
+    batch = selected(weight_version=5, **kw)
+    rows = slice(row_of(1, 2), row_of(1, 5))
+    ids, lps, mask = np.array(batch.cand_ids), np.array(batch.cand_logprobs), np.array(batch.loss_mask)
+    sampled, versions = np.array(batch.sampled_logprobs), np.array(batch.token_versions)
+    ids[rows], lps[rows], mask[rows], sampled[rows] = -1, -np.inf, 0, 0.0
+    versions[row_of(1, 0) : row_of(1, 5)] = 4
+    return replace_arrays(
+        batch, cand_ids=ids, cand_logprobs=lps, loss_mask=mask, sampled_logprobs=sampled, token_versions=versions
+    )
+
+
+def test_a_session_sample_with_untrained_template_tokens_and_two_versions_passes():
+    check_batch(session_like(), vocab_size=VOCAB, current_version=6, max_staleness=2)
+
+
+def test_staleness_is_judged_on_the_oldest_trained_token():
+    err = violation(session_like(), current_version=6, max_staleness=1)
+    assert (err.rule, err.expected, err.found) == ("stale", 1, 2)  # rows 0-1 of sample 1, version 4
+    assert str(err).startswith("batch's oldest trained token, sampled by weights 4, is 2 versions old")
+    versions = np.array(session_like().token_versions)
+    versions[row_of(1, 2) : row_of(1, 5)] = 0  # untrained tokens: their version does not count
+    versions[row_of(1, 0) : row_of(1, 2)] = 5
+    check_batch(
+        replace_arrays(session_like(), token_versions=versions), vocab_size=VOCAB, current_version=6, max_staleness=1
+    )
+
+
+@pytest.mark.parametrize("version", [6, -1])
+def test_a_token_newer_than_the_batch_or_negative_is_token_version(version):
+    batch = session_like()
+    versions = np.array(batch.token_versions)
+    versions[row_of(2, 7)] = version
+    err = violation(replace_arrays(batch, token_versions=versions))
+    assert (err.rule, err.sample, err.row, err.expected, err.found) == ("token_version", 2, 7, 5, version)
+    assert f"was sampled by weight version {version}, outside [0, 5]" in str(err)
+
+
+@pytest.mark.parametrize(
+    "versions, message",
+    [
+        (np.zeros(32, np.int64), "token_versions must be a int32 array, found int64"),
+        (np.zeros(31, np.int32), "token_versions has shape [31], expected [32]"),
+    ],
+)
+def test_token_versions_of_another_dtype_or_shape_are_rule_shape(versions, message):
+    err = violation(replace_arrays(selected(), token_versions=versions))
+    assert err.rule == "shape" and message in str(err)
+
+
+@pytest.mark.parametrize("field", ["attempt", "parts"])
+def test_an_attempt_or_part_count_below_one_is_rule_shape(field):
+    err = violation(replace_arrays(selected(), **{field: 0}))
+    assert err.rule == "shape" and "expected both at least 1" in str(err)
+
+
 def test_duplicate_candidate_is_named():
     batch = selected()
     i = row_of(3, 2)
@@ -264,6 +342,8 @@ def test_every_rule_is_documented():
         "sampled_mismatch",
         "stale",
         "duplicate_batch",
+        "row_on_untrained_token",
+        "token_version",
     }
 
 

@@ -41,7 +41,7 @@ def ragged_batch(lengths: list[int], *, k: int = 8, batch_id: str = "rb") -> Bat
 
 def sample_payloads(batch: Batch) -> dict[str, bytes]:
     """Every sample of ``batch`` as bytes, keyed by sample id: equal for equal samples across splits."""
-    one = lambda i: encode_batch(dataclasses.replace(select_samples(batch, [i]), batch_id="x"))  # noqa: E731
+    one = lambda i: encode_batch(dataclasses.replace(select_samples(batch, [i]), batch_id="x", parts=1))  # noqa: E731
     return {sid: one(i) for i, sid in enumerate(batch.sample_ids)}
 
 
@@ -83,6 +83,7 @@ def test_a_batch_over_the_limit_is_split_by_sample_into_parts_that_fit_with_ever
     decoded = [decode_batch(p.data) for p in parts]
     assert [d.batch_id for d in decoded] == [p.batch_id for p in parts]
     assert [p.batch_id.split("/")[0] for p in parts] == ["rb"] * len(parts)
+    assert [(d.task_id, d.parts) for d in decoded] == [(batch.task_id, len(parts))] * len(parts)  # the attempt's count
     assert sum((d.sample_ids for d in decoded), []) == batch.sample_ids  # each once, in order
     got = {}
     for d in decoded:

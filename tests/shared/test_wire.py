@@ -1,4 +1,4 @@
-"""Wire format v1: exact round trips, zero-copy decoding, and a typed error for every malformed input."""
+"""Wire format v2: exact round trips, zero-copy decoding, and a typed error for every malformed input."""
 
 import copy
 import resource
@@ -13,13 +13,16 @@ from hypothesis import strategies as st
 
 from shared.contract import ContractViolation, check_batch
 from shared.synth import make_batch
-from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch
+from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch, replace_arrays
 
 
 def assert_same_batch(a: Batch, b: Batch) -> None:
     for name in (
         "batch_id",
         "producer",
+        "task_id",
+        "attempt",
+        "parts",
         "weight_version",
         "mode",
         "k",
@@ -53,6 +56,9 @@ def batches(draw):
     return Batch(
         batch_id=draw(text),
         producer=draw(text),
+        task_id=draw(text),
+        attempt=draw(st.integers(1, 2**31)),
+        parts=draw(st.integers(1, 2**31)),
         weight_version=draw(st.integers(0, 2**40)),
         mode=draw(st.sampled_from(["selected", "support"])),
         k=k,
@@ -69,6 +75,7 @@ def batches(draw):
         response_ids=arr((n,), np.int32, st.integers(-(2**31), 2**31 - 1)),
         sampled_logprobs=arr((n,), np.float32, floats),
         loss_mask=arr((n,), np.uint8, st.integers(0, 1)),
+        token_versions=arr((n,), np.int32, st.integers(-(2**31), 2**31 - 1)),
         cand_ids=arr((n, k), np.int32, st.integers(-1, 300)),
         cand_logprobs=arr((n, k), np.float32, floats),
     )
@@ -99,9 +106,29 @@ def test_unknown_top_level_keys_are_ignored_and_kept():
 
 def test_other_version_is_rejected_naming_both_versions():
     doc = msgpack.unpackb(encode_batch(make_batch()))
-    doc["v"] = 2
-    with pytest.raises(WireError, match=r"version 2 is not supported; this decoder reads version 1"):
+    doc["v"] = 3
+    with pytest.raises(WireError, match=r"version 3 is not supported; this decoder reads version 2$"):
         decode_batch(msgpack.packb(doc))
+
+
+def test_a_v1_batch_is_refused_naming_both_versions_and_what_v2_adds():
+    doc = msgpack.unpackb(encode_batch(make_batch()))
+    for name in ("token_versions", "task_id", "attempt", "parts"):
+        del doc[name]
+    doc["v"] = 1
+    with pytest.raises(
+        WireError, match=r"version 1 is not supported; this decoder reads version 2 \(v2 adds token_versions, task_id"
+    ):
+        decode_batch(msgpack.packb(doc))
+
+
+def test_v2_carries_each_tokens_weight_version_and_the_batchs_task_attempt_and_parts():
+    batch = replace_arrays(make_batch(samples=2, tokens_per_sample=3, weight_version=5), task_id="run/0/3", attempt=2)
+    batch.token_versions = np.array([4, 4, 5, 5, 5, 5], np.int32)
+    doc = msgpack.unpackb(encode_batch(batch))
+    assert (doc["v"], doc["task_id"], doc["attempt"], doc["parts"]) == (2, "run/0/3", 2, 1)
+    assert doc["token_versions"]["dtype"] == "int32" and doc["token_versions"]["shape"] == [6]
+    assert decode_batch(encode_batch(batch)).token_versions.tolist() == [4, 4, 5, 5, 5, 5]
 
 
 def _doc():

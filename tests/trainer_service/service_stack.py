@@ -144,8 +144,9 @@ def fault(batch, kind: str, version: int | None = None):
         cand_ids[3, 1] = cand_ids[3, 0]
     out = replace_arrays(batch, cand_ids=cand_ids, cand_logprobs=cand_lp, advantages=adv)
     out.batch_id = f"fault/{kind}/{batch.batch_id}"
-    if version is not None:
+    if version is not None:  # every token sampled by ``version``
         out.weight_version = version
+        out.token_versions = np.full_like(out.token_versions, version)
     return out
 
 
