@@ -102,7 +102,7 @@ def load_tokenizer(path: str, chat_template: bool = False):
     def encode(prompt: str) -> list[int]:
         return list(tok(prompt)["input_ids"])
 
-    return Tokenizer(encode=encode_chat if chat_template else encode, encode_chat=encode_chat), tok
+    return Tokenizer(encode=encode_chat if chat_template else encode, encode_chat=encode_chat, chat=tok), tok
 
 
 def vocab_size_of(info: dict, tokenizer_path: str | None) -> int | None:

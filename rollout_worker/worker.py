@@ -68,6 +68,7 @@ class Tokenizer:
 
     encode: object  # (prompt: str) -> list[int]
     encode_chat: object  # (prompt: str) -> list[int], chat template with a generation prompt
+    chat: object = None  # the HF tokenizer itself: its chat template renders a session's messages
 
 
 @dataclass
@@ -273,6 +274,10 @@ class Worker:
     async def process(self, task: PromptTask, attempt: int = 1) -> Outcome:
         """Sample the group, score it and pack it (``attempt``: the task's delivery); raises ``Transient`` or
         ``Rejected``."""
+        if task.environment:  # multi-turn sessions driven by the task's environment
+            from rollout_worker.environment import sample_sessions
+
+            return await sample_sessions(self, task, attempt)
         cfg = self.cfg
         endpoint = cfg.rollout_endpoint
         prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)

@@ -72,7 +72,14 @@ class Config(BaseModel):
     rollout_endpoint: Literal["generate", "chat"] = Field(
         "generate", description="SGLang endpoint for training requests: native /generate or /v1/chat/completions."
     )
-    rollout_max_new_tokens: int = Field(16, description="Longest response, in tokens.")
+    rollout_max_new_tokens: int = Field(
+        16, description="Longest response, in tokens; in a multi-turn session, the longest turn."
+    )
+    rollout_session_max_tokens: int = Field(
+        1024,
+        description="A multi-turn session's token budget: its first prompt and every token after it. A turn that "
+        "could pass it is not run; the session ends after its last complete turn.",
+    )
     rollout_n: int = Field(4, description="Samples per prompt group (GRPO group size).")
 
     # Loss (docs/design.md section 6).
@@ -170,6 +177,12 @@ def validate(cfg: Config) -> Config:
         ),
         (cfg.rollout_max_new_tokens <= 0, "rollout_max_new_tokens", cfg.rollout_max_new_tokens, "must be positive"),
         (cfg.rollout_n <= 0, "rollout_n", cfg.rollout_n, "must be positive"),
+        (
+            cfg.rollout_session_max_tokens <= cfg.rollout_max_new_tokens,
+            "rollout_session_max_tokens",
+            cfg.rollout_session_max_tokens,
+            "a session's budget must leave room for a prompt and a turn: above --rollout-max-new-tokens",
+        ),
         (
             cfg.score_centering_tis_clip <= 0,
             "score_centering_tis_clip",

@@ -26,6 +26,9 @@ class PromptTask:
     n: int  # samples to draw for the group
     step: int  # trainer step the task was published for (staleness accounting)
     meta: dict = field(default_factory=dict)  # task-specific extras passed to the reward function
+    # "module:function": an environment that drives n multi-turn sessions and returns each one's reward
+    # (rollout_worker/environment.py); "" samples the prompt n times and scores each with ``reward``
+    environment: str = ""
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -47,4 +50,7 @@ class PromptTask:
         meta = doc.get("meta", {})
         if not isinstance(meta, dict):
             raise TaskError(f"task field 'meta' is {type(meta).__name__}, expected an object")
-        return cls(**{name: doc[name] for name in kinds}, meta=meta)
+        environment = doc.get("environment", "")
+        if not isinstance(environment, str):
+            raise TaskError(f"task field 'environment' is {environment!r}, expected a string ('module:function')")
+        return cls(**{name: doc[name] for name in kinds}, meta=meta, environment=environment)

@@ -1,7 +1,8 @@
 """Prompt tasks from a JSONL dataset, in a deterministic order, published ahead of training.
 
-A dataset line is ``{"prompt": str, "answer": str, "reward": str, ...}``; every other key
-goes into ``PromptTask.meta`` unchanged (the reward function sees it). Step ``s`` publishes
+A dataset line is ``{"prompt": str, "answer": str, "reward": str, ...}``; an ``environment``
+(``"module:function"``) makes its tasks multi-turn sessions (docs/design.md section 12); every
+other key goes into ``PromptTask.meta`` unchanged (the reward function sees it). Step ``s`` publishes
 ``prompts_per_step`` tasks, the dataset positions ``s * prompts_per_step + j`` of an
 endless sequence of epochs, each epoch a permutation seeded by ``(seed, epoch)``. So the
 tasks of a step are a pure function of ``(dataset, seed, step)``: after a restart the
@@ -37,6 +38,7 @@ class Example:
     answer: str
     reward: str
     meta: dict
+    environment: str = ""  # "module:function": the task runs n sessions of it
 
 
 def load_dataset(path: str | Path) -> list[Example]:
@@ -58,8 +60,13 @@ def load_dataset(path: str | Path) -> list[Example]:
                         f"{path}:{number}: field {key!r} is {doc.get(key)!r}, expected a string "
                         f"(a line needs {', '.join(REQUIRED)}; `centerline dataset` writes them)"
                     )
-            meta = {k: v for k, v in doc.items() if k not in REQUIRED}
-            examples.append(Example(doc["prompt"], doc["answer"], doc["reward"], meta))
+            environment = doc.get("environment", "")
+            if not isinstance(environment, str):
+                raise DatasetError(
+                    f"{path}:{number}: field 'environment' is {environment!r}, expected 'module:function'"
+                )
+            meta = {k: v for k, v in doc.items() if k not in (*REQUIRED, "environment")}
+            examples.append(Example(doc["prompt"], doc["answer"], doc["reward"], meta, environment))
     if not examples:
         raise DatasetError(f"{path}: the dataset holds no examples")
     return examples
@@ -97,6 +104,7 @@ class TaskPublisher:
                     n=self.n,
                     step=step,
                     meta=ex.meta,
+                    environment=ex.environment,
                 )
             )
         return out

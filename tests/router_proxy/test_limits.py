@@ -176,6 +176,14 @@ def test_client_authorization_never_reaches_the_upstream(stack):
         assert "authorization" not in double.last_headers()
 
 
+def test_a_sessions_routing_key_reaches_the_upstream(stack):
+    """smg routes by X-SMG-Routing-Key: the proxy forwards it, so a session's turns can keep to one engine."""
+    proxy, double = stack
+    body = json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 1}}).encode()
+    status, _ = post(proxy.url, "/generate", body, {"X-SMG-Routing-Key": "session-7"})
+    assert status == 200 and double.last_headers()["x-smg-routing-key"] == "session-7"
+
+
 def test_configured_k_above_the_limit_refuses_to_start():
     cmd = [
         sys.executable,

@@ -65,6 +65,18 @@ def test_publishes_at_most_inflight_steps_ahead_with_task_id_as_msg_id(dataset):
     assert [t.step for _, t, _ in js.sent] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
 
 
+def test_a_line_naming_an_environment_makes_its_tasks_sessions(tmp_path):
+    path = tmp_path / "d.jsonl"
+    row = {"prompt": "p", "answer": "a", "reward": "exact", "environment": "envs:chat", "level": 2}
+    path.write_bytes(orjson.dumps(row) + b"\n" + orjson.dumps({**row, "environment": 3}) + b"\n")
+    with pytest.raises(DatasetError, match=r"d.jsonl:2: field 'environment' is 3, expected 'module:function'"):
+        load_dataset(path)
+    path.write_bytes(orjson.dumps(row) + b"\n")
+    (task,) = TaskPublisher(load_dataset(path), run_id="r", seed=0, prompts_per_step=1, n=2).tasks(0)
+    assert (task.environment, task.meta) == ("envs:chat", {"level": 2})
+    assert PromptTask.from_bytes(task.to_bytes()) == task
+
+
 def test_a_line_without_a_required_field_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(

@@ -1,0 +1,34 @@
+"""The native /generate training request a worker sends through the proxy (docs/design.md section 7).
+
+The proxy owns the log-prob fields and states every sampling setting the contract fixes; the
+worker states its own side, the sampling it was configured with, so a request means the same
+whichever proxy or server defaults it meets.
+"""
+
+from __future__ import annotations
+
+from shared.config import Config
+
+
+def sampling(cfg: Config) -> dict:
+    """The sampling settings of every training request: temperature, top-p and, when set, top-k."""
+    out = {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p}
+    if cfg.rollout_top_k > 0:
+        out["top_k"] = cfg.rollout_top_k
+    return out
+
+
+def logprob_fields(cfg: Config) -> dict:
+    """What the contract asks SGLang to return: the sampled log-probs and the top-``K`` rows
+    (``selected``) or the realized support (``support``). The proxy sets the same again."""
+    if cfg.rollout_logprobs_mode == "selected":
+        return {"return_logprob": True, "top_logprobs_num": cfg.rollout_top_logprobs_num}
+    return {"return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}
+
+
+def generate_body(cfg: Config, input_ids: list[int], *, max_new_tokens: int, stop: list[str] | None = None) -> dict:
+    """One native /generate of one sample continuing ``input_ids`` (a session's turn)."""
+    params = {"n": 1, "max_new_tokens": max_new_tokens, **sampling(cfg)}
+    if stop:
+        params["stop"] = stop
+    return {"input_ids": input_ids, "sampling_params": params, **logprob_fields(cfg)}

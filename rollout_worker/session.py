@@ -1,0 +1,254 @@
+"""A multi-turn chat session, token in, token out (docs/design.md section 12).
+
+An environment talks to the model in OpenAI chat messages; SGLang samples tokens. A session
+keeps the two in step: it holds every token id so far (the first prompt as the chat template
+renders it, each sampled token, each later message as the template renders it) and, per token,
+whether SGLang sampled it (loss mask 1), its candidate row, its sampled log-prob and the weight
+version that sampled it. The tokens trained are exactly the tokens SGLang returned.
+
+Each turn gets the whole conversation, as chat clients send it:
+
+    messages -> its prefix must be the session's history (the messages rendered so far and the
+    replies the session returned): else SessionHistoryError
+    -> the template renders the whole conversation; its text must extend the text of the tokens
+    held: else SessionTemplateError; only the new suffix is tokenized, nothing is re-tokenized
+    -> native /generate with input_ids = tokens held + the suffix's (the caller's ``generate``)
+    -> the sampled ids appended; the reply is their decoded text less the end-of-turn token
+
+Budgets, each with its own finish: a turn samples at most ``max_new_tokens`` (finish "length");
+a turn that could take the session past ``budget`` tokens is not run (SessionBudgetError,
+``finish`` "session_budget"): the session ends after its last complete turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout_worker.packing import Sample, Trajectory, samples_from_arrays
+from rollout_worker.worker import Transient
+from shared.response_arrays import ResponseArrays
+
+Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays]]
+
+
+class SessionError(ValueError):
+    """A turn the session refuses; ``code`` names the family for the chat endpoint's error."""
+
+    code = "session_error"
+
+
+class SessionHistoryError(SessionError):
+    """The messages do not extend the session's history (a past message edited, reordered or dropped)."""
+
+    code = "session_history"
+
+
+class SessionTemplateError(SessionError):
+    """The chat template's rendering does not extend the tokens the session holds."""
+
+    code = "session_template"
+
+
+class SessionBudgetError(SessionError):
+    """The turn could take the session past its token budget; the session has ended."""
+
+    code = "context_length_exceeded"  # OpenAI's code, which chat clients already handle
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One turn's answer, as the chat endpoint returns it."""
+
+    content: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int  # the input of this turn's /generate
+    completion_tokens: int
+
+
+class ChatTemplate:
+    """The tokenizer's chat template and its text <-> ids, as a session uses them."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.specials = set(tokenizer.all_special_ids)
+        # What the template writes right after an assistant message's content (ChatML: "<|im_end|>\n").
+        mark = "\u2063centerline\u2063"
+        shown = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}], tokenize=False
+        )
+        self.closing = shown.split(mark)[-1] if mark in shown else ""
+
+    def render(self, messages: list[dict], tools: list | None = None) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def message_key(message) -> dict:
+    """A message as the history compares it: its fields without nulls, text parts joined (what
+    an OpenAI client sends back of a reply: ``refusal: null`` and the like are no difference)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise SessionHistoryError(f"a message must be an object with a role, found {str(message)[:200]}")
+    out = {name: value for name, value in message.items() if value is not None}
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise SessionHistoryError(f"message content parts other than text are not supported: {str(content)[:200]}")
+        out["content"] = "".join(texts)
+    return out
+
+
+class Session:
+    """One trajectory of chat turns; ``generate(input_ids, max_new_tokens, stop)`` samples one turn
+    (the audited response as arrays) through the proxy."""
+
+    def __init__(self, session_id: str, template: ChatTemplate, generate: Generate, *, k: int, budget: int):
+        self.id, self.template, self.generate, self.k, self.budget = session_id, template, generate, k, budget
+        self.messages: list[dict] = []  # the history: messages rendered so far and the replies returned
+        self.text = ""  # the template text the tokens held stand for
+        self.prompt_len = 0  # the first turn's prompt tokens
+        self.ids: list[int] = []
+        self._mask: list[np.ndarray] = []
+        self._versions: list[np.ndarray] = []
+        self._sampled: list[np.ndarray] = []
+        self._cand_ids: list[np.ndarray] = []
+        self._cand_logprobs: list[np.ndarray] = []
+        self.turns = 0
+        self.finish: str | None = None  # "session_budget" once a turn was refused for the budget
+        self._lock = asyncio.Lock()  # one turn at a time: a concurrent one fails the history check
+
+    async def turn(
+        self, messages: list, *, max_new_tokens: int, stop: list[str] | None = None, tools: list | None = None
+    ) -> Reply:
+        async with self._lock:
+            return await self._turn(messages, max_new_tokens, stop, tools)
+
+    async def _turn(self, messages, max_new_tokens, stop, tools) -> Reply:
+        if self.finish is not None:
+            raise SessionBudgetError(f"session {self.id} has ended ({self.finish}); it takes no more turns")
+        given = [message_key(m) for m in messages]
+        self.check_history(given)
+        text = self.template.render(given, tools)
+        new_ids = self.extend(text)
+        if len(self.ids) + len(new_ids) + max_new_tokens > self.budget:
+            self.finish = "session_budget"
+            raise SessionBudgetError(
+                f"session {self.id}: {len(self.ids)} tokens held, {len(new_ids)} for the new messages and up to "
+                f"{max_new_tokens} for the reply would pass the session token budget of {self.budget} "
+                "(--rollout-session-max-tokens); the session ends after its last complete turn"
+            )
+        found = await self.generate(self.ids + new_ids, max_new_tokens, stop)
+        sample = _one_sample(found)
+        sampled = self.template.decode(sample.response_ids)
+        content = self.reply_text(sample, sampled)
+        prompt_tokens = len(self.ids) + len(new_ids)
+        if not self.ids:
+            self.prompt_len = len(new_ids)
+        self._append_rendered(new_ids)
+        self._append_sampled(sample)
+        self.text = text + sampled
+        self.messages = [*given, {"role": "assistant", "content": content}]
+        self.turns += 1
+        return Reply(content, sample.finish_reason or "stop", prompt_tokens, len(sample.response_ids))
+
+    def check_history(self, given: list[dict]) -> None:
+        """The request's messages begin with the session's history and add at least one."""
+        for i, (mine, theirs) in enumerate(zip(self.messages, given)):
+            if mine != theirs:
+                raise SessionHistoryError(
+                    f"message {i} differs from the session's history: the session has {str(mine)[:200]}, the request "
+                    f"{str(theirs)[:200]}; a session only grows (start a new one for an edited past)"
+                )
+        if len(given) < len(self.messages):
+            raise SessionHistoryError(
+                f"the request has {len(given)} messages, the session's history {len(self.messages)}: a past message "
+                "was dropped"
+            )
+        if len(given) == len(self.messages):
+            raise SessionHistoryError(f"the request adds no message to the session's {len(given)}")
+
+    def extend(self, text: str) -> list[int]:
+        """The ids of what ``text`` (the whole conversation rendered) adds to the text held."""
+        if not text.startswith(self.text):
+            at = next((i for i, (a, b) in enumerate(zip(self.text, text)) if a != b), min(len(self.text), len(text)))
+            raise SessionTemplateError(
+                f"session {self.id}: the chat template renders the history differently from the tokens the session "
+                f"holds, from character {at}: the session has {self.text[at : at + 60]!r}, the template "
+                f"{text[at : at + 60]!r}; the session never re-tokenizes what it sent or received (a template that "
+                "rewrites past turns cannot be trained token in, token out)"
+            )
+        suffix = text[len(self.text) :]
+        ids = self.template.encode(suffix)
+        if self.template.decode(ids) != suffix:
+            raise SessionTemplateError(
+                f"session {self.id}: the new messages' rendering {suffix[:80]!r} does not survive tokenization: its "
+                f"ids decode to {self.template.decode(ids)[:80]!r}"
+            )
+        return ids
+
+    def reply_text(self, sample: Sample, sampled: str) -> str:
+        """The reply's content: the sampled text less a final end-of-turn token, the special token the
+        template itself writes after an assistant message's content; any other stays in the reply."""
+        ids = sample.response_ids
+        if len(ids) and int(ids[-1]) in self.template.specials:
+            end = self.template.decode(ids[-1:])
+            if self.template.closing.startswith(end) and sampled.endswith(end):
+                return sampled[: len(sampled) - len(end)]
+        return sampled
+
+    def _append_rendered(self, ids: list[int]) -> None:
+        n = len(ids)
+        self.ids += ids
+        self._mask.append(np.zeros(n, np.uint8))
+        self._versions.append(np.zeros(n, np.int32))  # untrained: the staleness rule ignores it
+        self._sampled.append(np.zeros(n, np.float32))
+        self._cand_ids.append(np.full((n, self.k), -1, np.int32))
+        self._cand_logprobs.append(np.full((n, self.k), -np.inf, np.float32))
+
+    def _append_sampled(self, s: Sample) -> None:
+        n = len(s.response_ids)
+        self.ids += s.response_ids.tolist()
+        self._mask.append(np.ones(n, np.uint8))
+        self._versions.append(np.full(n, s.weight_version, np.int32))
+        self._sampled.append(np.asarray(s.sampled_logprobs, np.float32))
+        self._cand_ids.append(np.asarray(s.cand_ids, np.int32))
+        self._cand_logprobs.append(np.asarray(s.cand_logprobs, np.float32))
+
+    def trajectory(self) -> Trajectory:
+        """The session as one sample: prompt = the first turn's prompt, response = every token
+        after it; loss mask 1 exactly on the sampled tokens, empty candidate rows elsewhere."""
+        if not self.turns:
+            raise SessionError(f"session {self.id} has no turn: there is nothing to train")
+        p = self.prompt_len
+
+        def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype, copy=False)[p:]
+
+        return Trajectory(
+            prompt_ids=np.asarray(self.ids[:p], np.int32),
+            response_ids=np.asarray(self.ids[p:], np.int32),
+            sampled_logprobs=cat(self._sampled, np.float32),
+            loss_mask=cat(self._mask, np.uint8),
+            token_versions=cat(self._versions, np.int32),
+            cand_ids=cat(self._cand_ids, np.int32),
+            cand_logprobs=cat(self._cand_logprobs, np.float32),
+        )
+
+
+def _one_sample(found: ResponseArrays) -> Sample:
+    samples = samples_from_arrays(found)
+    if len(samples) != 1:
+        raise Transient(f"the proxy returned {len(samples)} samples for one session turn")
+    if samples[0].finish_reason == "abort":  # cut off (a server stopping): the task is sampled again, whole
+        raise Transient("the session's turn was aborted by SGLang (finish_reason abort)")
+    return samples[0]

@@ -1,0 +1,60 @@
+"""Environments the session tests name as ``module:function`` (rollout_worker/environment.py)."""
+
+from __future__ import annotations
+
+import openai
+
+RECORDED: list[dict] = []  # one entry per session run: its final messages and what each turn answered
+
+
+async def three_turns(client: openai.AsyncOpenAI, task) -> float:
+    """Three turns of chat, a user message between them, and one attempt to edit the past (which
+    the session refuses by name); the reward is the replies' total length, in characters."""
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": task.prompt}]
+    answers, refused = [], None
+    for then in ("And then?", "Thanks.", None):
+        reply = await client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+        answers.append(reply)
+        messages = [*messages, reply.choices[0].message.model_dump()]
+        if then == "Thanks.":
+            edited = [{**messages[1], "content": task.prompt + "!"}, *messages[2:]]
+            try:
+                await client.chat.completions.create(model="default", messages=[messages[0], *edited])
+            except openai.BadRequestError as exc:
+                refused = exc
+        if then is not None:
+            messages.append({"role": "user", "content": then})
+    RECORDED.append({"messages": messages, "answers": answers, "refused": refused})
+    return float(sum(len(a.choices[0].message.content) for a in answers))
+
+
+async def no_turn(client: openai.AsyncOpenAI, task) -> float:
+    return 1.0
+
+
+async def one_turn(client: openai.AsyncOpenAI, task) -> float:
+    reply = await client.chat.completions.create(model="default", messages=[{"role": "user", "content": task.prompt}])
+    return float(len(reply.choices[0].message.content))
+
+
+async def shrugs_off_errors(client: openai.AsyncOpenAI, task) -> float:
+    """Catches what the endpoint answers and returns a reward anyway."""
+    try:
+        await client.chat.completions.create(model="default", messages=[{"role": "user", "content": task.prompt}])
+    except openai.APIError:
+        pass
+    return 1.0
+
+
+async def raises(client: openai.AsyncOpenAI, task) -> float:
+    await one_turn(client, task)
+    raise RuntimeError("the environment broke")
+
+
+async def returns_nan(client: openai.AsyncOpenAI, task) -> float:
+    await one_turn(client, task)
+    return float("nan")
+
+
+def not_async(client, task) -> float:
+    return 0.0

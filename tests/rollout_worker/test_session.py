@@ -1,0 +1,393 @@
+"""Sessions, token in, token out: the history a turn must extend, the template's tokens between
+turns, budgets, the trajectory as one sample, and the chat endpoint an environment's OpenAI
+client talks to. The engine here is a stand-in that answers each turn with given ids (the real
+one: tests/rollout_worker/test_session_stack.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from centerline.tokenizer import save_tokenizer
+from rollout_worker.environment import SessionEndpoint
+from rollout_worker.packing import pack_trajectories
+from rollout_worker.session import (
+    ChatTemplate,
+    Session,
+    SessionBudgetError,
+    SessionHistoryError,
+    SessionTemplateError,
+)
+from rollout_worker.worker import Transient
+from shared.config import Config
+from shared.contract import check_batch
+from shared.response_arrays import ResponseArrays
+from shared.task import PromptTask
+
+K, VOCAB, IM_END, EOS = 4, 260, 258, 256
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> ChatTemplate:
+    """The default model's byte-level tokenizer with its ChatML template."""
+    out = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(out)
+    return ChatTemplate(AutoTokenizer.from_pretrained(str(out)))
+
+
+class Engine:
+    """Answers turn i with ``replies[i]`` (ids, finish reason) at weight version ``version``: a row
+    of K distinct candidates led by the sampled token; records each turn's input ids."""
+
+    def __init__(self, replies, version: int = 0, fail: Exception | None = None):
+        self.replies, self.version, self.fail, self.inputs = list(replies), version, fail, []
+
+    async def __call__(self, input_ids, max_new_tokens, stop):
+        self.inputs.append((list(input_ids), max_new_tokens, stop))
+        if self.fail is not None:
+            raise self.fail
+        ids, finish = self.replies.pop(0)
+        n = len(ids)
+        cand = np.array([[t, *[(t + j) % 256 for j in range(1, K)]] for t in ids], np.int32).reshape(n, K)
+        lps = np.tile(np.float32([-0.1, -4.0, -4.0, -4.0]), (n, 1))
+        return ResponseArrays(
+            texts=[""],
+            finish_reasons=[finish],
+            weight_versions=[self.version],
+            prompt_ids=None,
+            offsets=np.array([0, n], np.int64),
+            response_ids=np.array(ids, np.int32),
+            sampled_logprobs=np.full(n, -0.1, np.float32),
+            cand_ids=cand,
+            cand_logprobs=lps,
+        )
+
+
+def text_ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def session(template, engine, budget: int = 1024) -> Session:
+    return Session("s1", template, engine, k=K, budget=budget)
+
+
+def turn(s: Session, messages, max_new_tokens: int = 16):
+    return asyncio.run(s.turn(messages, max_new_tokens=max_new_tokens))
+
+
+def three_turns(template):
+    engine = Engine(
+        [
+            (text_ids("hi") + [IM_END], "stop"),
+            (text_ids("ok!"), "length"),  # cut off: the template closes the turn itself
+            (text_ids("bye") + [IM_END], "stop"),
+        ]
+    )
+    s = session(template, engine)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"}]
+    replies = []
+    for user in ("b", "c", None):
+        reply = turn(s, messages)
+        replies.append(reply)
+        messages = [*messages, {"role": "assistant", "content": reply.content}]
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+    return s, engine, replies, messages
+
+
+def test_three_turns_train_exactly_the_sampled_ids_with_the_templates_tokens_between_them(template):
+    s, engine, replies, final = three_turns(template)
+    assert [r.content for r in replies] == ["hi", "ok!", "bye"]  # less <|im_end|>, which the template writes
+    assert [r.finish_reason for r in replies] == ["stop", "length", "stop"]
+    t = s.trajectory()
+    first = template.encode(template.render(final[:2]))
+    assert t.prompt_ids.tolist() == first == engine.inputs[0][0]
+    ids = t.prompt_ids.tolist() + t.response_ids.tolist()
+    # each turn's input is every token so far: nothing re-tokenized
+    sampled = [text_ids("hi") + [IM_END], text_ids("ok!"), text_ids("bye") + [IM_END]]
+    for i, (inputs, _, _) in enumerate(engine.inputs):
+        assert ids[: len(inputs)] == inputs and ids[len(inputs) : len(inputs) + len(sampled[i])] == sampled[i]
+    assert ids[-len(sampled[2]) :] == sampled[2]
+    trained = [tok for tok, m in zip(t.response_ids.tolist(), t.loss_mask.tolist()) if m]
+    assert trained == sum(sampled, [])  # loss mask 1 exactly on the sampled ids
+    assert template.decode(ids) + "\n" == template.tok.apply_chat_template(final, tokenize=False)
+    untrained = t.loss_mask == 0
+    assert (t.cand_ids[untrained] == -1).all() and (t.cand_logprobs[untrained] == -np.inf).all()
+    assert (t.cand_ids[~untrained] >= 0).all() and (t.sampled_logprobs[untrained] == 0).all()
+    # turn 2 was cut off: <|im_end|> after it is the template's, untrained
+    after_ok = len(engine.inputs[1][0]) + len(sampled[1]) - len(first)
+    assert (t.response_ids[after_ok], t.loss_mask[after_ok]) == (IM_END, 0)
+
+
+def test_a_trajectory_is_one_sample_of_a_batch_that_passes_the_contract(template):
+    s, _, _, _ = three_turns(template)
+    other, _, _, _ = three_turns(template)
+    task = PromptTask("run/0/1", "run/g1", "", "", "exact", 2, 0, environment="m:f")
+    rewards = np.array([1.0, 0.0])
+    settings = dict(producer="w", mode="selected", k=K, temperature=1.0, top_p=1.0, top_k=-1)
+    batch = pack_trajectories(task, [s.trajectory(), other.trajectory()], rewards, rewards - 0.5, attempt=2, **settings)
+    check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
+    assert (batch.batch_id, batch.task_id, batch.attempt, batch.num_samples) == ("run/0/1", "run/0/1", 2, 2)
+    assert batch.prompt_offsets.tolist() == [0, len(s.trajectory().prompt_ids), 2 * len(s.trajectory().prompt_ids)]
+
+
+def test_each_token_keeps_the_version_that_sampled_it(template):
+    engine = Engine([(text_ids("x") + [IM_END], "stop"), (text_ids("y") + [IM_END], "stop")], version=3)
+    s = session(template, engine)
+    reply = turn(s, [{"role": "user", "content": "a"}])
+    engine.version = 4  # an update between the turns
+    turn(
+        s,
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": reply.content},
+            {"role": "user", "content": "b"},
+        ],
+    )
+    t = s.trajectory()
+    assert sorted(set(t.token_versions[t.loss_mask == 1].tolist())) == [3, 4]
+    assert t.token_versions[t.loss_mask == 1].tolist() == [3, 3, 4, 4]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: [{**m[0], "content": "A"}, *m[1:]], r"^message 0 differs from the session's history"),
+        (lambda m: [m[0], {**m[1], "content": "other"}, *m[2:]], r"^message 1 differs"),
+        (lambda m: [m[1], m[0], *m[2:]], r"^message 0 differs"),
+        (lambda m: m[:2], r"adds no message"),
+        (lambda m: m[:1], r"a past message was dropped"),
+    ],
+)
+def test_a_history_the_session_did_not_have_is_refused_by_name(template, edit, message):
+    engine = Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("x"), "stop")])
+    s = session(template, engine)
+    reply = turn(s, [{"role": "user", "content": "a"}])
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply.content}]
+    with pytest.raises(SessionHistoryError, match=message):
+        turn(s, edit([*messages, {"role": "user", "content": "b"}]))
+    assert len(engine.inputs) == 1  # nothing sent
+    # what an OpenAI client sends back of a reply (nulls, text parts) is the same message
+    given = [messages[0], {**messages[1], "refusal": None, "tool_calls": None}, {"role": "user", "content": "b"}]
+    given[1]["content"] = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    turn(s, given)
+
+
+def test_a_template_that_rewrites_a_past_turn_is_refused_by_name(template):
+    class Forgetful(ChatTemplate):
+        """Drops past assistant content, as reasoning templates drop past thinking."""
+
+        def render(self, messages, tools=None):
+            shown = [m if m["role"] != "assistant" else {**m, "content": ""} for m in messages]
+            return super().render(shown, tools)
+
+    s = session(Forgetful(template.tok), Engine([(text_ids("hi") + [IM_END], "stop")]))
+    reply = turn(s, [{"role": "user", "content": "a"}])
+    again = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply.content}]
+    with pytest.raises(
+        SessionTemplateError, match=r"renders the history differently from the tokens the session holds"
+    ):
+        turn(s, [*again, {"role": "user", "content": "b"}])
+
+
+def test_a_turn_that_could_pass_the_session_budget_is_not_run_and_the_session_ends(template):
+    engine = Engine([(text_ids("hi") + [IM_END], "stop")])
+    first = [{"role": "user", "content": "a"}]
+    prompt = len(template.encode(template.render(first)))
+    s = session(template, engine, budget=prompt + 3 + 30)
+    reply = turn(s, first, max_new_tokens=16)
+    assert reply.finish_reason == "stop" and s.finish is None
+    more = [*first, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "b"}]
+    with pytest.raises(SessionBudgetError, match=r"would pass the session token budget of .* after its last complete"):
+        turn(s, more, max_new_tokens=16)
+    assert s.finish == "session_budget" and len(engine.inputs) == 1
+    assert s.trajectory().loss_mask.sum() == 3  # the completed turn is kept whole
+    with pytest.raises(SessionBudgetError, match=r"has ended \(session_budget\)"):
+        turn(s, more, max_new_tokens=1)
+
+
+def test_a_reply_ended_by_another_special_token_keeps_it_and_the_template_still_extends(template):
+    """<|endoftext|> is no end of turn for ChatML: it stays in the reply, and the template closes the turn."""
+    s = session(template, Engine([(text_ids("x") + [EOS], "stop"), (text_ids("y"), "length")]))
+    reply = turn(s, [{"role": "user", "content": "a"}])
+    assert reply.content == "x<|endoftext|>"
+    turn(
+        s,
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": reply.content},
+            {"role": "user", "content": "b"},
+        ],
+    )
+    assert s.trajectory().loss_mask.sum() == 3
+
+
+# ---------------------------------------------------------------------------- the chat endpoint
+
+
+def serve(template, engine, cfg: Config | None = None, budget: int = 1024):
+    """``(endpoint, session, client)`` inside a running loop."""
+
+    async def start():
+        endpoint = SessionEndpoint(cfg or Config(rollout_max_new_tokens=16))
+        await endpoint.start()
+        s = session(template, engine, budget)
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url(s), api_key="unused", max_retries=0)
+        return endpoint, s, client
+
+    return start()
+
+
+def test_an_openai_client_drives_a_session_through_the_endpoint(template):
+    async def go():
+        endpoint, s, client = await serve(
+            template, Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("yo"), "length")])
+        )
+        try:
+            messages = [{"role": "user", "content": "a"}]
+            first = await client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+            messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "b"}]
+            second = await client.chat.completions.create(model="default", messages=messages, stop=["\n"])
+            with pytest.raises(openai.BadRequestError) as edited:
+                await client.chat.completions.create(model="default", messages=[{"role": "user", "content": "z"}])
+            return first, second, edited.value, s
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    first, second, edited, s = asyncio.run(go())
+    assert (first.choices[0].message.content, first.choices[0].finish_reason) == ("hi", "stop")
+    assert (first.usage.completion_tokens, first.usage.prompt_tokens) == (3, len(s.trajectory().prompt_ids))
+    assert (second.choices[0].message.content, second.choices[0].finish_reason) == ("yo", "length")
+    assert edited.code == "session_history" and "message 0 differs from the session's history" in edited.body["message"]
+    assert s.turns == 2
+
+
+def test_the_endpoint_passes_the_per_turn_limit_and_stop_strings_and_refuses_other_sampling(template):
+    async def go():
+        engine = Engine([(text_ids("hi"), "length")])
+        endpoint, s, client = await serve(template, engine)
+        try:
+            await client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "a"}], max_completion_tokens=99, stop="."
+            )
+            refusals = []
+            for extra in ({"temperature": 0.5}, {"n": 2}, {"presence_penalty": 1.0}):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(
+                        model="default", messages=[{"role": "user", "content": "a"}], **extra
+                    )
+                refusals.append(err.value)
+            return engine, refusals
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    engine, refusals = asyncio.run(go())
+    assert engine.inputs[0][1:] == (16, ["."])  # the run's per-turn cap wins over a larger max_completion_tokens
+    assert [r.code for r in refusals] == ["unsupported_setting"] * 3
+    assert "temperature: is 0.5, the run samples at 1.0" in refusals[0].body["message"]
+
+
+def test_an_engine_failure_is_answered_503_and_kept_for_the_task(template):
+    async def go():
+        endpoint, _, client = await serve(template, Engine([], fail=Transient("proxy unreachable")))
+        try:
+            with pytest.raises(openai.InternalServerError) as err:
+                await client.chat.completions.create(model="default", messages=[{"role": "user", "content": "a"}])
+            return endpoint, err.value
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    endpoint, err = asyncio.run(go())
+    assert err.status_code == 503 and err.code == "engine_failed"
+    assert [str(f) for f in endpoint.failures] == ["proxy unreachable"]
+
+
+def test_a_turn_past_the_budget_is_openais_context_length_exceeded(template):
+    async def go():
+        endpoint, s, client = await serve(template, Engine([]), budget=20)
+        try:
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="default", messages=[{"role": "user", "content": "a"}])
+            return err.value, s
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    err, s = asyncio.run(go())
+    assert err.code == "context_length_exceeded" and "session token budget of 20" in err.body["message"]
+    assert s.finish == "session_budget"
+
+
+# ---------------------------------------------------------------------------- a task's sessions
+
+ENVS = "tests.rollout_worker.session_environments"
+
+
+def process(template, monkeypatch, env: str, engine: Engine, n: int = 2):
+    """The worker's ``process`` of a task naming ``env``, its turns answered by ``engine``."""
+    from rollout_worker import environment
+    from rollout_worker.worker import Tokenizer, Worker
+    from shared.settings import WorkerSettings
+
+    async def fake(http, url, body, routing_key):
+        params = body["sampling_params"]
+        assert body["top_logprobs_num"] == K and body["return_logprob"] is True and params["n"] == 1
+        return await engine(body["input_ids"], params["max_new_tokens"], params.get("stop"))
+
+    monkeypatch.setattr(environment, "proxy_generate", fake)
+    cfg = Config(rollout_top_logprobs_num=K, rollout_max_new_tokens=16, rollout_n=n)
+    worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=VOCAB), Tokenizer(None, None, chat=template.tok))
+    task = PromptTask("run/0/4", "run/g4", "a", "", "exact", n, 0, environment=f"{ENVS}:{env}")
+    return asyncio.run(worker.process(task, attempt=3))
+
+
+def test_a_task_naming_an_environment_runs_n_sessions_into_one_batch_with_group_advantages(template, monkeypatch):
+    engine = Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("hello") + [IM_END], "stop")])
+    outcome = process(template, monkeypatch, "one_turn", engine)
+    (batch,) = outcome.batches
+    check_batch(batch, vocab_size=VOCAB)
+    assert (batch.task_id, batch.attempt, batch.parts, batch.num_samples) == ("run/0/4", 3, 1, 2)
+    assert sorted(outcome.rewards.tolist()) == [2.0, 5.0] and sorted(batch.advantages.tolist()) == [-1.5, 1.5]
+    assert outcome.tokens == 3 + 6 == int(batch.loss_mask.sum())
+
+
+def test_an_engine_failure_in_a_turn_fails_the_task_as_transient_whatever_the_environment_does(template, monkeypatch):
+    with pytest.raises(Transient, match="proxy unreachable"):
+        process(template, monkeypatch, "shrugs_off_errors", Engine([], fail=Transient("proxy unreachable")))
+
+
+@pytest.mark.parametrize(
+    "env, refused, message",
+    [
+        ("raises", False, r"environment '.*:raises' failed in session \w+: RuntimeError\('the environment broke'\)"),
+        ("returns_nan", False, r"returned nan, expected a finite reward"),
+        ("no_turn", False, r"returned without a turn in session"),
+        ("shrugs_off_errors", True, r"^the proxy refused it$"),  # the proxy's refusal, whatever the environment did
+        ("not_async", False, r"is not an async function"),
+        ("missing", False, r"cannot be loaded"),
+    ],
+)
+def test_an_environment_that_fails_or_gives_no_reward_or_no_turn_rejects_the_task_by_name(
+    template, monkeypatch, env, refused, message
+):
+    from rollout_worker.worker import Rejected
+
+    replies = [(text_ids("hi") + [IM_END], "stop")] * 2
+    engine = Engine(replies, fail=Rejected("the proxy refused it") if refused else None)
+    with pytest.raises(Rejected, match=message):
+        process(template, monkeypatch, env, engine)
+
+
+def test_a_session_budget_that_leaves_no_room_for_a_turn_is_refused_naming_both_settings():
+    from shared.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"^--rollout-session-max-tokens 16: .* above --rollout-max-new-tokens$"):
+        validate(Config(rollout_session_max_tokens=16, rollout_max_new_tokens=16))
+    assert validate(Config()).rollout_session_max_tokens == 1024

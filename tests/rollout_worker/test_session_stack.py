@@ -1,0 +1,125 @@
+"""Multi-turn sessions against the real stack: an environment driving the real ``openai``
+AsyncOpenAI client, the worker's session endpoint, native /generate at K = 128 through the proxy
+and the real SGLang router (smg 0.3.2) to the session's real SGLang server (the default byte-level
+model, its ChatML template), one batch for the group. No NATS: the worker's own ``process``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+
+from rollout_worker import environment
+from rollout_worker.main import load_tokenizer
+from rollout_worker.session import message_key
+from rollout_worker.worker import Worker
+from shared.config import Config
+from shared.contract import check_batch
+from shared.settings import WorkerSettings
+from shared.task import PromptTask
+from tests.rollout_worker import session_environments
+from tests.router_proxy.conftest import ProxyProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("sglang")]
+
+K, VOCAB, IM_END = 128, 260, 258
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory, sglang_server, sglang_router, model_dir):
+    """A ready proxy at K = 128 in front of the router in front of the shared server."""
+    sglang_server.serve(model_dir)
+    proxy = ProxyProcess(
+        tmp_path_factory.mktemp("proxy") / "proxy.log",
+        sglang_router.url,
+        "--vocab-size",
+        str(VOCAB),
+        "--rollout-top-logprobs-num",
+        str(K),
+    )
+    try:
+        status, body = proxy.wait_probed()
+        assert status == 200, body
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def run_task(proxy_url: str, model_dir, env: str, monkeypatch, n: int = 2):
+    """``(outcome, turns, hf)``: the worker's ``process`` of one task naming ``env``; ``turns`` maps
+    each routing key to the audited answers of its turns, as the proxy returned them."""
+    cfg = Config(proxy_url=proxy_url, rollout_top_logprobs_num=K, rollout_max_new_tokens=8, rollout_n=n)
+    tokenizer, hf = load_tokenizer(str(model_dir))
+    worker = Worker(cfg, WorkerSettings(worker_id="test", vocab_size=VOCAB), tokenizer)
+    turns: dict[str, list] = {}
+    real = environment.proxy_generate
+
+    async def recording(http, url, body, routing_key):
+        found = await real(http, url, body, routing_key)
+        turns.setdefault(routing_key, []).append((body["input_ids"], found))
+        return found
+
+    monkeypatch.setattr(environment, "proxy_generate", recording)
+    task = PromptTask("s/0/0", "s/g0", "Say hi.", "", "exact", n, 0, environment=env)
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            worker.session = http
+            return await worker.process(task, attempt=1)
+
+    return asyncio.run(go()), turns, hf
+
+
+def sample_ids(batch, i: int) -> list[int]:
+    return (
+        batch.prompt_ids[batch.prompt_offsets[i] : batch.prompt_offsets[i + 1]].tolist()
+        + batch.response_ids[batch.sample_slice(i)].tolist()
+    )
+
+
+def test_a_three_turn_session_trains_exactly_the_ids_sglang_returned(proxy, model_dir, monkeypatch):
+    session_environments.RECORDED.clear()
+    outcome, turns, hf = run_task(
+        proxy.url, model_dir, "tests.rollout_worker.session_environments:three_turns", monkeypatch
+    )
+    (batch,) = outcome.batches
+    check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
+    assert (batch.num_samples, batch.task_id, batch.attempt, batch.k) == (2, "s/0/0", 1, K)
+    assert len(turns) == 2 and all(len(t) == 3 for t in turns.values())  # 2 sessions, 3 turns each, by routing key
+    # a session's tokens end with its last turn's input and what SGLang returned for it
+    by_tokens = {tuple(t[-1][0] + t[-1][1].response_ids.tolist()): t for t in turns.values()}
+    for i in range(batch.num_samples):
+        part = batch.sample_slice(i)
+        prompt = batch.prompt_ids[batch.prompt_offsets[i] : batch.prompt_offsets[i + 1]].tolist()
+        response, mask = batch.response_ids[part].tolist(), batch.loss_mask[part].astype(bool)
+        ids = prompt + response
+        session_turns = by_tokens[tuple(ids)]
+        sampled = []
+        for inputs, found in session_turns:
+            returned = found.response_ids.tolist()
+            assert ids[: len(inputs)] == inputs  # each turn continued every token so far, none re-tokenized
+            assert ids[len(inputs) : len(inputs) + len(returned)] == returned
+            sampled += returned
+        assert np.asarray(response)[mask].tolist() == sampled  # trained: exactly SGLang's ids
+        cand = batch.cand_ids[part]
+        assert (cand[mask] >= 0).all() and all(len(set(row)) == K for row in cand[mask].tolist())
+        assert (cand[~mask] == -1).all() and (batch.cand_logprobs[part][~mask] == -np.inf).all()
+        assert (batch.token_versions[part] == 0).all()
+    decoded = [hf.decode(sample_ids(batch, i), skip_special_tokens=False) for i in range(batch.num_samples)]
+    for record in session_environments.RECORDED:
+        final = [message_key(m) for m in record["messages"]]
+        rendered = hf.apply_chat_template(final, tokenize=False)
+        # the decoded trajectory is the template's rendering of the conversation, but for what the
+        # template writes after the last reply: "\n" after a sampled <|im_end|>, the whole closing after a cut-off one
+        (i,) = [i for i, d in enumerate(decoded) if rendered.startswith(d)]
+        closing = "\n" if sample_ids(batch, i)[-1] == IM_END else "<|im_end|>\n"
+        assert decoded[i] + closing == rendered
+        refused = record["refused"]
+        assert refused is not None and refused.code == "session_history"
+        assert "message 1 differs from the session's history" in refused.body["message"]
+    rewards = [r for r in outcome.rewards.tolist()]
+    assert sorted(rewards) == sorted(
+        float(sum(len(a.choices[0].message.content) for a in rec["answers"])) for rec in session_environments.RECORDED
+    )
