@@ -47,12 +47,12 @@ def proxy(tmp_path_factory, sglang_server, sglang_router, model_dir):
         proxy.stop()
 
 
-def run_task(proxy_url: str, model_dir, env: str, monkeypatch, n: int = 2):
+def run_task(proxy_url: str, model_dir, env: str, monkeypatch, *, vocab: int = VOCAB, n: int = 2):
     """``(outcome, turns, hf)``: the worker's ``process`` of one task naming ``env``; ``turns`` maps
     each routing key to the audited answers of its turns, as the proxy returned them."""
     cfg = Config(proxy_url=proxy_url, rollout_top_logprobs_num=K, rollout_max_new_tokens=8, rollout_n=n)
     tokenizer, hf = load_tokenizer(str(model_dir))
-    worker = Worker(cfg, WorkerSettings(worker_id="test", vocab_size=VOCAB), tokenizer)
+    worker = Worker(cfg, WorkerSettings(worker_id="test", vocab_size=vocab), tokenizer)
     turns: dict[str, list] = {}
     real = environment.proxy_generate
 
@@ -84,8 +84,13 @@ def test_a_three_turn_session_trains_exactly_the_ids_sglang_returned(proxy, mode
     outcome, turns, hf = run_task(
         proxy.url, model_dir, "tests.rollout_worker.session_environments:three_turns", monkeypatch
     )
+    check_three_turns(outcome, turns, hf, vocab=VOCAB, im_end=IM_END)
+
+
+def check_three_turns(outcome, turns, hf, *, vocab: int, im_end: int) -> None:
+    """What ``session_environments.three_turns`` must have made of two sessions, whatever the model."""
     (batch,) = outcome.batches
-    check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
+    check_batch(batch, vocab_size=vocab, current_version=0, max_staleness=0)
     assert (batch.num_samples, batch.task_id, batch.attempt, batch.k) == (2, "s/0/0", 1, K)
     assert len(turns) == 2 and all(len(t) == 3 for t in turns.values())  # 2 sessions, 3 turns each, by routing key
     # a session's tokens end with its last turn's input and what SGLang returned for it
@@ -114,7 +119,7 @@ def test_a_three_turn_session_trains_exactly_the_ids_sglang_returned(proxy, mode
         # the decoded trajectory is the template's rendering of the conversation, but for what the
         # template writes after the last reply: "\n" after a sampled <|im_end|>, the whole closing after a cut-off one
         (i,) = [i for i, d in enumerate(decoded) if rendered.startswith(d)]
-        closing = "\n" if sample_ids(batch, i)[-1] == IM_END else "<|im_end|>\n"
+        closing = "\n" if sample_ids(batch, i)[-1] == im_end else "<|im_end|>\n"
         assert decoded[i] + closing == rendered
         refused = record["refused"]
         assert refused is not None and refused.code == "session_history"
