@@ -59,7 +59,11 @@ figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step).
     centerline bench pipeline --json
     centerline bench pipeline --modes async --train-seconds 30 --workers 4 -- --rollout-n 4
 
-Flags after ``--`` go to ``centerline up`` unchanged.
+Flags after ``--`` are ``centerline up``'s (``--config FILE`` too): the run spec each mode is a
+variant of (``centerline/run_spec.py``), with the bench's own flags (``--task``, ``--steps``,
+``--workers``...) and the mode's ``max_inflight_steps`` over it. A mode runs as ``centerline up
+--config RUN_DIR/<mode>.toml``, that variant's file; the bench reports the settings it ran, the
+workers' resolved ``concurrency`` among them.
 """
 
 from __future__ import annotations
@@ -79,7 +83,10 @@ from pathlib import Path
 
 import orjson
 
+from centerline import launcher, run_spec
 from centerline.launcher import PYTHON, Stack, wait_http
+from centerline.run_spec import RunSpec
+from shared.config import Config, ConfigError, setting_variables
 from shared.ports import free_port
 
 # --modes: each a `centerline up` run with this --max-inflight-steps
@@ -160,56 +167,51 @@ def duty_cycle(samples: list[tuple[float, float, float]], start: float, end: flo
 # ---------------------------------------------------------------------------- phase 1: the pipeline
 
 
-def run_pipeline(args, mode: str, up_extra: list[str], run_dir: Path) -> tuple[dict, dict, str]:
-    """``centerline up`` in ``mode`` (``MODES``) to its end; returns its figures, its resolved configuration and
-    its model."""
-    from shared.config import load_toml
+def mode_spec(base: RunSpec, args, mode: str, run_dir: Path) -> RunSpec:
+    """The spec of one ``MODES`` run: ``base`` (the flags after ``--``) with the bench's own settings,
+    SGLang's ``--enable-metrics`` added to its flags."""
+    up = {
+        "task": args.task,
+        "steps": args.steps,
+        "workers": args.workers,
+        "trainer_ranks": args.trainer_ranks,
+        "prompts_per_step": args.prompts_per_step,
+        "eval_prompts": args.eval_prompts,
+        "eval_every": args.steps,
+        "model_dir": args.model_dir,
+        "run_dir": run_dir,
+        "sglang_args": f"{base.up.sglang_args} --enable-metrics".strip(),
+    }
+    if args.train_seconds:
+        up["train_seconds"] = args.train_seconds
+    return base.derive(cfg={"max_inflight_steps": MODES[mode]}, up=up)
 
+
+def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
+    """``centerline up --config FILE`` of ``spec`` (``mode_spec``) to its end; returns its figures, the
+    spec it ran (as its ``config.toml`` says, placed) and its model."""
+    run_dir = spec.up.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        PYTHON,
-        "-m",
-        "centerline",
-        "up",
-        "--task",
-        args.task,
-        "--steps",
-        str(args.steps),
-        "--workers",
-        str(args.workers),
-        "--trainer-ranks",
-        str(args.trainer_ranks),
-        "--prompts-per-step",
-        str(args.prompts_per_step),
-        "--eval-prompts",
-        str(args.eval_prompts),
-        "--eval-every",
-        str(args.steps),
-        "--model-dir",
-        str(args.model_dir),
-        "--run-dir",
-        str(run_dir),
-        "--sglang-args=--enable-metrics",
-        "--max-inflight-steps",
-        str(MODES[mode]),
-        *(["--train-seconds", str(args.train_seconds)] if args.train_seconds else []),
-        *up_extra,
-    ]
+    spec_file = run_dir.parent / f"{mode}.toml"
+    spec.write(spec_file)
+    argv = [PYTHON, "-m", "centerline", "up", "--config", str(spec_file)]
+    # the spec resolved the settings variables already; left in, they would beat its file
+    env = {k: v for k, v in os.environ.items() if k not in setting_variables()}
     log = run_dir / "up.log"
     started = time.monotonic()
     with open(log, "wb") as out:
-        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     progress("up", mode=mode, run_dir=str(run_dir), log=str(log))
     try:
         config, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
         while not config.exists():
             _poll(up, log, args.poll)
-        cfg = load_toml(str(config))
-        if len(cfg["engine_urls"]) != 1:
+        ran = run_spec.load(config)
+        if len(ran.cfg.engine_urls) != 1:
             raise RuntimeError(
-                f"the bench measures one SGLang server; the run has {len(cfg['engine_urls'])} (--engines)"
+                f"the bench measures one SGLang server; the run has {len(ran.cfg.engine_urls)} (--engines)"
             )
-        engine = cfg["engine_urls"][0]
+        engine = ran.cfg.engine_urls[0]
         wait_http(f"{engine}/health", "the run's SGLang server", up, log, 600)
         with urllib.request.urlopen(f"{engine}/get_model_info", timeout=10) as resp:
             model = orjson.loads(resp.read())["model_path"]  # asked before the first weight update renames it
@@ -267,7 +269,7 @@ def run_pipeline(args, mode: str, up_extra: list[str], run_dir: Path) -> tuple[d
         "trainer_duty_cycle": round(1 - sum(s["gather_s"] for s in window) / sum(s["step_s"] for s in window), 4),
     }
     progress("pipeline", mode=mode, **figures)
-    return figures, cfg, model
+    return figures, ran, model
 
 
 def _new_steps(metrics: Path, seen: dict[int, float]) -> dict[int, float]:
@@ -288,15 +290,13 @@ def _poll(up: subprocess.Popen, log: Path, interval: float) -> None:
 # ---------------------------------------------------------------------------- phase 2: SGLang alone
 
 
-def request_bodies(cfg: dict, model: str, dataset: Path, count: int = 256) -> list[bytes]:
+def request_bodies(config: Config, model: str, dataset: Path, count: int = 256) -> list[bytes]:
     """The worker's native /generate request for the first ``count`` prompts of ``dataset``, as the proxy rewrites
     it."""
     from transformers import AutoTokenizer
 
     from router_proxy.rewrite import Contract, rewrite_body
-    from shared.config import Config
 
-    config = Config(**{k: v for k, v in cfg.items() if k in Config.model_fields})  # not the commands' tables
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [orjson.loads(line)["prompt"] for line in dataset.read_bytes().splitlines()[:count]]
     sampling = {
@@ -345,14 +345,15 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, warmup: f
     return {**counts, "start": start, "end": end}
 
 
-def run_alone(args, cfg: dict, model: str, dataset: Path, run_dir: Path, seconds: float) -> dict:
-    """A fresh SGLang server of ``model``, the pipeline's requests at its most concurrency, then stopped."""
-    from shared.config import resolve_section
-    from shared.settings import WorkerSettings
+def concurrent_requests(spec: RunSpec) -> int:
+    """The most requests the pipeline of ``spec`` has in flight: each worker's resolved ``concurrency``."""
+    return spec.up.workers * spec.worker.concurrency
 
-    # The workers' own setting: its default, or CENTERLINE_WORKER_CONCURRENCY as up's workers read it.
-    concurrency = args.workers * resolve_section(WorkerSettings, only=()).concurrency
-    bodies = request_bodies(cfg, model, dataset)
+
+def run_alone(args, spec: RunSpec, model: str, dataset: Path, run_dir: Path, seconds: float) -> dict:
+    """A fresh SGLang server of ``model``, the pipeline's requests at its most concurrency, then stopped."""
+    concurrency = concurrent_requests(spec)
+    bodies = request_bodies(spec.cfg, model, dataset)
     url = f"http://127.0.0.1:{free_port()}"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = Stack(run_dir / "logs", {})
@@ -402,7 +403,7 @@ def bench_pipeline(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="centerline bench pipeline",
         description=bench_pipeline.__doc__,
-        epilog="flags after -- go to centerline up",
+        epilog="flags after -- are centerline up's: the spec each mode derives from",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
     parser.add_argument("--task", default="upper", help="toy task (centerline up's default)")
@@ -462,17 +463,19 @@ def bench_pipeline(argv: list[str]) -> int:
         parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {args.steps}")
     run_dir = args.run_dir or Path("runs") / datetime.now().strftime("bench-pipeline-%Y-%m-%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    base = launcher.parse(up_extra)  # a bad flag after -- exits 2 naming it, before any run
     results = {}
     try:
         for mode in modes:
-            results[mode], cfg, model = run_pipeline(args, mode, up_extra, run_dir / mode)
+            results[mode], spec, model = run_pipeline(args, mode_spec(base, args, mode, run_dir / mode), mode)
         seconds = args.alone_seconds or results[modes[-1]]["pipeline_window_s"]
-        alone = run_alone(args, cfg, model, run_dir / modes[-1] / "train.jsonl", run_dir, seconds)
+        alone = run_alone(args, spec, model, run_dir / modes[-1] / "train.jsonl", run_dir, seconds)
+    except ConfigError as exc:  # a bench flag up refuses (--workers 0...)
+        print(f"centerline bench pipeline: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         print(f"centerline bench pipeline: {exc}", file=sys.stderr)
         return 1
-    from shared.settings import WorkerSettings
-
     for figures in results.values():
         figures["samples_per_s_ratio"] = round(
             figures["pipeline_samples_per_s"] / alone["sglang_alone_samples_per_s"], 4
@@ -484,15 +487,15 @@ def bench_pipeline(argv: list[str]) -> int:
         "steps": args.steps,
         "train_seconds": args.train_seconds or None,
         "warmup_steps": args.warmup_steps,
-        "workers": args.workers,
-        "trainer_ranks": args.trainer_ranks,
-        "prompts_per_step": args.prompts_per_step,
-        "eval_prompts": args.eval_prompts,
-        "rollout_n": cfg["rollout_n"],
-        "rollout_max_new_tokens": cfg["rollout_max_new_tokens"],
-        "rollout_top_logprobs_num": cfg["rollout_top_logprobs_num"],
-        "rollout_temperature": cfg["rollout_temperature"],
-        "concurrent_requests": args.workers * WorkerSettings.model_fields["concurrency"].default,
+        "workers": spec.up.workers,
+        "trainer_ranks": spec.up.trainer_ranks,
+        "prompts_per_step": spec.up.prompts_per_step,
+        "eval_prompts": spec.up.eval_prompts,
+        "rollout_n": spec.cfg.rollout_n,
+        "rollout_max_new_tokens": spec.cfg.rollout_max_new_tokens,
+        "rollout_top_logprobs_num": spec.cfg.rollout_top_logprobs_num,
+        "rollout_temperature": spec.cfg.rollout_temperature,
+        "concurrent_requests": concurrent_requests(spec),  # what SGLang alone was driven at
         "cpus": os.cpu_count(),
         "run_dir": str(run_dir),
         "modes": results,

@@ -20,15 +20,18 @@ most in where they start (each its own SFT model), so the final reward and held-
 are also given as differences to REINFORCE's run of the same seed and staleness, with the same
 interval over those paired differences: what the method adds, without the seed's luck.
 
-A run whose directory already holds a finished run of the same settings (its report written,
-its ``config.toml`` equal but for ports) is kept, not run again: an interrupted grid goes on
+Each run is a variant of one run spec (``centerline/run_spec.py``): the spec of the other flags,
+with the run's loss, importance weight, seed, staleness, steps and run directory. A run whose
+directory already holds a finished run of the same spec (its report written, its ``config.toml``
+equal but for what ``up`` placed as it started: ports, addresses) is kept, not run again: an interrupted grid goes on
 where it stopped, and a wider grid into the same ``--out`` runs only what is new.
 
     centerline experiment staleness --steps 40 --staleness 1,4,8 --seeds 3 --out runs/staleness
 
-Any other flag is passed to every `centerline up` run unchanged (``--learning-rate 1e-3``,
-``--task copy``...); ``--seed`` is not, since the experiment sets it. Left out on purpose:
-running settings in parallel (they would share the CPUs and change each other's staleness).
+Any other flag is a `centerline up` flag of the spec every run derives from (``--learning-rate
+1e-3``, ``--task copy``, ``--config FILE``...); ``--seed`` is refused, since the experiment sets
+it. Left out on purpose: running settings in parallel (they would share the CPUs and change each
+other's staleness).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import html
 import signal
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import orjson
@@ -47,6 +51,7 @@ import orjson
 from centerline import launcher
 from centerline.interval import mean_interval
 from centerline.report import _figure_png, load_steps
+from centerline.run_spec import RunSpec
 
 LOSSES = ("score_centering", "reinforce", "tis")
 IS_MODES = ("none", "tis", "mis")  # score centering's importance weights (--score-centering-is)
@@ -57,8 +62,6 @@ FINAL = (("reward_last", "reward last ¼"), ("accuracy_after", "held-out after")
 SMOOTH = 5  # steps in the moving average drawn over the raw reward
 BASELINE = "reinforce"  # the paired differences' reference method
 PAIRED = ("reward_last", "accuracy_after")  # numbers also reported as differences to BASELINE, seed by seed
-# settings `centerline up` chooses as it starts (ports, replicas): not part of what a run is
-RUN_TIME = ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls")
 
 
 def _int_list(text: str, minimum: int = 1) -> list[int]:
@@ -139,37 +142,28 @@ def grid(stalenesses: list[int], losses: list[str], is_modes: list[str], seeds: 
     return runs
 
 
-def up_argv(run: dict, steps: int, out: Path, up_flags: list[str]) -> list[str]:
-    """The `centerline up` flags of one ``grid`` run: the user's, then the run's setting."""
-    return [
-        *up_flags,
-        "--steps",
-        str(steps),
-        "--eval-every",
-        str(steps),
-        "--loss",
-        run["loss"],
-        "--score-centering-is",
-        run["is_mode"],
-        "--seed",
-        str(run["seed"]),
-        "--max-inflight-steps",
-        str(run["staleness"]),
-        "--max-staleness",
-        str(run["staleness"]),
-        "--run-dir",
-        str(out / "runs" / run["name"]),
-    ]
+def variant(spec: RunSpec, run: dict, steps: int, out: Path) -> RunSpec:
+    """The spec of one ``grid`` run: the user's ``spec`` with the run's setting."""
+    return spec.derive(
+        cfg={
+            "loss": run["loss"],
+            "score_centering_is": run["is_mode"],
+            "seed": run["seed"],
+            "max_inflight_steps": run["staleness"],
+            "max_staleness": run["staleness"],
+        },
+        up={"steps": steps, "eval_every": steps, "run_dir": out / "runs" / run["name"]},
+    )
 
 
-def run_all(args, up_flags: list[str], stopping: list[str]) -> list[dict]:
-    """Each run of the grid, in order; a summary dict per run (see ``summarise``)."""
+def run_all(args, spec: RunSpec, stopping: list[str]) -> list[dict]:
+    """Each run of the grid, in order, as a variant of ``spec``; a summary dict per run (see ``summarise``)."""
     runs = grid(args.staleness, args.losses, args.score_centering_is, args.seed_list)
     results = []
     for i, run in enumerate(runs):
-        up_args, cfg = launcher.parse(up_argv(run, args.steps, args.out, up_flags))
-        run_dir = args.out / "runs" / run["name"]
-        if finished(run_dir, up_args, cfg):
+        run_spec = variant(spec, run, args.steps, args.out)
+        run_dir = run_spec.up.run_dir
+        if finished(run_dir, run_spec):
             print(
                 f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}: finished before with these "
                 "settings, kept",
@@ -180,33 +174,26 @@ def run_all(args, up_flags: list[str], stopping: list[str]) -> list[dict]:
             continue
         print(f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        (args.out / "runs" / run["name"]).mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
         with (
             open(args.out / "runs" / f"{run['name']}.progress.jsonl", "w") as progress,
             contextlib.redirect_stdout(progress),
         ):
-            run_dir = launcher.launch(up_args, cfg, stopping)
+            run_dir = launcher.launch(run_spec, stopping)
         results.append(summarise(run, run_dir, time.monotonic() - t0))
         print(orjson.dumps({k: v for k, v in results[-1].items() if k != "steps"}).decode(), flush=True)
     return results
 
 
-def finished(run_dir: Path, up_args, cfg) -> bool:
-    """Whether ``run_dir`` holds a finished `centerline up` run (its report written) of exactly these
-    settings: a grid run again into the same ``--out`` keeps it instead of running it again."""
+def finished(run_dir: Path, spec: RunSpec) -> bool:
+    """Whether ``run_dir`` holds a finished `centerline up` run (its report written) of exactly this
+    spec: a grid run again into the same ``--out`` keeps it instead of running it again."""
     from shared.config import load_toml
-    from shared.settings import UpSettings
 
     if not (run_dir / "report.html").exists() or not (run_dir / "config.toml").exists():
         return False
     saved = load_toml(str(run_dir / "config.toml"))
-    wanted = cfg.model_dump(mode="json", exclude=set(RUN_TIME))
-    if any(saved.get(key) != value for key, value in wanted.items()):
-        return False
-    saved_up = saved.get(UpSettings.name, {})
-    return all(
-        saved_up.get(key) == value for key, value in up_args.model_dump(mode="json").items() if value is not None
-    )
+    return launcher.unplaced(saved) == launcher.unplaced(tomllib.loads(spec.to_toml()))
 
 
 def summarise(run: dict, run_dir: Path, wall_s: float | None) -> dict:
@@ -492,10 +479,10 @@ def main(argv: list[str]) -> int:
     args.out = args.out or Path("runs") / time.strftime("staleness-%Y-%m-%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        launcher.parse(up_flags)  # a bad flag fails now, not after the first runs
+        spec = launcher.parse(up_flags)  # a bad flag fails now, not after the first runs
         stopping: list[str] = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))  # so each run stops its services
-        results = run_all(args, up_flags, stopping)
+        results = run_all(args, spec, stopping)
     except launcher.shared_config.ConfigError as exc:
         print(f"centerline experiment: {exc}", file=sys.stderr)
         return 2

@@ -5,8 +5,13 @@ server, ``--engines`` real SGLang servers on the CPU (``centerline sglang``; mod
 ``init-model --sft``, cached in ``--model-dir``), the real SGLang router in front of them,
 the proxy in front of the router, ``--workers`` rollout workers and a
 ``--trainer-ranks``-rank trainer under torchrun that loads every new weight version into
-each SGLang server directly. Every service reads one resolved configuration,
-``RUN_DIR/config.toml``, so what ran is what the report shows. Held-out accuracy (exact
+each SGLang server directly. Every service reads one run spec (``centerline/run_spec.py``),
+``RUN_DIR/config.toml``, written once with every table before the first service starts; each is
+started with ``--config RUN_DIR/config.toml`` and its identity only (a worker's ``--worker-id``)
+in an environment without ``CENTERLINE_*`` settings variables, which the spec resolved already,
+so what ran is what the file and the report show. From its own settings ``up`` gives the trainer
+its ``model``, ``dataset``, ``run_dir``, ``steps``, ``prompts_per_step`` and ``train_seconds``, the
+workers their ``chat_template``, the proxy its ``upstream`` and ``port`` (``place``). Held-out accuracy (exact
 match of one sample per prompt at the rollout temperature, ``--eval-prompts`` prompts) is
 measured on the first SGLang server before training and after every ``--eval-every``
 steps. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
@@ -65,7 +70,8 @@ from pathlib import Path
 
 import orjson
 
-from centerline import sglang
+from centerline import run_spec, sglang
+from centerline.run_spec import RunSpec
 from centerline.user_task import (
     UserTask,
     UserTaskError,
@@ -79,7 +85,7 @@ from shared import admin_key, nats_auth
 from shared import config as shared_config
 from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.ports import free_port
-from shared.settings import UpSettings, WorkerSettings
+from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.streams import StreamLimits, provision
 from shared.toy_tasks import REWARDS, examples
 
@@ -91,8 +97,11 @@ UP_DEFAULTS = {"learning_rate": 3e-4, "rollout_n": 8, "rollout_max_new_tokens": 
 
 def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mapping[str, str]) -> dict[str, str]:
     """A service's environment: ``base`` without any NATS credential, plus ``nats_user``'s own
-    (none for a service that does not use NATS), so no process holds another's password."""
-    env = {k: v for k, v in base.items() if not nats_auth.is_secret_variable(k)}
+    (none for a service that does not use NATS), so no process holds another's password; and
+    without ``CENTERLINE_*`` settings variables, which would beat the run spec's file (the spec
+    composed them already: a user's variable reaches every service through it)."""
+    settings = shared_config.setting_variables()
+    env = {k: v for k, v in base.items() if not nats_auth.is_secret_variable(k) and k not in settings}
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if nats_user is not None:
         env |= nats_auth.client_env(nats_user, passwords[nats_user])
@@ -295,14 +304,102 @@ class Progress:
         self.stream.flush()
 
 
-def parse(argv: list[str]):
-    """``(settings, cfg)``: this command's ``UpSettings`` and the shared settings, whose job defaults
-    (``UP_DEFAULTS``) sit just above the shared ones: environment, TOML and flags still override them."""
+def parse(argv: list[str]) -> RunSpec:
+    """The run spec of these flags: ``UpSettings``, the shared settings, whose job defaults
+    (``UP_DEFAULTS``) sit just above the shared ones (TOML, environment and flags still override
+    them), and the services' tables (``run_spec.compose``). A bad setting exits 2 naming it."""
     parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
     shared_config.add_arguments(parser, UpSettings)
-    env = {**{shared_config.ENV_PREFIX + k.upper(): str(v) for k, v in UP_DEFAULTS.items()}, **os.environ}
-    _, cfg, settings = shared_config.parse_args(parser, argv, env, section=UpSettings)
-    return settings, cfg
+    args = parser.parse_args(argv)
+    try:
+        return run_spec.compose(args, defaults=UP_DEFAULTS)
+    except shared_config.ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+
+
+def place(
+    spec: RunSpec,
+    task: Prepared,
+    *,
+    nats_url: str,
+    replicas: int,
+    engine_urls: list[str],
+    router_url: str,
+    proxy_url: str,
+) -> RunSpec:
+    """``spec`` with what the launcher chose as it started: the addresses, the streams' copies,
+    the model and dataset ``prepare`` made, and the trainer's settings that are ``up``'s own."""
+    up = spec.up
+    return spec.derive(
+        cfg={
+            "nats_url": nats_url,
+            "nats_stream_replicas": replicas,
+            "proxy_url": proxy_url,
+            "engine_urls": engine_urls,
+        },
+        trainer={
+            "model": task.model,
+            "dataset": task.dataset,
+            "run_dir": up.run_dir,
+            "steps": up.steps,
+            "prompts_per_step": up.prompts_per_step,
+            "train_seconds": up.train_seconds,
+        },
+        worker={"chat_template": task.chat_template},
+        proxy={"upstream": router_url, "port": int(proxy_url.rsplit(":", 1)[1])},
+    )
+
+
+# The settings ``place`` fills in: where a run ran, not what it is (``centerline experiment`` compares the rest).
+PLACED = {
+    "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
+    TrainerSettings.name: ("model", "dataset", "run_dir", "steps", "prompts_per_step", "train_seconds"),
+    WorkerSettings.name: ("chat_template",),
+    ProxySettings.name: ("upstream", "port"),
+}
+
+
+def unplaced(tables: dict) -> dict:
+    """A run's ``config.toml``, as read, without what ``place`` fills in: what the run is."""
+    out = {}
+    for name, value in tables.items():
+        if isinstance(value, dict):
+            out[name] = {k: v for k, v in value.items() if k not in PLACED.get(name, ())}
+        elif name not in PLACED[""]:
+            out[name] = value
+    return out
+
+
+def engine_argv(spec: RunSpec, url: str) -> list[str]:
+    """An SGLang server's command line (``centerline sglang``, SGLang's own flags, no settings file):
+    the run's model, its port, then ``up.sglang_args``."""
+    port = url.rsplit(":", 1)[1]
+    model = str(spec.trainer.model)
+    return [
+        PYTHON,
+        "-m",
+        "centerline",
+        "sglang",
+        "--model",
+        model,
+        "--port",
+        port,
+        "--",
+        *shlex.split(spec.up.sglang_args),
+    ]
+
+
+def service_argv(spec: RunSpec, config_file: Path) -> dict[str, list[str]]:
+    """Each centerline service's command line, by its log name: ``--config config_file`` and the
+    process's identity only (a worker's id; the trainer's ranks are torchrun's)."""
+    config = ["--config", str(config_file)]
+    argv = {"proxy": [PYTHON, "-m", "centerline", "proxy", *config]}
+    for i in range(spec.up.workers):
+        argv[f"worker-{i}"] = [PYTHON, "-m", "centerline", "worker", *config, "--worker-id", f"worker-{i}"]
+    ranks = spec.up.trainer_ranks
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+    argv["trainer"] = [PYTHON, *torchrun, "-m", "centerline", "trainer", *config]
+    return argv
 
 
 def stream_replicas(setting: int, nodes: int) -> int:
@@ -332,14 +429,14 @@ class Stopped(Exception):
 
 
 def main(argv: list[str]) -> int:
-    up, cfg = parse(argv)
+    spec = parse(argv)
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     # Ctrl-C stops the run even where SIGINT came ignored from the parent (a shell's background
     # job, a CI runner): Python then leaves it ignored instead of raising KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch(up, cfg, stopping)
+        launch(spec, stopping)
     except (KeyboardInterrupt, Stopped):
         print("\ncenterline up: interrupted; stopping every service", file=sys.stderr)
         return 130
@@ -349,20 +446,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def launch(up: UpSettings, cfg, stopping: list[str] | None = None) -> Path:
-    """One whole run with the settings of ``parse``; returns its run directory once the report
-    is written. Every process it started is stopped on the way out, whatever happened.
+def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
+    """One whole run of the spec of ``parse``; returns its run directory once the report is
+    written. Every process it started is stopped on the way out, whatever happened.
     Raises ``RuntimeError`` when a service fails, ``Stopped`` when ``stopping`` gets an entry."""
-    run_dir = up.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    run_dir = spec.up.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     passwords = nats_auth.new_passwords()
     stack = Stack(run_dir / "logs", passwords)
-    if up.nats_nodes > 1:
-        nats = NatsCluster(run_dir / "nats", up.nats_nodes, passwords=passwords)
+    if spec.up.nats_nodes > 1:
+        nats = NatsCluster(run_dir / "nats", spec.up.nats_nodes, passwords=passwords)
     else:
         nats = EmbeddedNats(run_dir / "nats", passwords=passwords)
     try:
-        run(up.model_copy(update={"run_dir": run_dir}), cfg, run_dir, stack, nats, [] if stopping is None else stopping)
+        run(spec.derive(up={"run_dir": run_dir}), stack, nats, [] if stopping is None else stopping)
     finally:
         stack.stop()
         nats.stop()
@@ -446,68 +543,43 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     return Prepared(model, dataset, chat, examples(up.task, up.eval_prompts, cfg.seed, "heldout"))
 
 
-def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
+def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
     def log(message: str) -> None:
         print(f"centerline up: {message}", file=sys.stderr, flush=True)
 
-    task = prepare(up, cfg, run_dir, log)
-    model = task.model
-    replicas = stream_replicas(cfg.nats_stream_replicas, up.nats_nodes)
+    up, run_dir = spec.up, spec.up.run_dir
+    task = prepare(up, spec.cfg, run_dir, log)
+    replicas = stream_replicas(spec.cfg.nats_stream_replicas, up.nats_nodes)
     nats.start()
     # workers and the proxy may not create streams
     asyncio.run(provision(nats.url, StreamLimits(replicas=replicas), **nats.credentials("admin")))
     engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(up.engines)]
     router_url, proxy_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    cfg = cfg.model_copy(
-        update={
-            "nats_url": nats.url,
-            "nats_stream_replicas": replicas,
-            "proxy_url": proxy_url,
-            "engine_urls": engine_urls,
-        }
+    spec = place(
+        spec,
+        task,
+        nats_url=nats.url,
+        replicas=replicas,
+        engine_urls=engine_urls,
+        router_url=router_url,
+        proxy_url=proxy_url,
     )
+    cfg = spec.cfg
     config_file = run_dir / "config.toml"
-    # the trainer adds its [trainer] table
-    config_file.write_text(shared_config.to_toml(cfg, up, WorkerSettings(chat_template=task.chat_template)))
-    common = ["--config", str(config_file)]
+    spec.write(config_file)  # once, every table: no service writes it again
+    argv = service_argv(spec, config_file)
 
     engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
-    engines = []
-    for i, url in enumerate(engine_urls):
-        port = url.rsplit(":", 1)[1]
-        argv = [
-            PYTHON,
-            "-m",
-            "centerline",
-            "sglang",
-            "--model",
-            str(model),
-            "--port",
-            port,
-            "--",
-            *shlex.split(up.sglang_args),
-        ]
-        engines.append(stack.start(f"sglang-{i}", argv, engine_key=engine_key, restart=True))
+    engines = [
+        stack.start(f"sglang-{i}", engine_argv(spec, url), engine_key=engine_key, restart=True)
+        for i, url in enumerate(engine_urls)
+    ]
     for i, (url, proc) in enumerate(zip(engine_urls, engines)):
         wait_http(f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", up.startup_timeout)
     router_port = int(router_url.rsplit(":", 1)[1])
     router = stack.start("router", sglang.router_argv(engine_urls, "127.0.0.1", router_port, free_port()))
     wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", up.startup_timeout)
-    proxy = stack.start(
-        "proxy",
-        [
-            PYTHON,
-            "-m",
-            "centerline",
-            "proxy",
-            "--upstream",
-            router_url,
-            "--port",
-            str(proxy_url.rsplit(":", 1)[1]),
-            *common,
-        ],
-        nats_user="proxy",
-    )
+    proxy = stack.start("proxy", argv["proxy"], nats_user="proxy")
     wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", up.startup_timeout)
     log(
         f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
@@ -549,40 +621,8 @@ def run(up: UpSettings, cfg, run_dir: Path, stack: Stack, nats: EmbeddedNats | N
 
     record_eval(0)
     for i in range(up.workers):
-        stack.start(
-            f"worker-{i}",
-            [PYTHON, "-m", "centerline", "worker", "--worker-id", f"worker-{i}", *common],
-            nats_user="worker",
-        )
-    trainer_argv = [
-        "--model",
-        str(model),
-        "--dataset",
-        str(task.dataset),
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        str(up.steps),
-        "--prompts-per-step",
-        str(up.prompts_per_step),
-        *(["--train-seconds", str(up.train_seconds)] if up.train_seconds else []),
-        *common,
-    ]
-    if up.trainer_ranks > 1:
-        launcher = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(up.trainer_ranks),
-            "-m",
-            "centerline",
-            "trainer",
-        ]
-    else:
-        launcher = [PYTHON, "-m", "centerline", "trainer"]
-    trainer = stack.start("trainer", launcher + trainer_argv, nats_user="trainer", engine_key=engine_key)
+        stack.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
+    trainer = stack.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
 
     metrics = run_dir / "metrics.jsonl"
     seen, last_step, evaluated = 0, 0, 0

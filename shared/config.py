@@ -274,7 +274,12 @@ def resolve_section(
                 f"{flag(name)} is required: pass it, or set {key_name(name, section)} in the TOML file or "
                 f"{env_name(name, section)}"
             )
-    _raise_failed(settings.checks(cfg or Config()), section)
+    return check_section(settings, cfg or Config())
+
+
+def check_section(settings: S, cfg: Config) -> S:
+    """``settings`` once ``settings.checks(cfg)`` pass; the first failure raised as ``ConfigError``."""
+    _raise_failed(settings.checks(cfg), type(settings))
     return settings
 
 
@@ -295,12 +300,17 @@ def _build(model: type[M], section: type[Section] | None, args, env, only) -> M:
     try:
         return model(**values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else "?"
-        raise ConfigError(
-            f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
-            f"{key_name(name, section)} in the TOML file)"
-        ) from None
+        raise invalid_setting(exc, section) from None
+
+
+def invalid_setting(exc: ValidationError, section: type[Section] | None = None) -> ConfigError:
+    """A model's refusal of a value, in the words of a flag: the flag, the value, the fix."""
+    err = exc.errors()[0]
+    name = str(err["loc"][0]) if err["loc"] else "?"
+    return ConfigError(
+        f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
+        f"{key_name(name, section)} in the TOML file)"
+    )
 
 
 def _fix(err: dict) -> str:
@@ -365,12 +375,25 @@ def _toml_value(value) -> str:
 
 def write_run_config(path: Path, args: argparse.Namespace, cfg: Config, *sections: Section) -> None:
     """Write the run's ``config.toml`` (atomically: other services may be reading it): the
-    resolved settings, and the other commands' tables of the file this command read."""
+    resolved settings, and the other commands' tables of the file this command read. A file
+    that says exactly that already is left alone: the run spec `centerline up` wrote, which
+    this command was started with, is written once."""
     read = load_toml(vars(args)["config"]) if "config" in vars(args) else {}
     tables = {name: values for name, values in read.items() if name in SECTIONS}
+    text = to_toml(cfg, *sections, tables=tables)
+    if path.exists() and tomllib.loads(path.read_text()) == tomllib.loads(text):
+        return
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_toml(cfg, *sections, tables=tables))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def setting_variables() -> frozenset[str]:
+    """Every ``CENTERLINE_*`` variable that sets a setting, shared or a command's (not the
+    credentials' and keys' variables, which are no settings)."""
+    names = {env_name(name) for name in Config.model_fields}
+    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in cls.model_fields}
+    return frozenset(names)
 
 
 def _base_type(annotation) -> type:

@@ -1,5 +1,6 @@
 """`centerline bench pipeline`: a short `up` run, then SGLang alone, one JSON object with exact counts."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -8,7 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from centerline.bench_pipeline import duty_cycle
+from centerline import launcher
+from centerline.bench_pipeline import concurrent_requests, duty_cycle, mode_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,6 +86,46 @@ def test_duty_cycle_measures_between_flushes_dated_at_the_middle_of_their_bracke
 def test_duty_cycle_refuses_a_window_with_fewer_than_two_flushes():
     with pytest.raises(RuntimeError, match="flushed its idle counter 1 times in the 3.0 s window"):
         duty_cycle([(0, 0, 0), (1, 0, 1), (2, 0, 1), (3, 0, 1)], start=0, end=3)
+
+
+def test_each_mode_is_a_variant_of_the_spec_after_dashdash_and_reports_the_workers_resolved_concurrency(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("CENTERLINE_WORKER_CONCURRENCY", "3")
+    base = launcher.parse(["--rollout-n", "2", "--sglang-args=--log-level debug", "--workers", "5"])
+    args = argparse.Namespace(
+        task="copy",
+        steps=50,
+        workers=2,
+        trainer_ranks=1,
+        prompts_per_step=4,
+        eval_prompts=5,
+        model_dir=tmp_path / "models",
+        train_seconds=0.0,
+    )
+    spec = mode_spec(base, args, "on-policy", tmp_path / "on-policy")
+    up = spec.up
+    assert (up.task, up.steps, up.eval_every, up.workers, up.trainer_ranks, up.prompts_per_step) == (
+        "copy",
+        50,
+        50,
+        2,
+        1,
+        4,
+    )
+    assert (up.eval_prompts, up.model_dir, up.run_dir, up.train_seconds) == (
+        5,
+        tmp_path / "models",
+        tmp_path / "on-policy",
+        None,
+    )
+    assert up.sglang_args == "--log-level debug --enable-metrics"
+    assert (spec.cfg.max_inflight_steps, spec.cfg.rollout_n) == (1, 2)
+    assert concurrent_requests(spec) == 2 * 3  # the workers' concurrency as they resolve it, not its default 8
+    # `centerline up --config FILE` of the variant's file runs exactly the variant.
+    spec.write(tmp_path / "on-policy.toml")
+    monkeypatch.delenv("CENTERLINE_WORKER_CONCURRENCY")
+    assert launcher.parse(["--config", str(tmp_path / "on-policy.toml")]) == spec
 
 
 def _processes_mentioning(path: str) -> list[str]:

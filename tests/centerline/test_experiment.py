@@ -56,11 +56,19 @@ def test_a_seed_passed_to_up_is_refused_since_the_experiment_sets_it(capsys):
     assert "--seeds N or --seed-list" in capsys.readouterr().err
 
 
-def test_each_run_reaches_up_with_its_loss_importance_weight_seed_and_staleness(tmp_path):
+def test_each_run_is_a_variant_of_the_spec_with_its_loss_importance_weight_seed_and_staleness(tmp_path):
     run = experiment.grid([4], ["score_centering"], ["mis"], [2])[0]
-    _, cfg = launcher.parse(experiment.up_argv(run, 10, tmp_path, ["--learning-rate", "1e-3"]))
+    base = launcher.parse(["--learning-rate", "1e-3", "--loss", "tis", "--task", "copy"])
+    spec = experiment.variant(base, run, 10, tmp_path)
+    cfg, up = spec.cfg, spec.up
     assert (cfg.loss, cfg.score_centering_is, cfg.seed) == ("score_centering", "mis", 2)
     assert (cfg.max_inflight_steps, cfg.max_staleness, cfg.learning_rate) == (4, 4, 1e-3)
+    assert (up.steps, up.eval_every, up.run_dir, up.task) == (10, 10, tmp_path / "runs" / run["name"], "copy")
+    # nothing else of the spec changes
+    assert spec.cfg.model_dump(
+        exclude={"loss", "score_centering_is", "seed", "max_inflight_steps", "max_staleness"}
+    ) == (base.cfg.model_dump(exclude={"loss", "score_centering_is", "seed", "max_inflight_steps", "max_staleness"}))
+    assert (spec.trainer, spec.worker, spec.proxy) == (base.trainer, base.worker, base.proxy)
 
 
 def _result(method: str, seed: int, reward_last: float, accuracy_after, kl_max: float) -> dict:
@@ -147,23 +155,33 @@ def test_the_paired_differences_get_their_own_plot_when_reinforce_ran():
 
 def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_path):
     run = {"name": "tis-s4-seed1", "method": "tis", "loss": "tis", "is_mode": "none", "staleness": 4, "seed": 1}
-    up_args, cfg = launcher.parse(experiment.up_argv(run, 40, tmp_path, ["--task", "copy"]))
+    base = launcher.parse(["--task", "copy"])
+    spec = experiment.variant(base, run, 40, tmp_path)
     run_dir = tmp_path / "runs" / run["name"]
     run_dir.mkdir(parents=True)
-    # what `centerline up` wrote: the ports it chose, the trainer's table, then the report last
-    ran = cfg.model_copy(update={"nats_url": "nats://127.0.0.1:4999", "engine_urls": ["http://127.0.0.1:5000"]})
-    (run_dir / "config.toml").write_text(launcher.shared_config.to_toml(ran, up_args) + "\n[trainer]\nsteps = 40\n")
-    assert not experiment.finished(run_dir, up_args, cfg)  # no report: it did not finish
+    # what `centerline up` wrote: the spec placed where it ran (ports, model, dataset), then the report last
+    task = launcher.Prepared(Path("models/sft-copy-seed1"), run_dir / "train.jsonl", False, [])
+    placed = launcher.place(
+        spec,
+        task,
+        nats_url="nats://127.0.0.1:4999",
+        replicas=1,
+        engine_urls=["http://127.0.0.1:5000"],
+        router_url="http://127.0.0.1:5001",
+        proxy_url="http://127.0.0.1:5002",
+    )
+    placed.write(run_dir / "config.toml")
+    assert not experiment.finished(run_dir, spec)  # no report: it did not finish
     (run_dir / "report.html").write_text("<html></html>")
-    assert experiment.finished(run_dir, up_args, cfg)
+    assert experiment.finished(run_dir, spec)
     for other in (
-        experiment.up_argv(run, 80, tmp_path, ["--task", "copy"]),  # more steps
-        experiment.up_argv(run, 40, tmp_path, ["--task", "upper"]),  # another task
-        experiment.up_argv(run, 40, tmp_path, ["--task", "copy", "--learning-rate", "1e-3"]),
-        experiment.up_argv({**run, "seed": 2}, 40, tmp_path, ["--task", "copy"])[:-2]
-        + ["--run-dir", str(run_dir)],  # another seed in this directory
+        experiment.variant(base, run, 80, tmp_path),  # more steps
+        experiment.variant(launcher.parse(["--task", "upper"]), run, 40, tmp_path),  # another task
+        experiment.variant(launcher.parse(["--task", "copy", "--learning-rate", "1e-3"]), run, 40, tmp_path),
+        experiment.variant(base, {**run, "seed": 2}, 40, tmp_path).derive(up={"run_dir": run_dir}),  # another seed
+        spec.derive(worker={"concurrency": 3}),  # a service's setting
     ):
-        assert not experiment.finished(run_dir, *launcher.parse(other)), other
+        assert not experiment.finished(run_dir, other), other
 
 
 @pytest.mark.integration

@@ -1,13 +1,23 @@
 """`centerline up`'s wiring, without starting anything: what each child process is given."""
 
+import argparse
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+from centerline import launcher
 from centerline.launcher import service_env
 from shared import nats_auth
+from shared.config import add_arguments, parse_args, write_run_config
+from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
 
 PASSWORDS = {"admin": "pa", "trainer": "pt", "worker": "pw", "proxy": "pp"}
 # What a launcher's own environment may hold: somebody else's credentials, among ordinary variables.
 BASE = {
     "PATH": "/usr/bin",
     "CENTERLINE_SEED": "3",
+    "CENTERLINE_FAILPOINTS": "trainer.train=crash@2",
     "CENTERLINE_NATS_USER": "admin",
     "CENTERLINE_NATS_PASSWORD": "x",
     "CENTERLINE_NATS_PASSWORD_FILE": "/f",
@@ -28,7 +38,105 @@ def test_each_service_gets_its_own_nats_user_and_password_only():
     }
 
 
-def test_a_service_without_nats_gets_no_credentials_and_keeps_the_rest_of_the_environment():
+def test_a_service_gets_no_credentials_nor_settings_variables_and_keeps_the_rest_of_the_environment():
     env = service_env(BASE, None, PASSWORDS)
     assert nats_variables(env) == {}
-    assert (env["PATH"], env["CENTERLINE_SEED"], env["HF_HUB_OFFLINE"]) == ("/usr/bin", "3", "1")
+    assert "CENTERLINE_SEED" not in env  # a setting: the run spec holds it, and the file must not be beaten
+    assert (env["PATH"], env["CENTERLINE_FAILPOINTS"], env["HF_HUB_OFFLINE"]) == (
+        "/usr/bin",
+        "trainer.train=crash@2",
+        "1",
+    )
+
+
+def _placed(tmp_path: Path, argv: list[str]):
+    spec = launcher.parse(argv)
+    run_dir = spec.up.run_dir
+    task = launcher.Prepared(tmp_path / "model", run_dir / "train.jsonl", True, [])
+    return launcher.place(
+        spec,
+        task,
+        nats_url="nats://127.0.0.1:4999",
+        replicas=1,
+        engine_urls=["http://127.0.0.1:5000"],
+        router_url="http://127.0.0.1:5001",
+        proxy_url="http://127.0.0.1:5002",
+    )
+
+
+def _as_started(argv: list[str], section, env: dict):
+    """What a service started with ``argv`` resolves, as its own parser does."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, section)
+    return parse_args(parser, argv[argv.index("--config") :], env, section=section)
+
+
+def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with_it_and_its_identity_only(
+    tmp_path, monkeypatch
+):
+    given = tmp_path / "given.toml"
+    given.write_text("learning_rate = 0.002\n\n[proxy]\nupstream_timeout = 60.0\n\n[probe]\nk = 4\n")
+    # A user's variables reach every service through the spec; the run's own addresses beat theirs.
+    monkeypatch.setenv("CENTERLINE_WORKER_CONCURRENCY", "3")
+    monkeypatch.setenv("CENTERLINE_TRAINER_MAX_GRAD_NORM", "0.5")
+    monkeypatch.setenv("CENTERLINE_NATS_URL", "nats://elsewhere:4222")
+    run_dir = tmp_path / "run"
+    flags = ["--steps", "7", "--workers", "2", "--trainer-ranks", "2", "--prompts-per-step", "3"]
+    spec = _placed(tmp_path, ["--config", str(given), *flags, "--run-dir", str(run_dir)])
+    config = run_dir / "config.toml"
+    run_dir.mkdir()
+    spec.write(config)
+
+    data = tomllib.loads(config.read_text())
+    assert {k for k, v in data.items() if isinstance(v, dict)} == {"up", "trainer", "worker", "proxy", "probe"}
+    # the file's learning rate over up's job default, which applies where no source sets one
+    assert (data["learning_rate"], data["rollout_n"], data["nats_url"], data["engine_urls"]) == (
+        0.002,
+        8,
+        "nats://127.0.0.1:4999",
+        ["http://127.0.0.1:5000"],
+    )
+    trainer = data["trainer"]
+    assert (trainer["model"], trainer["dataset"], trainer["run_dir"]) == (
+        str(tmp_path / "model"),
+        str(run_dir / "train.jsonl"),
+        str(run_dir),
+    )
+    assert (trainer["steps"], trainer["prompts_per_step"], trainer["max_grad_norm"], trainer["keep_checkpoints"]) == (
+        7,
+        3,
+        0.5,
+        2,
+    )
+    assert (data["worker"]["concurrency"], data["worker"]["chat_template"]) == (3, True)
+    assert (data["proxy"]["upstream"], data["proxy"]["port"], data["proxy"]["upstream_timeout"]) == (
+        "http://127.0.0.1:5001",
+        5002,
+        60.0,
+    )
+    assert data["probe"] == {"k": 4} and data["up"]["steps"] == 7
+
+    argv = launcher.service_argv(spec, config)
+    py, file = sys.executable, ["--config", str(config)]
+    assert argv == {
+        "proxy": [py, "-m", "centerline", "proxy", *file],
+        "worker-0": [py, "-m", "centerline", "worker", *file, "--worker-id", "worker-0"],
+        "worker-1": [py, "-m", "centerline", "worker", *file, "--worker-id", "worker-1"],
+        "trainer": [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "centerline", "trainer", *file],
+    }
+    engine = launcher.engine_argv(spec, "http://127.0.0.1:5000")
+    assert engine == [py, "-m", "centerline", "sglang", "--model", str(tmp_path / "model"), "--port", "5000", "--"]
+
+    # Each service, in the environment up gives it, resolves exactly the spec's settings.
+    env = service_env(os.environ, "worker", PASSWORDS)
+    _, cfg, proxy = _as_started(argv["proxy"], ProxySettings, env)
+    _, _, worker = _as_started(argv["worker-1"], WorkerSettings, env)
+    args, _, trainer = _as_started(argv["trainer"], TrainerSettings, env)
+    assert cfg == spec.cfg and proxy == spec.proxy and trainer == spec.trainer
+    assert worker == spec.worker.model_copy(update={"worker_id": "worker-1"})
+    # The trainer finds the file saying what it resolved, and leaves it as up wrote it.
+    before = config.stat()
+    write_run_config(config, args, cfg, trainer)
+    after = config.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

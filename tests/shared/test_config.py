@@ -1,6 +1,7 @@
 """Configuration: flags over environment over TOML, and start-up refusals that name the flag."""
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -263,6 +264,27 @@ def test_the_run_config_holds_the_command_settings_and_keeps_the_other_tables(tm
     )
     again = argparse.Namespace(config=str(written))
     assert resolve(again, {}) == cfg and resolve_section(TrainerSettings, again, {}, cfg) == settings
+
+
+def test_the_run_config_is_left_alone_when_it_says_what_was_resolved_and_rewritten_when_not(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainerSettings)
+    written = tmp_path / "config.toml"
+
+    def write(*flags: str) -> os.stat_result:
+        args = parser.parse_args([*TRAINER, "--config", str(written), *flags])
+        cfg = resolve(args, {})
+        write_run_config(written, args, cfg, resolve_section(TrainerSettings, args, {}, cfg))
+        return written.stat()
+
+    written.write_text("rollout_n = 2\n\n[worker]\nconcurrency = 5\n")
+    first = write()
+    again = write()  # started with the file it would write: the run spec `centerline up` wrote
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    changed = write("--threads", "4")
+    assert changed.st_ino != first.st_ino
+    data = load_toml(str(written))
+    assert (data["trainer"]["threads"], data["rollout_n"], data["worker"]) == (4, 2, {"concurrency": 5})
 
 
 def test_no_two_settings_share_a_variable_or_a_flag_of_one_command():
