@@ -219,6 +219,25 @@ def test_two_workers_publish_each_task_group_once_and_drain_the_queue(stack, wor
     assert len(done) == len(tasks) and all('"reward_mean"' in line and '"weight_version": 0' in line for line in done)
 
 
+def test_a_task_naming_an_environment_is_published_as_one_batch_of_its_sessions(stack, workers):
+    """`centerline worker` runs the environment's sessions (three turns each, through its loopback
+    chat endpoint and the proxy) and publishes one batch for the group: a sample per session."""
+    run = f"e{uuid.uuid4().hex[:6]}"
+    env = "tests.rollout_worker.session_environments:three_turns"
+    task = PromptTask(f"{run}/0/0", f"{run}/g0", "Say hi.", "", "exact", 2, 0, environment=env)
+    worker = workers("--rollout-max-new-tokens", "8", "--worker-id", "sessions")
+    worker.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, [task]))
+    (batch,) = asyncio.run(_collect(stack.nats, run, 1, deadline_s=90))
+    check_batch(batch, vocab_size=VOCAB)
+    assert (batch.batch_id, batch.task_id, batch.num_samples) == (task.task_id, task.task_id, 2)
+    assert (batch.attempt, batch.parts) == (1, 1)
+    mask = batch.loss_mask.astype(bool)
+    assert 6 <= mask.sum() <= 2 * 3 * 8 and (~mask).sum() > 0  # three turns of at most 8 tokens, template between
+    assert (batch.cand_ids[~mask] == -1).all() and (batch.cand_ids[mask] >= 0).all()
+    assert '"task done"' in worker.log() and f'"task_id": "{task.task_id}"' in worker.log()
+
+
 def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, workers):
     run = f"k{uuid.uuid4().hex[:6]}"
     (task,) = _tasks(run, 1, n=4)

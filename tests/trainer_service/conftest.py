@@ -30,14 +30,27 @@ def save_tiny_llama(path, seed: int = 0) -> str:
 
 
 def global_batch(samples: int = 5, tokens_per_sample: int = 6, mode: str = "selected"):
-    """A contract-valid batch with varied advantages and one untrained (padded) row per sample."""
+    """A contract-valid batch with varied advantages and one untrained row per sample, as a session's
+    template tokens are: loss mask 0, an empty candidate row, sampled log-prob 0."""
     batch = make_batch(
         samples=samples, tokens_per_sample=tokens_per_sample, k=8, vocab_size=VOCAB, mode=mode, seed=3, prompt_len=4
     )
     advantages = np.linspace(-1.0, 1.5, samples).astype(np.float32)
     mask = np.ones(batch.num_tokens, np.uint8)
-    mask[tokens_per_sample - 1 :: tokens_per_sample] = 0
-    return replace_arrays(batch, advantages=advantages, loss_mask=mask)
+    untrained = slice(tokens_per_sample - 1, None, tokens_per_sample)
+    mask[untrained] = 0
+    cand_ids, cand_logprobs, sampled = (
+        np.array(a) for a in (batch.cand_ids, batch.cand_logprobs, batch.sampled_logprobs)
+    )
+    cand_ids[untrained], cand_logprobs[untrained], sampled[untrained] = -1, -np.inf, 0.0
+    return replace_arrays(
+        batch,
+        advantages=advantages,
+        loss_mask=mask,
+        cand_ids=cand_ids,
+        cand_logprobs=cand_logprobs,
+        sampled_logprobs=sampled,
+    )
 
 
 @pytest.fixture(scope="session")

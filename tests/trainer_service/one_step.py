@@ -22,7 +22,7 @@ from trainer_service.step import LossSettings, make_optimizer, train_step
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.trainer_service.one_step", description=__doc__)
     parser.add_argument("--model", required=True, help="HF-format model directory to start from")
-    parser.add_argument("--batch", required=True, help="a wire format v1 batch (encode_batch bytes)")
+    parser.add_argument("--batch", required=True, help="a wire format v2 batch (encode_batch bytes)")
     parser.add_argument("--out", required=True, help="directory for the updated model")
     parser.add_argument("--metrics", help="write the step metrics here as JSON (rank 0)")
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared.contract import check_batch
 from shared.wire import replace_arrays
 from tests.rounding import REORDER64_TOLERANCE
 from tests.trainer_service.conftest import VOCAB, global_batch
@@ -106,6 +107,15 @@ def reference_inputs(batch, i: int) -> tuple[torch.Tensor, int, dict]:
         "loss_mask": torch.as_tensor(batch.loss_mask[rows], dtype=torch.bool),
     }
     return ids, len(prompt), loss_inputs
+
+
+@pytest.mark.parametrize("mode", ["selected", "support"])
+def test_the_step_batches_untrained_rows_are_a_sessions_and_pass_the_contract(mode):
+    """Loss mask 0 on one row per sample, empty there: the template tokens between a session's turns."""
+    batch = global_batch(mode=mode)
+    check_batch(batch, vocab_size=VOCAB)
+    untrained = batch.loss_mask == 0
+    assert untrained.sum() == batch.num_samples and (batch.cand_ids[untrained] == -1).all()
 
 
 @pytest.mark.parametrize("micro_batch_tokens", (1, 20, 4096))
