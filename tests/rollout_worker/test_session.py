@@ -391,3 +391,61 @@ def test_a_session_budget_that_leaves_no_room_for_a_turn_is_refused_naming_both_
     with pytest.raises(ConfigError, match=r"^--rollout-session-max-tokens 16: .* above --rollout-max-new-tokens$"):
         validate(Config(rollout_session_max_tokens=16, rollout_max_new_tokens=16))
     assert validate(Config()).rollout_session_max_tokens == 1024
+
+
+def test_an_engine_failure_after_a_complete_turn_still_fails_the_task_whole(template, monkeypatch):
+    """A session is trained whole or not at all: a failure in turn 3 discards turns 1 and 2."""
+
+    class FailsThirdTurn(Engine):
+        async def __call__(self, input_ids, max_new_tokens, stop):
+            if len(self.inputs) == 2:
+                self.fail = Transient("SGLang went away")
+            return await super().__call__(input_ids, max_new_tokens, stop)
+
+    replies = [(text_ids("hi") + [IM_END], "stop")] * 4
+    with pytest.raises(Transient, match="SGLang went away"):
+        process(template, monkeypatch, "three_turns", FailsThirdTurn(replies), n=1)
+
+
+@pytest.mark.parametrize(
+    "status, ctype, body, kind, message",
+    [
+        (400, "application/json", b'{"error": "top_p"}', "Rejected", r"refused a session's turn with 400"),
+        (502, "application/json", b'{"error": {"rule": "short_row"}}', "Transient", r"answered 502"),
+        (503, "application/json", b"{}", "Transient", r"answered 503"),
+        (200, "application/json", b"{}", "Transient", r"not application/x-centerline-arrays"),
+        (200, "application/x-centerline-arrays", b"\x80", "Transient", r"unusable response from the proxy"),
+    ],
+)
+def test_the_proxys_answers_map_to_transient_or_rejected(status, ctype, body, kind, message):
+    import aiohttp
+    from aiohttp import web
+
+    from rollout_worker import worker
+    from rollout_worker.environment import proxy_generate
+
+    seen = {}
+
+    async def answer(request):
+        seen["key"] = request.headers.get("X-SMG-Routing-Key")
+        return web.Response(status=status, body=body, content_type=ctype)
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                with pytest.raises(getattr(worker, kind), match=message):
+                    await proxy_generate(http, url, {"input_ids": [1]}, routing_key="sess-1")
+                await runner.cleanup()
+                with pytest.raises(Transient, match="generate"):  # unreachable
+                    await proxy_generate(http, url, {"input_ids": [1]}, routing_key="sess-1")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert seen["key"] == "sess-1"
