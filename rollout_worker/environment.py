@@ -130,7 +130,8 @@ class SessionEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def base_url(self, session: Session) -> str:
+    def open(self, session: Session) -> str:
+        """Serve ``session``; its base URL, for an OpenAI client."""
         self.sessions[session.id] = session
         return f"{self.url}/sessions/{session.id}/v1"
 
@@ -236,7 +237,7 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
 
     async def run(session: Session) -> float:
         client = openai.AsyncOpenAI(
-            base_url=endpoint.base_url(session), api_key="unused", max_retries=0, timeout=settings.request_timeout
+            base_url=endpoint.open(session), api_key="unused", max_retries=0, timeout=settings.request_timeout
         )
         try:
             return await environment(client, task)

@@ -236,7 +236,7 @@ def serve(template, engine, cfg: Config | None = None, budget: int = 1024):
         endpoint = SessionEndpoint(cfg or Config(rollout_max_new_tokens=16))
         await endpoint.start()
         s = session(template, engine, budget)
-        client = openai.AsyncOpenAI(base_url=endpoint.base_url(s), api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=endpoint.open(s), api_key="unused", max_retries=0)
         return endpoint, s, client
 
     return start()
@@ -449,3 +449,26 @@ def test_the_proxys_answers_map_to_transient_or_rejected(status, ctype, body, ki
 
     asyncio.run(go())
     assert seen["key"] == "sess-1"
+
+
+def test_tools_go_to_the_chat_template_that_takes_them(tmp_path):
+    """A template that lists the tools first: the session's first prompt holds them, every turn
+    renders them the same way, so the history still extends."""
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = (
+        "{% if tools %}{{ '<|im_start|>system\\ntools: ' + (tools | map(attribute='function.name') | join(',')) "
+        "+ '<|im_end|>\\n' }}{% endif %}" + tok.chat_template
+    )
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    engine = Engine([(text_ids("3") + [IM_END], "stop"), (text_ids("5") + [IM_END], "stop")])
+    s = session(ChatTemplate(tok), engine)
+    first = [{"role": "user", "content": "1+2"}]
+    reply = asyncio.run(s.turn(first, max_new_tokens=4, tools=tools))
+    again = [*first, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "2+3"}]
+    asyncio.run(s.turn(again, max_new_tokens=4, tools=tools))
+    assert bytes(t for t in engine.inputs[0][0] if t < 256).startswith(b"system\ntools: add")
+    with pytest.raises(SessionTemplateError):  # the tools dropped: the rendering no longer extends the session
+        asyncio.run(
+            s.turn([*again, {"role": "assistant", "content": "5"}, {"role": "user", "content": "x"}], max_new_tokens=4)
+        )
