@@ -156,7 +156,10 @@ class Metrics:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            wandb.teardown()  # waits for W&B's service process to have written the run's files
 
 
 def _wandb_run(run_dir: Path, mode: str, project: str):
