@@ -21,15 +21,13 @@ setup: $(STAMP)
 # torch first, at sglang's pin: anything that depends on torch would otherwise pull another
 # build. SGLang then comes without its CUDA-only dependencies (deploy/sglang-cpu.txt lists
 # what it needs instead, docs/sglang.md says why), and the project last.
-# --no-compile: Python compiles what is imported when it is first imported; pip would otherwise
-# byte-compile every module of torch, its CUDA wheels and SGLang, most of which nothing here imports.
 $(STAMP): pyproject.toml setup.py shared/_rowscan.c deploy/sglang-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install --quiet --no-compile -r deploy/sglang-cpu.txt
-	$(BIN)/pip install --quiet --no-compile --no-deps sglang==$(SGLANG_VERSION)
-	$(BIN)/pip install --quiet --no-compile -e ".[dev]"
+	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install --quiet -r deploy/sglang-cpu.txt
+	$(BIN)/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 # The production topology on one machine, with two SGLang servers behind the router.
