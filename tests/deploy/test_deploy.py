@@ -1895,9 +1895,10 @@ def test_dashboard_queries_only_exported_metrics():
 
 
 def test_trainer_gate_counters_are_the_ones_the_dashboard_reads(tmp_path):
+    from shared.settings import TrainerSettings
     from trainer_service.metrics import Metrics
 
-    families = {f.name: f.type for f in Metrics(tmp_path).registry.collect()}
+    families = {f.name: f.type for f in Metrics(TrainerSettings(run_dir=tmp_path)).registry.collect()}
     assert {
         families[n]
         for n in (
