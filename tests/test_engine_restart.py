@@ -78,8 +78,9 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
         assert f"{name} (exit status -9, restart 1) died: started again" in up_log()
     records = metrics_lines(run_dir)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # the run never stopped
-    # no step finished while they were down (one gathered before the kill may still have)
-    assert all(killed_at <= v <= killed_at + 1 for v in versions), (versions, killed_at)
+    # No step needed them while they were down: up to max_inflight_steps (2, the default) steps
+    # may have had every batch sampled before the kill, the one training and the next.
+    assert all(killed_at <= v <= killed_at + 2 for v in versions), (versions, killed_at)
     # nothing trained was sampled more than max_staleness versions behind the weights it met
     assert all(r["staleness_max"] <= MAX_STALENESS for r in records)
     assert all(r["samples"] > 0 for r in records)
