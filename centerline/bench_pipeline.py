@@ -359,21 +359,7 @@ def run_alone(args, spec: RunSpec, model: str, dataset: Path, run_dir: Path, sec
     stack = Stack(run_dir / "logs", {})
     try:
         started = time.monotonic()
-        proc = stack.start(
-            "sglang-alone",
-            [
-                PYTHON,
-                "-m",
-                "centerline",
-                "sglang",
-                "--model",
-                model,
-                "--port",
-                url.rsplit(":", 1)[1],
-                "--",
-                "--enable-metrics",
-            ],
-        )
+        proc = stack.start("sglang-alone", launcher.sglang_argv(model, url, ["--enable-metrics"]))
         wait_http(f"{url}/health", "SGLang alone", proc, run_dir / "logs" / "sglang-alone.log", 300)
         progress("sglang_alone_ready", url=url, startup_s=round(time.monotonic() - started, 1), concurrency=concurrency)
         with Scraper(url, args.poll) as scraper:

@@ -371,10 +371,13 @@ def unplaced(tables: dict) -> dict:
 
 
 def engine_argv(spec: RunSpec, url: str) -> list[str]:
-    """An SGLang server's command line (``centerline sglang``, SGLang's own flags, no settings file):
-    the run's model, its port, then ``up.sglang_args``."""
-    port = url.rsplit(":", 1)[1]
-    model = str(spec.trainer.model)
+    """An SGLang server of the run: its model, its port, then ``up.sglang_args``."""
+    return sglang_argv(str(spec.trainer.model), url, shlex.split(spec.up.sglang_args))
+
+
+def sglang_argv(model: str, url: str, sglang_flags: list[str]) -> list[str]:
+    """``centerline sglang`` serving ``model`` on ``url``'s port, SGLang's own flags after ``--``
+    (no settings file)."""
     return [
         PYTHON,
         "-m",
@@ -383,9 +386,9 @@ def engine_argv(spec: RunSpec, url: str) -> list[str]:
         "--model",
         model,
         "--port",
-        port,
+        url.rsplit(":", 1)[1],
         "--",
-        *shlex.split(spec.up.sglang_args),
+        *sglang_flags,
     ]
 
 
