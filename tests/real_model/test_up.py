@@ -1,27 +1,43 @@
 """`centerline up --model M --dataset D --reward module:function`: a user's own run on a real Hugging
-Face model, every service a real process (NATS, SGLang, the router, the proxy, a worker, the trainer)."""
+Face model, every service a real process (NATS, SGLang, the router, the proxy, a worker, the trainer).
+One run holds both kinds of row: a plain prompt, and a row naming an environment, whose samples are
+two-turn sessions (one `up` of the real model costs over a minute here, so they share it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import orjson
 import pytest
 
-from tests.processes import ENV, REPO
+from shared import names
+from shared.contract import check_batch
+from shared.nats_server import EmbeddedNats
+from shared.wire import decode_batch
+from tests.processes import ENV, REPO, stored_messages
+from tests.real_model.conftest import VOCAB
 
 pytestmark = [pytest.mark.real_model, pytest.mark.integration, pytest.mark.slow]
 
 # At temperature 0.7 the model names Berlin or Rome in about half its answers of 8 tokens, so a
 # group of 4 samples has unequal rewards with probability about 0.9: the 6 groups of a run all
-# equal (no gradient at all) about once in 10^5 runs.
+# equal (no gradient at all) about once in 10^5 runs. Italy's row is a two-turn session
+# (tests/real_model/environments.py).
+ENVIRONMENT = "tests.real_model.environments:capital_twice"
 ROWS = [
     {"prompt": "What is the capital of Germany?", "answer": "Berlin"},
-    {"prompt": "What is the capital of Italy?", "answer": "Rome", "meta": {"continent": "Europe"}},
+    {
+        "prompt": "What is the capital of Italy?",
+        "answer": "Rome",
+        "meta": {"continent": "Europe"},
+        "environment": ENVIRONMENT,
+    },
     {"prompt": "What is the capital of France?", "answer": "Paris", "split": "eval"},
 ]
 REWARD = "tests.real_model.rewards:contains_answer"
@@ -66,7 +82,13 @@ def test_up_trains_a_real_model_on_a_users_dataset_and_reward(real_model, tmp_pa
     trained = [orjson.loads(line) for line in (run_dir / "train.jsonl").read_bytes().splitlines()]
     assert trained == [
         {"prompt": "What is the capital of Germany?", "answer": "Berlin", "reward": REWARD},
-        {"prompt": "What is the capital of Italy?", "answer": "Rome", "reward": REWARD, "continent": "Europe"},
+        {
+            "prompt": "What is the capital of Italy?",
+            "answer": "Rome",
+            "reward": REWARD,
+            "environment": ENVIRONMENT,
+            "continent": "Europe",
+        },
     ]
     config = (run_dir / "config.toml").read_text()
     assert "\n[worker]\n" in config and "chat_template = true" in config  # auto: the model has a template
@@ -76,6 +98,27 @@ def test_up_trains_a_real_model_on_a_users_dataset_and_reward(real_model, tmp_pa
     source = f'the rows of {dataset} marked "split": "eval"'
     assert f"held-out rows</td><td>1: {source} (reward {REWARD})".replace('"', "&quot;") in page
     assert (run_dir / "plots" / "heldout_reward.png").exists()
+
+    # what was sampled: every batch one group of 4, Germany's one turn each, Italy's two turns
+    # (a sampled run, the template's tokens of the user's next message, a sampled run)
+    nats = EmbeddedNats(run_dir / "nats").start()
+    try:
+        batches = [decode_batch(m.data) for m in asyncio.run(stored_messages(nats.url, names.ROLLOUTS_STREAM))]
+    finally:
+        nats.stop()
+    shapes = []
+    for batch in batches:
+        check_batch(batch, vocab_size=VOCAB)
+        assert batch.num_samples == 4
+        runs = set()
+        for i in range(batch.num_samples):
+            mask = batch.loss_mask[batch.sample_slice(i)]
+            starts = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)  # where a sampled run starts
+            runs.add(len(starts))
+            assert 0 < mask.sum() <= len(starts) * 8  # turns of at most 8 tokens
+        assert len(runs) == 1, runs  # a group is all sessions or all single turns
+        shapes.append(runs.pop())
+    assert shapes.count(1) >= 3 and shapes.count(2) >= 3 and len(shapes) == shapes.count(1) + shapes.count(2)
     # 540 MB of weights per version and per checkpoint: not kept among the test session's files
     shutil.rmtree(run_dir / "checkpoints")
     shutil.rmtree(run_dir / "weights")
