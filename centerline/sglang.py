@@ -17,6 +17,15 @@ none of that applies. The dtype is the trainer's, float32, on both (SGLang's ``a
 serve a float32 model in float16, and the sampler's log-probs would then differ from the
 trainer's by the rounding); ``--dtype`` changes it.
 
+The watchdog: before the exec, a small process is forked that asks the server's ``/ready``
+every second (SGLang answers 503 while generation is paused) and, once the server has been
+ready, sends ``/continue_generation`` (with the admin key) to a server that has stayed paused
+``--continue-after`` seconds (default 10; 0: no watchdog). The trainer pauses an engine only
+for the length of a weight update (trainer_service/weights.py); a trainer killed between the
+pause and the continue would otherwise leave the engine paused until the next trainer's
+update. A continue that comes during a slow load is harmless: SGLang's scheduler handles it
+after the load (docs/design.md, weight updates). The watchdog ends when the server does.
+
 Flags after ``--`` go to SGLang unchanged (they win over the recipe's):
 
     centerline sglang --model models/default --port 30000
@@ -28,6 +37,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -37,6 +49,7 @@ STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
 # Measured on 2 cores (docs/sglang.md): without these, a 15 GB KV cache is allocated in 33 s,
 # the idle scheduler busy-polls most of a core, and fp16 log-probs are off by about 1e-3.
 CPU_FLAGS = ("--max-total-tokens", "2048", "--sleep-on-idle")
+CONTINUE_AFTER = 10.0  # seconds: weight loads of the toy model take ~0.02 s, of a 7B model from page cache a few
 
 
 def server_argv(
@@ -75,16 +88,28 @@ def server_env(base: Mapping[str, str], device: str) -> dict[str, str]:
     return env
 
 
-def router_argv(worker_urls: list[str], host: str, port: int, metrics_port: int) -> list[str]:
+# Session affinity (docs/design.md section 12): smg's ``manual`` policy sends every request carrying
+# ``X-SMG-Routing-Key`` to the engine it first chose for that key (another only when that one is
+# unhealthy), so a session's turns find their history in one engine's prefix cache; a request
+# without the header (a single-turn task: one request of n samples) goes to a healthy engine at
+# random, so those still spread over the engines.
+ROUTER_POLICY = "manual"
+
+
+def router_argv(
+    worker_urls: list[str], host: str, port: int, metrics_port: int, policy: str = ROUTER_POLICY
+) -> list[str]:
     """The real SGLang router (``smg``, from the sglang-router wheel) in front of ``worker_urls``,
-    with its own settings otherwise; Prometheus on ``metrics_port`` (its default 29000 would
-    collide between routers on one machine)."""
+    routing by ``policy`` (session affinity unless told otherwise), with its own settings otherwise;
+    Prometheus on ``metrics_port`` (its default 29000 would collide between routers on one machine)."""
     smg = Path(sys.executable).parent / "smg"
     return [
         str(smg) if smg.exists() else "smg",
         "launch",
         "--worker-urls",
         *worker_urls,
+        "--policy",
+        policy,
         "--host",
         host,
         "--port",
@@ -94,6 +119,68 @@ def router_argv(worker_urls: list[str], host: str, port: int, metrics_port: int)
         "--prometheus-port",
         str(metrics_port),
     ]
+
+
+def ready_status(url: str) -> int | None:
+    """The status of GET ``url``/ready (200 ready, 503 paused or not up), None when it does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+def continue_generation(url: str, key: str | None) -> int | None:
+    """POST ``url``/continue_generation with the admin key; its status, None when it does not answer."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url + "/continue_generation", data=b"{}", headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+def watchdog(url: str, key: str | None, continue_after: float, server_pid: int, clock=time.monotonic) -> None:
+    """Continue the server at ``url`` whenever it has been paused ``continue_after`` seconds; return
+    when the process ``server_pid`` is gone (this process, forked from it, is then someone else's)."""
+    ready_once, paused_since = False, None
+    while os.getppid() == server_pid:
+        status, now = ready_status(url), clock()
+        if status == 200:
+            ready_once, paused_since = True, None
+        elif status == 503 and ready_once:
+            paused_since = now if paused_since is None else paused_since
+            if now - paused_since >= continue_after:
+                answer = continue_generation(url, key)
+                print(
+                    f"centerline sglang watchdog: {url} paused {now - paused_since:.1f} s without a continue "
+                    f"(its trainer died between pause and continue?): sent /continue_generation, HTTP {answer}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                paused_since = None
+        else:
+            paused_since = None  # not answering: starting, stopping or gone
+        time.sleep(1.0)  # polling interval of the server's own report
+
+
+def start_watchdog(host: str, port: int, key: str | None, continue_after: float) -> None:
+    """Fork the watchdog of the server this process is about to become (its pid stays the same)."""
+    server_pid = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() == 0:
+        try:
+            address = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+            address = f"[{address}]" if ":" in address else address
+            watchdog(f"http://{address}:{port}", key, continue_after, server_pid)
+        finally:
+            os._exit(0)
 
 
 def main(argv: list[str]) -> int:
@@ -112,7 +199,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--dtype", default="float32", help="SGLang --dtype: the trainer's float32 unless you choose otherwise"
     )
+    parser.add_argument(
+        "--continue-after",
+        type=float,
+        default=CONTINUE_AFTER,
+        help="continue the server when it has been paused this many seconds without a continue (a trainer died "
+        "between pause and continue); 0: no watchdog",
+    )
     args = parser.parse_args(ours)
+    if args.continue_after < 0:
+        parser.error(f"--continue-after {args.continue_after}: must be >= 0 (0 turns the watchdog off)")
     try:
         key = admin_key.key_from_env()
     except admin_key.AdminKeyError as exc:
@@ -124,6 +220,8 @@ def main(argv: list[str]) -> int:
     command = server_argv(args.model, args.host, args.port, args.device, extra, args.dtype)
     if key:
         command.append(f"--admin-api-key={key}")  # one argument: a key may begin with "-"
+    if args.continue_after:
+        start_watchdog(args.host, args.port, key, args.continue_after)
     sys.stdout.flush()
     os.execve(command[0], command, server_env(os.environ, args.device))
     return 0  # not reached

@@ -89,7 +89,7 @@ def sglang(sglang_server, model_dir):
 
 @pytest.fixture(scope="session")
 def sglang_router(sglang_server, tmp_path_factory):
-    """The real SGLang router (smg) in front of the shared server, default settings."""
+    """The real SGLang router (smg) in front of the shared server, as `centerline up` runs it."""
     from tests.processes import Router
 
     router = Router(tmp_path_factory.mktemp("router") / "router.log", [sglang_server.url])

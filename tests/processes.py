@@ -145,8 +145,9 @@ class SGLangProcess(Process):
 
 
 class Router(Process):
-    """The real SGLang router (`smg launch`, sglang-router wheel) in front of ``workers``, with
-    its default settings; ready once it has routed a request to a worker."""
+    """The real SGLang router (`smg launch`, sglang-router wheel) in front of ``workers``, as
+    ``centerline up`` starts it (``router_argv``: session affinity); ready once it has routed a
+    request to a worker."""
 
     def __init__(self, log_path: Path, workers: list[str], *extra: str, api_key: str | None = None):
         """``api_key``: the router's ``--api-key``, which its readiness request then carries."""
