@@ -130,6 +130,11 @@ def test_the_proxy_is_ready_and_learned_the_vocabulary(stack):
     assert ready["ready"] is True and ready["cause"] is None
     info = json.loads(http_get("router_proxy", "http://127.0.0.1:30010/get_model_info"))
     assert info["vocab_size"] == 260  # the default model's (init-model), learned from SGLang
+    # the image's wheel has the C row scanner compiled (deploy/Dockerfile's first stage)
+    started = [
+        line for line in sh("docker-compose logs --no-color router_proxy").splitlines() if "proxy on http" in line
+    ]
+    assert started and all("candidate rows scanned by the c scanner)" in line for line in started), started
 
 
 def test_each_service_holds_only_its_own_secrets(stack):
