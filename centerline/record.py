@@ -146,7 +146,7 @@ def _message(where: str, offset: int, doc: dict) -> Message:
 
 def summary(msg: Message) -> dict:
     """One message for people: where it came from and, for a wire-format batch, what it holds."""
-    from shared.contract import oldest_trained_version
+    from shared.contract import oldest_trained_version, sample_turns
     from shared.wire import WireError, decode_batch
 
     out = {"subject": msg.subject, "seq": msg.seq, "time": msg.time, "headers": msg.headers, "bytes": len(msg.data)}
@@ -168,6 +168,12 @@ def summary(msg: Message) -> dict:
         "samples": b.num_samples,
         "tokens": b.num_tokens,
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        # a session's shape: its prompt is the first turn's, its response the rest (docs/design.md section 12)
+        "prompt_tokens": int(b.prompt_ids.shape[0]),
+        "sampled_tokens": int(b.loss_mask.sum()),
+        "injected_tokens": int(b.loss_mask.size - b.loss_mask.sum()),
+        "turns": sample_turns(b),
+        "finish_reasons": b.finish_reasons,
     }
     return out
 

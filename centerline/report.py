@@ -5,7 +5,9 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and, when pre
 ``{step, eval_reward}`` on a user's, whose ``RUN_DIR/heldout.json`` says which rows were held
 out, if any), and writes
 ``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
-as ``RUN_DIR/plots/<name>.png``. The resolved configuration (``RUN_DIR/config.toml``) is
+as ``RUN_DIR/plots/<name>.png``. A run on multi-turn sessions (any step with injected tokens)
+also gets the sessions' plot: turns per sample, and sampled and injected tokens per sample; the
+table counts the samples by finish reason. The resolved configuration (``RUN_DIR/config.toml``) is
 shown at the end when the run wrote one.
 
     centerline report runs/2026-11-29-2130
@@ -107,6 +109,22 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
             ax.legend(fontsize=8)
         plots[name] = (title, _figure_png(fig))
         plt.close(fig)
+    sessions = [s for s in steps if s.get("injected_tokens")]
+    if sessions:  # a run on multi-turn sessions
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        xs = [s["step"] for s in sessions]
+        ax.plot(xs, [s["turns_mean"] for s in sessions], marker="o", markersize=3, label="turns per sample")
+        ax.set_ylabel("turns")
+        tokens = ax.twinx()
+        for key, label, color in (("sampled_tokens", "sampled", "C1"), ("injected_tokens", "injected", "C2")):
+            per_sample = [s[key] / max(s.get("samples", 1), 1) for s in sessions]
+            tokens.plot(xs, per_sample, "--", color=color, label=f"{label} tokens per sample")
+        tokens.set_ylabel("tokens per sample")
+        ax.set_title("Sessions: turns; sampled (trained) and injected tokens", fontsize=10)
+        ax.set_xlabel("step")
+        fig.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.1, 0.12))
+        plots["sessions"] = ("Sessions", _figure_png(fig))
+        plt.close(fig)
     gate = _gate_series(steps)
     if gate:
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
@@ -145,6 +163,20 @@ def summary(steps: list[dict], heldout: dict | None = None) -> list[tuple[str, s
         values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         if values:
             rows.append((key, f"{values[0]:.4g} → {values[-1]:.4g}"))
+    sessions = [s for s in trained if s.get("injected_tokens")]
+    if sessions:
+        turns = sum(s["turns_mean"] * s.get("samples", 0) for s in sessions) / max(
+            sum(s.get("samples", 0) for s in sessions), 1
+        )
+        sampled, injected = sum(s["sampled_tokens"] for s in trained), sum(s["injected_tokens"] for s in trained)
+        rows.append(("turns per sample (sessions)", f"{turns:.3g}"))
+        rows.append(("tokens sampled / injected", f"{sampled} / {injected}"))
+    finish: dict[str, int] = {}
+    for s in trained:
+        for reason, n in (s.get("finish") or {}).items():
+            finish[reason] = finish.get(reason, 0) + n
+    if finish:
+        rows.append(("samples by finish reason", ", ".join(f"{k} {v}" for k, v in sorted(finish.items()))))
     rejected = sum(sum((s.get("gate_rejected") or {}).values()) for s in steps)
     rows.append(("batches accepted / rejected", f"{sum(int(s.get('gate_accepted', 0)) for s in steps)} / {rejected}"))
     rows.append(("weight version", f"{first.get('version', '?')} → {last.get('version', '?')}"))

@@ -83,6 +83,7 @@ class Trajectory:
     token_versions: np.ndarray  # int32 [L], the weight version that sampled each token
     cand_ids: np.ndarray  # int32 [L, K], -1 = empty slot
     cand_logprobs: np.ndarray  # float32 [L, K], -inf = empty slot
+    finish_reason: str = "stop"  # "stop" | "length" (a session: its last turn's) | "session_budget"
 
     @classmethod
     def of_sample(cls, prompt_ids, s: Sample) -> Trajectory:
@@ -96,6 +97,7 @@ class Trajectory:
             token_versions=np.full(n, s.weight_version, np.int32),
             cand_ids=s.cand_ids,
             cand_logprobs=s.cand_logprobs,
+            finish_reason=s.finish_reason or "stop",
         )
 
 
@@ -155,6 +157,7 @@ def pack_trajectories(
         top_k=int(top_k),
         sample_ids=[f"{task.task_id}/{i}" for i in range(len(trajectories))],
         group_ids=[task.group_id] * len(trajectories),
+        finish_reasons=[t.finish_reason for t in trajectories],
         rewards=np.asarray(rewards, dtype=np.float32),
         advantages=np.asarray(advantages, dtype=np.float32),
         offsets=offsets,

@@ -125,6 +125,7 @@ class Session:
         self._cand_logprobs: list[np.ndarray] = []
         self.turns = 0
         self.finish: str | None = None  # "session_budget" once a turn was refused for the budget
+        self.last_finish = "stop"  # the last complete turn's finish_reason
         self._lock = asyncio.Lock()  # one turn at a time: a concurrent one fails the history check
 
     async def turn(
@@ -159,7 +160,8 @@ class Session:
         self.text = text + sampled
         self.messages = [*given, {"role": "assistant", "content": content}]
         self.turns += 1
-        return Reply(content, sample.finish_reason or "stop", prompt_tokens, len(sample.response_ids))
+        self.last_finish = sample.finish_reason or "stop"
+        return Reply(content, self.last_finish, prompt_tokens, len(sample.response_ids))
 
     def check_history(self, given: list[dict]) -> None:
         """The request's messages begin with the session's history and add at least one."""
@@ -242,6 +244,7 @@ class Session:
             token_versions=cat(self._versions, np.int32),
             cand_ids=cat(self._cand_ids, np.int32),
             cand_logprobs=cat(self._cand_logprobs, np.float32),
+            finish_reason=self.finish or self.last_finish,
         )
 
 

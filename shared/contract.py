@@ -135,6 +135,8 @@ def check_shapes(batch: Batch) -> None:
         fail("the batch holds no samples")
     if len(batch.group_ids) != b:
         fail(f"{len(batch.group_ids)} group_ids for {b} sample_ids")
+    if len(batch.finish_reasons) not in (0, b):
+        fail(f"{len(batch.finish_reasons)} finish_reasons for {b} sample_ids (one per sample, or none)")
     expected = {
         "rewards": (b,),
         "advantages": (b,),
@@ -185,6 +187,17 @@ def oldest_trained_version(batch: Batch) -> int:
     (``weight_version`` for a batch that trains none)."""
     trained = batch.token_versions[batch.loss_mask.astype(bool, copy=False)]
     return int(trained.min()) if trained.size else batch.weight_version
+
+
+def sample_turns(batch: Batch) -> list[int]:
+    """Each sample's turns: its runs of sampled tokens (loss mask 1), 1 for a plain response, a
+    session's turns otherwise (every later turn follows the template's untrained tokens)."""
+    mask = np.asarray(batch.loss_mask, dtype=np.int8)
+    offsets = np.asarray(batch.offsets, dtype=np.int64)
+    before = np.concatenate([[0], mask[:-1]]).astype(np.int8)
+    before[offsets[:-1][offsets[:-1] < mask.size]] = 0  # a sample's first token begins a run
+    starts = np.flatnonzero((mask == 1) & (before == 0))
+    return np.diff(np.searchsorted(starts, offsets)).tolist()
 
 
 def _check_known(version: int, current: int) -> None:

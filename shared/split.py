@@ -42,6 +42,7 @@ def select_samples(batch: Batch, indices: slice | list[int] | np.ndarray) -> Bat
         batch,
         sample_ids=[batch.sample_ids[i] for i in idx.tolist()],
         group_ids=[batch.group_ids[i] for i in idx.tolist()],
+        finish_reasons=[batch.finish_reasons[i] for i in idx.tolist()] if batch.finish_reasons else [],
         rewards=batch.rewards[idx],
         advantages=batch.advantages[idx],
         offsets=offsets,

@@ -13,9 +13,10 @@ before anything is allocated, so hostile input costs at most a few times its own
 Encoding uses ``msgpack.packb``, which writes the same subset.
 
 v2 is v1 plus ``token_versions`` (the weight version that sampled each response token) and the
-batch's ``task_id``, ``attempt`` and ``parts``. A v1 message is refused by name, as any other
-version is: every producer is this codebase, and a v1 batch cannot say which weights sampled a
-token of a response that spans an update.
+batch's ``task_id``, ``attempt`` and ``parts``; ``finish_reasons`` (each sample's, a string) is
+optional: a batch without it (recorded before it existed) decodes with none. A v1 message is
+refused by name, as any other version is: every producer is this codebase, and a v1 batch
+cannot say which weights sampled a token of a response that spans an update.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ SCALAR_FIELDS = {
     "top_k": int,
 }
 LIST_FIELDS = ("sample_ids", "group_ids")
+# Optional lists of strings, one per sample; a message without one decodes to [].
+OPTIONAL_LIST_FIELDS = ("finish_reasons",)
 
 
 class WireError(ValueError):
@@ -98,6 +101,9 @@ class Batch:
     token_versions: np.ndarray  # int32 [N], the weight version that sampled each token (<= weight_version)
     cand_ids: np.ndarray  # int32 [N, K], -1 = empty slot
     cand_logprobs: np.ndarray  # float32 [N, K], -inf = empty slot
+    # per sample, why its sampling ended: SGLang's "stop" | "length" (a session's: its last turn's),
+    # or "session_budget" (a session ended by --rollout-session-max-tokens); [] = not recorded
+    finish_reasons: list[str] = field(default_factory=list)
     v: int = WIRE_VERSION
     extra: dict = field(default_factory=dict)  # unknown top-level keys, kept for tooling
 
@@ -135,7 +141,7 @@ def encode_batch(batch: Batch) -> bytes:
         head[name] = getattr(batch, name)
     head["temperature"] = float(batch.temperature)
     head["top_p"] = float(batch.top_p)
-    for name in LIST_FIELDS:
+    for name in (*LIST_FIELDS, *OPTIONAL_LIST_FIELDS):
         head[name] = list(getattr(batch, name))
     return encode_map(head, {name: (getattr(batch, name), dtype) for name, dtype in ARRAY_FIELDS.items()})
 
@@ -247,13 +253,18 @@ def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
         if type(value) is not list or not set(map(type, value)) <= {str}:
             raise WireError(f"field {name!r} must be a list of strings")
         values[name] = value
+    for name in OPTIONAL_LIST_FIELDS:
+        value = doc.get(name, [])
+        if type(value) is not list or not set(map(type, value)) <= {str}:
+            raise WireError(f"field {name!r} must be a list of strings")
+        values[name] = value
     for name, dtype in ARRAY_FIELDS.items():
         values[name] = array_value(doc, name, dtype, limits)
     extra = {key: value for key, value in doc.items() if key not in _KNOWN_KEYS}
     return Batch(**values, extra=extra)
 
 
-_KNOWN_KEYS = {"v", *SCALAR_FIELDS, *LIST_FIELDS, *ARRAY_FIELDS}
+_KNOWN_KEYS = {"v", *SCALAR_FIELDS, *LIST_FIELDS, *OPTIONAL_LIST_FIELDS, *ARRAY_FIELDS}
 
 
 def _require(doc: dict, name: str):

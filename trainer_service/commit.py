@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.contract import sample_turns
 from shared.wire import encode_batch
 from trainer_service.gate import Held, concat_batches
 from trainer_service.policy import StepCommand
@@ -74,7 +75,8 @@ def commit_step(
 def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
     """The step's line of ``metrics.jsonl``: ``step`` counts completed steps, like ``--steps``
     (the first step logs step 1); staleness is per sample, in versions behind the trainer, of the
-    sample's oldest trained token (the one the gate judges)."""
+    sample's oldest trained token (the one the gate judges); the samples' turns and tokens
+    (``sample_shape``)."""
     staleness = [step.before.version - version for h in step.held for version in sample_versions(h.batch)]
     return {
         "step": step.after.step,
@@ -82,10 +84,32 @@ def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
         **step.metrics,
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
+        **sample_shape([h.batch for h in step.held]),
         **gate,
         **timings,
         "batch_ids": [h.batch.batch_id for h in step.held],
         **extra,
+    }
+
+
+def sample_shape(batches) -> dict:
+    """What the step's samples were: ``turns_mean``, the mean of each sample's turns (its runs of
+    sampled tokens: 1 for a plain response, a session's turns otherwise); ``sampled_tokens`` (loss
+    mask 1) and ``injected_tokens`` (a session's template, user and tool tokens between turns,
+    loss mask 0) of the responses; ``finish``, the samples by finish reason ("stop", "length",
+    "session_budget"; none for a batch that records none)."""
+    turns, sampled, injected, finish = [], 0, 0, {}
+    for batch in batches:
+        sampled += int(batch.loss_mask.sum())
+        injected += int(batch.loss_mask.size - batch.loss_mask.sum())
+        turns += sample_turns(batch)
+        for reason in batch.finish_reasons:
+            finish[reason] = finish.get(reason, 0) + 1
+    return {
+        "turns_mean": sum(turns) / len(turns) if turns else 0.0,
+        "sampled_tokens": sampled,
+        "injected_tokens": injected,
+        "finish": dict(sorted(finish.items())),
     }
 
 

@@ -221,7 +221,14 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
             "samples",
             "tokens",
             "reward_mean",
+            "prompt_tokens",
+            "sampled_tokens",
+            "injected_tokens",
+            "turns",
+            "finish_reasons",
         }
+        assert batch["turns"] == [1, 1] and batch["injected_tokens"] == 0  # plain responses
+        assert batch["sampled_tokens"] == batch["tokens"] and len(batch["finish_reasons"]) == 2
 
 
 def test_live_recording_stops_after_count_messages(tmp_path):

@@ -60,3 +60,37 @@ def test_report_on_a_directory_without_metrics_names_the_file(tmp_path):
     )
     assert run.returncode == 2
     assert f"{tmp_path / 'metrics.jsonl'} does not exist" in run.stderr
+
+
+def test_a_run_on_sessions_gets_the_sessions_plot_and_its_turns_tokens_and_finish_reasons(tmp_path):
+    from centerline.report import render_plots, summary
+
+    steps = [
+        {
+            "step": 1,
+            "version": 1,
+            "samples": 4,
+            "gate_accepted": 2,
+            "turns_mean": 3.0,
+            "sampled_tokens": 24,
+            "injected_tokens": 120,
+            "finish": {"stop": 3, "length": 1},
+        },
+        {
+            "step": 2,
+            "version": 2,
+            "samples": 4,
+            "gate_accepted": 2,
+            "turns_mean": 2.0,
+            "sampled_tokens": 16,
+            "injected_tokens": 60,
+            "finish": {"stop": 3, "session_budget": 1},
+        },
+    ]
+    assert "sessions" in render_plots(steps)
+    rows = dict(summary(steps))
+    assert rows["turns per sample (sessions)"] == "2.5"
+    assert rows["tokens sampled / injected"] == "40 / 180"
+    assert rows["samples by finish reason"] == "length 1, session_budget 1, stop 6"
+    plain = [{**s, "turns_mean": 1.0, "injected_tokens": 0} for s in steps]  # single-turn: no sessions plot
+    assert "sessions" not in render_plots(plain) and "turns per sample (sessions)" not in dict(summary(plain))

@@ -319,6 +319,10 @@ def test_duplicate_batch_is_rejected():
         ),
         (lambda b: replace_arrays(b, mode="full"), "mode is 'full'"),
         (lambda b: replace_arrays(b, group_ids=["g"]), "1 group_ids for 4 sample_ids"),
+        (
+            lambda b: replace_arrays(b, finish_reasons=["stop"]),
+            "1 finish_reasons for 4 sample_ids (one per sample, or none)",
+        ),
         (lambda b: replace_arrays(b, loss_mask=np.full(32, 2, np.uint8)), "loss_mask holds values other than 0 and 1"),
         (
             lambda b: replace_arrays(b, prompt_offsets=np.array([0, 3, 6, 9, 13])),

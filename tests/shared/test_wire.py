@@ -18,6 +18,7 @@ from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch
 
 def assert_same_batch(a: Batch, b: Batch) -> None:
     for name in (
+        "finish_reasons",
         "batch_id",
         "producer",
         "task_id",
@@ -340,3 +341,14 @@ def test_empty_array_with_impossible_dimensions_is_a_wire_error(shape, message):
     doc["cand_ids"]["shape"] = shape
     with pytest.raises(WireError, match=message):
         decode_batch(msgpack.packb(doc, use_bin_type=True))
+
+
+def test_each_samples_finish_reason_travels_and_a_batch_without_them_decodes_with_none():
+    batch = replace_arrays(make_batch(samples=2, tokens_per_sample=3), finish_reasons=["stop", "session_budget"])
+    assert decode_batch(encode_batch(batch)).finish_reasons == ["stop", "session_budget"]
+    doc = msgpack.unpackb(encode_batch(batch))
+    del doc["finish_reasons"]  # a batch recorded before the field existed
+    assert decode_batch(msgpack.packb(doc)).finish_reasons == []
+    doc["finish_reasons"] = ["stop", 3]
+    with pytest.raises(WireError, match=r"field 'finish_reasons' must be a list of strings"):
+        decode_batch(msgpack.packb(doc))

@@ -51,8 +51,30 @@ def test_a_step_record_has_the_metrics_staleness_gate_counts_and_batch_ids():
         "save_s": 2.0,
         "staleness_mean": 0.5,
         "staleness_max": 1,
+        "turns_mean": 1.0,  # plain responses: one run of sampled tokens each
+        "sampled_tokens": 12,
+        "injected_tokens": 0,
+        "finish": {},  # synthetic batches record none
         "gate_accepted": 2,
         "step_s": 4.0,
         "batch_ids": ["a", "b"],
         "replay_of": "f",
+    }
+
+
+def test_a_step_record_counts_the_sessions_turns_sampled_and_injected_tokens_and_finish_reasons():
+    import numpy as np
+
+    from shared.wire import replace_arrays
+    from trainer_service.commit import sample_shape
+
+    batch = make_batch(samples=2, tokens_per_sample=5, k=4, vocab_size=32)
+    # sample 0: two turns (1 1 | 0 | 1 1), sample 1: three (1 | 0 | 1 | 0 0 | 1)
+    mask = np.array([1, 1, 0, 1, 1, 1, 0, 1, 0, 1], np.uint8)
+    session = replace_arrays(batch, loss_mask=mask, finish_reasons=["stop", "session_budget"])
+    assert sample_shape([session, batch]) == {
+        "turns_mean": (2 + 3 + 1 + 1) / 4,
+        "sampled_tokens": 7 + 10,
+        "injected_tokens": 3,
+        "finish": {"session_budget": 1, "stop": 1},
     }
