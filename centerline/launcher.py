@@ -24,6 +24,13 @@ reward of one sample per held-out row (``--eval-dataset``, else the rows marked 
 ``--model`` whose tokenizer has one) has the workers and the evaluation render each prompt as one
 user message; the model's eos ends a response. Same topology, credentials and keys as the toy run.
 
+Multi-turn sessions (``--environment``, docs/design.md section 12): ``module:function`` (importable
+from the directory ``up`` runs in, checked before anything starts) or the built-in ``chain``
+(``--task chain``, which names it by itself) makes every toy task, or every ``--dataset`` row that
+names no environment of its own, ``n`` sessions of it. The held-out figure is then the mean
+reward of one session per held-out row, played through the proxy as the workers play them
+(``centerline/heldout.py``).
+
 NATS runs with shared/nats_auth.py's users, passwords made for this run: the launcher
 creates the streams as ``admin``, and each service gets only its own user and password, in its
 environment (``service_env``), never in ``config.toml``. Likewise the engines' admin key
@@ -71,15 +78,18 @@ from pathlib import Path
 import orjson
 
 from centerline import run_spec, sglang
+from centerline.heldout import SessionEvaluator
 from centerline.run_spec import RunSpec
 from centerline.user_task import (
     UserTask,
     UserTaskError,
     chat_template_on,
+    check_environment,
     check_reward,
     load_task,
     write_trainer_dataset,
 )
+from rollout_worker.worker import Rejected, Transient
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
@@ -87,7 +97,8 @@ from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.ports import free_port
 from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.streams import StreamLimits, provision
-from shared.toy_tasks import REWARDS, examples
+from shared.task import PromptTask
+from shared.toy_tasks import CHAT_TASKS, REWARDS, examples
 
 PYTHON = sys.executable
 # Shared settings whose default differs for this job (chosen so that the default run learns;
@@ -478,6 +489,19 @@ class Prepared:
     chat_template: bool  # the workers and the evaluation render each prompt with the model's chat template
     heldout: list  # the toy task's (prompt, answer) pairs, or a user task's Rows
     user: UserTask | None = None  # None: the toy task
+    environment: str = ""  # the toy task's or --environment: its tasks (a user's rows naming none) are sessions
+
+    def heldout_tasks(self, reward: str) -> list[PromptTask]:
+        """The held-out rows as tasks of one sample, each naming its environment ("" for none)."""
+        rows = (
+            [(r.prompt, r.answer, r.meta, r.environment) for r in self.heldout]
+            if self.user
+            else [(prompt, answer, {}, "") for prompt, answer in self.heldout]
+        )
+        return [
+            PromptTask(f"eval/{i}", f"eval/{i}", prompt, answer, reward, 1, 0, meta, environment or self.environment)
+            for i, (prompt, answer, meta, environment) in enumerate(rows)
+        ]
 
 
 def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
@@ -485,10 +509,22 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     dataset in ``run_dir/train.jsonl`` (``--dataset``'s training rows, else the toy task's) and the
     held-out rows; a bad row, reward or model fails here, before any service starts."""
     check_reward(up.reward)  # as the workers will load it
+    environment = up.environment or ("" if up.dataset is not None else CHAT_TASKS.get(up.task, ""))
+    if environment:
+        check_environment(environment)
+    owner = next((t for t, e in CHAT_TASKS.items() if e == environment), None)  # a built-in's own toy task
+    if owner is not None and up.dataset is None and up.task != owner:
+        raise UserTaskError(
+            f"--environment {environment}: the built-in environment plays the toy task {owner}, not --task "
+            f"{up.task}; add --task {owner}"
+        )
     user = None
     if up.dataset is not None:
         user = load_task(up.dataset, up.eval_dataset)
         log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
+        for number, row in enumerate([*user.train, *user.heldout], 1):
+            if row.environment:
+                check_environment(row.environment, f"{up.dataset} (row {number}'s environment)")
     if up.model is not None:
         model = up.model
         if not (model / "config.json").is_file():
@@ -521,8 +557,8 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     chat = chat_template_on(up.chat_template, model, toy=up.model is None)
     dataset = run_dir / "train.jsonl"
     if user is not None:
-        write_trainer_dataset(user.train, up.reward, dataset)
-        return Prepared(model, dataset, chat, user.heldout, user)
+        write_trainer_dataset(user.train, up.reward, dataset, environment)
+        return Prepared(model, dataset, chat, user.heldout, user, environment)
     subprocess.run(
         [
             PYTHON,
@@ -537,13 +573,16 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
             str(cfg.seed),
             "--reward",
             up.reward,
+            "--environment",
+            environment,
             "--out",
             str(dataset),
         ],
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    return Prepared(model, dataset, chat, examples(up.task, up.eval_prompts, cfg.seed, "heldout"))
+    heldout = examples(up.task, up.eval_prompts, cfg.seed, "heldout")
+    return Prepared(model, dataset, chat, heldout, environment=environment)
 
 
 def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
@@ -592,18 +631,28 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     progress = Progress()
     evals = run_dir / "eval.jsonl"
     evals.write_bytes(b"")
+    single, evaluator = [], None  # a user's held-out rows sampled once (no environment), and their evaluator
     if task.user is not None:
         (run_dir / "heldout.json").write_bytes(
             orjson.dumps({"rows": len(task.heldout), "source": task.user.heldout_source, "reward": up.reward})
         )
-        evaluator = UserEvaluator(task.model, task.heldout, up.reward, task.chat_template)
+        single = [row for row in task.heldout if not (row.environment or task.environment)]
+        evaluator = UserEvaluator(task.model, single, up.reward, task.chat_template) if single else None
+
+    heldout_tasks = task.heldout_tasks(up.reward)
+    played = [t for t in heldout_tasks if t.environment]
+    sessions = SessionEvaluator(task.model, played) if played else None
 
     def measure(url: str) -> dict | None:
-        if task.user is None:
+        if task.user is None and sessions is None:
             return {"eval_accuracy": evaluate(url, task.heldout, cfg.rollout_temperature, cfg.seed)}
         if not task.heldout:
             return None
-        return {"eval_reward": evaluator(url, cfg.rollout_temperature, cfg.rollout_max_new_tokens, cfg.seed)}
+        # sessions go through the proxy, as the workers' do; rows without an environment are sampled once
+        total = sum(sessions(cfg, spec.worker.request_timeout)) if sessions is not None else 0.0
+        if evaluator is not None:
+            total += evaluator(url, cfg.rollout_temperature, cfg.rollout_max_new_tokens, cfg.seed) * len(single)
+        return {"eval_reward": total / len(heldout_tasks)}
 
     def record_eval(step: int) -> None:
         for url in engine_urls:  # the first server that answers (one may be restarting)
@@ -612,6 +661,9 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
                 break
             except OSError as exc:  # URLError, a refused or broken connection
                 log(f"evaluation at step {step}: {url} did not answer ({exc}); trying the next server")
+            except (Transient, Rejected) as exc:  # a held-out session failed
+                log(f"evaluation at step {step} skipped: a held-out session failed: {exc}")
+                return
         else:
             log(f"evaluation at step {step} skipped: no SGLang server answered")
             return

@@ -125,9 +125,12 @@ def main(argv: list[str]) -> int:
     record.write_text(json.dumps(settings, sort_keys=True) + "\n")
     print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE}{', sft ' + json.dumps(sft.to_dict()) if sft else ''})")
     if sft is not None and args.eval:
-        from centerline.sft import evaluate
+        from centerline.sft import evaluate, evaluate_chat
 
-        print(json.dumps({"task": sft.task, "heldout_exact_match_t1": evaluate(build_model_from(path), sft.task)}))
+        if sft.form == "chat":
+            print(json.dumps({"task": sft.task, "heldout_reward_t1": evaluate_chat(build_model_from(path), sft.task)}))
+        else:
+            print(json.dumps({"task": sft.task, "heldout_exact_match_t1": evaluate(build_model_from(path), sft.task)}))
     return 0
 
 

@@ -8,15 +8,19 @@ A dataset is JSONL, one object per line:
 ``prompt`` and ``answer`` are strings (the prompt not empty); ``meta`` is an optional object handed
 to the reward function as ``task.meta``, and any other key of the row (an ``id``, say) joins it
 there; ``split`` is optional, ``"train"`` (the default) or ``"eval"``: a row marked ``eval`` is
-held out, never trained on. ``reward`` is not a row's: ``--reward`` scores every row. The held-out rows are
+held out, never trained on; ``environment`` is optional, ``"module:function"``: the row is a
+multi-turn session of that environment (``--environment`` is the default of rows that name
+none). ``reward`` is not a row's: ``--reward`` scores every row. The held-out rows are
 ``--eval-dataset``'s (every row of that file) when it is given, else the rows the dataset marks
-``eval``, else none; the held-out figure is the mean reward of one sample per held-out row.
+``eval``, else none; the held-out figure is the mean reward of one sample per held-out row (a
+row with an environment: of one session of it, the reward it returns).
 
 The reward is ``--reward``: a built-in (``exact``, ``prefix``) or ``module:function``, importable
 from the directory `centerline up` runs in, called as ``reward(response_text, task) -> float``
 (``rollout_worker/rewards.py``): ``task.prompt``, ``task.answer`` and ``task.meta`` are the row's,
 the text is the response with its stop token (the model's eos, ``<|im_end|>`` for a ChatML model)
-already cut off.
+already cut off. An environment (``--environment``, a row's ``environment``) is loaded the same
+way, and must be ``async def environment(client, task) -> float`` (``rollout_worker/environment.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import orjson
 
-FIELDS = ("prompt", "answer", "meta", "split")
+FIELDS = ("prompt", "answer", "meta", "split", "environment")
 SPLITS = ("train", "eval")
 TRAINER_KEYS = ("prompt", "answer", "reward")  # a trainer dataset row's own keys; meta keys sit beside them
 
@@ -43,6 +47,7 @@ class Row:
     answer: str
     meta: dict = field(default_factory=dict)
     split: str = "train"
+    environment: str = ""  # "module:function": the row runs as sessions of it; "" the run's --environment
 
 
 def load_rows(path: Path) -> list[Row]:
@@ -89,7 +94,12 @@ def _row(line: bytes, where: str) -> Row:
     split = doc.get("split", "train")
     if split not in SPLITS:
         raise UserTaskError(f"{where}: field 'split' is {split!r}, expected 'train' or 'eval' (or leave it out)")
-    return Row(doc["prompt"], doc["answer"], meta, split)
+    environment = doc.get("environment", "")
+    if not isinstance(environment, str):
+        raise UserTaskError(
+            f"{where}: field 'environment' is {environment!r}, expected a string 'module:function' (or leave it out)"
+        )
+    return Row(doc["prompt"], doc["answer"], meta, split, environment)
 
 
 @dataclass(frozen=True)
@@ -116,24 +126,41 @@ def load_task(dataset: Path, eval_dataset: Path | None) -> UserTask:
     return UserTask(train, heldout, source)
 
 
-def write_trainer_dataset(rows: list[Row], reward: str, out: Path) -> None:
-    """The trainer's dataset (trainer_service/tasks.py): prompt, answer, reward, the meta keys beside them."""
+def write_trainer_dataset(rows: list[Row], reward: str, out: Path, environment: str = "") -> None:
+    """The trainer's dataset (trainer_service/tasks.py): prompt, answer, reward, the row's environment
+    (else ``environment``, when set), the meta keys beside them."""
     with open(out, "wb") as fh:
         for row in rows:
-            fh.write(orjson.dumps({"prompt": row.prompt, "answer": row.answer, "reward": reward, **row.meta}) + b"\n")
+            doc = {"prompt": row.prompt, "answer": row.answer, "reward": reward, **row.meta}
+            if row.environment or environment:
+                doc["environment"] = row.environment or environment
+            fh.write(orjson.dumps(doc) + b"\n")
 
 
 def check_reward(name: str):
-    """The reward function ``name``, loaded as the workers will load it (they run from the same
-    directory, which ``python -m`` puts on the import path), or ``UserTaskError``."""
-    from rollout_worker.rewards import RewardError, load_reward
+    """The reward function ``name``, loaded as the workers will load it, or ``UserTaskError``."""
+    from rollout_worker.rewards import load_reward
 
+    return _check("--reward", name, load_reward)
+
+
+def check_environment(name: str, where: str = "--environment"):
+    """The environment ``name`` (``where``: the flag or the dataset row that names it), loaded as
+    the workers will load it, or ``UserTaskError`` naming it, the value and the fix."""
+    from rollout_worker.environment import load_environment
+
+    return _check(where, name, load_environment)
+
+
+def _check(where: str, name: str, load):
+    """``load(name)`` as a worker calls it: workers run from this directory, which ``python -m``
+    puts on their import path, so it goes on this process's path too."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return load_reward(name)
-    except RewardError as exc:
-        raise UserTaskError(f"--reward {name}: {exc}") from None
+        return load(name)
+    except ValueError as exc:  # RewardError, EnvironmentLoadError
+        raise UserTaskError(f"{where} {name}: {exc}") from None
 
 
 def has_chat_template(model: Path) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import logging
 import math
 import time
@@ -40,12 +39,14 @@ from rollout_worker.packing import pack_trajectories
 from rollout_worker.request import generate_body
 from rollout_worker.rewards import group_advantages
 from rollout_worker.session import ChatTemplate, Session, SessionError
+from rollout_worker.user_code import load_function
 from rollout_worker.worker import Outcome, Rejected, Transient
 from shared import response_arrays
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.response_arrays import ResponseArrays
 from shared.task import PromptTask
+from shared.toy_tasks import ENVIRONMENTS
 from shared.wire import WireError
 
 log = logging.getLogger("centerline.worker")
@@ -58,19 +59,8 @@ class EnvironmentLoadError(ValueError):
 
 @functools.lru_cache(maxsize=64)
 def load_environment(spec: str) -> Callable:
-    """The coroutine function ``spec`` names, ``module:function``."""
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise EnvironmentLoadError(f"environment {spec!r} is not 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise EnvironmentLoadError(
-            f"environment {spec!r} cannot be loaded: {exc}; is the module on the worker's PYTHONPATH?"
-        ) from None
-    if not asyncio.iscoroutinefunction(fn):
-        raise EnvironmentLoadError(f"environment {spec!r} is not an async function: `async def {attr}(client, task)`")
-    return fn
+    """The coroutine function ``spec`` names: a built-in (``shared/toy_tasks.py``) or ``module:function``."""
+    return load_function("environment", spec, ENVIRONMENTS, EnvironmentLoadError, coroutine=True)
 
 
 async def proxy_generate(http: aiohttp.ClientSession, proxy_url: str, body: dict, routing_key: str) -> ResponseArrays:
@@ -211,19 +201,23 @@ def _error(status: int, message: str, code: str) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
-    """``task.n`` sessions of the task's environment, scored, packed as one batch and checked;
-    raises ``Transient`` or ``Rejected`` as ``Worker.process`` does."""
+async def play(
+    cfg: Config, http: aiohttp.ClientSession, tokenizer, task: PromptTask, n: int, timeout: float
+) -> list[tuple[Session, float]]:
+    """``n`` sessions of the task's environment at once, each on its own base URL of a loopback
+    endpoint, rendered with ``tokenizer``'s chat template (an HF tokenizer) and turned through the
+    proxy at ``cfg.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected``
+    as ``Worker.process`` does. The worker trains on them (``sample_sessions``); ``centerline up``'s
+    held-out evaluation scores them."""
     import openai
 
-    cfg, settings = worker.cfg, worker.settings
     try:
         environment = load_environment(task.environment)
     except EnvironmentLoadError as exc:
         raise Rejected(str(exc)) from None
-    if worker.tok.chat is None or not getattr(worker.tok.chat, "chat_template", None):
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise Rejected(f"task {task.task_id} names an environment, and the worker's tokenizer has no chat template")
-    template = ChatTemplate(worker.tok.chat)
+    template = ChatTemplate(tokenizer)
     endpoint = SessionEndpoint(cfg)
 
     def new_session() -> Session:
@@ -231,20 +225,18 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
 
         async def generate(input_ids: list[int], max_new_tokens: int, stop: list[str] | None) -> ResponseArrays:
             body = generate_body(cfg, input_ids, max_new_tokens=max_new_tokens, stop=stop)
-            return await proxy_generate(worker.session, cfg.proxy_url, body, routing_key=sid)
+            return await proxy_generate(http, cfg.proxy_url, body, routing_key=sid)
 
         return Session(sid, template, generate, k=cfg.rollout_top_logprobs_num, budget=cfg.rollout_session_max_tokens)
 
     async def run(session: Session) -> float:
-        client = openai.AsyncOpenAI(
-            base_url=endpoint.open(session), api_key="unused", max_retries=0, timeout=settings.request_timeout
-        )
+        client = openai.AsyncOpenAI(base_url=endpoint.open(session), api_key="unused", max_retries=0, timeout=timeout)
         try:
             return await environment(client, task)
         finally:
             await client.close()
 
-    sessions = [new_session() for _ in range(task.n)]
+    sessions = [new_session() for _ in range(n)]
     await endpoint.start()
     try:
         results = await asyncio.gather(*(run(s) for s in sessions), return_exceptions=True)
@@ -252,7 +244,7 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
         await endpoint.close()
     if endpoint.failures:  # the engine's failure first, whatever the environment made of it
         raise endpoint.failures[0]
-    rewards = []
+    played = []
     for session, result in zip(sessions, results):
         if isinstance(result, BaseException):
             if isinstance(result, asyncio.CancelledError):
@@ -270,11 +262,19 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
                 "tokens": len(session.ids),
             }
             log.info("session ended at its token budget after its last complete turn", extra={"fields": fields})
-        rewards.append(float(result))
-    rewards = np.asarray(rewards, np.float64)
+        played.append((session, float(result)))
+    return played
+
+
+async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
+    """``task.n`` sessions of the task's environment, scored, packed as one batch and checked;
+    raises ``Transient`` or ``Rejected`` as ``Worker.process`` does."""
+    cfg, settings = worker.cfg, worker.settings
+    played = await play(cfg, worker.session, worker.tok.chat, task, task.n, settings.request_timeout)
+    rewards = np.asarray([reward for _, reward in played], np.float64)
     batch = pack_trajectories(
         task,
-        [s.trajectory() for s in sessions],
+        [s.trajectory() for s, _ in played],
         rewards,
         group_advantages(rewards, std_norm=cfg.advantage_std_norm),
         attempt=attempt,

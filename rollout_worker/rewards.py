@@ -9,11 +9,11 @@ the decoded response with the stop token already stripped.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 
 import numpy as np
 
+from rollout_worker.user_code import load_function
 from shared.task import PromptTask
 from shared.toy_tasks import REWARDS
 
@@ -27,20 +27,7 @@ class RewardError(ValueError):
 @functools.lru_cache(maxsize=64)
 def load_reward(name: str) -> RewardFn:
     """The reward function ``name``: a built-in, or ``module:function``."""
-    if name in REWARDS:
-        return REWARDS[name]
-    module, sep, attr = name.partition(":")
-    if not sep or not module or not attr:
-        raise RewardError(f"reward {name!r} is neither a built-in ({', '.join(sorted(REWARDS))}) nor 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardError(
-            f"reward {name!r} cannot be loaded: {exc}; is the module on the worker's PYTHONPATH?"
-        ) from None
-    if not callable(fn):
-        raise RewardError(f"reward {name!r} is not callable")
-    return fn
+    return load_function("reward", name, REWARDS, RewardError)
 
 
 def score(task: PromptTask, texts: list[str]) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.toy_tasks import REWARDS
+from shared.toy_tasks import ENVIRONMENTS, REWARDS
 
 # Proxy limits, defaults of the proxy's flags and of the classes in router_proxy that enforce them.
 MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
@@ -245,7 +245,11 @@ class UpSettings(Section):
         description="Apply the model's chat template to each prompt as one user message with the generation "
         "prompt. auto: on for a --model whose tokenizer has one, off for the toy model.",
     )
-    task: str = Field("upper", description="Toy task (shared/toy_tasks.py), when --dataset is unset.")
+    task: str = Field(
+        "upper",
+        description="Toy task (shared/toy_tasks.py: upper, copy, reverse, add; chain, multi-turn, runs as sessions "
+        "of the environment chain), when --dataset is unset.",
+    )
     sft_steps: int = Field(
         0, ge=0, description="Warm-start steps of the model (0 = the task's default in centerline/sft.py)."
     )
@@ -254,6 +258,13 @@ class UpSettings(Section):
         description="Training reward: a built-in (exact, prefix) or module:function, importable from the directory "
         "up runs in, called as reward(response_text, task) -> float. The toy task's held-out accuracy is always "
         "exact match.",
+    )
+    environment: str = Field(
+        "",
+        description="Make every task a multi-turn session run by this environment: a built-in (chain) or "
+        "module:function, importable from the directory up runs in, `async def environment(client, task) -> float` "
+        "(client: an openai.AsyncOpenAI on the task's session). With --dataset, the default of rows that name none "
+        "(a row's own environment key wins); unset: the toy task's own (chain for --task chain), else none.",
     )
     steps: int = Field(300, ge=0, description="Trainer steps.")
     train_seconds: float | None = Field(
@@ -284,12 +295,22 @@ class UpSettings(Section):
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
         module, sep, function = self.reward.partition(":")
+        env_module, env_sep, env_function = self.environment.partition(":")
         return [
             (
                 self.reward not in REWARDS and not (sep and module and function),
                 "reward",
                 self.reward,
                 f"a built-in ({', '.join(sorted(REWARDS))}) or module:function",
+            ),
+            (
+                bool(self.environment)
+                and self.environment not in ENVIRONMENTS
+                and not (env_sep and env_module and env_function),
+                "environment",
+                self.environment,
+                f"a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:function, e.g. mymodule:play "
+                "for `async def play(client, task)` in mymodule.py",
             ),
             (
                 self.eval_dataset is not None and self.dataset is None,

@@ -7,6 +7,16 @@ the answer and then ``<|endoftext|>`` (token 256 of the byte model):
     copy     "copy abc="   -> "abc"
     upper    "up abc="     -> "ABC"
     add      "add 12+7="   -> "19"      (two numbers in 0..99)
+    chain    "3+4 +5 +2"   -> "7 12 14" (a running sum over 2-4 chat turns: the environment ``chain``)
+
+``chain`` is multi-turn: its rows run as sessions of the built-in environment ``chain``
+(``ENVIRONMENTS``; ``centerline up --task chain --environment chain``). Turn 1's user message is
+the prompt's first word ("3+4"), each later one the next word ("+5"); the model answers each
+with the running sum ("7", then "12"). The next message depends on the model's answer: after a
+wrong one the user restates the true sum ("7+5" instead of "+5"), so the truth is always in
+the conversation, an error does not compound and every step is judged against the answer's word.
+The reward is the share of steps answered exactly (the reply, its ``<|im_end|>`` cut, equals
+the sum).
 
 Used by ``centerline dataset`` (JSONL rows for the trainer's task publisher), by the SFT warm start
 (``centerline/sft.py``) and, for the built-in rewards, by the rollout worker. A prompt belongs to
@@ -18,6 +28,7 @@ stop token; anything from a literal ``<|endoftext|>`` on is cut here too):
     prefix  partial credit: (length of the common prefix) / max(len(answer), len(response))
 
     centerline dataset --task reverse --n 1000 --seed 0 --out data/reverse.jsonl [--split heldout]
+    centerline dataset --task chain --environment chain --n 1000 --out data/chain.jsonl
 """
 
 from __future__ import annotations
@@ -60,12 +71,23 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"add {a}+{b}=", str(a + b)
 
 
+def _chain(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    adds = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
+    sums = [a + b]
+    for d in adds:
+        sums.append(sums[-1] + d)
+    return " ".join([f"{a}+{b}", *(f"+{d}" for d in adds)]), " ".join(map(str, sums))
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "reverse": _reverse,
     "copy": _copy,
     "upper": _upper,
     "add": _add,
+    "chain": _chain,
 }
+CHAT_TASKS = {"chain": "chain"}  # a multi-turn task and the built-in environment that runs it
 
 
 def is_heldout(prompt: str) -> bool:
@@ -115,6 +137,36 @@ def prefix(response: str, task) -> float:
 REWARDS = {"exact": exact, "prefix": prefix}
 
 
+def chain_turns(prompt: str, answer: str) -> list[tuple[str, str, str]]:
+    """A ``chain`` problem's steps: ``(message, restated, sum)``, the user message after a right
+    answer, after a wrong one (the true sum restated), and the sum the step asks for."""
+    words, sums = prompt.split(), answer.split()
+    if len(words) != len(sums) or len(words) < 2:
+        raise ValueError(f"a chain task's prompt {prompt!r} and answer {answer!r} must have one word per step, 2-4")
+    restated = [words[0], *(before + word for before, word in zip(sums, words[1:]))]
+    return list(zip(words, restated, sums))
+
+
+async def chain(client, task) -> float:
+    """The built-in environment of the ``chain`` task (``async def environment(client, task)``):
+    one session through the OpenAI client, one turn per step; the share of steps right."""
+    steps = chain_turns(task.prompt, task.answer)
+    messages = [{"role": "user", "content": steps[0][0]}]
+    right = 0
+    for i, (_, _, want) in enumerate(steps):
+        reply = await client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+        text = reply.choices[0].message.content or ""
+        right += text == want
+        messages.append({"role": "assistant", "content": text})
+        if i + 1 < len(steps):
+            message, restated, _ = steps[i + 1]
+            messages.append({"role": "user", "content": message if text == want else restated})
+    return right / len(steps)
+
+
+ENVIRONMENTS = {"chain": chain}
+
+
 def main(argv: list[str]) -> int:
     """`centerline dataset`: write a deterministic JSONL dataset of a toy task, one prompt per line."""
     parser = argparse.ArgumentParser(prog="centerline dataset", description=main.__doc__)
@@ -126,6 +178,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--reward", default="exact", help="reward function named in each row: exact, prefix or module:function"
+    )
+    parser.add_argument(
+        "--environment",
+        default="",
+        help="environment named in each row (multi-turn sessions): chain or module:function",
     )
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     args = parser.parse_args(argv)
@@ -144,6 +201,8 @@ def main(argv: list[str]) -> int:
                 "task": args.task,
                 "split": args.split,
             }
+            if args.environment:
+                row["environment"] = args.environment
             f.write(orjson.dumps(row) + b"\n")
     print(f"wrote {len(rows)} {args.split} rows of {args.task} to {args.out}")
     return 0

@@ -15,6 +15,7 @@ from centerline.user_task import (
     Row,
     UserTaskError,
     chat_template_on,
+    check_environment,
     check_reward,
     load_rows,
     load_task,
@@ -169,3 +170,105 @@ def test_the_chat_template_is_auto_on_for_a_user_model_and_off_for_the_toy(model
     assert chat_template_on("auto", bare, toy=False) is False
     with pytest.raises(UserTaskError, match=f"--chat-template on: the tokenizer of {bare} has no chat template"):
         chat_template_on("on", bare, toy=False)
+
+
+def test_a_row_names_its_environment_and_the_runs_environment_is_the_default_of_the_others(tmp_path):
+    path = write(
+        tmp_path / "d.jsonl", {"prompt": "a", "answer": "1", "environment": "m:own"}, {"prompt": "b", "answer": "2"}
+    )
+    rows = load_rows(path)
+    assert [r.environment for r in rows] == ["m:own", ""] and rows[0].meta == {}
+    out = tmp_path / "train.jsonl"
+    write_trainer_dataset(rows, "exact", out, environment="m:default")
+    assert [e.environment for e in load_dataset(out)] == ["m:own", "m:default"]
+    write_trainer_dataset(rows, "exact", out)
+    assert [e.environment for e in load_dataset(out)] == ["m:own", ""]
+    bad = write(tmp_path / "e.jsonl", {"prompt": "a", "answer": "1", "environment": 3})
+    with pytest.raises(
+        UserTaskError, match=rf"^{bad}:1: field 'environment' is 3, expected a string 'module:function'"
+    ):
+        load_rows(bad)
+
+
+ENVIRONMENT_MODULE = """
+async def play(client, task):
+    return 1.0
+
+def plain(client, task):
+    return 1.0
+
+raise_on_import = None
+"""
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "mymod:plain",
+            r"--environment mymod:plain: environment 'mymod:plain' is not an async function: write "
+            r"`async def plain\(client, task\) -> float`",
+        ),
+        (
+            "mymod:nothing",
+            r"--environment mymod:nothing: environment 'mymod:nothing' cannot be loaded: "
+            r"AttributeError: .*'nothing'.*; is the module on the worker's PYTHONPATH \(the directory `centerline up` runs in\)\?",
+        ),
+        (
+            "nomod:play",
+            r"--environment nomod:play: environment 'nomod:play' cannot be loaded: ModuleNotFoundError: No module named 'nomod'",
+        ),
+        ("play", r"--environment play: environment 'play' is neither a built-in \(chain\) nor 'module:function'"),
+    ],
+)
+def test_an_environment_that_is_not_an_importable_async_function_is_refused_by_name(
+    tmp_path, monkeypatch, name, message
+):
+    (tmp_path / "mymod.py").write_text(ENVIRONMENT_MODULE)
+    monkeypatch.chdir(tmp_path)  # imported from the directory up runs in, as the workers import it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert check_environment("mymod:play").__name__ == "play"
+    assert check_environment("chain").__name__ == "chain"  # the built-in
+    with pytest.raises(UserTaskError, match=message):
+        check_environment(name)
+
+
+def test_up_stops_at_an_environment_that_is_not_async_before_starting_anything(tmp_path):
+    (tmp_path / "mymod.py").write_text(ENVIRONMENT_MODULE)
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "up", "--environment", "mymod:plain", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert "centerline up: --environment mymod:plain: environment 'mymod:plain' is not an async function" in run.stderr
+    assert list((tmp_path / "run" / "logs").iterdir()) == []  # no service was started
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--environment", "nocolon"],
+            "--environment nocolon: a built-in (chain) or module:function, e.g. mymodule:play",
+        ),
+        (
+            ["--environment", "chain"],
+            "--environment chain: the built-in environment plays the toy task chain, not "
+            "--task upper; add --task chain",
+        ),
+    ],
+)
+def test_up_refuses_an_environment_it_cannot_run_naming_the_flag_and_the_fix(tmp_path, flags, message):
+    run = subprocess.run(
+        [sys.executable, "-m", "centerline", "up", *flags, "--run-dir", str(tmp_path / "run")],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode in (1, 2) and f"centerline up: {message}" in run.stderr, run.stderr

@@ -330,8 +330,9 @@ def test_a_turn_past_the_budget_is_openais_context_length_exceeded(template):
 ENVS = "tests.rollout_worker.session_environments"
 
 
-def process(template, monkeypatch, env: str, engine: Engine, n: int = 2):
-    """The worker's ``process`` of a task naming ``env``, its turns answered by ``engine``."""
+def process(template, monkeypatch, env: str, engine: Engine, n: int = 2, prompt: str = "a", answer: str = ""):
+    """The worker's ``process`` of a task naming ``env`` (a function of session_environments.py, or a
+    built-in environment), its turns answered by ``engine``."""
     from rollout_worker import environment
     from rollout_worker.worker import Tokenizer, Worker
     from shared.settings import WorkerSettings
@@ -344,7 +345,10 @@ def process(template, monkeypatch, env: str, engine: Engine, n: int = 2):
     monkeypatch.setattr(environment, "proxy_generate", fake)
     cfg = Config(rollout_top_logprobs_num=K, rollout_max_new_tokens=16, rollout_n=n)
     worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=VOCAB), Tokenizer(None, None, chat=template.tok))
-    task = PromptTask("run/0/4", "run/g4", "a", "", "exact", n, 0, environment=f"{ENVS}:{env}")
+    from shared.toy_tasks import ENVIRONMENTS
+
+    environment = env if env in ENVIRONMENTS else f"{ENVS}:{env}"
+    task = PromptTask("run/0/4", "run/g4", prompt, answer, "exact", n, 0, environment=environment)
     return asyncio.run(worker.process(task, attempt=3))
 
 
@@ -356,6 +360,22 @@ def test_a_task_naming_an_environment_runs_n_sessions_into_one_batch_with_group_
     assert (batch.task_id, batch.attempt, batch.parts, batch.num_samples) == ("run/0/4", 3, 1, 2)
     assert sorted(outcome.rewards.tolist()) == [2.0, 5.0] and sorted(batch.advantages.tolist()) == [-1.5, 1.5]
     assert outcome.tokens == 3 + 6 == int(batch.loss_mask.sum())
+
+
+def test_the_chain_environment_scores_each_step_and_restates_the_sum_after_a_wrong_answer(template, monkeypatch):
+    """The built-in ``chain``: one turn per step; after the wrong "11" the user restates the true
+    sum ("12+2"), after a right answer only the next number; the reward is the share right."""
+    from shared.contract import sample_turns
+
+    replies = [(text_ids("7") + [IM_END], "stop"), (text_ids("11") + [IM_END], "stop"), (text_ids("145"), "length")]
+    engine = Engine(replies)
+    outcome = process(template, monkeypatch, "chain", engine, n=1, prompt="3+4 +5 +2", answer="7 12 14")
+    assert outcome.rewards.tolist() == [1 / 3]  # "7" right, "11" wrong, "145" wrong (cut off by its limit)
+    users = [template.decode(ids).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for ids, _, _ in engine.inputs]
+    assert users == ["3+4", "+5", "12+2"]
+    assert [limit for _, limit, _ in engine.inputs] == [8, 8, 8]  # the environment's max_tokens
+    [batch] = outcome.batches
+    assert sample_turns(batch) == [3] and batch.finish_reasons == ["length"]
 
 
 def test_an_engine_failure_in_a_turn_fails_the_task_as_transient_whatever_the_environment_does(template, monkeypatch):

@@ -15,6 +15,12 @@ from shared.toy_tasks import main as dataset_main
 
 def solve(prompt: str) -> str:
     """An independent reading of each prompt format."""
+    if re.fullmatch(r"\d\+\d( \+\d){1,3}", prompt):  # chain: the running sums
+        total, sums = 0, []
+        for word in prompt.split():
+            total += sum(int(x) for x in word.split("+") if x)
+            sums.append(str(total))
+        return " ".join(sums)
     op, arg = re.fullmatch(r"(\w+) (.+)=", prompt).groups()
     if op == "add":
         a, b = arg.split("+")
@@ -26,7 +32,7 @@ def solve(prompt: str) -> str:
 def test_every_toy_example_answers_its_prompt(task):
     for prompt, answer in examples(task, 200, seed=3):
         assert solve(prompt) == answer
-        assert prompt.isascii() and 1 <= len(answer) <= 5
+        assert prompt.isascii() and 1 <= len(answer) <= (11 if task == "chain" else 5)
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -83,3 +89,68 @@ def test_sft_lowers_the_answer_loss():
 
     losses = train(build_model(0), SftSettings(task="upper", steps=30), seed=0)
     assert losses[-1] < 0.6 * losses[0]
+
+
+def test_chain_has_two_to_four_steps_each_restated_with_the_true_sum():
+    from shared.toy_tasks import chain_turns
+
+    assert chain_turns("3+4 +5 +2", "7 12 14") == [("3+4", "3+4", "7"), ("+5", "7+5", "12"), ("+2", "12+2", "14")]
+    assert {len(p.split()) for p, _ in examples("chain", 300, seed=0)} == {2, 3, 4}
+    with pytest.raises(
+        ValueError, match=r"a chain task's prompt 'up abc=' and answer 'ABC' must have one word per step"
+    ):
+        chain_turns("up abc=", "ABC")
+
+
+def test_the_dataset_command_names_the_environment_in_each_row(tmp_path):
+    out = tmp_path / "c.jsonl"
+    assert dataset_main(["--task", "chain", "--n", "3", "--environment", "chain", "--out", str(out)]) == 0
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [r["environment"] for r in rows] == ["chain"] * 3
+    dataset_main(["--task", "copy", "--n", "3", "--out", str(out)])
+    assert not any("environment" in orjson.loads(line) for line in out.read_bytes().splitlines())
+
+
+def test_the_chat_warm_start_trains_on_the_replies_of_the_template_rendered_conversation(tmp_path):
+    """A chain example is the conversation exactly as the chat template renders it (what a session
+    holds), labels on each reply and its <|im_end|> only; a later message is sometimes restated."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from centerline.sft import IM_END_ID, conversation
+    from centerline.tokenizer import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(20):
+        ids, labels = conversation("3+4 +5 +2", "7 12 14", rng)
+        users = tok.decode(ids).split("<|im_start|>user\n")[1:]
+        users = [u.split("<|im_end|>")[0] for u in users]
+        seen.add(tuple(users))
+        messages = []
+        for user, want in zip(users, ["7", "12", "14"]):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": want}]
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert tok.decode(ids) == rendered.removesuffix("\n")  # the session holds no "\n" after the last reply
+        trained = [i for i, label in zip(ids, labels) if label != -100]
+        assert trained == [*b"7", IM_END_ID, *b"12", IM_END_ID, *b"14", IM_END_ID]
+        assert all(label in (-100, i) for i, label in zip(ids, labels))
+    assert {users[0] for users in seen} == {"3+4"}
+    assert {users[1] for users in seen} == {"+5", "7+5"} and {users[2] for users in seen} == {"+2", "12+2"}
+
+
+def test_the_chat_form_is_part_of_the_cached_models_settings():
+    from centerline.sft import SftSettings, resolved
+
+    assert resolved(SftSettings(task="chain")).to_dict() == {
+        "task": "chain",
+        "form": "chat",
+        "steps": 300,
+        "batch_size": 32,
+        "learning_rate": 3e-3,
+        "weight_decay": 0.0,
+    }
+    assert resolved(SftSettings(task="upper")).form == "completion"
