@@ -249,33 +249,39 @@ def plan_replay(file: Path, settings: ReplaySettings, run_dir: Path):
 
 
 def replay_steps(
-    file: Path, replay: ReplaySettings, trainer: TrainerSettings, cfg, policy, messages, saved, groups
+    file: Path, replay: ReplaySettings, trainer: TrainerSettings, cfg, policy, messages, saved, groups_of
 ) -> None:
     """Rank 0: the trainer's step loop (``trainer_service.service.drive``) over recorded batches,
     with its admission and its commit of a step; no DLQ, no acks, no engines."""
     from collections import Counter
 
-    from trainer_service.commit import TrainerState, commit_step, step_record
-    from trainer_service.gate import DUPLICATE, HOLD, REJECT, GateSettings, Held, admission
+    from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
+    from trainer_service.gate import DROP, DUPLICATE, HOLD, REJECT, GateSettings, Groups, Held, admission
     from trainer_service.metrics import Metrics
 
-    state = TrainerState.from_dict(saved)
+    try:
+        state = TrainerState.from_dict(saved, str(replay.checkpoint))
+    except LedgerFormatError as exc:
+        raise ReplayError(str(exc)) from None
     settings = GateSettings(policy.vocab_size, cfg)
-    ledger, held, counts = dict(state.ledger), {}, Counter()
+    groups, counts = Groups(dict(state.ledger)), Counter()
     metrics = Metrics(trainer)
     stream = iter(messages)
-    for n in range(len(groups) if groups is not None else sys.maxsize):
+    for n in range(len(groups_of) if groups_of is not None else sys.maxsize):
         if replay.steps is not None and n >= replay.steps:
             break
         t0 = time.perf_counter()
-        want = len(groups[n]) if groups is not None else replay.batches_per_step
-        for msg in groups[n] if groups is not None else stream:
-            verdict = admission(msg.data, msg.seq, state.version, ledger=ledger, held=held, settings=settings)
+        want = len(groups_of[n]) if groups_of is not None else replay.batches_per_step
+        for msg in groups_of[n] if groups_of is not None else stream:
+            verdict = admission(msg.data, msg.seq, state.version, groups=groups, settings=settings)
             if verdict.action == HOLD:
-                held[verdict.batch_id] = Held(None, verdict.batch, msg.seq)
+                groups.hold(Held(None, verdict.batch, msg.seq), 0.0)  # a whole group joins the step
                 counts["accepted"] += 1
             elif verdict.action == DUPLICATE:
                 counts["duplicate"] += 1  # trained before the checkpoint
+            elif verdict.action == DROP:
+                counts[f"dropped:{verdict.rule}"] += 1
+                log.info("batch %s (seq %d) dropped (%s): %s", verdict.batch_id, msg.seq, verdict.rule, verdict.reason)
             elif verdict.action == REJECT:
                 counts[f"rejected:{verdict.rule}"] += 1
                 if verdict.batch is None:
@@ -284,10 +290,11 @@ def replay_steps(
                     log.warning(
                         "batch %s (seq %d) rejected (%s): %s", verdict.batch_id, msg.seq, verdict.rule, verdict.reason
                     )
-            if len(held) == want:
+            if len(groups.held) >= want:
                 break
+        held = list(groups.held.values())
         if len(held) < want:
-            if groups is not None:
+            if groups_of is not None:
                 raise ReplayError(
                     f"step {state.step + 1}: the gate accepted {len(held)} of the {want} batches the original "
                     f"step trained ({dict(counts)}); see the warnings above"
@@ -298,11 +305,11 @@ def replay_steps(
         step = commit_step(
             policy,
             state,
-            list(held.values()),
+            held,
             weight_sync_interval=trainer.weight_sync_interval,
             next_task_step=max(state.next_task_step, state.step + 1),
         )
-        ledger, held = dict(step.after.ledger), {}
+        groups.commit(state.step)  # the ledger now equals step.after's; other attempts' pending parts are gone
         gate, counts = metrics.gate(counts), Counter()
         metrics.step(step_record(step, gate, {"step_s": time.perf_counter() - t0}, replay_of=str(file)))
         state = step.after

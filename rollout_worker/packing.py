@@ -101,6 +101,12 @@ class Trajectory:
         )
 
 
+def batch_id_of(task_id: str, attempt: int) -> str:
+    """The batch id (and ``Nats-Msg-Id``) of an attempt's group: the task id for the first,
+    ``f"{task_id}#{attempt}"`` for a later one (docs/design.md section 10)."""
+    return task_id if attempt == 1 else f"{task_id}#{attempt}"
+
+
 def pack_group(
     task: PromptTask,
     prompt_ids: list[int],
@@ -132,11 +138,13 @@ def pack_trajectories(
     top_p: float,
     top_k: int,
 ) -> Batch:
-    """The group's one batch (wire format v2): ``batch_id`` and ``task_id`` are the task's, so a
-    redelivered task re-publishes the same id and JetStream drops the copy; sample ``i`` is
-    ``f"{task_id}/{i}"``. Each token carries the version that sampled it, and the batch the newest
-    of them, so one batch holds a group however many weight versions sampled it. ``attempt`` is the
-    task's delivery; ``parts`` is 1 until the publisher splits the batch by size."""
+    """The group's one batch (wire format v2): ``task_id`` is the task's and ``batch_id`` its
+    attempt's (``batch_id_of``), so a publish repeated within an attempt is dropped by JetStream
+    and another attempt's parts never mix with this one's; sample ``i`` is ``f"{task_id}/{i}"``.
+    Each token carries the version that sampled it, and the batch the newest of them, so one batch
+    holds a group however many weight versions sampled it. ``attempt`` is the task's
+    (``attempts_before`` + the message's delivery); ``parts`` is 1 until the publisher splits the
+    batch by size."""
     lengths = [len(t.response_ids) for t in trajectories]
     offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -144,7 +152,7 @@ def pack_trajectories(
     np.cumsum([len(t.prompt_ids) for t in trajectories], out=prompt_offsets[1:])
     token_versions = _cat([t.token_versions for t in trajectories], np.int32, (0,))
     return Batch(
-        batch_id=task.task_id,
+        batch_id=batch_id_of(task.task_id, attempt),
         producer=producer,
         task_id=task.task_id,
         attempt=int(attempt),

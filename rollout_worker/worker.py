@@ -5,8 +5,9 @@
     batch_id) -> ack
 
 A task is acked only after JetStream acked every batch of it, so a worker killed at any
-point loses nothing: the task is redelivered after ``ack_wait`` and its batches, published
-again under the same ``batch_id``, are dropped as duplicates. While a task runs longer than
+point loses nothing: the task is redelivered after ``ack_wait`` and sampled again as a new
+attempt, whose batches carry their own ``batch_id``; the trainer trains one whole attempt of
+each task and drops the others (docs/design.md section 10). While a task runs longer than
 ``ack_wait / 2`` the worker sends in-progress acks so the task is not handed to a second
 worker meanwhile.
 
@@ -25,6 +26,7 @@ Failures, and what happens to the task:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ import orjson
 
 from rollout_worker.packing import pack_group, samples_from_arrays
 from rollout_worker.rewards import RewardError, group_advantages, score
-from shared import names, response_arrays
+from shared import faults, names, response_arrays
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
@@ -183,9 +185,11 @@ class Worker:
             return
         beat = asyncio.create_task(self._heartbeat(msg))
         try:
-            outcome = await self.process(task, attempt=msg.metadata.num_delivered)
+            outcome = await self.process(task, attempt=task.attempts_before + msg.metadata.num_delivered)
             for batch in outcome.batches:
-                await publish_batch(self.js, batch, max_payload=self.nc.max_payload)
+                # a fault test kills the worker here: some parts of the attempt stored, the others not
+                between = functools.partial(faults.hit, "worker.between_parts", batch.attempt)
+                await publish_batch(self.js, batch, max_payload=self.nc.max_payload, between=between)
             acked = await self._ack(msg, task, outcome)
         except asyncio.CancelledError:
             await msg.nak()  # shutting down: hand the task to another worker now

@@ -30,6 +30,8 @@ POINTS = {
     "trainer.after_checkpoint": "rank 0, the checkpoint (ledger included) is durable, no batch acked",
     "trainer.after_acks": "rank 0, the step's batches are acked, the new weights not yet published",
     "trainer.rejected": "rank 0, a rejected batch is in the DLQ, not yet acked",
+    # a rollout worker (rollout_worker/worker.py); @step: the task's attempt
+    "worker.between_parts": "a worker, one part of an attempt's split batch stored, the next not yet published",
 }
 
 log = logging.getLogger("centerline.faults")

@@ -108,6 +108,7 @@ async def publish_batch(
     batch_id: str | None = None,  # only for bytes
     timeout: float = 10.0,
     attempts: int = 3,
+    between=None,
 ) -> list[PubAck]:
     """Publish a batch with ``Nats-Msg-Id = batch_id`` and wait for each PubAck (acked = fsynced).
 
@@ -117,7 +118,8 @@ async def publish_batch(
     A publish without PubAck within ``timeout`` is repeated with the same id, ``attempts``
     times in all, then raises ``PublishError``. Returns one PubAck per message;
     ``ack.duplicate`` is True where JetStream already held that id, which is a successful
-    publish, not an error.
+    publish, not an error. ``between()``, if given, is called between two parts' publishes (the
+    worker's failpoint ``worker.between_parts``).
     """
     limit = max_payload - HEADER_ROOM
     if isinstance(batch, Batch):
@@ -126,18 +128,22 @@ async def publish_batch(
         parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
     else:
         parts = split_batch(decode_batch(batch), limit)
-    return [
-        await publish_acked(
-            js,
-            subject,
-            part.data,
-            {names.MSG_ID_HEADER: part.batch_id},
-            what=f"batch {part.batch_id!r}",
-            timeout=timeout,
-            attempts=attempts,
+    acks = []
+    for i, part in enumerate(parts):
+        if i and between is not None:
+            between()
+        acks.append(
+            await publish_acked(
+                js,
+                subject,
+                part.data,
+                {names.MSG_ID_HEADER: part.batch_id},
+                what=f"batch {part.batch_id!r}",
+                timeout=timeout,
+                attempts=attempts,
+            )
         )
-        for part in parts
-    ]
+    return acks
 
 
 async def publish_acked(

@@ -29,6 +29,9 @@ class PromptTask:
     # "module:function": an environment that drives n multi-turn sessions and returns each one's reward
     # (rollout_worker/environment.py); "" samples the prompt n times and scores each with ``reward``
     environment: str = ""
+    # attempts of this task sampled before this message (the trainer publishes a task again after its
+    # batch was stale: trainer_service/tasks.py); a worker's attempt is this plus the message's delivery
+    attempts_before: int = 0
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -53,4 +56,7 @@ class PromptTask:
         environment = doc.get("environment", "")
         if not isinstance(environment, str):
             raise TaskError(f"task field 'environment' is {environment!r}, expected a string ('module:function')")
-        return cls(**{name: doc[name] for name in kinds}, meta=meta, environment=environment)
+        before = doc.get("attempts_before", 0)
+        if not isinstance(before, int) or isinstance(before, bool) or before < 0:
+            raise TaskError(f"task field 'attempts_before' is {before!r}, expected a whole number >= 0")
+        return cls(**{name: doc[name] for name in kinds}, meta=meta, environment=environment, attempts_before=before)

@@ -5,7 +5,7 @@ Layout under ``<run_dir>/checkpoints/``::
     step-000007/          the state after 7 completed steps (steps 0..6)
       model/              HF directory (config.json, model.safetensors, tokenizer files)
       optimizer.pt        full (unsharded) optimizer state, torch.save
-      state.json          step, version, data cursor, run id, ledger {batch_id: [seq, step]}
+      state.json          step, version, data cursor, run id, ledger {task_id: {attempt, step, parts}}
     .tmp-step-000008/     being written; ignored and removed at start-up
 
 A checkpoint is written into ``.tmp-step-N``, every file and the directory fsynced, then

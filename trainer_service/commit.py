@@ -2,7 +2,7 @@
 
 From the batches the gate holds for a step: their concatenation is trained on every rank, the
 weight version written when the step syncs, and the checkpoint saved with the state after the
-step (``TrainerState``: the ledger then holds the step's batches). ``step_record`` is the
+step (``TrainerState``: the ledger then holds the step's task groups). ``step_record`` is the
 step's line of ``metrics.jsonl``. Acking the batches and loading the weights into the engines
 stay with the trainer (docs/design.md section 10: acks only once the checkpoint is durable).
 """
@@ -14,8 +14,14 @@ from pathlib import Path
 
 from shared.contract import sample_turns
 from shared.wire import encode_batch
-from trainer_service.gate import Held, concat_batches
+from trainer_service.gate import Held, concat_batches, ledger_entries
 from trainer_service.policy import StepCommand
+
+LEDGER_OF = "tasks"  # state.json's "ledger_of": what its ledger is keyed by (before: batch ids, no such key)
+
+
+class LedgerFormatError(ValueError):
+    """A checkpoint whose ledger this release cannot read; the message names the checkpoint and the way on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +32,19 @@ class TrainerState:
     version: int = 0  # weight version the trainer holds
     next_task_step: int = 0  # the task publisher's cursor (trainer_service/tasks.py)
     run_id: str = ""
-    ledger: dict[str, list[int]] = field(default_factory=dict)  # batch_id -> [stream sequence, step]
+    # task_id -> {"attempt", "step", "parts": {batch_id: stream sequence}} (trainer_service/gate.py)
+    ledger: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, state: dict) -> TrainerState:
+    def from_dict(cls, state: dict, where: str = "the checkpoint") -> TrainerState:
+        """The state saved in ``state.json``; a ledger of batch ids (written before exactly-once per
+        task group) is refused: it cannot say which task groups were trained, nor under which attempt."""
+        if state.get("ledger_of") != LEDGER_OF:
+            raise LedgerFormatError(
+                f"{where}: its ledger is keyed by batch id (ledger_of is {state.get('ledger_of')!r}, this release "
+                f"reads {LEDGER_OF!r}: one entry per task group trained, with its attempt and parts); resume it with "
+                "the release that wrote it, or start a new run directory (docs/design.md section 10)"
+            )
         return cls(state["step"], state["version"], state["next_task_step"], state["run_id"], state["ledger"])
 
     def to_dict(self) -> dict:
@@ -38,6 +53,7 @@ class TrainerState:
             "version": self.version,
             "next_task_step": self.next_task_step,
             "run_id": self.run_id,
+            "ledger_of": LEDGER_OF,
             "ledger": self.ledger,
         }
 
@@ -56,8 +72,8 @@ class Step:
 def commit_step(
     policy, state: TrainerState, held: list[Held], *, weight_sync_interval: int, next_task_step: int
 ) -> Step:
-    """Rank 0: train on ``held`` (every rank follows), write the weights when the step syncs,
-    save the checkpoint; returns the step with the state after it."""
+    """Rank 0: train on ``held`` (every part of each of its task groups; every rank follows), write
+    the weights when the step syncs, save the checkpoint; returns the step with the state after it."""
     step = state.step
     sync = (step + 1) % weight_sync_interval == 0
     batch = concat_batches([h.batch for h in held], batch_id=f"{state.run_id}/step-{step}")
@@ -66,7 +82,7 @@ def commit_step(
         version=state.version + sync,
         next_task_step=next_task_step,
         run_id=state.run_id,
-        ledger={**state.ledger, **{h.batch.batch_id: [h.seq, step] for h in held}},
+        ledger={**state.ledger, **ledger_entries(held, step)},
     )
     metrics, weights = policy.run(StepCommand(step, after.version, sync, encode_batch(batch)), after.to_dict())
     return Step(state, after, held, metrics, weights)

@@ -1,24 +1,37 @@
 """The gate: what a candidate batch must pass to reach a training step, and the ledger of
-batches already trained.
+task groups already trained (docs/design.md section 10: exactly once per task group).
 
 Rank 0 pulls ``rollouts.batches`` through the durable consumer ``names.TRAINER_CONSUMER``
 and runs the whole completeness contract (``shared.contract.check_batch``: vocabulary from
-the model config, staleness against the trainer's current weight version, the ledger of
-trained ``batch_id``s), plus one trainer-only rule, ``settings``: the batch was sampled
-with the mode, K, temperature, top-p and top-k this trainer is configured for (a global
-batch has one of each).
+the model config, staleness against the trainer's current weight version), plus one
+trainer-only rule, ``settings``: the batch was sampled with the mode, K, temperature, top-p
+and top-k this trainer is configured for (a global batch has one of each).
 
-- A rejected batch is published to ``rollouts.dlq`` as the same bytes, with ``rule``,
+A batch is one part of one attempt of a task (``task_id``, ``attempt``, ``parts``). The gate
+admits a task's group only when every part of one attempt is there; a truncated group is never
+trained on.
+
+- A rejected part is published to ``rollouts.dlq`` as the same bytes, with ``rule``,
   ``reason`` and ``batch_id`` headers, then acked: it never blocks the stream.
   The DLQ message id is ``dlq/<stream sequence>``, so a redelivered reject is stored once.
-- An accepted batch is *held* (unacked) until the step that trains it, the checkpoint and
-  the ledger holding it are durable (``commit``). While held, ``keep_alive`` tells the
-  server every ``ack_wait / 3`` that the trainer is still working on it.
-- The ledger maps ``batch_id`` to ``[stream sequence, step]``. A redelivery of the very
-  message that was trained (same stream sequence: a crash between checkpoint and ack) is
+  A part rejected as ``stale`` has its task published again as a new attempt
+  (``resample``): its prompt is one the dataset meant to train.
+- An accepted part is *held* (unacked): *pending* while its attempt is incomplete, then in
+  the step once the attempt is whole, until the step that trains it, the checkpoint and the
+  ledger holding it are durable (``commit``). While held, ``keep_alive`` tells the server
+  every ``ack_wait / 3`` that the trainer is still working on it.
+- The ledger maps ``task_id`` to ``{"attempt", "step", "parts": {batch_id: stream sequence}}``.
+  A redelivery of a trained part (same stream sequence: a crash between checkpoint and ack) is
   normal and is acked silently, counted as ``duplicate``. A *different* message carrying a
-  trained ``batch_id`` (re-published outside the duplicate window) is a producer defect
-  and goes to the DLQ as ``duplicate_batch``.
+  trained or held ``batch_id`` (re-published outside the duplicate window) is a producer defect
+  and goes to the DLQ as ``duplicate_batch``. A part of *another* attempt of a task trained,
+  or held whole for the step, is dropped (acked, not trained, not dead-lettered) and counted
+  and logged as ``dropped:duplicate_attempt``; so are the pending parts of other attempts once
+  a task is committed.
+- An attempt still incomplete ``EXPIRE_ACK_WAITS * ack_wait`` seconds after its first part
+  arrived (its worker died between two publishes and no other attempt completed: the task
+  was given up, or its redelivery failed) is dead-lettered part by part as
+  ``incomplete_group``, so a held part never blocks the stream for long.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,18 +52,30 @@ from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
 
 log = logging.getLogger("centerline.trainer.gate")
 REASON_MAX = 1024  # header bytes kept of a rejection reason
+# A live worker publishes an attempt's parts back to back (its publish retries take 3 x 10 s at
+# most); one whose worker died is superseded by the task's redelivery within the workers' ack_wait.
+EXPIRE_ACK_WAITS = 2
+DUPLICATE_ATTEMPT, INCOMPLETE_GROUP = "duplicate_attempt", "incomplete_group"
 
 
 @dataclass(slots=True)
 class Held:
-    """An accepted batch and the message to ack once its step is committed."""
+    """An accepted part and the message to ack once its step is committed."""
 
     msg: object
     batch: Batch
     seq: int  # stream sequence of the message in ROLLOUTS
 
 
-HOLD, DUPLICATE, IGNORE, REJECT = "hold", "duplicate", "ignore", "reject"
+@dataclass(slots=True)
+class Attempt:
+    """The parts of one attempt of a task that arrived so far."""
+
+    parts: dict[str, Held] = field(default_factory=dict)  # batch_id -> part
+    first: float = 0.0  # time.monotonic() when its first part arrived
+
+
+HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,53 +89,146 @@ class GateSettings:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The gate's decision on one message; acting on it (hold, ack, dead-letter) is the caller's."""
+    """The gate's decision on one message; acting on it (hold, ack, drop, dead-letter) is the caller's."""
 
-    action: str  # HOLD | DUPLICATE (a redelivery of a trained message) | IGNORE (of a held one) | REJECT
+    # HOLD | DUPLICATE (a redelivery of a trained part) | IGNORE (of a held one) | DROP (another attempt) | REJECT
+    action: str
     batch_id: str
     batch: Batch | None = None  # None when the bytes are not a batch
-    rule: str = ""  # REJECT: the contract rule, or "wire"
+    rule: str = ""  # DROP: duplicate_attempt; REJECT: the contract rule, or "wire"
     reason: str = ""
 
 
+def ledger_entries(held: list[Held], step: int) -> dict[str, dict]:
+    """The ledger entries of the complete attempts ``held`` (every part of each), trained at ``step``."""
+    out: dict[str, dict] = {}
+    for h in held:
+        entry = out.setdefault(h.batch.task_id, {"attempt": h.batch.attempt, "step": step, "parts": {}})
+        entry["parts"][h.batch.batch_id] = h.seq
+    return out
+
+
+class Groups:
+    """Exactly once per task group, without I/O: the ledger of trained tasks, the parts of the
+    attempts held whole for the current step, and those of attempts still incomplete. Shared by
+    the trainer's gate and ``centerline replay --train``."""
+
+    def __init__(self, ledger: dict[str, dict]):
+        self.ledger = ledger  # task_id -> {"attempt", "step", "parts": {batch_id: seq}}, saved in every checkpoint
+        self.held: dict[str, Held] = {}  # batch_id -> part, of the attempts held whole, in arrival order
+        self.whole: dict[str, int] = {}  # task_id -> the attempt held whole for the step
+        self.pending: dict[tuple[str, int], Attempt] = {}  # (task_id, attempt) -> its parts so far
+
+    def parts(self, task_id: str, attempt: int) -> dict[str, Held]:
+        if self.whole.get(task_id) == attempt:
+            return {bid: h for bid, h in self.held.items() if h.batch.task_id == task_id}
+        pending = self.pending.get((task_id, attempt))
+        return pending.parts if pending else {}
+
+    def hold(self, part: Held, now: float) -> bool:
+        """Keep an admitted part; True when it completes its attempt (then held for the step)."""
+        key = (part.batch.task_id, part.batch.attempt)
+        attempt = self.pending.setdefault(key, Attempt(first=now))
+        attempt.parts[part.batch.batch_id] = part
+        if len(attempt.parts) < part.batch.parts:
+            return False
+        del self.pending[key]
+        self.held.update(attempt.parts)
+        self.whole[key[0]] = key[1]
+        return True
+
+    def commit(self, step: int) -> tuple[list[Held], list[Held]]:
+        """The step is durable: its tasks join the ledger. Returns the step's parts (to ack) and
+        the pending parts of other attempts of those tasks (to drop)."""
+        trained = list(self.held.values())
+        self.ledger.update(ledger_entries(trained, step))
+        superseded = [key for key in self.pending if key[0] in self.whole]
+        dropped = [h for key in superseded for h in self.pending.pop(key).parts.values()]
+        self.held, self.whole = {}, {}
+        return trained, dropped
+
+    def expired(self, now: float, after: float) -> list[Held]:
+        """Remove and return the parts of the attempts incomplete ``after`` seconds after their first part."""
+        old = [key for key, attempt in self.pending.items() if now - attempt.first > after]
+        return [h for key in old for h in self.pending.pop(key).parts.values()]
+
+    def release(self) -> list[Held]:
+        """Abandon the step and every pending attempt: all their parts, for redelivery."""
+        out = [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
+        self.held, self.whole, self.pending = {}, {}, {}
+        return out
+
+    def every_part(self) -> list[Held]:
+        return [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
+
+
 def admission(
-    data: bytes, seq: int, version: int, *, ledger: dict, held: dict, settings: GateSettings, msg_id: str = ""
+    data: bytes, seq: int, version: int, *, groups: Groups, settings: GateSettings, msg_id: str = ""
 ) -> Admission:
     """Decide what the gate does with the message ``data`` at stream sequence ``seq`` when the
-    trainer holds weight version ``version``; a pure function of the message, the ledger, the
-    held batches and the settings, shared by the trainer and ``centerline replay --train``.
+    trainer holds weight version ``version``; a pure function of the message, ``groups`` (the
+    ledger, held and pending parts) and the settings, shared by the trainer and
+    ``centerline replay --train``.
 
-    A batch id already trained is a redelivery (DUPLICATE) only for the very message that was
-    trained (same sequence); sequence 0 is a message recorded from the subject, which has none,
-    and counts as that message. A held batch id with the same sequence is a redelivery of the
-    held message (IGNORE). Any other repeat is the contract's ``duplicate_batch`` (REJECT).
+    A part of a trained task is a redelivery (DUPLICATE) when it is of the trained attempt and
+    the very message that was trained (same sequence; sequence 0 is a message recorded from the
+    subject, which has none, and counts as that message); of another attempt it is DROP
+    (``duplicate_attempt``), as is a part of another attempt of a task held whole for the step.
+    A held or pending batch id with the same sequence is a redelivery of the held message
+    (IGNORE). Any other repeat of a batch id is the contract's ``duplicate_batch`` (REJECT).
+    Whatever the batch's age: the ledger is asked before the contract.
     """
     try:
         batch = decode_batch(data)
     except WireError as exc:
         return Admission(REJECT, msg_id, rule="wire", reason=str(exc))
+    task, attempt, bid = batch.task_id, batch.attempt, batch.batch_id
+    trained = groups.ledger.get(task)
+    if trained is not None:
+        if trained["attempt"] != attempt:
+            reason = f"task {task!r} was trained from attempt {trained['attempt']} at step {trained['step']}"
+            return Admission(DROP, bid, batch, DUPLICATE_ATTEMPT, f"{bid!r} is of attempt {attempt}; {reason}")
+        if trained["parts"].get(bid) == seq or (seq == 0 and bid in trained["parts"]):
+            return Admission(DUPLICATE, bid, batch)
+        return Admission(REJECT, bid, batch, "duplicate_batch", _repeat(bid, trained["parts"].get(bid), seq, task))
+    whole = groups.whole.get(task)
+    if whole is not None and whole != attempt:
+        reason = f"{bid!r} is of attempt {attempt}; attempt {whole} of task {task!r} is held whole for this step"
+        return Admission(DROP, bid, batch, DUPLICATE_ATTEMPT, reason)
+    same = groups.parts(task, attempt).get(bid)
+    if same is not None:
+        if same.seq == seq != 0:
+            return Admission(IGNORE, bid, batch)
+        return Admission(REJECT, bid, batch, "duplicate_batch", _repeat(bid, same.seq, seq, task))
     try:
-        check(batch, version, ledger=ledger, held=held, settings=settings)
+        check(batch, version, settings=settings)
     except ContractViolation as exc:
-        if exc.rule == "duplicate_batch":
-            trained = ledger.get(batch.batch_id)
-            if trained is not None and seq in (trained[0], 0):
-                return Admission(DUPLICATE, batch.batch_id, batch)
-            if trained is None and batch.batch_id in held and held[batch.batch_id].seq == seq != 0:
-                return Admission(IGNORE, batch.batch_id, batch)
-        return Admission(REJECT, batch.batch_id, batch, exc.rule, str(exc))
-    return Admission(HOLD, batch.batch_id, batch)
+        return Admission(REJECT, bid, batch, exc.rule, str(exc))
+    known = next(iter(groups.parts(task, attempt).values()), None)
+    if known is not None and known.batch.parts != batch.parts:
+        reason = (
+            f"{bid!r} says attempt {attempt} of task {task!r} has {batch.parts} parts, its part "
+            f"{known.batch.batch_id!r} says {known.batch.parts}; one attempt's parts come from one split"
+        )
+        return Admission(REJECT, bid, batch, "shape", reason)
+    return Admission(HOLD, bid, batch)
 
 
-def check(batch: Batch, version: int, *, ledger: dict, held: dict, settings: GateSettings) -> None:
+def _repeat(bid: str, first: int | None, seq: int, task: str) -> str:
+    return (
+        f"batch_id {bid!r} (task {task!r}) was already admitted from stream sequence {first}; the message at "
+        f"sequence {seq} re-publishes it outside JetStream's duplicate window"
+    )
+
+
+def check(batch: Batch, version: int, *, settings: GateSettings) -> None:
     """Raise ``ContractViolation`` unless ``batch`` may join the current step: the whole
-    contract (staleness against ``version``, the ledger and held ids) and ``settings``."""
+    contract (staleness against ``version``) and ``settings``."""
     check_batch(
         batch,
         vocab_size=settings.vocab_size,
         current_version=version,
         max_staleness=settings.cfg.max_staleness,
-        seen=_Seen(ledger, held),
     )
     check_settings(batch, settings.cfg)
 
@@ -137,35 +255,39 @@ def check_settings(batch: Batch, cfg) -> None:
             )
 
 
-class _Seen:
-    """Trained ids plus those held for the current step: what rule 8 compares against."""
-
-    def __init__(self, ledger: dict, held: dict):
-        self.ledger, self.held = ledger, held
-
-    def __contains__(self, batch_id) -> bool:
-        return batch_id in self.ledger or batch_id in self.held
-
-
 class Gate:
-    """The NATS side of admission: pulls batches, holds, dead-letters and acks them."""
+    """The NATS side of admission: pulls batches, holds, drops, dead-letters and acks them."""
 
-    def __init__(self, js, consumer, *, vocab_size: int, cfg, ledger: dict[str, list[int]]):
-        self.js, self.consumer, self.cfg = js, consumer, cfg
+    def __init__(
+        self, js, consumer, *, vocab_size: int, cfg, ledger: dict[str, dict], ack_wait: float = 30.0, resample=None
+    ):
+        """``resample(batch)``: awaited for a part rejected as stale, publishes its task again
+        (``trainer_service.tasks.TaskPublisher.resample``); None publishes nothing."""
+        self.js, self.consumer, self.cfg, self.resample = js, consumer, cfg, resample
         self.settings = GateSettings(vocab_size, cfg)
-        self.ledger = ledger  # batch_id -> [stream sequence, step], saved in every checkpoint
-        self.held: dict[str, Held] = {}
-        self.counts: Counter = Counter()  # "accepted", "duplicate", "rejected:<rule>" since take_counts
+        self.groups = Groups(ledger)
+        self.expire_after = EXPIRE_ACK_WAITS * ack_wait
+        # "accepted", "duplicate", "dropped:<rule>", "rejected:<rule>", "resampled" since take_counts
+        self.counts: Counter = Counter()
+
+    @property
+    def ledger(self) -> dict[str, dict]:
+        return self.groups.ledger
+
+    @property
+    def held(self) -> dict[str, Held]:
+        """The parts of the attempts held whole for the step, by batch_id."""
+        return self.groups.held
 
     @property
     def held_samples(self) -> int:
-        return sum(h.batch.num_samples for h in self.held.values())
+        return sum(h.batch.num_samples for h in self.groups.held.values())
 
     async def gather(
         self, target: int, version: int, timeout: float, stopping: asyncio.Event, min_samples: int = 1, starved=None
     ):
-        """Hold accepted batches until they carry ``target`` samples, or ``timeout`` seconds
-        passed with at least ``min_samples`` held; returns them in arrival order. Each
+        """Hold whole groups until they carry ``target`` samples, or ``timeout`` seconds
+        passed with at least ``min_samples`` held; returns their parts in arrival order. Each
         ``timeout`` that passes with fewer than ``min_samples`` held, ``starved()`` is awaited
         (the trainer publishes one more step of tasks there)."""
         deadline = time.monotonic() + timeout
@@ -189,25 +311,52 @@ class Gate:
             want = max(1, math.ceil((target - self.held_samples) / max(1, self.cfg.rollout_n)))
             for msg in await self.consumer.fetch(want, timeout=1.0):
                 await self.admit(msg, version)
-        return list(self.held.values())
+            await self.expire()
+        return list(self.groups.held.values())
 
     async def admit(self, msg, version: int) -> None:
-        """Hold ``msg``'s batch, or dead-letter it, or drop a redelivery of a trained one."""
+        """Hold ``msg``'s part, or dead-letter it, or drop a redelivery or another attempt of a trained task."""
         seq = msg.metadata.sequence.stream
         msg_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
-        verdict = admission(
-            bytes(msg.data), seq, version, ledger=self.ledger, held=self.held, settings=self.settings, msg_id=msg_id
-        )
+        verdict = admission(bytes(msg.data), seq, version, groups=self.groups, settings=self.settings, msg_id=msg_id)
         if verdict.action == HOLD:
-            self.held[verdict.batch_id] = Held(msg, verdict.batch, seq)
+            self.groups.hold(Held(msg, verdict.batch, seq), time.monotonic())
             self.counts["accepted"] += 1
         elif verdict.action == DUPLICATE:  # trained and checkpointed, its ack was lost
             if await self.settle(msg, verdict.batch_id):
                 self.counts["duplicate"] += 1
                 log.info("redelivered batch %s (seq %d) was already trained; acked", verdict.batch_id, seq)
+        elif verdict.action == DROP:
+            await self.drop(msg, verdict.batch_id, verdict.rule, verdict.reason)
         elif verdict.action == REJECT:
             await self.reject(msg, seq, verdict.rule, verdict.reason, verdict.batch_id)
+            if verdict.rule == "stale" and self.resample is not None:
+                await self.resample_task(verdict.batch)
         # IGNORE: a redelivery of a message held right now; the held copy gets acked
+
+    async def resample_task(self, batch: Batch) -> None:
+        """Publish the task of a stale part again, unless another attempt of it is trained or held whole."""
+        if batch.task_id in self.groups.ledger or batch.task_id in self.groups.whole:
+            return
+        if await self.resample(batch):
+            self.counts["resampled"] += 1
+
+    async def drop(self, msg, batch_id: str, rule: str, reason: str) -> None:
+        """Ack a part that is not to be trained and is no defect (another attempt of a task trained)."""
+        if await self.settle(msg, batch_id):
+            self.counts[f"dropped:{rule}"] += 1
+            log.info("batch %s dropped (%s): %s", batch_id, rule, reason)
+
+    async def expire(self) -> None:
+        """Dead-letter the parts of attempts incomplete for ``expire_after`` seconds (``incomplete_group``)."""
+        for h in self.groups.expired(time.monotonic(), self.expire_after):
+            b = h.batch
+            reason = (
+                f"attempt {b.attempt} of task {b.task_id!r} has {b.parts} parts and not all arrived within "
+                f"{self.expire_after:g}s ({EXPIRE_ACK_WAITS} x --ack-wait); a truncated group is never trained "
+                "(its worker died between two publishes and no other attempt of the task completed)"
+            )
+            await self.reject(h.msg, h.seq, INCOMPLETE_GROUP, reason, b.batch_id)
 
     async def reject(self, msg, seq: int, rule: str, reason: str, batch_id: str) -> None:
         """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost)."""
@@ -236,10 +385,10 @@ class Gate:
             return False
 
     async def commit(self, step: int) -> None:
-        """The step, its checkpoint and ledger are durable: ack every held message."""
-        self.ledger.update({bid: [h.seq, step] for bid, h in self.held.items()})
-        held, self.held = list(self.held.values()), {}
-        for h in held:
+        """The step, its checkpoint and ledger are durable: ack every held part, drop the pending
+        parts of other attempts of the tasks it trained."""
+        trained, superseded = self.groups.commit(step)
+        for h in trained:
             try:
                 await self.consumer.ack(h.msg)
             # a lost ack only means a redelivery, dropped by the ledger
@@ -247,22 +396,29 @@ class Gate:
                 log.warning(
                     "ack of batch %s failed (%s); its redelivery will be dropped by the ledger", h.batch.batch_id, exc
                 )
+        for h in superseded:
+            b = h.batch
+            entry = self.groups.ledger[b.task_id]
+            reason = (
+                f"{b.batch_id!r} is part of incomplete attempt {b.attempt}; task {b.task_id!r} was trained from "
+                f"attempt {entry['attempt']} at step {entry['step']}"
+            )
+            await self.drop(h.msg, b.batch_id, DUPLICATE_ATTEMPT, reason)
 
     async def release(self) -> None:
-        """Abandon the current step: ask for redelivery of every held message, ack none."""
-        for h in self.held.values():
+        """Abandon the current step: ask for redelivery of every held and pending part, ack none."""
+        for h in self.groups.release():
             try:
                 await self.consumer.nak(h.msg)
             # unacked messages come back after ack_wait anyway
             except Exception:  # noqa: BLE001
                 pass
-        self.held = {}
 
     async def keep_alive(self, interval: float) -> None:
-        """Restart the ack_wait clock of every held message every ``interval`` seconds."""
+        """Restart the ack_wait clock of every held and pending part every ``interval`` seconds."""
         while True:
             await asyncio.sleep(interval)
-            for h in list(self.held.values()):
+            for h in self.groups.every_part():
                 try:
                     await self.consumer.in_progress(h.msg)
                 # the redelivery that follows is dropped by the gate

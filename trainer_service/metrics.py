@@ -74,6 +74,17 @@ class Metrics:
         self.duplicate = Counter(
             "centerline_trainer_gate_duplicate", "redeliveries of trained batches, acked", registry=self.registry
         )
+        self.dropped = Counter(
+            "centerline_trainer_gate_dropped",
+            "batches acked untrained, no defect, by rule (duplicate_attempt: another attempt of the task trained)",
+            ["rule"],
+            registry=self.registry,
+        )
+        self.resampled = Counter(
+            "centerline_trainer_gate_resampled",
+            "tasks published again as a new attempt because their batch was stale",
+            registry=self.registry,
+        )
         self.weight_failures = Gauge(
             "centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry
         )
@@ -91,14 +102,20 @@ class Metrics:
     def gate(self, counts) -> dict:
         """Gate counts of one step as flat fields, and into the Prometheus counters."""
         rejected = {key.split(":", 1)[1]: n for key, n in counts.items() if key.startswith("rejected:")}
+        dropped = {key.split(":", 1)[1]: n for key, n in counts.items() if key.startswith("dropped:")}
         self.accepted.inc(counts.get("accepted", 0))
         self.duplicate.inc(counts.get("duplicate", 0))
+        self.resampled.inc(counts.get("resampled", 0))
         for rule, n in rejected.items():
             self.rejected.labels(rule).inc(n)
+        for rule, n in dropped.items():
+            self.dropped.labels(rule).inc(n)
         return {
             "gate_accepted": counts.get("accepted", 0),
             "gate_rejected": rejected,
             "gate_duplicate": counts.get("duplicate", 0),
+            "gate_dropped": dropped,
+            "gate_resampled": counts.get("resampled", 0),
         }
 
     def recover(self, state: dict) -> None:
@@ -122,7 +139,7 @@ class Metrics:
         step = state["step"]
         if step == 0 or "metrics" not in state or any(line.get("step") == step for line in lines):
             return
-        batch_ids = [bid for bid, (_, trained_at) in state["ledger"].items() if trained_at == step - 1]
+        batch_ids = [bid for entry in state["ledger"].values() if entry["step"] == step - 1 for bid in entry["parts"]]
         log.warning("step %d is checkpointed but has no metrics line; rebuilt from its checkpoint", step)
         self.step(
             {"step": step, "version": state["version"], **state["metrics"], "batch_ids": batch_ids, "recovered": True}

@@ -3,7 +3,7 @@
 The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
 
     publish the tasks of the steps up to max_inflight_steps ahead      tasks.py
-    gather accepted batches until the step's samples arrived            gate.py
+    gather whole task groups until the step's samples arrived           gate.py
     train on their concatenation, on every rank                         commit.py, policy.py, step.py
     save weights version v+1 and the checkpoint (with the ledger)       commit.py, weights.py, checkpoint.py
     ack the step's batches                                              gate.py
@@ -55,19 +55,23 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     """Rank 0: the training loop of the module docstring."""
     from shared import faults
     from trainer_service import checkpoint, weights
-    from trainer_service.commit import TrainerState, commit_step, step_record
+    from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
     from trainer_service.gate import Gate
     from trainer_service.metrics import Metrics
     from trainer_service.tasks import TaskPublisher, load_dataset
 
     saved = checkpoint.load_state(resume) if resume else None
-    state = TrainerState.from_dict(saved) if saved else TrainerState(run_id=run_id(settings.run_dir))
+    try:
+        state = TrainerState.from_dict(saved, str(resume)) if saved else TrainerState(run_id=run_id(settings.run_dir))
+    except LedgerFormatError as exc:
+        log.error("%s", exc)
+        policy.stop()
+        return 2
     if not candidates_fit(cfg, policy.vocab_size):
         policy.stop()
         return 2
     stopping = stop_event()
     nc, js, consumer = await open_streams(cfg, settings)
-    gate = Gate(js, consumer, vocab_size=policy.vocab_size, cfg=cfg, ledger=dict(state.ledger))
     tasks = TaskPublisher(
         load_dataset(settings.dataset),
         run_id=state.run_id,
@@ -75,6 +79,15 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         prompts_per_step=settings.prompts_per_step,
         n=cfg.rollout_n,
         next_step=state.next_task_step,
+    )
+    gate = Gate(
+        js,
+        consumer,
+        vocab_size=policy.vocab_size,
+        cfg=cfg,
+        ledger=dict(state.ledger),
+        ack_wait=settings.ack_wait,
+        resample=lambda batch: tasks.resample(js, batch),  # a stale batch's task is sampled again
     )
     engines = weights.WeightPublisher(js, cfg.engine_urls)
     metrics = Metrics(settings)
@@ -121,7 +134,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             next_task_step=tasks.next_step,
         )
         faults.hit("trainer.after_checkpoint", step.after.step)
-        await gate.commit(state.step)  # step, checkpoint and ledger are durable: ack its batches
+        await gate.commit(state.step)  # step, checkpoint and ledger are durable: ack its batches, drop other attempts
         faults.hit("trainer.after_acks", step.after.step)
         t2 = time.perf_counter()
         # Stopping: the engines are being stopped too, and a new start loads this version into

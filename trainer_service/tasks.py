@@ -10,12 +10,16 @@ trainer re-publishes the same tasks with the same ``task_id`` (= ``Nats-Msg-Id``
 JetStream drops inside the PROMPTS duplicate window.
 
 The publisher never runs more than ``max_inflight_steps`` steps ahead of training
-(``publish_until``), which bounds how stale a batch can be when it reaches a step.
+(``publish_until``), which bounds how stale a batch can be when it reaches a step. A task
+whose batch the gate dropped as stale is published again (``resample``) as a new attempt:
+the same task, ``attempts_before`` its stale attempt, under ``Nats-Msg-Id``
+``f"{task_id}/after-{attempt}"`` (docs/design.md section 10).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,7 @@ from shared.nats_client import publish_acked
 from shared.task import PromptTask
 
 REQUIRED = ("prompt", "answer", "reward")
+log = logging.getLogger("centerline.trainer.tasks")
 
 
 class DatasetError(ValueError):
@@ -132,3 +137,34 @@ class TaskPublisher:
             )
         self.next_step += 1
         return len(tasks)
+
+    def task(self, task_id: str) -> PromptTask | None:
+        """The task ``task_id`` of this run (``f"{run_id}/{step}/{index}"``), None for any other id."""
+        prefix = f"{self.run_id}/"
+        step, sep, index = task_id.removeprefix(prefix).partition("/")
+        if not task_id.startswith(prefix) or not (sep and step.isdigit() and index.isdigit()):
+            return None
+        if int(index) >= self.prompts_per_step:
+            return None
+        return self.tasks(int(step))[int(index)]
+
+    async def resample(self, js, batch) -> bool:
+        """Publish the task of ``batch`` (dropped as stale) again, its attempts numbered after
+        ``batch.attempt``; False, with a warning, for a task this run did not publish. The gate's
+        redelivery of the same stale part publishes the same id, which JetStream drops."""
+        task = self.task(batch.task_id)
+        if task is None:
+            log.warning(
+                "stale batch %s: its task %r is not one of this run's; not sampled again", batch.batch_id, batch.task_id
+            )
+            return False
+        again = replace(task, attempts_before=batch.attempt)
+        await publish_acked(
+            js,
+            names.PROMPTS_SUBJECT,
+            again.to_bytes(),
+            {names.MSG_ID_HEADER: f"{task.task_id}/after-{batch.attempt}"},
+            what=f"task {task.task_id!r} again",
+        )
+        log.info("task %s published again after its attempt %d was stale", task.task_id, batch.attempt)
+        return True

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
+import orjson
 import pytest
 
 from rollout_worker.packing import ResponseError, pack_group, samples_from_response
 from rollout_worker.rewards import group_advantages
 from shared.contract import ContractViolation, check_batch
-from shared.task import PromptTask
+from shared.task import PromptTask, TaskError
 from tests.rounding import U32
 
 K, VOCAB = 3, 260
@@ -153,3 +155,21 @@ def test_chat_choices_are_read_from_their_native_meta_info():
     }
     samples = samples_from_response(doc, endpoint="chat", mode="selected", k=K)
     assert [s.text for s in samples] == ["A", "B"] and samples[0].response_ids.tolist() == [65, 256]
+
+
+def test_a_later_attempt_of_a_task_has_its_own_batch_id_so_its_parts_never_mix_with_another_attempts():
+    samples = samples_from_response(SELECTED, endpoint="generate", mode="selected", k=K)
+    rewards = np.array([1.0, 0.0])
+    settings = dict(producer="w0", mode="selected", k=K, temperature=1.0, top_p=1.0, top_k=-1)
+    again = pack_group(TASK, [117, 112], samples, rewards, group_advantages(rewards), attempt=3, **settings)
+    assert (again.batch_id, again.task_id, again.attempt) == ("run/0/7#3", "run/0/7", 3)
+    assert again.sample_ids == ["run/0/7/0", "run/0/7/1"]  # the group's samples, whichever attempt
+
+
+def test_a_task_says_how_many_attempts_came_before_it_and_refuses_a_bad_count():
+    again = replace(TASK, attempts_before=2)
+    assert PromptTask.from_bytes(again.to_bytes()) == again
+    assert PromptTask.from_bytes(orjson.dumps({**orjson.loads(TASK.to_bytes()), "attempts_before": 0})) == TASK
+    bad = orjson.dumps({**orjson.loads(TASK.to_bytes()), "attempts_before": -1})
+    with pytest.raises(TaskError, match=r"task field 'attempts_before' is -1, expected a whole number >= 0"):
+        PromptTask.from_bytes(bad)

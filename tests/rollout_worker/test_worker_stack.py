@@ -66,7 +66,8 @@ async def _ensure(url: str) -> None:
 
 
 class WorkerProcess:
-    def __init__(self, stack, log_path: Path, *flags: str):
+    def __init__(self, stack, log_path: Path, *flags: str, env: dict | None = None):
+        """``env``: variables added to the worker's environment (a failpoint: ``CENTERLINE_FAILPOINTS``)."""
         self.log_path = log_path
         cmd = [
             sys.executable,
@@ -85,7 +86,7 @@ class WorkerProcess:
             *flags,
         ]
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=processes.ENV, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT
+            cmd, cwd=REPO, env={**processes.ENV, **(env or {})}, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT
         )
 
     def log(self) -> str:

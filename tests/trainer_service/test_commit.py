@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from shared.synth import make_batch
 from shared.wire import decode_batch
-from trainer_service.commit import TrainerState, commit_step, step_record
+from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
 from trainer_service.gate import Held
 
 
@@ -26,12 +28,24 @@ def held(batch_id: str, seq: int, version: int) -> Held:
     return Held(None, batch, seq)
 
 
-def test_a_step_checkpoints_the_ledger_with_its_batches_and_advances_the_version_when_it_syncs():
+def test_a_step_checkpoints_the_ledger_with_its_task_groups_and_advances_the_version_when_it_syncs():
     policy = FakePolicy()
-    before = TrainerState(step=3, version=2, next_task_step=5, run_id="r", ledger={"old": [1, 0]})
+    old = {"old": {"attempt": 1, "step": 0, "parts": {"old": 1}}}
+    before = TrainerState(step=3, version=2, next_task_step=5, run_id="r", ledger=old)
     step = commit_step(policy, before, [held("a", 10, 2), held("b", 11, 1)], weight_sync_interval=2, next_task_step=6)
-    assert step.after == TrainerState(4, 3, 6, "r", {"old": [1, 0], "a": [10, 3], "b": [11, 3]})
-    assert before.ledger == {"old": [1, 0]}  # the state before is left as it was
+    assert step.after == TrainerState(
+        4,
+        3,
+        6,
+        "r",
+        {
+            **old,
+            "a": {"attempt": 1, "step": 3, "parts": {"a": 10}},
+            "b": {"attempt": 1, "step": 3, "parts": {"b": 11}},
+        },
+    )
+    assert before.ledger == old  # the state before is left as it was
+    assert step.after.to_dict()["ledger_of"] == "tasks"
     [(cmd, state)] = policy.calls
     assert (cmd.step, cmd.version, cmd.sync) == (3, 3, True) and state == step.after.to_dict()
     assert decode_batch(cmd.batch).batch_id == "r/step-3" and step.weights == Path("w")
@@ -60,6 +74,18 @@ def test_a_step_record_has_the_metrics_staleness_gate_counts_and_batch_ids():
         "batch_ids": ["a", "b"],
         "replay_of": "f",
     }
+
+
+def test_a_checkpoint_with_a_ledger_of_batch_ids_is_refused_by_name():
+    saved = {"step": 2, "version": 2, "next_task_step": 3, "run_id": "r", "ledger": {"r/0/0": [5, 0]}}
+    with pytest.raises(LedgerFormatError) as err:
+        TrainerState.from_dict(saved, "runs/x/checkpoints/step-000002")
+    assert str(err.value) == (
+        "runs/x/checkpoints/step-000002: its ledger is keyed by batch id (ledger_of is None, this release reads "
+        "'tasks': one entry per task group trained, with its attempt and parts); resume it with the release that "
+        "wrote it, or start a new run directory (docs/design.md section 10)"
+    )
+    assert TrainerState.from_dict(TrainerState(step=1, run_id="r").to_dict()) == TrainerState(step=1, run_id="r")
 
 
 def test_a_step_record_counts_the_sessions_turns_sampled_and_injected_tokens_and_finish_reasons():

@@ -128,7 +128,7 @@ def test_rank_0_killed_at_every_failpoint_trains_each_batch_once_bit_for_bit(sta
     assert [line.get("recovered", False) for line in lines] == [False, False, True, True, False]
     assert sorted(trained) == sorted(worker.published) and len(set(trained)) == len(trained) == 2 * STEPS
     assert list(state["ledger"]) == trained  # the ledger in training order
-    assert Counter(step for _, step in state["ledger"].values()) == {s: 2 for s in range(STEPS)}
+    assert Counter(entry["step"] for entry in state["ledger"].values()) == {s: 2 for s in range(STEPS)}
     # The 2 batches of step 4 were checkpointed but not acked: redelivered, and dropped as trained.
     assert sum(line.get("gate_duplicate", 0) for line in lines) == 2
     assert (info.num_ack_pending, info.num_pending, len(letters)) == (0, 0, 0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,15 +13,18 @@ import pytest
 from shared import names
 from shared.config import Config
 from shared.contract import check_batch
+from shared.split import select_samples
 from shared.synth import make_batch
-from shared.wire import encode_batch, replace_arrays
+from shared.wire import decode_batch, encode_batch, replace_arrays
 from trainer_service.gate import (
+    DROP,
     DUPLICATE,
     HOLD,
     IGNORE,
     REJECT,
     Gate,
     GateSettings,
+    Groups,
     Held,
     admission,
     concat_batches,
@@ -39,10 +44,13 @@ class Recorder:
     """Stands in for the consumer (acks) and JetStream (DLQ publishes)."""
 
     def __init__(self):
-        self.acked, self.published = [], []
+        self.acked, self.published, self.naked = [], [], []
 
     async def ack(self, msg):
         self.acked.append(msg)
+
+    async def nak(self, msg):
+        self.naked.append(msg)
 
     async def publish(self, subject, data, headers=None, timeout=None):
         self.published.append((subject, data, headers))
@@ -55,9 +63,14 @@ class LosingAcks(Recorder):
         raise TimeoutError("nats: timeout")
 
 
-def gate(ledger=None, rec=None) -> tuple[Gate, Recorder]:
+def gate(ledger=None, rec=None, **kw) -> tuple[Gate, Recorder]:
     rec = rec or Recorder()
-    return Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger=dict(ledger or {})), rec
+    return Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger=dict(ledger or {}), **kw), rec
+
+
+def trained(task="b-0", attempt=1, step=2, **parts):
+    """A ledger of one trained task; ``parts``: batch_id -> stream sequence (default: the task id at 7)."""
+    return {task: {"attempt": attempt, "step": step, "parts": parts or {task: 7}}}
 
 
 def batch(batch_id="b-0", version=3, **kw):
@@ -79,7 +92,7 @@ def test_valid_batch_is_held_unacked():
 
 
 def test_redelivery_of_a_trained_message_is_acked_silently():
-    g, rec = gate(ledger={"b-0": [7, 2]})
+    g, rec = gate(ledger=trained())
     msg = Msg(encode_batch(batch()), seq=7)
     admit(g, msg)
     assert rec.acked == [msg] and rec.published == [] and g.held == {}
@@ -87,13 +100,13 @@ def test_redelivery_of_a_trained_message_is_acked_silently():
 
 
 def test_a_lost_ack_of_a_trained_redelivery_leaves_it_to_come_back_uncounted():
-    g, rec = gate(ledger={"b-0": [7, 2]}, rec=LosingAcks())
+    g, rec = gate(ledger=trained(), rec=LosingAcks())
     admit(g, Msg(encode_batch(batch()), seq=7))  # raises nothing: the next redelivery is dropped the same way
     assert rec.published == [] and g.held == {} and g.take_counts() == {}
 
 
 def test_another_message_with_a_trained_batch_id_is_dead_lettered():
-    g, rec = gate(ledger={"b-0": [7, 2]})
+    g, rec = gate(ledger=trained())
     data = encode_batch(batch())
     msg = Msg(data, seq=9)
     admit(g, msg)
@@ -163,7 +176,11 @@ def test_commit_records_the_ledger_and_acks_every_held_message():
         admit(g, m)
     assert g.ledger == {}  # not before the checkpoint is durable
     asyncio.run(g.commit(step=5))
-    assert g.ledger == {"b-0": [10, 5], "b-1": [11, 5]} and rec.acked == msgs and g.held == {}
+    assert g.ledger == {
+        "b-0": {"attempt": 1, "step": 5, "parts": {"b-0": 10}},
+        "b-1": {"attempt": 1, "step": 5, "parts": {"b-1": 11}},
+    }
+    assert rec.acked == msgs and g.held == {}
 
 
 def test_concat_batches_is_one_valid_global_batch():
@@ -212,13 +229,175 @@ SETTINGS = GateSettings(VOCAB, CFG)
 
 def test_admission_is_decided_without_io_from_message_ledger_held_and_settings():
     data = encode_batch(batch("b-0"))
-    assert admission(data, 7, 3, ledger={}, held={}, settings=SETTINGS).action == HOLD
+    assert admission(data, 7, 3, groups=Groups({}), settings=SETTINGS).action == HOLD
     # the trained message again (a lost ack), or a copy recorded from the subject (no sequence)
     for seq in (7, 0):
-        assert admission(data, seq, 3, ledger={"b-0": [7, 1]}, held={}, settings=SETTINGS).action == DUPLICATE
-    held = {"b-0": Held(None, batch("b-0"), 7)}
-    assert admission(data, 7, 3, ledger={}, held=held, settings=SETTINGS).action == IGNORE
-    other = admission(data, 8, 3, ledger={"b-0": [7, 1]}, held={}, settings=SETTINGS)
+        assert admission(data, seq, 3, groups=Groups(trained(step=1)), settings=SETTINGS).action == DUPLICATE
+    groups = Groups({})
+    groups.hold(Held(None, batch("b-0"), 7), now=0.0)
+    assert admission(data, 7, 3, groups=groups, settings=SETTINGS).action == IGNORE
+    other = admission(data, 8, 3, groups=Groups(trained(step=1)), settings=SETTINGS)
     assert (other.action, other.rule) == (REJECT, "duplicate_batch")
-    wire = admission(b"\x81\xa1v\x02", 9, 3, ledger={}, held={}, settings=SETTINGS, msg_id="m-9")
+    wire = admission(b"\x81\xa1v\x02", 9, 3, groups=Groups({}), settings=SETTINGS, msg_id="m-9")
     assert (wire.action, wire.rule, wire.batch_id, wire.batch) == (REJECT, "wire", "m-9", None)
+
+
+# ---------------------------------------------------------------- exactly once per task group
+
+
+def attempt_parts(attempt: int, task="T", seed=0) -> list[bytes]:
+    """Attempt ``attempt`` of task ``task``: 4 samples in 2 parts of 2 (batch ids T/0-2, T/2-4, or
+    T#2/0-2, T#2/2-4 for attempt 2), as the worker publishes them."""
+    whole = replace(batch(task if attempt == 1 else f"{task}#{attempt}", seed=seed), task_id=task, attempt=attempt)
+    bid = whole.batch_id
+    # what shared.split.split_batch makes of it under a limit that holds two samples
+    return [
+        encode_batch(replace(select_samples(whole, slice(a, b)), batch_id=f"{bid}/{a}-{b}", parts=2))
+        for a, b in ((0, 2), (2, 4))
+    ]
+
+
+def test_a_split_group_is_held_for_the_step_only_once_every_part_of_its_attempt_arrived():
+    g, rec = gate()
+    first, second = attempt_parts(1)
+    admit(g, Msg(first, seq=1))
+    assert g.held == {} and g.held_samples == 0  # pending: a truncated group is never trained
+    assert list(g.groups.pending) == [("T", 1)]
+    admit(g, Msg(second, seq=2))
+    assert list(g.held) == ["T/0-2", "T/2-4"] and g.held_samples == 4 and g.groups.pending == {}
+    asyncio.run(g.commit(step=0))
+    assert g.ledger == {"T": {"attempt": 1, "step": 0, "parts": {"T/0-2": 1, "T/2-4": 2}}}
+    assert [m.metadata.sequence.stream for m in rec.acked] == [1, 2]
+    assert g.take_counts() == {"accepted": 2}
+
+
+def test_a_partial_attempt_is_dropped_as_duplicate_attempt_once_another_attempt_of_its_task_is_trained():
+    """The worker died between the two publishes of attempt 1; the redelivered task's attempt 2
+    arrives whole and is trained; attempt 1's part is acked, counted and never trained."""
+    g, rec = gate()
+    a1 = attempt_parts(1)
+    a2 = attempt_parts(2, seed=1)
+    admit(g, Msg(a1[0], seq=1))
+    admit(g, Msg(a2[0], seq=2))
+    admit(g, Msg(a2[1], seq=3))
+    assert list(g.held) == ["T#2/0-2", "T#2/2-4"] and list(g.groups.pending) == [("T", 1)]
+    asyncio.run(g.commit(step=4))
+    assert g.ledger == {"T": {"attempt": 2, "step": 4, "parts": {"T#2/0-2": 2, "T#2/2-4": 3}}}
+    assert [m.metadata.sequence.stream for m in rec.acked] == [2, 3, 1] and rec.published == []
+    assert g.groups.pending == {} and g.held == {}
+    assert g.take_counts() == {"accepted": 3, "dropped:duplicate_attempt": 1}
+    # attempt 1's last part, published late (or redelivered), is dropped the same way
+    late = Msg(a1[1], seq=9)
+    admit(g, late)
+    assert rec.acked[-1] is late and rec.published == [] and g.take_counts() == {"dropped:duplicate_attempt": 1}
+
+
+def test_another_attempt_of_a_task_held_whole_is_dropped_at_once():
+    g, rec = gate()
+    for seq, data in enumerate(attempt_parts(1), 1):
+        admit(g, Msg(data, seq=seq))
+    again = Msg(attempt_parts(2, seed=1)[0], seq=3)
+    admit(g, again)
+    assert rec.acked == [again] and list(g.held) == ["T/0-2", "T/2-4"] and g.groups.pending == {}
+    assert g.take_counts() == {"accepted": 2, "dropped:duplicate_attempt": 1}
+
+
+def test_another_attempt_of_a_trained_task_is_dropped_not_dead_lettered_even_when_stale():
+    resampled = []
+
+    async def resample(b):
+        resampled.append(b.batch_id)
+        return True
+
+    g, rec = gate(ledger=trained("T", step=0, **{"T": 1}), resample=resample)
+    msg = Msg(encode_batch(replace(batch("T#2", version=0), task_id="T", attempt=2)), seq=5)
+    admit(g, msg)
+    assert rec.acked == [msg] and rec.published == [] and resampled == []
+    assert g.take_counts() == {"dropped:duplicate_attempt": 1}
+    verdict = admission(bytes(msg.data), 5, 3, groups=g.groups, settings=SETTINGS)
+    assert (verdict.action, verdict.rule) == (DROP, "duplicate_attempt")
+    assert verdict.reason == "'T#2' is of attempt 2; task 'T' was trained from attempt 1 at step 0"
+
+
+def test_an_attempt_whose_parts_never_all_arrive_is_dead_lettered_as_incomplete_group_after_two_ack_waits():
+    g, rec = gate(ack_wait=3.0)
+    first = Msg(attempt_parts(1)[0], seq=4)
+    admit(g, first)
+    asyncio.run(g.expire())
+    assert rec.published == [] and g.held == {}  # not yet: 6 s have not passed
+    g.groups.pending[("T", 1)].first = time.monotonic() - 6.5
+    asyncio.run(g.expire())
+    [(subject, sent, headers)] = rec.published
+    assert (subject, sent, headers["rule"], headers["batch_id"]) == (
+        names.DLQ_SUBJECT,
+        first.data,
+        "incomplete_group",
+        "T/0-2",
+    )
+    assert "not all arrived within 6s (2 x --ack-wait)" in headers["reason"]
+    assert rec.acked == [first] and g.groups.pending == {}
+    assert g.take_counts() == {"accepted": 1, "rejected:incomplete_group": 1}
+
+
+def test_groups_expire_only_attempts_older_than_the_limit():
+    groups = Groups({})
+    a = decode_batch(attempt_parts(1)[0])
+    c = decode_batch(attempt_parts(2, seed=1)[0])
+    groups.hold(Held("m1", a, 1), now=10.0)
+    groups.hold(Held("m3", c, 3), now=15.0)
+    assert [h.msg for h in groups.expired(now=16.0, after=6.0)] == []  # 6 s after m1 is not past the limit
+    assert [h.msg for h in groups.expired(now=16.5, after=6.0)] == ["m1"]
+    assert list(groups.pending) == [("T", 2)]
+
+
+def test_a_stale_part_has_its_task_published_again_unless_another_attempt_is_held_or_trained():
+    resampled = []
+
+    async def resample(b):
+        resampled.append((b.task_id, b.attempt))
+        return True
+
+    g, rec = gate(resample=resample)
+    stale = replace(batch("U", version=1), task_id="U")
+    admit(g, Msg(encode_batch(stale), seq=1))
+    assert resampled == [("U", 1)] and [h["rule"] for _, _, h in rec.published] == ["stale"]
+    assert g.take_counts() == {"rejected:stale": 1, "resampled": 1}
+    for seq, data in enumerate(attempt_parts(1), 2):
+        admit(g, Msg(data, seq=seq))
+    admit(g, Msg(encode_batch(replace(batch("T#3", version=1), task_id="T", attempt=3, parts=1)), seq=5))
+    assert resampled == [("U", 1)]  # T is held whole: dropped as another attempt, nothing sampled again
+
+
+def test_parts_of_one_attempt_that_disagree_on_the_part_count_are_rejected_as_shape():
+    g, rec = gate()
+    first, second = attempt_parts(1)
+    admit(g, Msg(first, seq=1))
+    odd = replace(decode_batch(second), parts=3)
+    admit(g, Msg(encode_batch(odd), seq=2))
+    [(_, _, headers)] = rec.published
+    assert headers["rule"] == "shape" and "has 3 parts" in headers["reason"] and "says 2" in headers["reason"]
+
+
+def test_release_naks_held_and_pending_parts_and_keep_alive_covers_both():
+    g, rec = gate()
+    marked = []
+
+    async def in_progress(msg):
+        marked.append(msg)
+
+    rec.in_progress = in_progress
+    whole = Msg(encode_batch(batch("b-0")), seq=1)
+    part = Msg(attempt_parts(1)[0], seq=2)
+
+    async def run():
+        for m in (whole, part):
+            await g.admit(m, 3)
+        task = asyncio.create_task(g.keep_alive(0.01))
+        while len(marked) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await g.release()
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert marked[:2] == [whole, part] and rec.naked == [whole, part]
+    assert g.held == {} and g.groups.pending == {} and rec.acked == []

@@ -149,7 +149,7 @@ def test_batch_published_twice_is_trained_once(faulty_run):
     trained = [bid for m in metrics_lines(run_dir) for bid in m["batch_ids"]]
     for bid in again:
         assert trained.count(bid) == 1
-        assert final_state(run_dir)["ledger"][bid][1] == int(bid.split("/")[2])  # in its own step, not again later
+        assert final_state(run_dir)["ledger"][bid]["step"] == int(bid.split("/")[2])  # in its own step, not again later
 
 
 def test_sigkill_mid_step_resumes_with_ledger_intact(stack, sglang):
@@ -183,7 +183,7 @@ def test_sigkill_mid_step_resumes_with_ledger_intact(stack, sglang):
     # No batch skipped, none trained twice: the ledger holds each published batch once, and
     # every step trained exactly its two groups (step 2 the redelivered one among them).
     assert set(state["ledger"]) == set(worker.published)
-    assert sorted(step for _, step in state["ledger"].values()) == [s for s in range(STEPS) for _ in range(2)]
+    assert sorted(entry["step"] for entry in state["ledger"].values()) == [s for s in range(STEPS) for _ in range(2)]
     assert engine.weight_version() == str(STEPS)
     info = asyncio.run(consumer_info(nats.url))
     assert (info.num_ack_pending, info.num_pending) == (0, 0)

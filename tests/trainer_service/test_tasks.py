@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -84,3 +86,21 @@ def test_a_line_without_a_required_field_names_file_and_line(tmp_path):
     )
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: field 'answer' is 3"):
         load_dataset(path)
+
+
+def test_a_stale_batch_has_its_task_published_again_numbered_after_its_attempt(dataset):
+    pub, js = publisher(dataset), Recorder()
+    stale = SimpleNamespace(batch_id="r1/4/2#3", task_id="r1/4/2", attempt=3)
+    assert asyncio.run(pub.resample(js, stale)) is True
+    [(subject, task, headers)] = js.sent
+    assert subject == names.PROMPTS_SUBJECT and headers == {names.MSG_ID_HEADER: "r1/4/2/after-3"}
+    assert task == replace(pub.tasks(4)[2], attempts_before=3)
+    assert pub.next_step == 0  # the data cursor does not move
+
+
+@pytest.mark.parametrize("task_id", ["r2/4/2", "r1/4/3", "r1/4", "r1/x/0", "batch/r1/4/2"])
+def test_a_task_of_another_run_or_out_of_range_is_not_published_again(dataset, task_id):
+    pub, js = publisher(dataset), Recorder()
+    assert pub.task(task_id) is None
+    assert asyncio.run(pub.resample(js, SimpleNamespace(batch_id=task_id, task_id=task_id, attempt=1))) is False
+    assert js.sent == []
