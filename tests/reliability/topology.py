@@ -42,13 +42,12 @@ from tests.trainer_service.service_stack import Trainer, dead_letters
 
 ACK_WAIT = "3"  # seconds, workers and trainer alike: a dead holder's message is back this fast
 PROMPTS_PER_STEP, ROLLOUT_N = 2, 4
-# On-policy (--max-inflight-steps 1, not the default 2): these runs count every sample trained
-# exactly once. With tasks a step ahead, the other batches fill a step while a fault holds one
-# back, and steps here last about 0.1 s, so a batch held back a second is more than
-# --max-staleness versions old when it arrives and is dead-lettered as stale, as it should be.
+# The asynchronous default (--max-inflight-steps 2): with tasks a step ahead, the other batches
+# fill a step while a fault holds one back, and steps here last about 0.1 s, so a batch held
+# back a second can be more than --max-staleness versions old when it arrives. It is then
+# dropped as stale (dead-lettered with rule stale, counted under ``dropped``, never as lost)
+# and the trainer publishes its task again as a new attempt, so every group is still trained once.
 TRAINER_FLAGS = (
-    "--max-inflight-steps",
-    "1",
     "--prompts-per-step",
     str(PROMPTS_PER_STEP),
     "--rollout-n",
@@ -92,11 +91,15 @@ class Topology:
     (same data directory, same port).
     """
 
-    def __init__(self, dir: Path, upstream: Upstream, server: NatsCluster | None = None):
-        """``server``: a started NATS cluster to run on instead (streams with 3 replicas)."""
+    def __init__(
+        self, dir: Path, upstream: Upstream, server: NatsCluster | None = None, max_payload: int | None = None
+    ):
+        """``server``: a started NATS cluster to run on instead (streams with 3 replicas);
+        ``max_payload``: the embedded server's, where a test needs batches split by size."""
         self.dir, self.upstream = dir, upstream
         self.proxy, self.model = upstream.proxy, upstream.model
-        self.server = server if server is not None else EmbeddedNats(dir / "nats", http_port=0).start()
+        limits = {"max_payload": max_payload} if max_payload else {}
+        self.server = server if server is not None else EmbeddedNats(dir / "nats", http_port=0, **limits).start()
         self.replicas = min(3, len(server.nodes)) if server is not None else None
         self.nats = self.server.url
         self.workers: list[WorkerProcess] = []
@@ -109,11 +112,12 @@ class Topology:
         path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
         return path
 
-    def add_worker(self, name: str, *flags: str, nats_url: str | None = None) -> WorkerProcess:
-        """Start ``centerline worker --worker-id name``; ``nats_url`` routes it through a relay."""
+    def add_worker(self, name: str, *flags: str, nats_url: str | None = None, env: dict | None = None) -> WorkerProcess:
+        """Start ``centerline worker --worker-id name``; ``nats_url`` routes it through a relay,
+        ``env`` adds to its environment (a failpoint)."""
         extra = ("--nats-url", nats_url) if nats_url else ()
         worker = WorkerProcess(
-            self, self.dir / f"worker-{name}.log", *WORKER_FLAGS, "--worker-id", name, *extra, *flags
+            self, self.dir / f"worker-{name}.log", *WORKER_FLAGS, "--worker-id", name, *extra, *flags, env=env
         )
         self.workers.append(worker)
         return worker
@@ -192,10 +196,13 @@ class Figures:
     faults: int = 0  # faults injected
     published: int | None = None  # batch messages stored in rollouts.batches
     acked: int | None = None  # batches whose publish JetStream acknowledged
-    trained: int | None = None  # batches in the final checkpoint's ledger
-    dead_lettered: int | None = None  # messages in rollouts.dlq
-    lost: int | None = None  # acked batches missing from the stream, or expected samples never trained
+    trained: int | None = None  # batches trained (every step's batch_ids)
+    dead_lettered: int | None = None  # messages in rollouts.dlq for a defect (any rule but stale)
+    dropped: dict | None = None  # batches deliberately not trained, by rule: stale (dead-lettered), duplicate_attempt
+    lost: int | None = None  # acked batches missing from the stream or neither trained, dropped nor dead-lettered,
+    # or expected samples never trained
     duplicated: int | None = None  # batch_ids stored twice, or samples trained more than once
+    groups_twice: int | None = None  # task groups trained under more than one attempt or batch id repeat
     notes: dict = field(default_factory=dict)
 
     def summary(self, test: str) -> str:
@@ -203,7 +210,17 @@ class Figures:
         show = lambda v: "-" if v is None else v  # noqa: E731
         counts = " ".join(
             f"{k}={show(getattr(self, k))}"
-            for k in ("faults", "published", "acked", "trained", "dead_lettered", "lost", "duplicated")
+            for k in (
+                "faults",
+                "published",
+                "acked",
+                "trained",
+                "dead_lettered",
+                "dropped",
+                "lost",
+                "duplicated",
+                "groups_twice",
+            )
         )
         return f"RELIABILITY {test}: {counts}" + "".join(f" {k}={v}" for k, v in self.notes.items())
 
@@ -250,40 +267,60 @@ def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[Worke
     """Figures of a finished trainer run, and the details the tests assert on.
 
     Expected: every sample ``f"{run_id}/{step}/{j}/{i}"`` of steps ``0..steps-1`` trained
-    exactly once (a group may be split into one batch per weight version, so samples are
-    counted, not batch ids), each batch_id stored once, no dead letter, nothing pending.
-    What was trained is read from every step's ``batch_ids`` in ``metrics.jsonl``, repeats
-    included (the ledger, a map by batch_id, would hide a batch trained twice); the stored
-    copy of a batch is the one at the ledger's stream sequence.
+    exactly once, under one attempt of its task (samples are counted, not batch ids), each
+    batch_id stored once, no dead letter but those dropped as stale, nothing pending. What was
+    trained is read from every step's ``batch_ids`` in ``metrics.jsonl``, repeats included (the
+    ledger, a map by task, would hide a group trained twice); the stored copy of a batch is the
+    one at the ledger's stream sequence. Lost: an acked batch not stored, or stored and neither
+    trained, dead-lettered, nor of a task trained under another attempt (dropped as
+    ``duplicate_attempt``); or an expected sample never trained. A worker logs an attempt's
+    batch id, the stream holds its parts (``T/a-b`` when split by size).
     """
     state = orjson.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_bytes())
     run_id, ledger = state["run_id"], state["ledger"]
+    parts = {bid: seq for entry in ledger.values() for bid, seq in entry["parts"].items()}
     stored = [(seq, decode_batch(bytes(data))) for seq, _, data in asyncio.run(stream_messages(nats_url))]
     by_seq = {seq: batch for seq, batch in stored}
     by_id = {b.batch_id: b for _, b in reversed(stored)}  # the first copy of each id
-    by_id.update({bid: by_seq[seq] for bid, (seq, _) in ledger.items() if seq in by_seq})
+    by_id.update({bid: by_seq[seq] for bid, seq in parts.items() if seq in by_seq})
     ids = Counter(b.batch_id for _, b in stored)
     lines = [orjson.loads(x) for x in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     batches = [bid for m in lines for bid in m["batch_ids"]]
     trained = Counter(s for bid in batches for s in by_id[bid].sample_ids)
+    attempts: dict[str, set] = {}
+    for bid in batches:
+        attempts.setdefault(by_id[bid].task_id, set()).add(by_id[bid].attempt)
     expected = {
         f"{run_id}/{s}/{j}/{i}" for s in range(steps) for j in range(PROMPTS_PER_STEP) for i in range(ROLLOUT_N)
     }
     acked = published_and_acked(workers)
     dlq = asyncio.run(dead_letters(nats_url))
+    stale = [h for h, _ in dlq if h.get("rule") == "stale"]
+    dropped = Counter({"stale": len(stale)} if stale else {})
+    for m in lines:
+        dropped.update(m.get("gate_dropped", {}))
+    settled = set(batches) | {h.get("batch_id") for h, _ in dlq}
+    superseded = {bid for bid, b in by_id.items() if b.task_id in ledger and ledger[b.task_id]["attempt"] != b.attempt}
+    parts_of: dict[str, set] = {}  # the attempt's batch id a worker logs -> the ids of its stored parts
+    for bid, b in by_id.items():
+        parts_of.setdefault(b.task_id if b.attempt == 1 else f"{b.task_id}#{b.attempt}", set()).add(bid)
+    unsettled = {whole for whole in acked & set(parts_of) if parts_of[whole] - settled - superseded}
     figures = Figures(
         published=len(stored),
         acked=len(acked),
         trained=len(batches),
-        dead_lettered=len(dlq),
-        lost=len(expected - set(trained)) + len(acked - set(ids)),
+        dead_lettered=len(dlq) - len(stale),
+        dropped=dict(dropped),
+        lost=len(expected - set(trained)) + len(acked - set(parts_of)) + len(unsettled),
         duplicated=sum(n - 1 for n in trained.values()) + sum(n - 1 for n in ids.values()),
+        groups_twice=sum(len(a) > 1 for a in attempts.values())
+        + len({by_id[bid].task_id for bid, n in Counter(batches).items() if n > 1}),
     )
     if dlq:  # why, in the RELIABILITY line: the gate's rule and reason headers
         figures.notes["dead_letters"] = [
             f"{h.get('batch_id')} {h.get('rule')}: {h.get('reason', '')[:300]}" for h, _ in dlq
         ]
-    ledger_ok = set(ledger) == set(batches) and all(by_seq[seq].batch_id == bid for bid, (seq, _) in ledger.items())
+    ledger_ok = set(parts) == set(batches) and all(by_seq[seq].batch_id == bid for bid, seq in parts.items())
     details = {
         "state": state,
         "trained": trained,
@@ -294,5 +331,7 @@ def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[Worke
         "consumers": asyncio.run(consumers(nats_url)),
         "ledger_matches_stream": ledger_ok,
         "producers": {bid: b.producer for bid, b in by_id.items()},
+        "attempts": attempts,
+        "parts_of": parts_of,
     }
     return figures, details

@@ -1,0 +1,78 @@
+"""Exactly once per task group (issue #23, item 3): a worker dies between two publishes of one
+task's split batch, the task is redelivered and sampled again as attempt 2, and the group is
+trained once, under attempt 2 whole; attempt 1's stored part is dropped as ``duplicate_attempt``.
+
+The embedded NATS server's ``max_payload`` is set so that every group of 4 samples is split
+into parts of one or two samples. The first worker runs with the failpoint
+``worker.between_parts@1=kill`` and one task at a time: the first task it publishes leaves one
+part of its attempt 1 in the stream and the worker SIGKILLed. A second worker, started with it
+and without the failpoint, takes the redelivered task after ``ack_wait``. The trainer runs the
+asynchronous default. Prints one ``RELIABILITY`` line (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from shared import names
+from shared.faults import ENV
+from shared.nats_client import HEADER_ROOM
+from shared.synth import make_batch
+from shared.wire import decode_batch, encode_batch
+from tests.reliability.topology import Topology, run_accounting, stream_messages
+from tests.rollout_worker.test_worker_stack import K
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 6
+# Two samples of the longest response here (6 tokens, K candidates, a prompt of at most 24 ids)
+# and room for the split's own bound on headers: a group of 4 never fits, one sample always does.
+MAX_PAYLOAD = HEADER_ROOM + len(encode_batch(make_batch(samples=2, tokens_per_sample=6, k=K, prompt_len=24))) + 300
+
+
+@pytest.fixture
+def split_topology(upstream, sglang, tmp_path):
+    topo = Topology(tmp_path, upstream, max_payload=MAX_PAYLOAD)
+    yield topo
+    topo.close()
+
+
+def test_a_worker_killed_between_two_publishes_of_a_task_leaves_its_group_trained_once(split_topology):
+    topology = split_topology
+    dying = topology.add_worker("w0", "--concurrency", "1", env={ENV: "worker.between_parts@1=kill"})
+    spare = topology.add_worker("w1")
+    dying.wait_ready()
+    spare.wait_ready()
+    trainer = topology.start_trainer(STEPS, "--ack-wait", "10")  # pending parts expire after 20 s, not 6
+    assert dying.proc.wait(timeout=120) == -9, dying.log()[-3000:]
+    assert "failpoint worker.between_parts at step 1: kill" in dying.log()
+    code = trainer.wait(240)
+    assert code == 0, trainer.log()
+    topology.wait_drained()
+    figures, run = run_accounting(topology.nats, topology.run_dir, STEPS, topology.workers)
+
+    stored = [decode_batch(bytes(data)) for _, _, data in asyncio.run(stream_messages(topology.nats))]
+    per_attempt = Counter((b.task_id, b.attempt) for b in stored)
+    incomplete = [
+        (key, n) for key, n in per_attempt.items() if n < next(b.parts for b in stored if (b.task_id, b.attempt) == key)
+    ]
+    figures.faults = 1
+    figures.notes.update({"max_payload": MAX_PAYLOAD, "incomplete_attempts": incomplete})
+    print("\n" + figures.summary("split-task"))
+
+    assert all(b.parts >= 2 for b in stored)  # every group was split
+    [((task, attempt), count)] = incomplete
+    assert (attempt, count) == (1, 1)  # the dying worker's attempt 1: one part stored
+    entry = run["state"]["ledger"][task]
+    assert entry["attempt"] == 2 and len(entry["parts"]) == per_attempt[(task, 2)]  # attempt 2, whole
+    assert run["attempts"][task] == {2}
+    assert figures.groups_twice == 0 and all(len(a) == 1 for a in run["attempts"].values())
+    assert (figures.lost, figures.duplicated, figures.dead_lettered) == (0, 0, 0)
+    assert figures.dropped == {"duplicate_attempt": 1}
+    assert run["ledger_matches_stream"] and set(run["trained"]) == run["expected"]
+    assert all(n == 1 for n in run["trained"].values())
+    assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
+    assert run["consumers"] == {names.WORKERS_CONSUMER: (0, 0), names.TRAINER_CONSUMER: (0, 0)}
