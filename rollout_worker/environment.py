@@ -173,6 +173,9 @@ class SessionEndpoint:
                 "total_tokens": reply.prompt_tokens + reply.completion_tokens,
             },
         }
+        cached = session.turn_cached_tokens[-1]
+        if cached is not None:  # OpenAI's field: the prompt tokens served from SGLang's prefix cache
+            answer["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
     def refused(self, body: dict) -> str | None:

@@ -117,6 +117,8 @@ class Session:
         self.messages: list[dict] = []  # the history: messages rendered so far and the replies returned
         self.text = ""  # the template text the tokens held stand for
         self.prompt_len = 0  # the first turn's prompt tokens
+        self.turn_prompt_tokens: list[int] = []  # per turn: its /generate's input tokens
+        self.turn_cached_tokens: list[int | None] = []  # per turn: of those, served from SGLang's prefix cache
         self.ids: list[int] = []
         self._mask: list[np.ndarray] = []
         self._versions: list[np.ndarray] = []
@@ -153,6 +155,8 @@ class Session:
         sampled = self.template.decode(sample.response_ids)
         content = self.reply_text(sample, sampled)
         prompt_tokens = len(self.ids) + len(new_ids)
+        self.turn_prompt_tokens.append(prompt_tokens)
+        self.turn_cached_tokens.append(found.cached_tokens[0] if found.cached_tokens else None)
         if not self.ids:
             self.prompt_len = len(new_ids)
         self._append_rendered(new_ids)
@@ -162,6 +166,15 @@ class Session:
         self.turns += 1
         self.last_finish = sample.finish_reason or "stop"
         return Reply(content, self.last_finish, prompt_tokens, len(sample.response_ids))
+
+    def later_turns_cache(self) -> tuple[int, int] | None:
+        """``(prompt tokens, of them served from the prefix cache)`` over turns 2 and later, whose
+        history an engine can hold (with session affinity, the engine that sampled it); None before
+        turn 2 or where SGLang did not say."""
+        cached = self.turn_cached_tokens[1:]
+        if not cached or None in cached:
+            return None
+        return sum(self.turn_prompt_tokens[1:]), sum(cached)
 
     def check_history(self, given: list[dict]) -> None:
         """The request's messages begin with the session's history and add at least one."""

@@ -14,6 +14,7 @@ docs/design.md section 4); it holds what ``rollout_worker/packing.py`` reads and
 | ``texts`` | list[str] | each sample's decoded text ("" where absent), what rewards read |
 | ``finish_reasons`` | list[str or nil] | each sample's ``finish_reason.type`` |
 | ``weight_versions`` | list[int] | each sample's weight version (SGLang's ``"default"`` is 0) |
+| ``cached_tokens`` | list[int or nil] or absent | each sample's prompt tokens SGLang's prefix cache served |
 | ``prompt_ids`` | int32 [P] or nil | chat: the prompt ids SGLang rendered (``choices[0].prompt_token_ids``) |
 | ``offsets`` | int64 [B+1] | sample ``i`` is ``offsets[i]:offsets[i+1]`` of the per-token arrays |
 | ``response_ids``, ``sampled_logprobs`` | int32 [N], float32 [N] | sampled tokens and their log-probs |
@@ -65,6 +66,8 @@ class ResponseArrays:
     sampled_logprobs: np.ndarray  # float32 [N]
     cand_ids: np.ndarray  # int32 [N, K]
     cand_logprobs: np.ndarray  # float32 [N, K]
+    # per sample, the prompt tokens SGLang's prefix cache served (a measurement, not audited); None: not known
+    cached_tokens: list[int | None] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -88,7 +91,12 @@ def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arr
         sampled_logprobs=logprobs,
         cand_ids=cand_ids,
         cand_logprobs=cand_logprobs,
+        cached_tokens=[_count(meta.get("cached_tokens")) for meta in metas],
     )
+
+
+def _count(value) -> int | None:
+    return value if type(value) is int and value >= 0 else None
 
 
 def to_wire_dtypes(arrays: tuple, *, mode: str) -> tuple:
@@ -166,6 +174,8 @@ def encode(r: ResponseArrays) -> bytes:
         "weight_versions": r.weight_versions,
         "prompt_ids": None,
     }
+    if r.cached_tokens is not None:
+        head["cached_tokens"] = r.cached_tokens
     arrays = {name: (getattr(r, name), dtype) for name, dtype in ARRAYS.items()}
     if r.prompt_ids is not None:
         del head["prompt_ids"]
@@ -197,6 +207,11 @@ def decode(data: bytes) -> ResponseArrays:
     shapes = [values[name].shape for name in ("sampled_logprobs", "cand_ids", "cand_logprobs")]
     if cand_ids.ndim != 2 or shapes != [(n,), (n, cand_ids.shape[1]), cand_ids.shape]:
         raise wire.WireError(f"arrays message: per-token arrays of shapes {shapes}, expected [N], [N, K], [N, K]")
+    cached = doc.get("cached_tokens")
+    if cached is not None and not (
+        type(cached) is list and len(cached) == len(texts) and all(c is None or _count(c) is not None for c in cached)
+    ):
+        raise wire.WireError(f"arrays message: cached_tokens must be absent or {len(texts)} counts (ints >= 0 or nil)")
     prompt = doc.get("prompt_ids")
     return ResponseArrays(
         texts=texts,
@@ -204,4 +219,5 @@ def decode(data: bytes) -> ResponseArrays:
         weight_versions=versions,
         prompt_ids=None if prompt is None else wire.array_value(doc, "prompt_ids", "int32", LIMITS).tolist(),
         **values,
+        cached_tokens=cached,
     )

@@ -58,3 +58,18 @@ async def returns_nan(client: openai.AsyncOpenAI, task) -> float:
 
 def not_async(client, task) -> float:
     return 0.0
+
+
+AFTER_FIRST_TURN: list = []  # what ``three_turns_with_a_fault`` calls after a session's first turn (a test's fault)
+
+
+async def three_turns_with_a_fault(client: openai.AsyncOpenAI, task) -> float:
+    """Three turns; after the first, each callable in ``AFTER_FIRST_TURN`` runs (a test kills something there)."""
+    messages = [{"role": "user", "content": task.prompt}]
+    for turn in range(3):
+        reply = await client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+        messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "And then?"}]
+        if turn == 0:
+            for fault in AFTER_FIRST_TURN:
+                fault()
+    return 1.0

@@ -115,6 +115,22 @@ def test_a_message_that_disagrees_with_itself_is_refused_naming_the_field():
             response_arrays.decode(encode_map(h, a))
 
 
+def test_the_binary_answer_carries_each_samples_cached_prompt_tokens():
+    """SGLang's ``meta_info.cached_tokens`` per sample (what a session measures its prefix cache by);
+    a value that is no count travels as nil; a message without the field decodes to None."""
+    doc = [{**SELECTED[0], "meta_info": {**SELECTED[0]["meta_info"], "cached_tokens": 7}}, SELECTED[1]]
+    doc[1] = {**doc[1], "meta_info": {**doc[1]["meta_info"], "cached_tokens": "7"}}
+    result = audit_body(orjson.dumps(doc), endpoint="generate", mode="selected", k=K, vocab_size=VOCAB, arrays=True)
+    assert response_arrays.decode(result.reply).cached_tokens == [7, None]
+    good = response_arrays.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
+    head = {"v": 1, "texts": good.texts, "finish_reasons": good.finish_reasons, "weight_versions": good.weight_versions}
+    arrays = {name: (getattr(good, name), dtype) for name, dtype in response_arrays.ARRAYS.items()}
+    assert response_arrays.decode(encode_map(head, arrays)).cached_tokens is None
+    for bad in ([3], [3, -1], [3, 1.5], "3"):
+        with pytest.raises(WireError, match="cached_tokens must be absent or 2 counts"):
+            response_arrays.decode(encode_map({**head, "cached_tokens": bad}, arrays))
+
+
 # ---------------------------------------------------------------------------- real SGLang through a real proxy
 
 
@@ -236,6 +252,8 @@ def test_real_sglang_responses_pack_the_same_batches_from_the_binary_answer_as_f
     assert found.num_samples == len(json_way) == 2 and found.cand_ids.shape[1] == 128
     if endpoint == "chat":
         assert found.prompt_ids == orjson.loads(plain)["choices"][0]["prompt_token_ids"]
+    else:
+        assert found.cached_tokens == [o["meta_info"]["cached_tokens"] for o in orjson.loads(plain)]
     # the relay served SGLang's one answer to both: the same response in two forms
     assert_same_batches(pack_k(samples_from_arrays(found), 128), pack_k(json_way, 128))
     assert [s.text for s in samples_from_arrays(found)] == [s.text for s in json_way]

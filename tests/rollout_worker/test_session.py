@@ -43,8 +43,9 @@ class Engine:
     """Answers turn i with ``replies[i]`` (ids, finish reason) at weight version ``version``: a row
     of K distinct candidates led by the sampled token; records each turn's input ids."""
 
-    def __init__(self, replies, version: int = 0, fail: Exception | None = None):
+    def __init__(self, replies, version: int = 0, fail: Exception | None = None, cached=None):
         self.replies, self.version, self.fail, self.inputs = list(replies), version, fail, []
+        self.cached = list(cached) if cached is not None else None  # each turn's cached_tokens, as SGLang says
 
     async def __call__(self, input_ids, max_new_tokens, stop):
         self.inputs.append((list(input_ids), max_new_tokens, stop))
@@ -64,6 +65,7 @@ class Engine:
             sampled_logprobs=np.full(n, -0.1, np.float32),
             cand_ids=cand,
             cand_logprobs=lps,
+            cached_tokens=[self.cached.pop(0)] if self.cached is not None else None,
         )
 
 
@@ -265,6 +267,35 @@ def test_an_openai_client_drives_a_session_through_the_endpoint(template):
     assert (second.choices[0].message.content, second.choices[0].finish_reason) == ("yo", "length")
     assert edited.code == "session_history" and "message 0 differs from the session's history" in edited.body["message"]
     assert s.turns == 2
+
+
+def test_each_turn_says_the_prompt_tokens_sglangs_prefix_cache_served(template):
+    """SGLang's cached_tokens of each turn: in the answer's usage (OpenAI's prompt_tokens_details) and on
+    the session, whose turns 2 and later are what session affinity is measured by."""
+
+    async def go():
+        engine = Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("yo"), "length")], cached=[0, 9])
+        endpoint, s, client = await serve(template, engine)
+        try:
+            messages = [{"role": "user", "content": "a"}]
+            first = await client.chat.completions.create(model="default", messages=messages)
+            assert s.later_turns_cache() is None  # no turn 2 yet
+            messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "b"}]
+            second = await client.chat.completions.create(model="default", messages=messages)
+            return first, second, s
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    first, second, s = asyncio.run(go())
+    assert (first.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens_details.cached_tokens) == (0, 9)
+    assert s.turn_cached_tokens == [0, 9] and s.later_turns_cache() == (second.usage.prompt_tokens, 9)
+    quiet = session(template, Engine([(text_ids("hi"), "stop"), (text_ids("yo"), "stop")]))  # SGLang said nothing
+    turn(quiet, [{"role": "user", "content": "a"}])
+    second = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "hi"}]
+    second.append({"role": "user", "content": "b"})
+    turn(quiet, second)
+    assert quiet.turn_cached_tokens == [None, None] and quiet.later_turns_cache() is None
 
 
 def test_the_endpoint_passes_the_per_turn_limit_and_stop_strings_and_refuses_other_sampling(template):

@@ -6,6 +6,7 @@ model, its ChatML template), one batch for the group. No NATS: the worker's own 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from rollout_worker import environment
 from rollout_worker.main import load_tokenizer
 from rollout_worker.session import message_key
-from rollout_worker.worker import Worker
+from rollout_worker.worker import Transient, Worker
 from shared.config import Config
 from shared.contract import check_batch
 from shared.settings import WorkerSettings
@@ -47,7 +48,7 @@ def proxy(tmp_path_factory, sglang_server, sglang_router, model_dir):
         proxy.stop()
 
 
-def run_task(proxy_url: str, model_dir, env: str, monkeypatch, *, vocab: int = VOCAB, n: int = 2):
+def run_task(proxy_url: str, model_dir, env: str, monkeypatch, *, vocab: int = VOCAB, n: int = 2, attempt: int = 1):
     """``(outcome, turns, hf)``: the worker's ``process`` of one task naming ``env``; ``turns`` maps
     each routing key to the audited answers of its turns, as the proxy returned them."""
     cfg = Config(proxy_url=proxy_url, rollout_top_logprobs_num=K, rollout_max_new_tokens=8, rollout_n=n)
@@ -67,7 +68,7 @@ def run_task(proxy_url: str, model_dir, env: str, monkeypatch, *, vocab: int = V
     async def go():
         async with aiohttp.ClientSession() as http:
             worker.session = http
-            return await worker.process(task, attempt=1)
+            return await worker.process(task, attempt=attempt)
 
     return asyncio.run(go()), turns, hf
 
@@ -112,6 +113,9 @@ def check_three_turns(outcome, turns, hf, *, vocab: int, im_end: int) -> None:
         assert (cand[mask] >= 0).all() and all(len(set(row)) == K for row in cand[mask].tolist())
         assert (cand[~mask] == -1).all() and (batch.cand_logprobs[part][~mask] == -np.inf).all()
         assert (batch.token_versions[part] == 0).all()
+        for (before, _), (inputs, later) in zip(session_turns, session_turns[1:]):
+            # one engine held the history (session affinity): at least the last turn's input came from its cache
+            assert len(before) <= later.cached_tokens[0] < len(inputs)
     decoded = [hf.decode(sample_ids(batch, i), skip_special_tokens=False) for i in range(batch.num_samples)]
     for record in session_environments.RECORDED:
         final = [message_key(m) for m in record["messages"]]
@@ -128,3 +132,51 @@ def check_three_turns(outcome, turns, hf, *, vocab: int, im_end: int) -> None:
     assert sorted(rewards) == sorted(
         float(sum(len(a.choices[0].message.content) for a in rec["answers"])) for rec in session_environments.RECORDED
     )
+
+
+def test_a_proxy_killed_mid_session_fails_the_task_as_transient_and_the_retry_runs_new_sessions_whole(
+    tmp_path, sglang_router, model_dir, monkeypatch
+):
+    """Faults (docs/design.md section 12): the proxy dies after a session's first turn; the task fails
+    as transient with nothing to publish (turn 1 is not trained alone), and its redelivery, through a
+    proxy that is back, samples every turn again in new sessions: trained whole or not at all."""
+    flags = ("--vocab-size", str(VOCAB), "--rollout-top-logprobs-num", str(K))
+    first = ProxyProcess(tmp_path / "proxy-1.log", sglang_router.url, *flags)
+    assert first.wait_probed()[0] == 200
+    monkeypatch.setattr(session_environments, "AFTER_FIRST_TURN", [first.proc.kill])
+    env = "tests.rollout_worker.session_environments:three_turns_with_a_fault"
+    real, answered = environment.proxy_generate, []
+
+    async def recording(http, url, body, routing_key):  # every turn the proxy answered, by routing key
+        found = await real(http, url, body, routing_key)
+        answered.append(routing_key)
+        return found
+
+    monkeypatch.setattr(environment, "proxy_generate", recording)
+    try:
+        # refused, or cut off for a turn in flight when it died
+        cut = rf"^{re.escape(first.url)}/generate: (ClientConnectorError|ServerDisconnectedError|ClientOSError)\("
+        with pytest.raises(Transient, match=cut):
+            run_task(first.url, model_dir, env, monkeypatch)
+    finally:
+        first.stop()
+    lost = set(answered)  # sessions of attempt 1 that had a complete first turn before the kill, and no more
+    assert lost and len(answered) == len(lost)
+    again = ProxyProcess(tmp_path / "proxy-2.log", sglang_router.url, *flags)
+    try:
+        assert again.wait_probed()[0] == 200
+        monkeypatch.setattr(session_environments, "AFTER_FIRST_TURN", [])
+        outcome, turns, _ = run_task(again.url, model_dir, env, monkeypatch, attempt=2)
+    finally:
+        again.stop()
+    (batch,) = outcome.batches
+    check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
+    assert (batch.num_samples, batch.attempt) == (2, 2)
+    assert len(turns) == 2 and all(len(t) == 3 for t in turns.values())  # two sessions, every turn sampled anew
+    assert not lost & set(turns)  # new sessions: nothing of attempt 1 resumed
+    for i in range(batch.num_samples):
+        part = batch.sample_slice(i)
+        ids = sample_ids(batch, i)
+        (session_turns,) = [t for t in turns.values() if tuple(ids) == tuple(t[-1][0] + t[-1][1].response_ids.tolist())]
+        sampled = [tok for _, found in session_turns for tok in found.response_ids.tolist()]
+        assert batch.response_ids[part][batch.loss_mask[part].astype(bool)].tolist() == sampled
