@@ -5,8 +5,10 @@ the arrays the proxy parsed out of SGLang's JSON and audited (``shared/response_
 so the worker reads them as views and parses no JSON. They hold sampled ids and log-probs,
 ``K`` candidate slots per token (``selected``: the unfiltered top-``K``; ``support``: the
 realized support with its renormalised log-probs, which is then also the sampled token's),
-each sample's weight version (``"default"``, the initial weights, is 0), finish reason and
-text. ``samples_from_response`` reads SGLang's JSON into the same arrays, for tools and tests.
+each sample's weight version (``"default"``, the initial weights, is 0) and each token's
+(SGLang's ``meta_info.weight_versions`` spans: a response that spans an update is sampled by
+two versions), finish reason and text. ``samples_from_response`` reads SGLang's JSON into the
+same arrays, for tools and tests.
 
 Rows shorter than ``K`` keep their leading slots and leave the rest empty (``-1`` / ``-inf``)
 for the contract to judge; nothing is padded into a full row or repaired here.
@@ -38,13 +40,21 @@ class Sample:
     sampled_logprobs: np.ndarray  # float32 [L]
     cand_ids: np.ndarray  # int32 [L, K], -1 = empty slot
     cand_logprobs: np.ndarray  # float32 [L, K], -inf = empty slot
-    weight_version: int
+    weight_version: int  # the newest token's, the version SGLang served when it finished
     finish_reason: str | None = None
+    token_versions: np.ndarray | None = None  # int32 [L], each token's version; None: weight_version on all
+
+    def versions(self) -> np.ndarray:
+        """Each token's weight version, int32 [L]."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, np.int32)
+        return np.full(len(self.response_ids), self.weight_version, np.int32)
 
 
 def samples_from_arrays(found: ResponseArrays) -> list[Sample]:
     """Every sample of a response, from its arrays (the proxy's binary answer, decoded)."""
     bounds = found.offsets.tolist()
+    versions = found.versions_of_tokens()
     return [
         Sample(
             text=found.texts[i],
@@ -54,6 +64,7 @@ def samples_from_arrays(found: ResponseArrays) -> list[Sample]:
             cand_logprobs=found.cand_logprobs[a:b],
             weight_version=found.weight_versions[i],
             finish_reason=found.finish_reasons[i],
+            token_versions=versions[a:b],
         )
         for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
     ]
@@ -87,14 +98,14 @@ class Trajectory:
 
     @classmethod
     def of_sample(cls, prompt_ids, s: Sample) -> Trajectory:
-        """A plain response: every token sampled, by the sample's weight version."""
+        """A plain response: every token sampled, each by its own weight version (SGLang's spans)."""
         n = len(s.response_ids)
         return cls(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=s.response_ids,
             sampled_logprobs=s.sampled_logprobs,
             loss_mask=np.ones(n, np.uint8),
-            token_versions=np.full(n, s.weight_version, np.int32),
+            token_versions=s.versions(),
             cand_ids=s.cand_ids,
             cand_logprobs=s.cand_logprobs,
             finish_reason=s.finish_reason or "stop",

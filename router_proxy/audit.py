@@ -36,7 +36,14 @@ import orjson
 from shared import response_arrays
 from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
 from shared.response_arrays import to_wire_dtypes
-from shared.sglang_response import check_not_aborted, finish_reasons, malformed, parse_body, response_texts, to_arrays
+from shared.sglang_response import (
+    check_not_aborted,
+    finish_reasons,
+    malformed,
+    parse_body,
+    response_texts,
+    to_arrays,
+)
 
 # Rules the proxy adds to shared.contract.RULES for responses that cannot even be read.
 PROXY_RULES = {
@@ -88,7 +95,8 @@ def audit_body(
 ) -> AuditResult:
     """Raise ``ContractViolation`` for the first defect of an upstream response body; else say what was checked
     and, with ``arrays``, return the response as the binary answer (``shared/response_arrays.py``;
-    a weight version that is not one raises ``malformed_response`` then: it cannot be put in it).
+    a weight version that is not one, or ``meta_info.weight_versions`` spans that do not cover the
+    sample's tokens, raise ``malformed_response`` then: they cannot be put in it).
 
     ``content_type``, when given, must be JSON: SGLang answers ``application/json``, and a
     client must not be handed another media type as a training response.

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from shared.contract import sample_turns
 from shared.wire import encode_batch
 from trainer_service.gate import Held, concat_batches, ledger_entries
@@ -92,7 +94,7 @@ def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
     """The step's line of ``metrics.jsonl``: ``step`` counts completed steps, like ``--steps``
     (the first step logs step 1); staleness is per sample, in versions behind the trainer, of the
     sample's oldest trained token (the one the gate judges); the samples' turns and tokens
-    (``sample_shape``)."""
+    (``sample_shape``); and staleness per trained token (``token_staleness``)."""
     staleness = [step.before.version - version for h in step.held for version in sample_versions(h.batch)]
     return {
         "step": step.after.step,
@@ -100,6 +102,7 @@ def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
         **step.metrics,
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
+        **token_staleness([h.batch for h in step.held], step.before.version),
         **sample_shape([h.batch for h in step.held]),
         **gate,
         **timings,
@@ -137,3 +140,25 @@ def sample_versions(batch) -> list[int]:
         trained = batch.token_versions[part][batch.loss_mask[part].astype(bool)]
         out.append(int(trained.min()) if trained.size else batch.weight_version)
     return out
+
+
+def token_staleness(batches, version: int) -> dict:
+    """Staleness per trained token (loss mask 1), in versions behind the trainer's ``version``:
+    ``token_staleness_mean``, ``token_staleness_max``, and ``token_stale_share``, the share of
+    trained tokens more than one version behind (a response that spans an update has tokens of
+    two versions; under the asynchronous default one version behind is the usual case)."""
+    total, summed, worst, over = 0, 0, 0, 0
+    for batch in batches:
+        trained = batch.token_versions[batch.loss_mask.astype(bool)]
+        if not trained.size:
+            continue
+        behind = version - trained.astype(np.int64)
+        total += int(behind.size)
+        summed += int(behind.sum())
+        worst = max(worst, int(behind.max()))
+        over += int((behind > 1).sum())
+    return {
+        "token_staleness_mean": summed / total if total else 0.0,
+        "token_staleness_max": worst,
+        "token_stale_share": over / total if total else 0.0,
+    }

@@ -33,6 +33,9 @@ GAUGES = (
     "reward_mean",
     "staleness_mean",
     "staleness_max",
+    "token_staleness_mean",
+    "token_staleness_max",
+    "token_stale_share",
     *METRICS,  # the loss's, named once in step.py
     "step_s",
 )

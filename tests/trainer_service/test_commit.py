@@ -65,6 +65,9 @@ def test_a_step_record_has_the_metrics_staleness_gate_counts_and_batch_ids():
         "save_s": 2.0,
         "staleness_mean": 0.5,
         "staleness_max": 1,
+        "token_staleness_mean": 0.5,  # 6 trained tokens 0 behind, 6 one behind
+        "token_staleness_max": 1,
+        "token_stale_share": 0.0,
         "turns_mean": 1.0,  # plain responses: one run of sampled tokens each
         "sampled_tokens": 12,
         "injected_tokens": 0,
