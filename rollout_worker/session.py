@@ -234,7 +234,7 @@ class Session:
         n = len(s.response_ids)
         self.ids += s.response_ids.tolist()
         self._mask.append(np.ones(n, np.uint8))
-        self._versions.append(np.full(n, s.weight_version, np.int32))
+        self._versions.append(s.versions())  # a turn that spans an update: each token its own version
         self._sampled.append(np.asarray(s.sampled_logprobs, np.float32))
         self._cand_ids.append(np.asarray(s.cand_ids, np.int32))
         self._cand_logprobs.append(np.asarray(s.cand_logprobs, np.float32))

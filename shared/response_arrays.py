@@ -15,11 +15,14 @@ docs/design.md section 4); it holds what ``rollout_worker/packing.py`` reads and
 | ``finish_reasons`` | list[str or nil] | each sample's ``finish_reason.type`` |
 | ``weight_versions`` | list[int] | each sample's weight version (SGLang's ``"default"`` is 0) |
 | ``cached_tokens`` | list[int or nil] or absent | each sample's prompt tokens SGLang's prefix cache served |
+| ``token_versions`` | int32 [N] or absent | each token's weight version (SGLang's spans, ``token_versions``) |
 | ``prompt_ids`` | int32 [P] or nil | chat: the prompt ids SGLang rendered (``choices[0].prompt_token_ids``) |
 | ``offsets`` | int64 [B+1] | sample ``i`` is ``offsets[i]:offsets[i+1]`` of the per-token arrays |
 | ``response_ids``, ``sampled_logprobs`` | int32 [N], float32 [N] | sampled tokens and their log-probs |
 | ``cand_ids``, ``cand_logprobs`` | int32 [N, K], float32 [N, K] | candidates, ``-1`` / ``-inf`` = empty slot |
 
+Absent ``token_versions`` (no sample had ``meta_info.weight_versions``): each sample's
+``weight_versions`` entry on all of its tokens (``ResponseArrays.versions_of_tokens``).
 The arrays are ``shared/sglang_response.to_arrays``' in the batch's dtypes (``to_wire_dtypes``),
 so a worker packs the same batches from this as from the JSON (``tests/rollout_worker/test_packing.py``).
 The proxy's audit judges them in these dtypes, as they travel: what it passed is what arrives.
@@ -68,6 +71,14 @@ class ResponseArrays:
     cand_logprobs: np.ndarray  # float32 [N, K]
     # per sample, the prompt tokens SGLang's prefix cache served (a measurement, not audited); None: not known
     cached_tokens: list[int | None] | None = None
+    # int32 [N], each token's weight version; None: each sample's weight_versions entry on all its tokens
+    token_versions: np.ndarray | None = None
+
+    def versions_of_tokens(self) -> np.ndarray:
+        """``token_versions``, or where absent each sample's version repeated over its tokens."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.repeat(np.asarray(self.weight_versions, np.int32), np.diff(self.offsets)).astype(np.int32)
 
     @property
     def num_samples(self) -> int:
@@ -77,7 +88,8 @@ class ResponseArrays:
 def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arrays=None) -> ResponseArrays:
     """The arrays of a parsed response (``sglang_response.parse_body``'s doc and metas); ``arrays``:
     ``to_wire_dtypes(to_arrays(metas))`` where already built. Raises ``ContractViolation`` as
-    ``to_arrays``, ``to_wire_dtypes``, ``response_texts``, ``finish_reasons`` and ``weight_versions`` do."""
+    ``to_arrays``, ``to_wire_dtypes``, ``response_texts``, ``finish_reasons``, ``weight_versions`` and
+    ``token_versions`` do."""
     if arrays is None:
         arrays = to_wire_dtypes(sglang_response.to_arrays(metas, mode=mode, k=k), mode=mode)
     ids, logprobs, _, cand_ids, cand_logprobs, offsets = arrays
@@ -92,6 +104,7 @@ def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arr
         cand_ids=cand_ids,
         cand_logprobs=cand_logprobs,
         cached_tokens=[_count(meta.get("cached_tokens")) for meta in metas],
+        token_versions=sglang_response.token_versions(metas),
     )
 
 
@@ -177,6 +190,8 @@ def encode(r: ResponseArrays) -> bytes:
     if r.cached_tokens is not None:
         head["cached_tokens"] = r.cached_tokens
     arrays = {name: (getattr(r, name), dtype) for name, dtype in ARRAYS.items()}
+    if r.token_versions is not None:
+        arrays["token_versions"] = (r.token_versions, "int32")
     if r.prompt_ids is not None:
         del head["prompt_ids"]
         arrays["prompt_ids"] = (np.asarray(r.prompt_ids, np.int32), "int32")
@@ -212,6 +227,11 @@ def decode(data: bytes) -> ResponseArrays:
         type(cached) is list and len(cached) == len(texts) and all(c is None or _count(c) is not None for c in cached)
     ):
         raise wire.WireError(f"arrays message: cached_tokens must be absent or {len(texts)} counts (ints >= 0 or nil)")
+    token_versions = None
+    if doc.get("token_versions") is not None:
+        token_versions = wire.array_value(doc, "token_versions", "int32", LIMITS)
+        if token_versions.shape != (n,):
+            raise wire.WireError(f"arrays message: token_versions of shape {token_versions.shape}, expected [N]={n}")
     prompt = doc.get("prompt_ids")
     return ResponseArrays(
         texts=texts,
@@ -220,4 +240,5 @@ def decode(data: bytes) -> ResponseArrays:
         prompt_ids=None if prompt is None else wire.array_value(doc, "prompt_ids", "int32", LIMITS).tolist(),
         **values,
         cached_tokens=cached,
+        token_versions=token_versions,
     )
