@@ -24,7 +24,7 @@ ready, sends ``/continue_generation`` (with the admin key) to a server that has 
 for the length of a weight update (trainer_service/weights.py); a trainer killed between the
 pause and the continue would otherwise leave the engine paused until the next trainer's
 update. A continue that comes during a slow load is harmless: SGLang's scheduler handles it
-after the load (docs/design.md, weight updates). The watchdog ends when the server does.
+after the load (docs/design.md section 8). The watchdog ends when the server does.
 
 Flags after ``--`` go to SGLang unchanged (they win over the recipe's):
 

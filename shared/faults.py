@@ -29,6 +29,8 @@ POINTS = {
     "trainer.before_checkpoint": "rank 0, the step's weights version is written, its checkpoint not",
     "trainer.after_checkpoint": "rank 0, the checkpoint (ledger included) is durable, no batch acked",
     "trainer.after_acks": "rank 0, the step's batches are acked, the new weights not yet published",
+    "trainer.weights_paused": "rank 0, an engine paused for the weight update (in_place or retract), not yet "
+    "loaded or continued (@step: the version)",
     "trainer.rejected": "rank 0, a rejected batch is in the DLQ, not yet acked",
     # a rollout worker (rollout_worker/worker.py); @step: the task's attempt
     "worker.between_parts": "a worker, one part of an attempt's split batch stored, the next not yet published",

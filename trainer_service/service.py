@@ -89,7 +89,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         ack_wait=settings.ack_wait,
         resample=lambda batch: tasks.resample(js, batch),  # a stale batch's task is sampled again
     )
-    engines = weights.WeightPublisher(js, cfg.engine_urls)
+    engines = weights.WeightPublisher(js, cfg.engine_urls, mode=settings.weight_update)
     metrics = Metrics(settings)
     metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).

@@ -5,12 +5,25 @@ tokenizer files copied from the initial model directory), written to a temporary
 directory and renamed, so an engine never loads half a version. Version 0 is the initial
 ``--model`` directory itself.
 
-Publication (rank 0): ``POST /update_weights_from_disk {model_path, weight_version: str(v)}``
-on each engine URL directly (SGLang routers do not forward admin endpoints), with the engines'
-admin key as ``Authorization: Bearer`` when one is set (``shared/admin_key.py``), then
-``weights.updated`` ``{version, path, sha256}`` on NATS (sha256 of the safetensors files in
-name order). SGLang finishes the generations in flight before it loads, so a call that times
-out or breaks off is not yet a failure: the engine's own /model_info decides (``comes_to``).
+Publication (rank 0), on each engine URL directly (SGLang routers do not forward admin
+endpoints), with the engines' admin key as ``Authorization: Bearer`` when one is set
+(``shared/admin_key.py``), then ``weights.updated`` ``{version, path, sha256}`` on NATS (sha256
+of the safetensors files in name order). How an engine takes the version is the trainer's
+``weight_update`` setting (docs/design.md section 8, weight updates in flight):
+
+- ``in_place`` (the default): ``POST /pause_generation {mode: in_place}`` (the requests in flight
+  stay in their batch), ``POST /update_weights_from_disk {model_path, weight_version: str(v),
+  flush_cache: false}`` (a paused engine loads at once; a flush would be refused while requests
+  are in the batch and fail the call), ``POST /continue_generation``: the requests go on under
+  the new weights, and SGLang's ``meta_info.weight_versions`` says which tokens each version sampled.
+- ``retract``: the same with ``mode: retract`` and the flush: the requests go back to the queue
+  and are recomputed under the new weights.
+- ``drain``: the update alone; SGLang finishes the generations in flight before it loads.
+
+The continue is sent whatever happened after the pause; a trainer killed between the two leaves
+the engine to ``centerline sglang``'s watchdog, which continues an engine paused longer than its
+``--continue-after`` seconds. A call that times out or breaks off is not yet a failure:
+the engine's own /model_info decides (``comes_to``).
 An engine that fails after a few tries is logged and counted, and training
 goes on: batches it samples with old weights are then rejected by the gate as ``stale``.
 ``watch`` brings such an engine back: every few seconds it asks each engine which version it
@@ -32,7 +45,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from shared import admin_key, names
+from shared import admin_key, faults, names
 from shared.nats_client import PublishError, publish_acked
 from shared.sglang_response import INITIAL_VERSION
 from trainer_service.checkpoint import publish_dir
@@ -41,6 +54,7 @@ from trainer_service.model import save_model
 
 log = logging.getLogger("centerline.trainer.weights")
 KEEP = 3  # versions kept on disk: an engine may still be loading the previous one
+WEIGHT_UPDATES = ("in_place", "retract", "drain")  # TrainerSettings.weight_update
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
@@ -92,11 +106,16 @@ class WeightPublisher:
         timeout: float = 300.0,
         settle: float = 600.0,
         admin_api_key: str | None = None,
+        mode: str = "in_place",
     ):
         """``timeout``: seconds per update call; ``settle``: how long an engine whose call timed out
-        or broke off may take to report the version anyway (it waits for its generations in flight).
-        ``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``)."""
+        or broke off may take to report the version anyway (draining, it waits for its generations
+        in flight). ``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``).
+        ``mode``: the trainer's ``weight_update`` (``WEIGHT_UPDATES``)."""
+        if mode not in WEIGHT_UPDATES:
+            raise ValueError(f"weight_update {mode!r} is not one of {WEIGHT_UPDATES}: set one of them")
         self.js, self.engine_urls, self.attempts, self.settle = js, list(engine_urls), attempts, settle
+        self.mode = mode
         key = admin_api_key or admin_key.key_from_env()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
@@ -149,28 +168,67 @@ class WeightPublisher:
             return await self._update(url, version, path)
 
     async def _update(self, url: str, version: int, path: Path) -> bool:
-        body = {"model_path": str(path), "weight_version": str(version)}
+        if self.mode == "drain":
+            return await self._load(url, version, {"model_path": str(path), "weight_version": str(version)})
+        paused = await self._control(url, "/pause_generation", {"mode": self.mode}, version)
+        try:
+            faults.hit("trainer.weights_paused", version)
+            # in place, the requests keep their KV cache, so nothing may be flushed (SGLang refuses a
+            # flush with requests in the batch and fails the call); retracted, the cache goes with them
+            body = {"model_path": str(path), "weight_version": str(version), "flush_cache": self.mode == "retract"}
+            return await self._load(url, version, body)
+        finally:
+            if paused:
+                await self._control(url, "/continue_generation", {}, version)
+
+    async def _post(self, url: str, endpoint: str, body: dict) -> tuple[int, object]:
+        """POST ``body`` to an admin ``endpoint`` of ``url``: its status and JSON reply. A refused
+        key (401/403) raises ``AdminKeyError``: no retry, a wrong key stays wrong."""
+        async with self.session.post(url.rstrip("/") + endpoint, json=body, headers=self.headers) as resp:
+            if resp.status in (401, 403):
+                problem = "not the engine's --admin-api-key" if self.headers else "unset, and the engine requires one"
+                raise admin_key.AdminKeyError(
+                    f"engine {url} refused {endpoint} with HTTP {resp.status}: the trainer's "
+                    f"admin key ({admin_key.KEY_ENV} or {admin_key.KEY_FILE_ENV}) is {problem}"
+                )
+            return resp.status, await resp.json(content_type=None)
+
+    async def _control(self, url: str, endpoint: str, body: dict, version: int) -> bool:
+        """/pause_generation or /continue_generation, tried ``attempts`` times; whether it was done.
+        A pause that fails leaves the update to drain; a continue that fails leaves the engine to
+        the watchdog of ``centerline sglang``."""
         for attempt in range(1, self.attempts + 1):
             try:
-                async with self.session.post(
-                    url.rstrip("/") + "/update_weights_from_disk", json=body, headers=self.headers
-                ) as resp:
-                    if resp.status in (401, 403):  # no retry: a wrong key stays wrong
-                        problem = (
-                            "not the engine's --admin-api-key" if self.headers else "unset, and the engine requires one"
-                        )
-                        raise admin_key.AdminKeyError(
-                            f"engine {url} refused the weight update with HTTP {resp.status}: the trainer's "
-                            f"admin key ({admin_key.KEY_ENV} or {admin_key.KEY_FILE_ENV}) is {problem}"
-                        )
-                    reply = await resp.json(content_type=None)
-                    if resp.status == 200 and isinstance(reply, dict) and reply.get("success"):
-                        return True
-                    problem = f"HTTP {resp.status}: {reply}"
+                status, reply = await self._post(url, endpoint, body)
+                if status == 200:
+                    return True
+                problem = f"HTTP {status}: {reply}"
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-                # SGLang finishes the generations in flight before it loads: a timed-out or broken-off
-                # call may still have been carried out. The engine's own word decides.
+            log.warning(
+                "engine %s: %s for version %d failed (attempt %d/%d): %s",
+                url,
+                endpoint,
+                version,
+                attempt,
+                self.attempts,
+                problem,
+            )
+            if attempt < self.attempts:
+                await asyncio.sleep(0.5 * attempt)  # back-off between retries
+        return False
+
+    async def _load(self, url: str, version: int, body: dict) -> bool:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                status, reply = await self._post(url, "/update_weights_from_disk", body)
+                if status == 200 and isinstance(reply, dict) and reply.get("success"):
+                    return True
+                problem = f"HTTP {status}: {reply}"
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                # Draining, SGLang finishes the generations in flight before it loads: a timed-out or
+                # broken-off call may still have been carried out. The engine's own word decides.
                 if await self.comes_to(url, version):
                     return True
             log.warning(
