@@ -62,6 +62,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "centerline.bench_pipeline:bench_pipeline",
         "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle",
     ),
+    "sessions": (
+        "centerline.bench_sessions:bench_sessions",
+        "multi-turn session turns vs single requests of the same token counts, prefix-cache share by router policy",
+    ),
 }
 
 

@@ -1,0 +1,378 @@
+"""`centerline bench sessions [--json]`: multi-turn sessions through the session endpoint beside
+single requests of the same token counts, in one run; the prefix cache's share of the later
+turns' prompts with session affinity (smg ``--policy manual``, what ``up`` runs) and without.
+
+The stack, every part real: ``--engines`` SGLang servers of ``--model`` (``centerline sglang``,
+the CPU recipe, ``--enable-metrics``; default: the random seed-0 toy model, written by init-model
+into ``--model-dir`` once), and per ``--policies`` entry the SGLang router (``smg``,
+``centerline/sglang.py:router_argv`` with that policy) in front of all of them and a proxy
+(``centerline proxy``, K = ``--k``) in front of the router.
+
+Phase 1, sessions, once per policy: ``--sessions`` sessions of ``--turns`` turns, ``--concurrency``
+at a time, each on the worker's session endpoint (``rollout_worker/environment.py``
+``SessionEndpoint``: history check, chat template, native /generate through the proxy with
+``X-SMG-Routing-Key: <session id>``), driven by the real ``openai.AsyncOpenAI`` client as an
+environment drives it: a user message of ``--user-tokens`` random letters (one token each with
+the byte-level toy model), the reply with ``max_tokens`` ``--max-tokens``, the next user message.
+A turn's time is the client's, request to answer; its cached tokens are what the answer's
+``usage.prompt_tokens_details.cached_tokens`` says (SGLang's ``meta_info.cached_tokens``, carried
+by the proxy's binary answer). ``cache_share_later_turns`` = cached / prompt tokens over turns 2
+and later, whose history one engine may hold; ``history_cache_share_later_turns`` = cached / the
+tokens the session held before each of those turns (the rest of a prompt is the new messages,
+which no cache can hold): about 1 with affinity, what the policy happens to give without it.
+Each policy's sessions have their own random text, so no policy meets another's cache.
+
+Phase 2, single requests (once, through the first policy's proxy): every turn of that policy's
+sessions again as one native /generate of the same token counts, with no session and no routing
+key: as many random prompt ids as the turn's prompt tokens (nothing of them in any cache) and
+``max_new_tokens`` = the tokens the turn sampled, with ``ignore_eos``, as many at a time as phase 1
+had sessions in flight (``--concurrency``, at most ``--sessions``).
+``overhead_ms_per_turn`` = a session turn's mean time less a single request's: the session
+endpoint, the template and the OpenAI client, less what the prefix cache saves in prefill.
+``tokens_per_s`` counts sampled tokens over each phase's wall time; ``*_ratio`` is sessions over
+single requests. ``*_per_engine``: requests each engine counted in the phase
+(``sglang:num_requests_total``): single requests spread over the engines under ``manual`` (a
+request without a key goes to a healthy engine at random).
+
+One JSON line per phase on stderr; the result on stdout (``--json``: one line).
+
+    centerline bench sessions --json
+    centerline bench sessions --engines 1 --policies manual --sessions 4 --turns 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import string
+import sys
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from centerline import launcher, sglang
+from centerline.launcher import PYTHON, Stack, wait_http
+from shared.ports import free_port
+
+POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
+REQUESTS = re.compile(rb"^sglang:num_requests_total(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def progress(phase: str, **fields) -> None:
+    """One JSON line per phase on stderr."""
+    print(json.dumps({"bench": "sessions", "phase": phase, **fields}), file=sys.stderr, flush=True)
+
+
+def engine_requests(url: str) -> int | None:
+    """The requests an engine has counted (``sglang:num_requests_total``, every label set); None
+    for an engine started without ``--enable-metrics`` (``--engine-urls``)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            found = REQUESTS.findall(resp.read())
+    except OSError:
+        return None
+    return int(sum(float(v) for v in found)) if found else None
+
+
+def counted(before: list, after: list) -> list | None:
+    """Requests per engine between two looks; None where an engine does not count them."""
+    if None in before or None in after:
+        return None
+    return [a - b for a, b in zip(after, before)]
+
+
+def words(rng: np.random.Generator, n: int) -> str:
+    """``n`` random lowercase letters and spaces, ``n`` tokens of the byte-level toy model."""
+    letters = np.array(list(string.ascii_lowercase + " "))
+    return "".join(rng.choice(letters, n)).strip() or "a"
+
+
+def mean_ms(seconds: list[float]) -> float:
+    return round(1000 * statistics.fmean(seconds), 3) if seconds else 0.0
+
+
+async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
+    """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns; their turns' figures."""
+    import aiohttp
+    import openai
+
+    from rollout_worker.environment import SessionEndpoint, proxy_generate
+    from rollout_worker.main import load_tokenizer
+    from rollout_worker.request import generate_body
+    from rollout_worker.session import ChatTemplate, Session
+    from shared.config import Config
+
+    cfg = Config(
+        proxy_url=proxy_url,
+        rollout_top_logprobs_num=args.k,
+        rollout_max_new_tokens=args.max_tokens,
+        rollout_session_max_tokens=args.session_max_tokens,
+    )
+    _, hf = load_tokenizer(model)
+    template = ChatTemplate(hf)
+    rng = np.random.default_rng(seed)
+    texts = [[words(rng, args.user_tokens) for _ in range(args.turns)] for _ in range(args.sessions)]
+    turns: list[dict] = []
+    gate = asyncio.Semaphore(args.concurrency)
+    endpoint = SessionEndpoint(cfg)
+    await endpoint.start()
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        def new_session(i: int) -> Session:
+            sid = f"bench-{seed}-{i}"
+
+            async def generate(input_ids, max_new_tokens, stop):
+                body = generate_body(cfg, input_ids, max_new_tokens=max_new_tokens, stop=stop)
+                return await proxy_generate(http, proxy_url, body, routing_key=sid)
+
+            return Session(sid, template, generate, k=args.k, budget=args.session_max_tokens)
+
+        async def one(i: int) -> None:
+            async with gate:
+                client = openai.AsyncOpenAI(base_url=endpoint.open(new_session(i)), api_key="unused", max_retries=0)
+                messages, held = [], 0  # held: the session's tokens before the turn
+                try:
+                    for t in range(args.turns):
+                        messages.append({"role": "user", "content": texts[i][t]})
+                        started = time.perf_counter()
+                        reply = await client.chat.completions.create(
+                            model="default", messages=messages, max_tokens=args.max_tokens
+                        )
+                        seconds = time.perf_counter() - started
+                        usage = reply.usage
+                        details = usage.prompt_tokens_details
+                        turns.append(
+                            {
+                                "turn": t,
+                                "seconds": seconds,
+                                "prompt_tokens": usage.prompt_tokens,
+                                "completion_tokens": usage.completion_tokens,
+                                "cached_tokens": details.cached_tokens if details is not None else None,
+                                "held_tokens": held,
+                            }
+                        )
+                        held = usage.prompt_tokens + usage.completion_tokens
+                        messages.append(reply.choices[0].message.model_dump())
+                finally:
+                    await client.close()
+
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(one(i) for i in range(args.sessions)))
+        finally:
+            await endpoint.close()
+        wall = time.perf_counter() - started
+    return {"turns": turns, "wall_s": wall}
+
+
+async def run_single(args, proxy_url: str, shapes: list[tuple[int, int]], vocab: int) -> dict:
+    """Phase 2: one native /generate per ``(prompt tokens, sampled tokens)``, random prompt ids, no routing key."""
+    import aiohttp
+
+    from shared import response_arrays
+
+    rng = np.random.default_rng(1 << 20)
+    sampling = {"n": 1, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+    bodies = [
+        orjson.dumps(
+            {
+                "input_ids": rng.integers(0, min(vocab, 256), p).tolist(),
+                "sampling_params": {**sampling, "max_new_tokens": max(n, 1)},
+                "return_logprob": True,
+                "top_logprobs_num": args.k,
+            }
+        )
+        for p, n in shapes
+    ]
+    headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
+    seconds, tokens, cached = [], [], []
+    gate = asyncio.Semaphore(min(args.concurrency, args.sessions))  # as many in flight as phase 1 had
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+
+        async def one(body: bytes) -> None:
+            async with gate:
+                started = time.perf_counter()
+                async with http.post(f"{proxy_url}/generate", data=body, headers=headers) as resp:
+                    answer = await resp.read()
+                    if resp.status != 200 or resp.content_type != response_arrays.MEDIA_TYPE:
+                        raise RuntimeError(f"{proxy_url}/generate answered {resp.status}: {answer[:300]!r}")
+                seconds.append(time.perf_counter() - started)
+                found = response_arrays.decode(answer)
+                tokens.append(int(found.response_ids.shape[0]))
+                cached.append((found.cached_tokens or [0])[0] or 0)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - started
+    return {"seconds": seconds, "tokens": tokens, "cached": cached, "wall_s": wall}
+
+
+def session_figures(found: dict, per_engine: list[int]) -> dict:
+    turns = found["turns"]
+    later = [t for t in turns if t["turn"] > 0]
+    prompt = sum(t["prompt_tokens"] for t in later)
+    cached = sum(t["cached_tokens"] or 0 for t in later)
+    held = sum(t["held_tokens"] for t in later)
+    tokens = sum(t["completion_tokens"] for t in turns)
+    return {
+        "turns": len(turns),
+        "turn_ms_mean": mean_ms([t["seconds"] for t in turns]),
+        "turn_ms_p50": round(1000 * statistics.median(t["seconds"] for t in turns), 3),
+        "later_turn_ms_mean": mean_ms([t["seconds"] for t in later]),
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+        "sampled_tokens": tokens,
+        "tokens_per_s": round(tokens / found["wall_s"], 3),
+        "later_turns_prompt_tokens": prompt,
+        "later_turns_cached_tokens": cached,
+        "cache_share_later_turns": round(cached / prompt, 4) if prompt else 0.0,
+        "later_turns_history_tokens": held,
+        "history_cache_share_later_turns": round(cached / held, 4) if held else 0.0,
+        "requests_per_engine": per_engine,
+        "wall_s": round(found["wall_s"], 3),
+    }
+
+
+def bench_sessions(argv: list[str]) -> int:
+    """Session turns vs single requests of the same token counts; prefix-cache share with and without affinity."""
+    parser = argparse.ArgumentParser(prog="centerline bench sessions", description=bench_sessions.__doc__)
+    parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
+    parser.add_argument("--engines", type=int, default=2, help="SGLang servers started, behind each router")
+    parser.add_argument(
+        "--engine-urls",
+        nargs="+",
+        default=None,
+        help="running SGLang servers of --model to use instead of starting --engines (per-engine counts need "
+        "their --enable-metrics)",
+    )
+    parser.add_argument(
+        "--policies",
+        default="manual,cache_aware,round_robin",
+        help=f"router policies, in this order, comma-separated, of {', '.join(POLICIES)}; manual (session "
+        "affinity) is what up runs, round_robin none; the first one's turns are replayed as single requests",
+    )
+    parser.add_argument("--sessions", type=int, default=16, help="sessions per policy")
+    parser.add_argument("--turns", type=int, default=4, help="turns per session")
+    parser.add_argument("--user-tokens", type=int, default=48, help="letters of each user message")
+    parser.add_argument("--max-tokens", type=int, default=16, help="each turn's max_tokens")
+    parser.add_argument("--concurrency", type=int, default=4, help="sessions (phase 2: requests) in flight")
+    parser.add_argument("--k", type=int, default=128, help="candidates per token (the proxy's contract)")
+    parser.add_argument(
+        "--session-max-tokens", type=int, default=1024, help="a session's token budget (--rollout-session-max-tokens)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF model directory with a chat template (default: the toy model)"
+    )
+    parser.add_argument("--model-dir", type=Path, default=Path("models"), help="where the toy model is written once")
+    parser.add_argument("--run-dir", type=Path, default=None, help="logs; default runs/bench-sessions-<date-time>")
+    args = parser.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or set(policies) - set(POLICIES) or len(set(policies)) != len(policies):
+        parser.error(f"--policies {args.policies}: distinct names from {', '.join(POLICIES)}")
+    for name in ("engines", "sessions", "turns", "user_tokens", "max_tokens", "concurrency", "k"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    run_dir = args.run_dir or Path("runs") / datetime.now().strftime("bench-sessions-%Y-%m-%d-%H%M%S")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if args.engine_urls and not args.model:
+        parser.error("--engine-urls: name the model they serve with --model (the chat template and vocabulary)")
+    model = args.model or str(toy_model(args.model_dir))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    stack = Stack(run_dir / "logs", {})
+    try:
+        result = run(args, policies, model, vocab, stack, run_dir / "logs")
+    except RuntimeError as exc:
+        print(f"centerline bench sessions: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+def toy_model(model_dir: Path) -> Path:
+    """The random seed-0 toy model (init-model), written once into ``model_dir``."""
+    from centerline.model_init import write_model_dir
+
+    out = model_dir / "init-seed0"
+    if not (out / "config.json").is_file():
+        write_model_dir(out, seed=0)
+    return out
+
+
+def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: Path) -> dict:
+    started = time.monotonic()
+    engines = []
+    for i in range(0 if args.engine_urls else args.engines):
+        url = f"http://127.0.0.1:{free_port()}"
+        proc = stack.start(f"sglang-{i}", launcher.sglang_argv(model, url, ["--enable-metrics"]))
+        engines.append((url, proc))
+    for i, (url, proc) in enumerate(engines):
+        wait_http(f"{url}/health", f"SGLang {i}", proc, logs / f"sglang-{i}.log", 600)
+    urls = args.engine_urls or [u for u, _ in engines]
+    progress("engines_ready", engines=urls, startup_s=round(time.monotonic() - started, 1))
+    result = {
+        "bench": "sessions",
+        "engines": len(urls),
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "user_tokens": args.user_tokens,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "k": args.k,
+        "policies": {},
+    }
+    for n, policy in enumerate(policies):
+        proxy_url = start_router_and_proxy(stack, logs, urls, policy, vocab, args.k)
+        before = [engine_requests(u) for u in urls]
+        found = asyncio.run(run_sessions(args, proxy_url, model, seed=n))
+        after = [engine_requests(u) for u in urls]
+        figures = session_figures(found, counted(before, after))
+        result["policies"][policy] = figures
+        progress("sessions", policy=policy, **figures)
+        if n == 0:
+            shapes = [(t["prompt_tokens"], t["completion_tokens"]) for t in found["turns"]]
+            before = [engine_requests(u) for u in urls]
+            single = asyncio.run(run_single(args, proxy_url, shapes, vocab))
+            after = [engine_requests(u) for u in urls]
+            tokens = sum(single["tokens"])
+            result["single"] = {
+                "policy": policy,
+                "requests": len(single["seconds"]),
+                "request_ms_mean": mean_ms(single["seconds"]),
+                "request_ms_p50": round(1000 * statistics.median(single["seconds"]), 3),
+                "prompt_tokens": sum(p for p, _ in shapes),
+                "sampled_tokens": tokens,
+                "tokens_per_s": round(tokens / single["wall_s"], 3),
+                "cached_tokens": sum(single["cached"]),
+                "requests_per_engine": counted(before, after),
+                "wall_s": round(single["wall_s"], 3),
+            }
+            progress("single", **result["single"])
+    single = result["single"]
+    for figures in result["policies"].values():
+        figures["overhead_ms_per_turn"] = round(figures["turn_ms_mean"] - single["request_ms_mean"], 3)
+        figures["tokens_per_s_ratio"] = round(figures["tokens_per_s"] / single["tokens_per_s"], 4)
+    return result
+
+
+def start_router_and_proxy(stack: Stack, logs: Path, engines: list[str], policy: str, vocab: int, k: int) -> str:
+    """smg with ``policy`` in front of ``engines``, a proxy at K = ``k`` in front of it; the proxy's URL once ready."""
+    port, proxy_port = free_port(), free_port()
+    router = stack.start(f"router-{policy}", sglang.router_argv(engines, "127.0.0.1", port, free_port(), policy))
+    router_url = f"http://127.0.0.1:{port}"
+    wait_http(f"{router_url}/readiness", f"router ({policy})", router, logs / f"router-{policy}.log", 120)
+    argv = [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--host", "127.0.0.1"]
+    argv += ["--port", str(proxy_port), "--vocab-size", str(vocab), "--rollout-top-logprobs-num", str(k)]
+    proxy = stack.start(f"proxy-{policy}", argv)
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    wait_http(f"{proxy_url}/ready", f"proxy ({policy})", proxy, logs / f"proxy-{policy}.log", 120)
+    progress("stack_ready", policy=policy, router=router_url, proxy=proxy_url)
+    return proxy_url

@@ -1,0 +1,70 @@
+"""`centerline bench sessions`: sessions through the session endpoint, then single requests of the
+same token counts, one JSON object. Tiny sizes on the session's shared SGLang server (``--engine-urls``:
+no server of its own), behind a real router and proxy the bench starts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SESSIONS, TURNS, USER, MAX_TOKENS = 2, 3, 8, 4
+FIGURES = {
+    "turns",
+    "turn_ms_mean",
+    "turn_ms_p50",
+    "later_turn_ms_mean",
+    "prompt_tokens",
+    "sampled_tokens",
+    "tokens_per_s",
+    "later_turns_prompt_tokens",
+    "later_turns_cached_tokens",
+    "cache_share_later_turns",
+    "later_turns_history_tokens",
+    "history_cache_share_later_turns",
+    "requests_per_engine",
+    "wall_s",
+    "overhead_ms_per_turn",
+    "tokens_per_s_ratio",
+}
+
+
+@pytest.mark.integration
+def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_token_counts(
+    sglang, model_dir, tmp_path
+):
+    argv = [sys.executable, "-m", "centerline", "bench", "sessions", "--json", "--engine-urls", sglang.url]
+    argv += ["--model", str(model_dir), "--policies", "manual", "--sessions", str(SESSIONS), "--turns", str(TURNS)]
+    argv += ["--user-tokens", str(USER), "--max-tokens", str(MAX_TOKENS), "--run-dir", str(tmp_path)]
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    phases = [json.loads(line)["phase"] for line in run.stderr.splitlines() if line.startswith('{"bench"')]
+    assert phases == ["engines_ready", "stack_ready", "sessions", "single"]
+    (line,) = run.stdout.splitlines()
+    result = json.loads(line)
+    assert {k: result[k] for k in ("bench", "engines", "sessions", "turns", "max_tokens", "k")} == {
+        "bench": "sessions",
+        "engines": 1,
+        "sessions": SESSIONS,
+        "turns": TURNS,
+        "max_tokens": MAX_TOKENS,
+        "k": 128,
+    }
+    manual, single = result["policies"]["manual"], result["single"]
+    assert set(manual) == FIGURES and manual["turns"] == single["requests"] == SESSIONS * TURNS
+    # the same token counts both ways: what the sessions sent and sampled, the single requests did
+    assert (single["prompt_tokens"], single["sampled_tokens"]) == (manual["prompt_tokens"], manual["sampled_tokens"])
+    assert SESSIONS * TURNS <= manual["sampled_tokens"] <= SESSIONS * TURNS * MAX_TOKENS
+    # one engine held each session's history: all of it but at most a token a turn came from its cache
+    later = SESSIONS * (TURNS - 1)
+    held, cached = manual["later_turns_history_tokens"], manual["later_turns_cached_tokens"]
+    assert held - later <= cached <= held < manual["later_turns_prompt_tokens"]
+    assert manual["cache_share_later_turns"] == round(cached / manual["later_turns_prompt_tokens"], 4)
+    assert manual["requests_per_engine"] is None and single["requests_per_engine"] is None  # no --enable-metrics
+    assert single["cached_tokens"] <= SESSIONS * TURNS  # random prompts: nothing cached but a shared first id
+    for figures in (manual, single):
+        assert figures["tokens_per_s"] > 0 and figures["wall_s"] > 0
+    assert manual["turn_ms_mean"] > 0 and single["request_ms_mean"] > 0
+    assert manual["overhead_ms_per_turn"] == round(manual["turn_ms_mean"] - single["request_ms_mean"], 3)
