@@ -163,10 +163,11 @@ def test_weight_publisher_refused_by_the_server_names_the_server_and_the_setting
     with pytest.raises(admin_key.AdminKeyError) as info:
         asyncio.run(update())
     assert str(info.value) == (
-        f"engine {keyed.url} refused the weight update with HTTP 401: the trainer's admin key "
+        f"engine {keyed.url} refused /pause_generation with HTTP 401: the trainer's admin key "
         f"(CENTERLINE_ENGINE_ADMIN_API_KEY or CENTERLINE_ENGINE_ADMIN_API_KEY_FILE) {problem}"
     )
     assert keyed.weight_version() == before != "5"
+    assert http("GET", keyed.url + "/ready")[0] == 200  # refused, the pause never happened
 
 
 def test_the_key_comes_from_the_environment_or_a_file(tmp_path):

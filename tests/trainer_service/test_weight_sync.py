@@ -1,6 +1,7 @@
-"""Weight updates against real SGLang: /update_weights_from_disk waits for the generations in
-flight, so a call that times out on the trainer's side may still be carried out. The trainer
-asks the engine which version it serves before calling an update failed."""
+"""Weight updates against real SGLang: draining (weight_update drain), /update_weights_from_disk
+waits for the generations in flight, so a call that times out on the trainer's side may still be
+carried out. The trainer asks the engine which version it serves before calling an update failed.
+In-flight updates: tests/trainer_service/test_weight_update.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_an_update_that_times_out_while_sglang_finishes_a_generation_counts_once
     )
 
     async def update():
-        publisher = WeightPublisher(None, [sglang.url], attempts=1, timeout=1.0)  # far shorter than the generation
+        # far shorter than the generation, which a draining update waits for
+        publisher = WeightPublisher(None, [sglang.url], attempts=1, timeout=1.0, mode="drain")
         try:
             return await publisher.update(sglang.url, 5, model_dir)
         finally:
