@@ -1,19 +1,26 @@
-"""`centerline bench pipeline [--json]`: on-policy and asynchronous runs side by side, each with
-its samples/s and tokens/s, the share of wall time SGLang had work, and the held-out accuracy it
-reached in the same training time; beside SGLang alone at the same concurrency.
+"""`centerline bench pipeline [--json]`: weight updates that drain the engine and updates in
+flight side by side (and on-policy, when asked), each with its samples/s and tokens/s, the time
+per weight update, the share of wall time SGLang had work, staleness per trained token and the
+held-out accuracy it reached in the same training time; beside SGLang alone at the same concurrency.
 
-Phase 1, the pipeline, once per ``--modes`` entry: ``on-policy`` is ``centerline up
---max-inflight-steps 1`` (the engine samples a step's batches, then waits while the trainer
-trains on them), ``async`` is ``--max-inflight-steps 2``, the default (the engine samples the
-next step while the trainer trains, so a batch is at most one weight version stale and score
-centering corrects for it). Each run is its own process, every service real, SGLang started
+Phase 1, the pipeline, once per ``--modes`` entry (default ``drain,in-flight``): each is a
+``centerline up`` run with a ``max_inflight_steps`` and the trainer's ``weight_update``
+(docs/design.md section 8): ``drain`` is the asynchronous default pipeline (``2``: the engine
+samples the next step while the trainer trains, so a batch is at most one weight version stale
+and score centering corrects for it) with updates that wait for the generations in flight;
+``in-flight`` the same with ``weight_update = in_place``, the default (pause, load, continue:
+the generations go on, a response may span an update); ``on-policy`` is
+``--max-inflight-steps 1`` (the engine samples a step's batches, then waits while the trainer
+trains on them). Each run is its own process, every service real, SGLang started
 with ``--enable-metrics``, and trains for ``--train-seconds`` (``up --train-seconds``: the
 trainer starts no step after that), then ``up`` evaluates ``--eval-prompts`` held-out prompts,
 as it did before training. The measured window runs from the end of step ``--warmup-steps`` to
 the end of the last step, as this process sees lines appear in ``metrics.jsonl`` (polled every
 ``--poll`` s), so start-up, the first batches and the evaluations are outside it. Samples and
 tokens are the trainer's own counts for the steps in the window (``samples``,
-``trained_tokens``; every generated token is trained).
+``trained_tokens``; every generated token is trained); ``weights_s`` the trainer's time per
+step to load the new version into the engine and announce it; staleness per trained token the
+steps' ``token_staleness_*``, weighted by their trained tokens.
 
 Phase 2, SGLang alone: after ``up`` has stopped, a fresh ``centerline sglang`` of the same model
 (weights of step 0, the same recipe and flags) gets the requests the workers send, as the proxy
@@ -46,18 +53,20 @@ another is running. Phase 2 reports its own duty cycle the same way, what the pi
 at this concurrency: short of 1 by the round trips between an answer and the next request, which
 are long beside a small model's forward passes (top-K log-probs are formatted in Python).
 
-Measured here (2 CPUs otherwise idle; ``--train-seconds 120 --eval-prompts 200``, otherwise the
-defaults): on-policy 241 steps, 257.5 samples/s, SGLang duty cycle 0.588, trainer 0.313,
-held-out accuracy 0.075 -> 0.215; async 297 steps, 317.4 samples/s, duty cycles 0.865 and
-0.920, 0.065 -> 0.22; SGLang alone at 16 requests 347.9 samples/s, duty cycle 0.854. Async,
-SGLang has work as often as when driven alone at the workers' concurrency; what both miss of
-1 are the round trips above. ``trainer_duty_cycle`` says which side waits.
+Measured here before in-flight updates (2 CPUs otherwise idle; ``--train-seconds 120
+--eval-prompts 200``, otherwise the defaults): on-policy 241 steps, 257.5 samples/s, SGLang duty
+cycle 0.588, trainer 0.313, held-out accuracy 0.075 -> 0.215; asynchronous with draining updates
+297 steps, 317.4 samples/s, duty cycles 0.865 and 0.920, 0.065 -> 0.22; SGLang alone at 16
+requests 347.9 samples/s, duty cycle 0.854. ``trainer_duty_cycle`` says which side waits.
+The figures of drain against in-flight are in README's bench section.
 
 Left out: more than one SGLang server (``--engines``), GPUs, and the pipeline's latency
-figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step).
+figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step). Sessions run the same way
+with ``-- --task chain`` (its tasks name the chain environment): the bench measures whatever
+``up`` trains.
 
     centerline bench pipeline --json
-    centerline bench pipeline --modes async --train-seconds 30 --workers 4 -- --rollout-n 4
+    centerline bench pipeline --modes on-policy,drain,in-flight --train-seconds 30 -- --rollout-n 4
 
 Flags after ``--`` are ``centerline up``'s (``--config FILE`` too): the run spec each mode is a
 variant of (``centerline/run_spec.py``), with the bench's own flags (``--task``, ``--steps``,
@@ -89,8 +98,8 @@ from centerline.run_spec import RunSpec
 from shared.config import Config, ConfigError, setting_variables
 from shared.ports import free_port
 
-# --modes: each a `centerline up` run with this --max-inflight-steps
-MODES = {"on-policy": 1, "async": 2}
+# --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
+MODES = {"on-policy": (1, "in_place"), "drain": (2, "drain"), "in-flight": (2, "in_place")}
 IDLE = "sglang:scheduler_idle_seconds_total"
 CPU = "sglang:scheduler_process_cpu_seconds_total"  # grows at every flush of IDLE
 
@@ -168,8 +177,9 @@ def duty_cycle(samples: list[tuple[float, float, float]], start: float, end: flo
 
 
 def mode_spec(base: RunSpec, args, mode: str, run_dir: Path) -> RunSpec:
-    """The spec of one ``MODES`` run: ``base`` (the flags after ``--``) with the bench's own settings,
-    SGLang's ``--enable-metrics`` added to its flags."""
+    """The spec of one ``MODES`` run: ``base`` (the flags after ``--``) with the bench's own settings
+    and the mode's ``max_inflight_steps`` and ``weight_update``, SGLang's ``--enable-metrics`` added
+    to its flags."""
     up = {
         "task": args.task,
         "steps": args.steps,
@@ -184,7 +194,8 @@ def mode_spec(base: RunSpec, args, mode: str, run_dir: Path) -> RunSpec:
     }
     if args.train_seconds:
         up["train_seconds"] = args.train_seconds
-    return base.derive(cfg={"max_inflight_steps": MODES[mode]}, up=up)
+    inflight, weight_update = MODES[mode]
+    return base.derive(cfg={"max_inflight_steps": inflight}, up=up, trainer={"weight_update": weight_update})
 
 
 def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
@@ -247,7 +258,8 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
     evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
     figures = {
-        "max_inflight_steps": MODES[mode],
+        "max_inflight_steps": MODES[mode][0],
+        "weight_update": MODES[mode][1],
         "steps_done": last,
         "steps_wall_s": round(sum(s["step_s"] for s in steps), 3),  # the trainer's own clock, all steps
         "staleness_max": max(s["staleness_max"] for s in steps),
@@ -264,12 +276,25 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
             f"pipeline_{k}_mean": round(sum(s[k] for s in window) / len(window), 4)
             for k in ("step_s", "gather_s", "train_s")
         },
+        "weights_s_mean": round(sum(s["weights_s"] for s in window) / len(window), 4),
+        "weights_s_max": round(max(s["weights_s"] for s in window), 4),
+        **token_staleness(window),
         **duty_cycle(scraper.samples, start, end),
         # the trainer's side: the share of its step time not spent waiting for batches
         "trainer_duty_cycle": round(1 - sum(s["gather_s"] for s in window) / sum(s["step_s"] for s in window), 4),
     }
     progress("pipeline", mode=mode, **figures)
     return figures, ran, model
+
+
+def token_staleness(steps: list[dict]) -> dict:
+    """The steps' staleness per trained token (their ``token_staleness_*``), weighted by their trained tokens."""
+    tokens = sum(s["trained_tokens"] for s in steps)
+    return {
+        "token_staleness_mean": round(sum(s["token_staleness_mean"] * s["trained_tokens"] for s in steps) / tokens, 4),
+        "token_staleness_max": max(s["token_staleness_max"] for s in steps),
+        "token_stale_share": round(sum(s["token_stale_share"] * s["trained_tokens"] for s in steps) / tokens, 4),
+    }
 
 
 def _new_steps(metrics: Path, seen: dict[int, float]) -> dict[int, float]:
@@ -395,8 +420,9 @@ def bench_pipeline(argv: list[str]) -> int:
     parser.add_argument("--task", default="upper", help="toy task (centerline up's default)")
     parser.add_argument(
         "--modes",
-        default="on-policy,async",
-        help="runs, in this order, comma-separated: on-policy (--max-inflight-steps 1), async (2, the default)",
+        default="drain,in-flight",
+        help="runs, in this order, comma-separated: drain (asynchronous, weight_update drain), in-flight "
+        "(asynchronous, weight_update in_place: the defaults), on-policy (--max-inflight-steps 1)",
     )
     parser.add_argument("--steps", type=int, default=1000, help="trainer steps, at most (--train-seconds ends runs)")
     parser.add_argument(
@@ -443,8 +469,8 @@ def bench_pipeline(argv: list[str]) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
         parser.error(f"--modes {args.modes}: distinct names from {', '.join(MODES)}")
-    if any(flag.startswith("--max-inflight-steps") for flag in up_extra):
-        parser.error("--max-inflight-steps after --: --modes sets it for each run")
+    if any(flag.startswith(("--max-inflight-steps", "--weight-update")) for flag in up_extra):
+        parser.error("--max-inflight-steps or --weight-update after --: --modes sets them for each run")
     if not 1 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {args.steps}")
     run_dir = args.run_dir or Path("runs") / datetime.now().strftime("bench-pipeline-%Y-%m-%d-%H%M%S")

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from centerline import launcher
-from centerline.bench_pipeline import concurrent_requests, duty_cycle, mode_spec
+from centerline.bench_pipeline import concurrent_requests, duty_cycle, mode_spec, token_staleness
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, TRAIN_S, WARMUP, PROMPTS, N, MAX_NEW, ALONE_S = 1000, 15.0, 1, 2, 2, 8, 5.0
 PIPELINE_KEYS = {
     "max_inflight_steps",
+    "weight_update",
+    "weights_s_mean",
+    "weights_s_max",
+    "token_staleness_mean",
+    "token_staleness_max",
+    "token_stale_share",
     "steps_done",
     "steps_wall_s",
     "staleness_max",
@@ -126,6 +132,25 @@ def test_each_mode_is_a_variant_of_the_spec_after_dashdash_and_reports_the_worke
     spec.write(tmp_path / "on-policy.toml")
     monkeypatch.delenv("CENTERLINE_WORKER_CONCURRENCY")
     assert launcher.parse(["--config", str(tmp_path / "on-policy.toml")]) == spec
+    # drain and in-flight: both asynchronous, one trainer setting apart
+    variants = {mode: mode_spec(base, args, mode, tmp_path / mode) for mode in ("drain", "in-flight")}
+    assert {m: (v.cfg.max_inflight_steps, v.trainer.weight_update) for m, v in variants.items()} == {
+        "drain": (2, "drain"),
+        "in-flight": (2, "in_place"),
+    }
+    assert spec.trainer.weight_update == "in_place"
+
+
+def test_staleness_per_token_is_weighted_by_each_steps_trained_tokens():
+    steps = [
+        {"trained_tokens": 30, "token_staleness_mean": 1.0, "token_staleness_max": 1, "token_stale_share": 0.0},
+        {"trained_tokens": 10, "token_staleness_mean": 0.2, "token_staleness_max": 2, "token_stale_share": 0.4},
+    ]
+    assert token_staleness(steps) == {
+        "token_staleness_mean": 0.8,
+        "token_staleness_max": 2,
+        "token_stale_share": 0.1,
+    }
 
 
 def _processes_mentioning(path: str) -> list[str]:
@@ -195,11 +220,13 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert r["train_seconds"] == TRAIN_S
     assert r["concurrent_requests"] == 1 * 8  # one worker, eight tasks in flight (the worker's default)
     assert r["model"] == str(tmp_path / "models" / "sft-copy-seed0")
-    assert list(r["modes"]) == ["on-policy", "async"]
-    for mode, inflight in (("on-policy", 1), ("async", 2)):
+    assert list(r["modes"]) == ["drain", "in-flight"]
+    for mode, weight_update in (("drain", "drain"), ("in-flight", "in_place")):
         m = r["modes"][mode]
+        inflight = 2
         assert set(m) == PIPELINE_KEYS, mode
         assert m["max_inflight_steps"] == inflight and WARMUP < m["steps_done"] < STEPS, mode
+        assert m["weight_update"] == weight_update
         run_dir = tmp_path / "run" / mode
         steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
         assert [s["step"] for s in steps] == list(range(1, m["steps_done"] + 1))
@@ -209,8 +236,15 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         assert f"--train-seconds {TRAIN_S:g} have passed" in (run_dir / "logs" / "trainer.log").read_text()
         evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
         assert [e["step"] for e in evals] == [0, m["steps_done"]]
-        # on-policy every batch meets the weights that sampled it; async at most one version later
+        # asynchronous, a batch meets weights at most one version later than its oldest token's
         assert 0 <= m["staleness_max"] <= inflight - 1, mode
+        assert 0 <= m["token_staleness_mean"] <= m["token_staleness_max"] <= m["staleness_max"], mode
+        assert m["token_stale_share"] == 0.0, mode  # no token more than one version behind
+        window = steps[WARMUP:]
+        assert m["weights_s_mean"] == round(sum(s["weights_s"] for s in window) / len(window), 4)
+        assert m["weights_s_max"] == round(max(s["weights_s"] for s in window), 4)
+        run_config = (run_dir / "config.toml").read_text()
+        assert f'weight_update = "{weight_update}"' in run_config, mode
         assert 0 <= m["accuracy_before"] <= 1 and 0 <= m["accuracy_after"] <= 1
         # Every step trains prompts x n samples; the window leaves out the warm-up steps.
         done = m["steps_done"]
