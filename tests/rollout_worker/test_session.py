@@ -394,16 +394,16 @@ def test_a_task_naming_an_environment_runs_n_sessions_into_one_batch_with_group_
 
 
 def test_the_chain_environment_scores_each_step_and_restates_the_sum_after_a_wrong_answer(template, monkeypatch):
-    """The built-in ``chain``: one turn per step; after the wrong "11" the user restates the true
-    sum ("12+2"), after a right answer only the next number; the reward is the share right."""
+    """The built-in ``chain``: one turn per step; after the wrong "1" the user restates the true
+    value ("2+2"), after a right answer only the next number; the reward is the share right."""
     from shared.contract import sample_turns
 
-    replies = [(text_ids("7") + [IM_END], "stop"), (text_ids("11") + [IM_END], "stop"), (text_ids("145"), "length")]
+    replies = [(text_ids("7") + [IM_END], "stop"), (text_ids("1") + [IM_END], "stop"), (text_ids("45"), "length")]
     engine = Engine(replies)
-    outcome = process(template, monkeypatch, "chain", engine, n=1, prompt="3+4 +5 +2", answer="7 12 14")
-    assert outcome.rewards.tolist() == [1 / 3]  # "7" right, "11" wrong, "145" wrong (cut off by its limit)
+    outcome = process(template, monkeypatch, "chain", engine, n=1, prompt="3+4 +5 +2", answer="7 2 4")
+    assert outcome.rewards.tolist() == [1 / 3]  # "7" right, "1" wrong, "45" wrong (cut off by its limit)
     users = [template.decode(ids).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for ids, _, _ in engine.inputs]
-    assert users == ["3+4", "+5", "12+2"]
+    assert users == ["3+4", "+5", "2+2"]
     assert [limit for _, limit, _ in engine.inputs] == [8, 8, 8]  # the environment's max_tokens
     [batch] = outcome.batches
     assert sample_turns(batch) == [3] and batch.finish_reasons == ["length"]
