@@ -31,8 +31,9 @@ had sessions in flight (``--concurrency``, at most ``--sessions``).
 endpoint, the template and the OpenAI client, less what the prefix cache saves in prefill.
 ``tokens_per_s`` counts sampled tokens over each phase's wall time; ``*_ratio`` is sessions over
 single requests. ``*_per_engine``: requests each engine counted in the phase
-(``sglang:num_requests_total``): single requests spread over the engines under ``manual`` (a
-request without a key goes to a healthy engine at random).
+(``sglang:num_requests_total``; null for a server without ``--enable-metrics``): single
+requests spread over the engines under ``manual`` (a request without a key goes to a healthy
+engine at random), a session's turns all go to one.
 
 One JSON line per phase on stderr; the result on stdout (``--json``: one line).
 
@@ -81,11 +82,9 @@ def engine_requests(url: str) -> int | None:
     return int(sum(float(v) for v in found)) if found else None
 
 
-def counted(before: list, after: list) -> list | None:
-    """Requests per engine between two looks; None where an engine does not count them."""
-    if None in before or None in after:
-        return None
-    return [a - b for a, b in zip(after, before)]
+def counted(before: list, after: list) -> list:
+    """Requests per engine between two looks; None for an engine that does not count them."""
+    return [None if a is None or b is None else a - b for a, b in zip(after, before)]
 
 
 def words(rng: np.random.Generator, n: int) -> str:

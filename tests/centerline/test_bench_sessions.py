@@ -1,6 +1,7 @@
 """`centerline bench sessions`: sessions through the session endpoint, then single requests of the
-same token counts, one JSON object. Tiny sizes on the session's shared SGLang server (``--engine-urls``:
-no server of its own), behind a real router and proxy the bench starts."""
+same token counts, one JSON object. Tiny sizes on two engines (``--engine-urls``): the session's
+shared SGLang server and one with ``--enable-metrics``, whose request count shows the routing,
+behind a real router (``--policy manual``) and proxy the bench starts."""
 
 import json
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SESSIONS, TURNS, USER, MAX_TOKENS = 2, 3, 8, 4
+SESSIONS, TURNS, USER, MAX_TOKENS = 4, 3, 8, 4
 FIGURES = {
     "turns",
     "turn_ms_mean",
@@ -31,13 +32,25 @@ FIGURES = {
 }
 
 
+@pytest.fixture
+def counting_server(model_dir, tmp_path):
+    """A second SGLang server of the shared model, counting its requests (sglang:num_requests_total)."""
+    from tests.processes import SGLangProcess
+
+    server = SGLangProcess(model_dir, tmp_path / "sglang.log", "--enable-metrics")
+    yield server
+    server.stop()
+
+
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_token_counts(
-    sglang, model_dir, tmp_path
+    sglang, counting_server, model_dir, tmp_path
 ):
-    argv = [sys.executable, "-m", "centerline", "bench", "sessions", "--json", "--engine-urls", sglang.url]
+    engines = [sglang.url, counting_server.url]
+    argv = [sys.executable, "-m", "centerline", "bench", "sessions", "--json", "--engine-urls", *engines]
     argv += ["--model", str(model_dir), "--policies", "manual", "--sessions", str(SESSIONS), "--turns", str(TURNS)]
-    argv += ["--user-tokens", str(USER), "--max-tokens", str(MAX_TOKENS), "--run-dir", str(tmp_path)]
+    argv += ["--user-tokens", str(USER), "--max-tokens", str(MAX_TOKENS), "--run-dir", str(tmp_path / "run")]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     phases = [json.loads(line)["phase"] for line in run.stderr.splitlines() if line.startswith('{"bench"')]
@@ -46,7 +59,7 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     result = json.loads(line)
     assert {k: result[k] for k in ("bench", "engines", "sessions", "turns", "max_tokens", "k")} == {
         "bench": "sessions",
-        "engines": 1,
+        "engines": 2,
         "sessions": SESSIONS,
         "turns": TURNS,
         "max_tokens": MAX_TOKENS,
@@ -62,7 +75,12 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     held, cached = manual["later_turns_history_tokens"], manual["later_turns_cached_tokens"]
     assert held - later <= cached <= held < manual["later_turns_prompt_tokens"]
     assert manual["cache_share_later_turns"] == round(cached / manual["later_turns_prompt_tokens"], 4)
-    assert manual["requests_per_engine"] is None and single["requests_per_engine"] is None  # no --enable-metrics
+    # routing, as the counting engine saw it (the shared one has no --enable-metrics): every turn of a
+    # session on one engine; single requests, which carry no routing key, spread (each of 12 at random:
+    # all on one engine one run in 2048)
+    (unknown, turns_there), (_, singles_there) = manual["requests_per_engine"], single["requests_per_engine"]
+    assert unknown is None and turns_there % TURNS == 0
+    assert 0 < singles_there < SESSIONS * TURNS
     assert single["cached_tokens"] <= SESSIONS * TURNS  # random prompts: nothing cached but a shared first id
     for figures in (manual, single):
         assert figures["tokens_per_s"] > 0 and figures["wall_s"] > 0
