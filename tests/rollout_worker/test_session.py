@@ -133,7 +133,7 @@ def test_a_trajectory_is_one_sample_of_a_batch_that_passes_the_contract(template
     settings = dict(producer="w", mode="selected", k=K, temperature=1.0, top_p=1.0, top_k=-1)
     batch = pack_trajectories(task, [s.trajectory(), other.trajectory()], rewards, rewards - 0.5, attempt=2, **settings)
     check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
-    assert (batch.batch_id, batch.task_id, batch.attempt, batch.num_samples) == ("run/0/1", "run/0/1", 2, 2)
+    assert (batch.batch_id, batch.task_id, batch.attempt, batch.num_samples) == ("run/0/1#2", "run/0/1", 2, 2)
     assert batch.prompt_offsets.tolist() == [0, len(s.trajectory().prompt_ids), 2 * len(s.trajectory().prompt_ids)]
 
 
