@@ -292,4 +292,6 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
         check_batch(batch, vocab_size=settings.vocab_size)
     except ContractViolation as exc:
         raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
-    return Outcome([batch], rewards, int(batch.loss_mask.sum()))
+    caches = [c for c in (s.later_turns_cache() for s, _ in played) if c is not None]
+    cache = (sum(p for p, _ in caches), sum(c for _, c in caches))
+    return Outcome([batch], rewards, int(batch.loss_mask.sum()), later_turns_cache=cache)

@@ -54,6 +54,17 @@ class WorkerMetrics:
             "centerline_worker_reward", "Per-sample reward", buckets=(0, 0.25, 0.5, 0.75, 1.0), registry=self.registry
         )
         self.latency = Histogram("centerline_worker_task_seconds", "Task latency, fetch to ack", registry=self.registry)
+        # Session affinity at work: the later turns' prompt tokens, and those the prefix cache served
+        self.session_prompt_tokens = Counter(
+            "centerline_worker_session_later_prompt_tokens",
+            "Prompt tokens of sessions' turns 2 and later",
+            registry=self.registry,
+        )
+        self.session_cached_tokens = Counter(
+            "centerline_worker_session_later_cached_tokens",
+            "Of those, the tokens SGLang's prefix cache served (meta_info.cached_tokens)",
+            registry=self.registry,
+        )
         self.weight_version = Gauge(
             "centerline_worker_weight_version", "Weight version of the last published batch", registry=self.registry
         )
@@ -62,6 +73,8 @@ class WorkerMetrics:
         self.tasks.labels("ok").inc()
         self.samples.inc(int(outcome.rewards.size))
         self.tokens.inc(outcome.tokens)
+        self.session_prompt_tokens.inc(outcome.later_turns_cache[0])
+        self.session_cached_tokens.inc(outcome.later_turns_cache[1])
         for r in outcome.rewards.tolist():
             self.reward.observe(r)
         self.latency.observe(latency)

@@ -78,6 +78,8 @@ class Outcome:
     batches: list = field(default_factory=list)
     rewards: np.ndarray | None = None
     tokens: int = 0
+    # sessions: the prompt tokens of turns 2 and later, and of them those SGLang's prefix cache served
+    later_turns_cache: tuple[int, int] = (0, 0)
 
 
 def served_prompt_ids(found: ResponseArrays) -> list[int]:

@@ -393,6 +393,22 @@ def test_a_task_naming_an_environment_runs_n_sessions_into_one_batch_with_group_
     assert outcome.tokens == 3 + 6 == int(batch.loss_mask.sum())
 
 
+def test_a_tasks_outcome_counts_its_sessions_later_turns_prompt_and_cached_tokens(template, monkeypatch):
+    """What the worker's metrics add up (centerline_worker_session_later_*): turns 2 and later only."""
+    from rollout_worker.main import WorkerMetrics
+
+    replies = [(text_ids("a") + [IM_END], "stop"), (text_ids("b") + [IM_END], "stop"), (text_ids("c"), "length")]
+    engine = Engine(replies, cached=[0, 5, 9])
+    outcome = process(template, monkeypatch, "three_turns_with_a_fault", engine, n=1)
+    later = sum(len(ids) for ids, _, _ in engine.inputs[1:])
+    assert outcome.later_turns_cache == (later, 5 + 9)
+    metrics = WorkerMetrics()
+    metrics.done(outcome, 1.0)
+    value = metrics.registry.get_sample_value
+    assert value("centerline_worker_session_later_prompt_tokens_total") == later
+    assert value("centerline_worker_session_later_cached_tokens_total") == 14
+
+
 def test_the_chain_environment_scores_each_step_and_restates_the_sum_after_a_wrong_answer(template, monkeypatch):
     """The built-in ``chain``: one turn per step; after the wrong "1" the user restates the true
     value ("2+2"), after a right answer only the next number; the reward is the share right."""
