@@ -251,7 +251,7 @@ def test_a_run_survives_sigkill_of_the_server_while_publishing_and_while_committ
     figures.notes.update({"kills": kills, "ledger_dropped_redeliveries": dropped, "sync_always": sync_always})
     print("\n" + figures.summary("nats-full-run"))
     assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
-    assert (figures.lost, figures.duplicated, figures.dead_lettered) == (0, 0, 0)
+    assert (figures.lost, figures.duplicated, figures.dead_lettered, figures.groups_twice) == (0, 0, 0, 0)
     assert run["ledger_matches_stream"] and set(run["trained"]) == run["expected"]
     assert run["acked"] <= set(run["stored_ids"])  # acked means stored
     assert run["stored_ids"][published.batch_id] == 1  # stored once though its task ran again
@@ -276,7 +276,9 @@ def test_a_worker_stopped_while_the_server_is_down_exits_0(topology):
 def test_a_lost_task_ack_is_logged_and_the_task_comes_back_stored_once(topology):
     """The worker's batch reaches the server, its task ack does not (the relay cuts the
     connection right after the publish, then resets it). The worker logs the lost ack, stays up,
-    and handles the redelivered task, whose batch JetStream drops as a duplicate."""
+    and handles the redelivered task as attempt 2, whose batch is stored under its own id
+    (``#2``): the trainer trains one attempt of a task and drops the other as
+    ``duplicate_attempt`` (test_worker_churn.py, test_split_task.py)."""
     relay = Relay(topology.server.port)
     try:
         worker = topology.add_worker("w0", nats_url=relay.url)
@@ -295,14 +297,18 @@ def test_a_lost_task_ack_is_logged_and_the_task_comes_back_stored_once(topology)
         wait_until(relay.tripped.is_set, 60, "the worker publishing the task's batch", worker.proc)
         relay.drop()
         wait_until(lambda: '"task done"' in worker.log(), 60, "the redelivered task done", worker.proc)
-        stored = [decode_batch(bytes(data)).batch_id for _, _, data in asyncio.run(stream_messages(topology.nats))]
+        stored = [decode_batch(bytes(data)) for _, _, data in asyncio.run(stream_messages(topology.nats))]
         info = asyncio.run(consumers(topology.nats))
     finally:
         relay.close()
     lost = [json.loads(line) for line in worker.log().splitlines() if '"task ack lost' in line]
     assert [(x["task_id"], x["batches"]) for x in lost] == [(task.task_id, [task.task_id])]
     assert "Task exception was never retrieved" not in worker.log()
-    assert stored == [task.task_id] and info == {names.WORKERS_CONSUMER: (0, 0)}
+    assert [(b.batch_id, b.task_id, b.attempt) for b in stored] == [
+        (task.task_id, task.task_id, 1),
+        (f"{task.task_id}#2", task.task_id, 2),
+    ]
+    assert info == {names.WORKERS_CONSUMER: (0, 0)}
     assert worker.proc.poll() is None
 
 

@@ -5,8 +5,12 @@ every prompt group of every step exactly once.
 The kill points are set with ``Relay`` (every worker's NATS connection runs through it):
 - just after a worker was handed a task: it dies holding the task, nothing published;
 - just after a worker's batch reached JetStream, before its task ack: the task comes back,
-  another worker samples the group again and publishes it under the same batch_id, and only
-  JetStream's dedup on ``Nats-Msg-Id`` keeps the group from being stored (and trained) twice.
+  another worker samples the group again as attempt 2 and publishes it under the attempt's own
+  batch_id (``T#2``), and only the trainer's exactly-once per task group keeps the group from
+  being trained twice: attempt 1 is trained, attempt 2 dropped as ``duplicate_attempt``.
+
+The trainer runs the asynchronous default (``--max-inflight-steps 2``); a batch a fault held
+back past ``--max-staleness`` is dropped as stale and its task sampled again (``topology.py``).
 
 Prints one ``RELIABILITY`` line with the figures of the closing note (``pytest -s``).
 """
@@ -105,7 +109,7 @@ def test_workers_killed_mid_task_and_scaled_up_and_down_lose_no_group_and_train_
     )
     print("\n" + figures.summary("worker-churn"))
     assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
-    assert (figures.lost, figures.duplicated, figures.dead_lettered) == (0, 0, 0)
+    assert (figures.lost, figures.duplicated, figures.dead_lettered, figures.groups_twice) == (0, 0, 0, 0)
     assert run["ledger_matches_stream"] and set(run["trained"]) == run["expected"]
     assert run["acked"] <= set(run["stored_ids"])
     # the killed holder's task was sampled again elsewhere and trained once
