@@ -76,3 +76,38 @@ def test_a_worker_killed_between_two_publishes_of_a_task_leaves_its_group_traine
     assert all(n == 1 for n in run["trained"].values())
     assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
     assert run["consumers"] == {names.WORKERS_CONSUMER: (0, 0), names.TRAINER_CONSUMER: (0, 0)}
+
+
+def test_a_part_held_back_past_max_staleness_is_dropped_as_stale_and_its_task_sampled_again(split_topology):
+    """The first worker sleeps 15 s between the two publishes of its first task (its task kept, a
+    long ack wait): the second part reaches the gate more than ``--max-staleness`` versions old
+    and is dead-lettered as stale, the trainer publishes the task again, the other worker samples
+    it as attempt 2, which is trained; attempt 1's first part, pending, is dropped then."""
+    topology = split_topology
+    slow = topology.add_worker(
+        "w0", "--concurrency", "1", "--ack-wait", "60", env={ENV: "worker.between_parts@1=sleep:15"}
+    )
+    spare = topology.add_worker("w1")
+    slow.wait_ready()
+    spare.wait_ready()
+    steps = 20
+    trainer = topology.start_trainer(steps, "--ack-wait", "10")  # pending parts expire after 20 s
+    code = trainer.wait(300)
+    assert code == 0, trainer.log()
+    topology.wait_drained()
+    figures, run = run_accounting(topology.nats, topology.run_dir, steps, topology.workers)
+    resampled = sum(m["gate_resampled"] for m in run["metrics"])
+    figures.faults = 1
+    figures.notes.update({"resampled": resampled})
+    print("\n" + figures.summary("split-task-stale"))
+
+    assert "failpoint worker.between_parts at step 1: sleep:15" in slow.log()
+    assert figures.dropped == {"stale": 1, "duplicate_attempt": 1} and resampled == 1
+    [stale] = [n for n in figures.notes["dead_letters"] if " stale: " in n]
+    task = stale.split(" ")[0].split("/")
+    task = "/".join(task[:3])  # the part's batch id is f"{task_id}/a-b"
+    assert run["attempts"][task] == {2} and run["state"]["ledger"][task]["attempt"] == 2
+    assert (figures.lost, figures.duplicated, figures.dead_lettered, figures.groups_twice) == (0, 0, 0, 0)
+    assert run["ledger_matches_stream"] and set(run["trained"]) == run["expected"]
+    assert all(n == 1 for n in run["trained"].values())
+    assert run["consumers"] == {names.WORKERS_CONSUMER: (0, 0), names.TRAINER_CONSUMER: (0, 0)}
