@@ -941,12 +941,11 @@ def dockerfile_instructions() -> list[str]:
 def test_image_builds_from_base_with_torch_from_the_index_compose_passes():
     instructions = dockerfile_instructions()
     args = IMAGE_BUILD["args"]
-    assert instructions[:3] == [  # BASE before FROM (FROM may use it); TORCH_INDEX_URL inside the stage
-        f"ARG BASE={args['BASE']}",
-        "FROM ${BASE}",
-        f"ARG TORCH_INDEX_URL={args['TORCH_INDEX_URL']}",
-    ]
-    assert [i for i in instructions if i.startswith("FROM")] == ["FROM ${BASE}"]
+    # BASE before the first FROM (both stages use it); TORCH_INDEX_URL inside the image's stage
+    assert instructions[:2] == [f"ARG BASE={args['BASE']}", "FROM ${BASE} AS wheel"]
+    assert [i for i in instructions if i.startswith("FROM")] == ["FROM ${BASE} AS wheel", "FROM ${BASE}"]
+    image = instructions.index("FROM ${BASE}")
+    assert instructions[image + 1] == f"ARG TORCH_INDEX_URL={args['TORCH_INDEX_URL']}"
     assert set(re.findall(r"^ARG (\w+)=", "\n".join(instructions), re.M)) == set(args)  # every arg compose passes
     # The shell of RUN expands the option: --index-url URL, or nothing when the URL is empty.
     for value, expected in ((args["TORCH_INDEX_URL"], ["--index-url", args["TORCH_INDEX_URL"]]), ("", [])):
@@ -973,7 +972,7 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
         "pip install --no-cache-dir -r deploy/sglang-cpu.txt",
         f"pip install --no-cache-dir --no-deps {SGLANG_PIN}",
         f"pip install --no-cache-dir {router}",
-        "pip install --no-cache-dir /app",
+        "pip install --no-cache-dir /tmp/wheels/*.whl",
     ]
     assert [text.count(step) for step in steps] == [1] * len(steps)
     assert [text.index(step) for step in steps] == sorted(text.index(step) for step in steps)
@@ -984,9 +983,15 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
         "sglang-router==0.3.2",
     )
     assert "\nCOPY deploy/sglang-cpu.txt deploy/\n" in text
+    # The project is built into a wheel in the first stage, its C row scanner compiled (the
+    # build fails where it did not), and only the wheel reaches the image.
+    wheel, image = text.index("FROM ${BASE} AS wheel"), text.index("\nFROM ${BASE}\n")
+    assert wheel < text.index("pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .") < image
+    assert wheel < text.index("the C row scanner (shared/_rowscan.c) did not compile") < image
+    assert image < text.index("COPY --from=wheel /wheels/ /tmp/wheels/") < text.index(steps[-1])
     packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in {p.rstrip("*") for p in packages}:
-        assert f"\nCOPY {package}/ {package}/\n" in text, package
+        assert wheel < text.index(f"\nCOPY {package}/ {package}/\n") < image, package
     assert len(re.findall(r"^COPY \w+/ ", text, re.M)) == len(packages)  # no package that is gone (engine/)
     assert re.search(r"^USER 10001:10001$", text, re.M)
 
