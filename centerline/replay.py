@@ -256,7 +256,8 @@ def replay_steps(
     from collections import Counter
 
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
-    from trainer_service.gate import DROP, DUPLICATE, HOLD, REJECT, GateSettings, Groups, Held, admission
+    from trainer_service.gate import DROP, DUPLICATE, HOLD, REJECT, GateSettings, admission
+    from trainer_service.ledger import Groups, Held
     from trainer_service.metrics import Metrics
 
     try:

@@ -16,7 +16,8 @@ import numpy as np
 
 from shared.contract import sample_turns
 from shared.wire import encode_batch
-from trainer_service.gate import Held, concat_batches, ledger_entries
+from trainer_service.gate import concat_batches
+from trainer_service.ledger import Held, ledger_entries
 from trainer_service.policy import StepCommand
 
 LEDGER_OF = "tasks"  # state.json's "ledger_of": what its ledger is keyed by (before: batch ids, no such key)
@@ -34,7 +35,7 @@ class TrainerState:
     version: int = 0  # weight version the trainer holds
     next_task_step: int = 0  # the task publisher's cursor (trainer_service/tasks.py)
     run_id: str = ""
-    # task_id -> {"attempt", "step", "parts": {batch_id: stream sequence}} (trainer_service/gate.py)
+    # task_id -> {"attempt", "step", "parts": {batch_id: stream sequence}} (trainer_service/ledger.py)
     ledger: dict[str, dict] = field(default_factory=dict)
 
     @classmethod

@@ -1,5 +1,6 @@
-"""The gate: what a candidate batch must pass to reach a training step, and the ledger of
-task groups already trained (docs/design.md section 10: exactly once per task group).
+"""The gate: what a candidate batch must pass to reach a training step, and what it does with
+the ledger of task groups already trained (``ledger.py``; docs/design.md section 10: exactly
+once per task group).
 
 Rank 0 pulls ``rollouts.batches`` through the durable consumer ``names.TRAINER_CONSUMER``
 and runs the whole completeness contract (``shared.contract.check_batch``: vocabulary from
@@ -41,7 +42,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from shared import faults, names
 from shared.contract import ContractViolation, check_batch
 from shared.nats_client import publish_acked
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
+from trainer_service.ledger import Groups, Held
 
 log = logging.getLogger("centerline.trainer.gate")
 REASON_MAX = 1024  # header bytes kept of a rejection reason
@@ -56,23 +58,6 @@ REASON_MAX = 1024  # header bytes kept of a rejection reason
 # most); one whose worker died is superseded by the task's redelivery within the workers' ack_wait.
 EXPIRE_ACK_WAITS = 2
 DUPLICATE_ATTEMPT, INCOMPLETE_GROUP = "duplicate_attempt", "incomplete_group"
-
-
-@dataclass(slots=True)
-class Held:
-    """An accepted part and the message to ack once its step is committed."""
-
-    msg: object
-    batch: Batch
-    seq: int  # stream sequence of the message in ROLLOUTS
-
-
-@dataclass(slots=True)
-class Attempt:
-    """The parts of one attempt of a task that arrived so far."""
-
-    parts: dict[str, Held] = field(default_factory=dict)  # batch_id -> part
-    first: float = 0.0  # time.monotonic() when its first part arrived
 
 
 HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
@@ -97,69 +82,6 @@ class Admission:
     batch: Batch | None = None  # None when the bytes are not a batch
     rule: str = ""  # DROP: duplicate_attempt; REJECT: the contract rule, or "wire"
     reason: str = ""
-
-
-def ledger_entries(held: list[Held], step: int) -> dict[str, dict]:
-    """The ledger entries of the complete attempts ``held`` (every part of each), trained at ``step``."""
-    out: dict[str, dict] = {}
-    for h in held:
-        entry = out.setdefault(h.batch.task_id, {"attempt": h.batch.attempt, "step": step, "parts": {}})
-        entry["parts"][h.batch.batch_id] = h.seq
-    return out
-
-
-class Groups:
-    """Exactly once per task group, without I/O: the ledger of trained tasks, the parts of the
-    attempts held whole for the current step, and those of attempts still incomplete. Shared by
-    the trainer's gate and ``centerline replay --train``."""
-
-    def __init__(self, ledger: dict[str, dict]):
-        self.ledger = ledger  # task_id -> {"attempt", "step", "parts": {batch_id: seq}}, saved in every checkpoint
-        self.held: dict[str, Held] = {}  # batch_id -> part, of the attempts held whole, in arrival order
-        self.whole: dict[str, int] = {}  # task_id -> the attempt held whole for the step
-        self.pending: dict[tuple[str, int], Attempt] = {}  # (task_id, attempt) -> its parts so far
-
-    def parts(self, task_id: str, attempt: int) -> dict[str, Held]:
-        if self.whole.get(task_id) == attempt:
-            return {bid: h for bid, h in self.held.items() if h.batch.task_id == task_id}
-        pending = self.pending.get((task_id, attempt))
-        return pending.parts if pending else {}
-
-    def hold(self, part: Held, now: float) -> bool:
-        """Keep an admitted part; True when it completes its attempt (then held for the step)."""
-        key = (part.batch.task_id, part.batch.attempt)
-        attempt = self.pending.setdefault(key, Attempt(first=now))
-        attempt.parts[part.batch.batch_id] = part
-        if len(attempt.parts) < part.batch.parts:
-            return False
-        del self.pending[key]
-        self.held.update(attempt.parts)
-        self.whole[key[0]] = key[1]
-        return True
-
-    def commit(self, step: int) -> tuple[list[Held], list[Held]]:
-        """The step is durable: its tasks join the ledger. Returns the step's parts (to ack) and
-        the pending parts of other attempts of those tasks (to drop)."""
-        trained = list(self.held.values())
-        self.ledger.update(ledger_entries(trained, step))
-        superseded = [key for key in self.pending if key[0] in self.whole]
-        dropped = [h for key in superseded for h in self.pending.pop(key).parts.values()]
-        self.held, self.whole = {}, {}
-        return trained, dropped
-
-    def expired(self, now: float, after: float) -> list[Held]:
-        """Remove and return the parts of the attempts incomplete ``after`` seconds after their first part."""
-        old = [key for key, attempt in self.pending.items() if now - attempt.first > after]
-        return [h for key in old for h in self.pending.pop(key).parts.values()]
-
-    def release(self) -> list[Held]:
-        """Abandon the step and every pending attempt: all their parts, for redelivery."""
-        out = [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
-        self.held, self.whole, self.pending = {}, {}, {}
-        return out
-
-    def every_part(self) -> list[Held]:
-        return [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
 
 
 def admission(

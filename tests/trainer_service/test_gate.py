@@ -24,11 +24,10 @@ from trainer_service.gate import (
     REJECT,
     Gate,
     GateSettings,
-    Groups,
-    Held,
     admission,
     concat_batches,
 )
+from trainer_service.ledger import Groups, Held
 
 VOCAB, K = 64, 8
 CFG = Config(rollout_top_logprobs_num=K, rollout_n=4, max_staleness=1)
