@@ -20,7 +20,7 @@ import logging
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, PubAck
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
@@ -29,6 +29,8 @@ from shared.wire import Batch, decode_batch
 
 # Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
 HEADER_ROOM = 4096
+# JetStream's answer to a publish whose Nats-Msg-Id a cluster is still storing from an earlier copy
+DUPLICATE_IN_PROCESS = 10158
 
 
 class PublishError(RuntimeError):
@@ -163,7 +165,10 @@ async def publish_acked(
 
     A publish that no stream answered (no responders: on a cluster, the stream's leader was
     lost and the others are electing a new one) stored nothing; it is repeated every 0.2 s for
-    up to ``attempts * timeout`` seconds, the same budget, before ``PublishError``.
+    up to ``attempts * timeout`` seconds, the same budget, before ``PublishError``. So is a
+    repeat that a cluster answers "duplicate message id is in process" (``DUPLICATE_IN_PROCESS``:
+    the first copy is still being replicated; once it is stored, the repeat gets its PubAck,
+    marked duplicate).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + attempts * timeout
@@ -185,6 +190,15 @@ async def publish_acked(
                     "has the stream lost its leader with too few nodes left to elect one?"
                 ) from None
             await asyncio.sleep(0.2)  # the election of a new stream leader
+        except APIError as exc:
+            if exc.err_code != DUPLICATE_IN_PROCESS:
+                raise
+            if loop.time() > deadline:
+                raise PublishError(
+                    f"{what} on {subject!r} was still being stored by the cluster after {attempts * timeout:.0f}s "
+                    "(duplicate message id is in process): is a stream replica stuck?"
+                ) from None
+            await asyncio.sleep(0.2)  # the first copy's replication
 
 
 class PullConsumer:

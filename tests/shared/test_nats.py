@@ -3,10 +3,12 @@
 import asyncio
 
 import pytest
+from nats.js.api import PubAck
+from nats.js.errors import APIError
 
 from shared import names
 from shared.contract import check_batch
-from shared.nats_client import HEADER_ROOM, connect, publish_batch, pull_consumer
+from shared.nats_client import DUPLICATE_IN_PROCESS, HEADER_ROOM, connect, publish_acked, publish_batch, pull_consumer
 from shared.nats_server import EmbeddedNats
 from shared.streams import StreamConfigError, StreamLimits, ensure_streams
 from shared.synth import make_batch
@@ -241,3 +243,23 @@ def test_a_prompt_task_acked_is_removed_and_one_not_acked_is_redelivered_after_a
         return (await js.stream_info(names.PROMPTS_STREAM)).state.messages
 
     assert run(body, nats_server) == 0  # work queue: an acked task is deleted from the stream
+
+
+class ClusterStillStoring:
+    """A JetStream cluster answering a repeated publish while its first copy is still being
+    replicated: twice "duplicate message id is in process", then the PubAck of the copy stored."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def publish(self, subject, data, timeout=None, headers=None):
+        self.calls += 1
+        if self.calls <= 2:
+            raise APIError(code=409, err_code=DUPLICATE_IN_PROCESS, description="duplicate message id is in process")
+        return PubAck(stream=names.PROMPTS_STREAM, seq=7, duplicate=True)
+
+
+def test_a_publish_a_cluster_is_still_storing_is_repeated_until_it_is_acked_as_a_duplicate():
+    js = ClusterStillStoring()
+    ack = asyncio.run(publish_acked(js, names.PROMPTS_SUBJECT, b"{}", {names.MSG_ID_HEADER: "r/0/0"}, what="task"))
+    assert (ack.seq, ack.duplicate, js.calls) == (7, True, 3)
