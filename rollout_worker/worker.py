@@ -15,8 +15,8 @@ Failures, and what happens to the task:
 - transient (the proxy or upstream unreachable, HTTP 5xx including the proxy's 502 audit
   verdict, a publish without PubAck): NAK with a delay, so another attempt, maybe on
   another worker, can succeed once the cause is gone;
-- the task's own ack lost (NATS restarting): logged; the task comes back and its batches,
-  published again, are dropped as duplicates;
+- the task's own ack lost (NATS restarting): logged; the task comes back, is sampled again as
+  the next attempt, and the trainer drops that attempt's batch as ``duplicate_attempt``;
 - deterministic (a task that does not parse, a request the proxy refuses with 400, a reward
   function that fails, a packed batch that breaks the contract): TERM, after logging the
   reason and, for a contract failure, publishing the batch to ``rollouts.dlq`` with the
@@ -239,8 +239,8 @@ class Worker:
 
     async def _ack(self, msg, task: PromptTask, outcome: Outcome) -> bool:
         """Ack the task, its batches stored. A lost ack (NATS restarting or unreachable) is no
-        error: the task comes back after ``ack_wait``, and its batches, published again under
-        the same ``batch_id``, are dropped by JetStream as duplicates."""
+        error: the task comes back after ``ack_wait`` as the next attempt, whose batch the
+        trainer drops as another attempt of a task it trains once (docs/design.md section 10)."""
         try:
             await PullConsumer.ack(msg)
             return True
