@@ -86,9 +86,11 @@ def test_a_run_on_a_three_node_cluster_survives_the_loss_of_the_stream_leader_an
         assert f"NATS node {node} died: started again" in log
     records = metrics_lines(run_dir)
     trained = [bid for r in records for bid in r["batch_ids"]]
+    tasks = {bid.partition("#")[0] for bid in trained}  # a later attempt's batch is f"{task_id}#{attempt}"
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert len(trained) == len(set(trained)) == STEPS * PROMPTS  # none lost, none trained twice
-    assert all(r["gate_rejected"] == {} for r in records)
+    assert len(trained) == len(tasks) == STEPS * PROMPTS  # none lost, no group trained twice
+    # the asynchronous default: a batch held back by the fault may be dropped as stale (its task sampled again)
+    assert all(set(r["gate_rejected"]) <= {"stale"} for r in records)
     config = (run_dir / "config.toml").read_text()
     assert "nats_stream_replicas = 3" in config and config.count("nats://127.0.0.1:") == 3
     print(f"\n[reliability] up-cluster: steps={STEPS} trained={len(trained)} killed={killed}")
