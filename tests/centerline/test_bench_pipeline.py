@@ -236,10 +236,12 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         assert f"--train-seconds {TRAIN_S:g} have passed" in (run_dir / "logs" / "trainer.log").read_text()
         evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
         assert [e["step"] for e in evals] == [0, m["steps_done"]]
-        # asynchronous, a batch meets weights at most one version later than its oldest token's
-        assert 0 <= m["staleness_max"] <= inflight - 1, mode
+        # draining, a batch meets weights at most one version later than its oldest token's (the trainer
+        # waits for the update, so no response spans one); in flight, a response's first tokens may be
+        # sampled before an update and trained two versions later, which max_staleness (2) still admits
+        assert 0 <= m["staleness_max"] <= (inflight - 1 if mode == "drain" else 2), mode
         assert 0 <= m["token_staleness_mean"] <= m["token_staleness_max"] <= m["staleness_max"], mode
-        assert m["token_stale_share"] == 0.0, mode  # no token more than one version behind
+        assert (m["token_stale_share"] > 0) == (m["token_staleness_max"] > 1), mode
         window = steps[WARMUP:]
         assert m["weights_s_mean"] == round(sum(s["weights_s"] for s in window) / len(window), 4)
         assert m["weights_s_max"] == round(max(s["weights_s"] for s in window), 4)
