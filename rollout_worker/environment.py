@@ -3,7 +3,8 @@
 
     async def environment(client: openai.AsyncOpenAI, task: PromptTask) -> float
 
-A task that names an environment (``PromptTask.environment``, ``"module:function"``) runs
+A task that names an environment (``PromptTask.environment``, ``"module:function"`` or a built-in
+of ``shared/toy_tasks.py``, ``chain``; loaded by ``rollout_worker/user_code.py``) runs
 ``task.n`` sessions of it at once. Each gets a client whose base URL is its own session on a
 loopback chat endpoint the worker serves for the task (``/sessions/<id>/v1``); each turn there
 is one native /generate through the proxy (``rollout_worker/session.py``), with the header

@@ -7,16 +7,18 @@ the answer and then ``<|endoftext|>`` (token 256 of the byte model):
     copy     "copy abc="   -> "abc"
     upper    "up abc="     -> "ABC"
     add      "add 12+7="   -> "19"      (two numbers in 0..99)
-    chain    "3+4 +5 +2"   -> "7 12 14" (a running sum over 2-4 chat turns: the environment ``chain``)
+    chain    "3+4 +5 +2"   -> "7 2 4"   (a running sum's last digit over 2-4 chat turns: environment ``chain``)
 
 ``chain`` is multi-turn: its rows run as sessions of the built-in environment ``chain``
 (``ENVIRONMENTS``; ``centerline up --task chain --environment chain``). Turn 1's user message is
 the prompt's first word ("3+4"), each later one the next word ("+5"); the model answers each
-with the running sum ("7", then "12"). The next message depends on the model's answer: after a
-wrong one the user restates the true sum ("7+5" instead of "+5"), so the truth is always in
-the conversation, an error does not compound and every step is judged against the answer's word.
-The reward is the share of steps answered exactly (the reply, its ``<|im_end|>`` cut, equals
-the sum).
+with the last digit of the running sum ("7", then "2", 12's). The next message depends on the
+model's answer: after a wrong one the user restates the true value ("7+5" instead of "+5"), so
+the truth is always in the conversation, an error does not compound and every step is judged
+against the answer's word. The reward is the share of steps answered exactly (the reply, its
+``<|im_end|>`` cut, equals the digit). Small numbers (0-5, then 1-5) and digits, not sums:
+every step is then one of two small digit tables, which the default model learns (with 0-9 and
+two-digit sums, the SFT model answered 6 later steps in 76 right and RL did not move it).
 
 Used by ``centerline dataset`` (JSONL rows for the trainer's task publisher), by the SFT warm start
 (``centerline/sft.py``) and, for the built-in rewards, by the rollout worker. A prompt belongs to
@@ -45,6 +47,7 @@ import orjson
 
 EOS_TEXT = "<|endoftext|>"
 HELDOUT_MOD = 10  # one prompt in ten is held out
+CHAIN_MAX = 5  # chain's numbers: 0..5 first, then 1..5 (tables of 36 and 50 digit sums)
 
 
 def _word(rng: random.Random) -> str:
@@ -72,11 +75,11 @@ def _add(rng: random.Random) -> tuple[str, str]:
 
 
 def _chain(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
-    adds = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
-    sums = [a + b]
+    a, b = rng.randint(0, CHAIN_MAX), rng.randint(0, CHAIN_MAX)
+    adds = [rng.randint(1, CHAIN_MAX) for _ in range(rng.randint(1, 3))]
+    sums = [(a + b) % 10]
     for d in adds:
-        sums.append(sums[-1] + d)
+        sums.append((sums[-1] + d) % 10)
     return " ".join([f"{a}+{b}", *(f"+{d}" for d in adds)]), " ".join(map(str, sums))
 
 

@@ -212,11 +212,13 @@ raise_on_import = None
         (
             "mymod:nothing",
             r"--environment mymod:nothing: environment 'mymod:nothing' cannot be loaded: "
-            r"AttributeError: .*'nothing'.*; is the module on the worker's PYTHONPATH \(the directory `centerline up` runs in\)\?",
+            r"AttributeError: .*'nothing'.*; is the module on the worker's PYTHONPATH "
+            r"\(the directory `centerline up` runs in\)\?",
         ),
         (
             "nomod:play",
-            r"--environment nomod:play: environment 'nomod:play' cannot be loaded: ModuleNotFoundError: No module named 'nomod'",
+            r"--environment nomod:play: environment 'nomod:play' cannot be loaded: "
+            r"ModuleNotFoundError: No module named 'nomod'",
         ),
         ("play", r"--environment play: environment 'play' is neither a built-in \(chain\) nor 'module:function'"),
     ],

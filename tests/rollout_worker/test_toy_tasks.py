@@ -18,7 +18,7 @@ def solve(prompt: str) -> str:
     if re.fullmatch(r"\d\+\d( \+\d){1,3}", prompt):  # chain: the running sums
         total, sums = 0, []
         for word in prompt.split():
-            total += sum(int(x) for x in word.split("+") if x)
+            total = (total + sum(int(x) for x in word.split("+") if x)) % 10
             sums.append(str(total))
         return " ".join(sums)
     op, arg = re.fullmatch(r"(\w+) (.+)=", prompt).groups()
@@ -94,7 +94,7 @@ def test_sft_lowers_the_answer_loss():
 def test_chain_has_two_to_four_steps_each_restated_with_the_true_sum():
     from shared.toy_tasks import chain_turns
 
-    assert chain_turns("3+4 +5 +2", "7 12 14") == [("3+4", "3+4", "7"), ("+5", "7+5", "12"), ("+2", "12+2", "14")]
+    assert chain_turns("3+4 +5 +2", "7 2 4") == [("3+4", "3+4", "7"), ("+5", "7+5", "2"), ("+2", "2+2", "4")]
     assert {len(p.split()) for p, _ in examples("chain", 300, seed=0)} == {2, 3, 4}
     with pytest.raises(
         ValueError, match=r"a chain task's prompt 'up abc=' and answer 'ABC' must have one word per step"
@@ -126,20 +126,20 @@ def test_the_chat_warm_start_trains_on_the_replies_of_the_template_rendered_conv
     rng = random.Random(1)
     seen = set()
     for _ in range(20):
-        ids, labels = conversation("3+4 +5 +2", "7 12 14", rng)
+        ids, labels = conversation("3+4 +5 +2", "7 2 4", rng)
         users = tok.decode(ids).split("<|im_start|>user\n")[1:]
         users = [u.split("<|im_end|>")[0] for u in users]
         seen.add(tuple(users))
         messages = []
-        for user, want in zip(users, ["7", "12", "14"]):
+        for user, want in zip(users, ["7", "2", "4"]):
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": want}]
         rendered = tok.apply_chat_template(messages, tokenize=False)
         assert tok.decode(ids) == rendered.removesuffix("\n")  # the session holds no "\n" after the last reply
         trained = [i for i, label in zip(ids, labels) if label != -100]
-        assert trained == [*b"7", IM_END_ID, *b"12", IM_END_ID, *b"14", IM_END_ID]
+        assert trained == [*b"7", IM_END_ID, *b"2", IM_END_ID, *b"4", IM_END_ID]
         assert all(label in (-100, i) for i, label in zip(ids, labels))
     assert {users[0] for users in seen} == {"3+4"}
-    assert {users[1] for users in seen} == {"+5", "7+5"} and {users[2] for users in seen} == {"+2", "12+2"}
+    assert {users[1] for users in seen} == {"+5", "7+5"} and {users[2] for users in seen} == {"+2", "2+2"}
 
 
 def test_the_chat_form_is_part_of_the_cached_models_settings():
