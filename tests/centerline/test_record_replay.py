@@ -207,7 +207,9 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
         assert batch["producer"] in {"worker-0", "worker-1"} and batch["mode"] == "selected" and batch["k"] == 128
         assert batch["samples"] == 2 and batch["tokens"] > 0 and 0.0 <= batch["reward_mean"] <= 1.0
         assert batch["task_id"] == batch["batch_id"] and (batch["attempt"], batch["parts"]) == (1, 1)
-        assert batch["oldest_trained_version"] == batch["weight_version"]  # one version sampled each toy group
+        # weights are updated in flight (the default, docs/design.md section 8): a response may span
+        # updates, its first tokens sampled by an older version (one, almost always, for 8 tokens)
+        assert 0 <= batch["weight_version"] - batch["oldest_trained_version"] <= 2
         assert set(batch) == {
             "batch_id",
             "producer",
