@@ -186,7 +186,8 @@ async def _consumer_info(url: str):
 def _check_group(batch, task: PromptTask) -> None:
     check_batch(batch, vocab_size=VOCAB)
     assert batch.num_samples == task.n and batch.k == K and batch.mode == "selected"
-    assert batch.batch_id == task.task_id and batch.group_ids == [task.group_id] * task.n
+    attempt_id = task.task_id if batch.attempt == 1 else f"{task.task_id}#{batch.attempt}"  # design.md section 4
+    assert batch.batch_id == attempt_id and batch.group_ids == [task.group_id] * task.n
     assert batch.weight_version == 0 and (batch.temperature, batch.top_p, batch.top_k) == (1.0, 1.0, -1)
     prompt = list(task.prompt.encode())
     for i in range(task.n):
@@ -253,8 +254,11 @@ def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, work
     victim.proc.wait()
     rescuer = workers(*flags, "--worker-id", "rescuer")
     batches = asyncio.run(_collect(stack.nats, run, 1, deadline_s=90, settle_s=1.0))
-    assert [b.batch_id for b in batches] == [task.task_id]  # once, even if the victim had published it
-    _check_group(batches[0], task)
+    # the rescuer's is attempt 2, under its own id (docs/design.md section 4); a batch the victim
+    # published before it died is attempt 1's, which the trainer drops once attempt 2 is trained
+    assert [b.batch_id for b in batches][-1:] == [f"{task.task_id}#2"] and batches[-1].attempt == 2
+    assert [b.batch_id for b in batches[:-1]] in ([], [task.task_id])
+    _check_group(batches[-1], task)
     info = asyncio.run(_consumer_info(stack.nats))
     assert info.num_ack_pending == 0 and info.num_pending == 0
     assert f'"task_id": "{task.task_id}"' in rescuer.log() and '"task done"' in rescuer.log()
