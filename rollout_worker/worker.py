@@ -252,8 +252,12 @@ class Worker:
             return False
 
     async def _heartbeat(self, msg) -> None:
+        """In-progress acks every half ack_wait: the consumer's as the server has it now (a
+        worker started later with another ``--ack-wait`` sets it for all), or this worker's own
+        where that is shorter or the server does not answer."""
         while True:
-            await asyncio.sleep(self.settings.ack_wait / 2)
+            on_server = await self.consumer.ack_wait()
+            await asyncio.sleep(min(self.settings.ack_wait, on_server or self.settings.ack_wait) / 2)
             await msg.in_progress()
 
     async def _term(self, msg, task: PromptTask | None, reason: str, batch=None) -> None:

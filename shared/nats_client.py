@@ -20,12 +20,14 @@ import logging
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, PubAck
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
 from shared.split import Part, split_batch
 from shared.wire import Batch, decode_batch
+
+log = logging.getLogger("centerline.nats")
 
 # Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
 HEADER_ROOM = 4096
@@ -98,7 +100,7 @@ def _refused(url: str, user: str | None) -> CredentialsError:
 
 
 async def _log_error(exc: Exception) -> None:
-    logging.getLogger("centerline.nats").error("NATS: %s", exc)
+    log.error("NATS: %s", exc)
 
 
 async def publish_batch(
@@ -234,6 +236,17 @@ class PullConsumer:
         """Restart the message's ack_wait clock: still working on it."""
         await msg.in_progress()
 
+    async def ack_wait(self, timeout: float = 2.0) -> float | None:
+        """The consumer's ack_wait on the server now, in seconds; None if the server does not
+        answer within ``timeout``. Every process that binds a durable consumer sets its own
+        ``ack_wait`` (``pull_consumer``), so the last one started decides it for all."""
+        try:
+            info = await asyncio.wait_for(self.sub.consumer_info(), timeout)
+        # NATS restarting or the consumer's leader moving: the caller keeps what it knew
+        except Exception:  # noqa: BLE001
+            return None
+        return info.config.ack_wait
+
     async def close(self) -> None:
         await self.sub.unsubscribe()
 
@@ -261,5 +274,18 @@ async def pull_consumer(
         max_ack_pending=max_ack_pending,
         filter_subject=filter_subject,
     )
+    try:
+        before = (await js.consumer_info(stream, durable)).config.ack_wait
+    except NotFoundError:
+        before = None
+    if before is not None and abs(before - ack_wait) > 1e-6:
+        log.warning(
+            "consumer %s on %s had ack_wait %gs; this process sets %gs for every process bound to it "
+            "(give them all the same --ack-wait)",
+            durable,
+            stream,
+            before,
+            ack_wait,
+        )
     await js.add_consumer(stream, config)
     return PullConsumer(await js.pull_subscribe_bind(durable=durable, stream=stream))

@@ -245,6 +245,24 @@ def test_a_prompt_task_acked_is_removed_and_one_not_acked_is_redelivered_after_a
     assert run(body, nats_server) == 0  # work queue: an acked task is deleted from the stream
 
 
+def test_a_process_binding_the_consumer_with_another_ack_wait_sets_it_for_all_and_says_so(nats_server, caplog):
+    """Every process that binds a durable consumer sets its ack_wait; the last one decides for
+    all, so one bound earlier reads it back (``PullConsumer.ack_wait``) to pace its heartbeats."""
+
+    async def body(nc, js):
+        first = await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=60.0)
+        assert await first.ack_wait() == 60.0
+        with caplog.at_level("WARNING", logger="centerline.nats"):
+            await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=3.0)
+        return await first.ack_wait()
+
+    assert run(body, nats_server) == 3.0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"consumer {names.WORKERS_CONSUMER} on {names.PROMPTS_STREAM} had ack_wait 60s; this process sets 3s "
+        "for every process bound to it (give them all the same --ack-wait)"
+    ]
+
+
 class ClusterStillStoring:
     """A JetStream cluster answering a repeated publish while its first copy is still being
     replicated: twice "duplicate message id is in process", then the PubAck of the copy stored."""
