@@ -39,17 +39,20 @@ def http(method: str, url: str, body=None, timeout: float = 60.0, headers: dict 
 
 
 def wait_until(check, deadline_s: float, what: str, proc: subprocess.Popen | None = None):
-    """Poll `check()` until it returns a truthy value or the deadline passes."""
+    """Poll `check()` until it returns a truthy value or the deadline passes; raise as soon as
+    ``proc`` has exited with `check()` still false (a process may finish what was awaited and exit
+    between two polls)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        exited = proc is not None and proc.poll() is not None
         try:
             value = check()
             if value:
                 return value
         except OSError:
             pass
+        if exited:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
         time.sleep(0.1)  # polling interval, not synchronisation
     raise TimeoutError(f"{what} not ready after {deadline_s}s")
 

@@ -122,8 +122,9 @@ class Topology:
         self.workers.append(worker)
         return worker
 
-    def start_trainer(self, steps: int, *flags: str, nats_url: str | None = None) -> Trainer:
-        """``centerline trainer`` under torchrun, 2 ranks; ``nats_url`` routes it through a relay."""
+    def start_trainer(self, steps: int, *flags: str, nats_url: str | None = None, failpoints: str = "") -> Trainer:
+        """``centerline trainer`` under torchrun, 2 ranks; ``nats_url`` routes it through a relay,
+        ``failpoints`` arms ``CENTERLINE_FAILPOINTS``."""
         trainer = Trainer(
             self.dir / "run",
             self.model,
@@ -135,6 +136,7 @@ class Topology:
             *TRAINER_FLAGS,
             *(("--nats-stream-replicas", str(self.replicas)) if self.replicas else ()),
             *flags,
+            failpoints=failpoints,
         )
         self.trainers.append(trainer)
         return trainer
@@ -148,16 +150,22 @@ class Topology:
         return len(path.read_bytes().splitlines()) if path.exists() else 0
 
     def wait_drained(self, deadline_s: float = 30.0) -> dict:
-        """``consumers()`` once no task and no batch is pending or unacked, or as it is after
-        ``deadline_s`` (the test asserts on it). A task whose ack a fault took comes back
-        ``ack_wait`` after its worker gave up on the ack, possibly after the run's last step;
-        its batches are then published again, dropped as duplicates, and the task is acked."""
+        """``consumers()`` once no task and no batch is pending or unacked, or no task is and the
+        trainers have exited, or as it is after ``deadline_s`` (the test asserts on ``leftovers``).
+        A task whose ack a fault took comes back ``ack_wait`` after its worker gave up on the ack,
+        possibly after the run's last step; it is sampled again and acked, and its new attempt's
+        batches are dropped as duplicates by a trainer still running, or left for the next."""
         end = time.monotonic() + deadline_s
         while True:
             found = asyncio.run(consumers(self.nats))
             if all(v == (0, 0) for v in found.values()) or time.monotonic() > end:
                 return found
+            if self.trainers_done() and found.get(names.WORKERS_CONSUMER) == (0, 0):
+                return found  # a batch stored after the trainer's last step stays (``leftovers``)
             time.sleep(0.2)  # polling interval, not synchronisation
+
+    def trainers_done(self) -> bool:
+        return all(t.proc.poll() is not None for t in self.trainers)
 
     def close(self) -> None:
         for trainer in self.trainers:
@@ -230,8 +238,9 @@ async def stream_messages(nats_url: str, stream: str = names.ROLLOUTS_STREAM) ->
     return [(m.seq, m.headers or {}, m.data) for m in await stored_messages(nats_url, stream)]
 
 
-async def consumers(nats_url: str) -> dict:
-    """``{consumer: (num_pending, num_ack_pending)}`` of the workers' and the trainer's consumers, those that exist."""
+async def consumers(nats_url: str, delivered: dict | None = None) -> dict:
+    """``{consumer: (num_pending, num_ack_pending)}`` of the workers' and the trainer's consumers,
+    those that exist; ``delivered``, if given, gets each one's last delivered stream sequence."""
     nc = await connect(nats_url)
     js = nc.jetstream()
     try:
@@ -245,9 +254,38 @@ async def consumers(nats_url: str) -> dict:
             except NotFoundError:
                 continue
             out[durable] = (info.num_pending, info.num_ack_pending)
+            if delivered is not None:
+                delivered[durable] = info.delivered.stream_seq
         return out
     finally:
         await nc.close()
+
+
+def leftovers(run: dict) -> list[str]:
+    """What a finished run left behind that it should not have, in words ([] when nothing).
+
+    No task may be pending or held, and no batch held. A batch may be stored and never
+    delivered to the trainer only as another attempt of a task the run trained: a task whose
+    ack a fault took comes back after ``ack_wait`` and is sampled again, possibly after the
+    trainer's last step; a trainer would drop that attempt as ``duplicate_attempt``."""
+    found, ledger = run["consumers"], run["state"]["ledger"]
+    out = [
+        f"{durable}: {pending} pending, {unacked} unacked"
+        for durable, (pending, unacked) in found.items()
+        if durable == names.WORKERS_CONSUMER and (pending, unacked) != (0, 0)
+    ]
+    pending, unacked = found.get(names.TRAINER_CONSUMER, (0, 0))
+    if unacked:
+        out.append(f"{names.TRAINER_CONSUMER}: {unacked} batches delivered and not acked")
+    backlog = run["backlog"]
+    if pending != len(backlog):
+        out.append(f"{names.TRAINER_CONSUMER}: {pending} pending, {len(backlog)} stored past its last delivery")
+    out += [
+        f"{b.batch_id}: never delivered, and the run trained no other attempt of task {b.task_id!r}"
+        for b in backlog
+        if b.task_id not in ledger or ledger[b.task_id]["attempt"] == b.attempt
+    ]
+    return out
 
 
 def published_and_acked(workers: list[WorkerProcess]) -> set[str]:
@@ -320,6 +358,7 @@ def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[Worke
         figures.notes["dead_letters"] = [
             f"{h.get('batch_id')} {h.get('rule')}: {h.get('reason', '')[:300]}" for h, _ in dlq
         ]
+    delivered: dict = {}  # each consumer's last delivered stream sequence, filled by consumers()
     ledger_ok = set(parts) == set(batches) and all(by_seq[seq].batch_id == bid for bid, seq in parts.items())
     details = {
         "state": state,
@@ -328,7 +367,8 @@ def run_accounting(nats_url: str, run_dir: Path, steps: int, workers: list[Worke
         "acked": acked,
         "stored_ids": ids,
         "metrics": lines,
-        "consumers": asyncio.run(consumers(nats_url)),
+        "consumers": asyncio.run(consumers(nats_url, delivered)),
+        "backlog": [b for seq, b in stored if seq > delivered.get(names.TRAINER_CONSUMER, 0)],
         "ledger_matches_stream": ledger_ok,
         "producers": {bid: b.producer for bid, b in by_id.items()},
         "attempts": attempts,
