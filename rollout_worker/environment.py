@@ -42,7 +42,7 @@ from rollout_worker.rewards import group_advantages
 from rollout_worker.session import ChatTemplate, Session, SessionError
 from rollout_worker.user_code import load_function
 from rollout_worker.worker import Outcome, Rejected, Transient
-from shared import response_arrays
+from shared import faults, response_arrays
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.response_arrays import ResponseArrays
@@ -206,13 +206,19 @@ def _error(status: int, message: str, code: str) -> web.Response:
 
 
 async def play(
-    cfg: Config, http: aiohttp.ClientSession, tokenizer, task: PromptTask, n: int, timeout: float
+    cfg: Config,
+    http: aiohttp.ClientSession,
+    tokenizer,
+    task: PromptTask,
+    n: int,
+    timeout: float,
+    between_turns: Callable[[int], None] | None = None,
 ) -> list[tuple[Session, float]]:
     """``n`` sessions of the task's environment at once, each on its own base URL of a loopback
     endpoint, rendered with ``tokenizer``'s chat template (an HF tokenizer) and turned through the
     proxy at ``cfg.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected``
-    as ``Worker.process`` does. The worker trains on them (``sample_sessions``); ``centerline up``'s
-    held-out evaluation scores them."""
+    as ``Worker.process`` does. The worker trains on them (``sample_sessions``, which passes its
+    failpoint as ``between_turns``: see ``Session``); ``centerline up``'s held-out evaluation scores them."""
     import openai
 
     try:
@@ -231,7 +237,14 @@ async def play(
             body = generate_body(cfg, input_ids, max_new_tokens=max_new_tokens, stop=stop)
             return await proxy_generate(http, cfg.proxy_url, body, routing_key=sid)
 
-        return Session(sid, template, generate, k=cfg.rollout_top_logprobs_num, budget=cfg.rollout_session_max_tokens)
+        return Session(
+            sid,
+            template,
+            generate,
+            k=cfg.rollout_top_logprobs_num,
+            budget=cfg.rollout_session_max_tokens,
+            between_turns=between_turns,
+        )
 
     async def run(session: Session) -> float:
         client = openai.AsyncOpenAI(base_url=endpoint.open(session), api_key="unused", max_retries=0, timeout=timeout)
@@ -274,7 +287,9 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
     """``task.n`` sessions of the task's environment, scored, packed as one batch and checked;
     raises ``Transient`` or ``Rejected`` as ``Worker.process`` does."""
     cfg, settings = worker.cfg, worker.settings
-    played = await play(cfg, worker.session, worker.tok.chat, task, task.n, settings.request_timeout)
+    # a fault test kills the worker here, between two turns of a session (@step: the turn arriving)
+    between = functools.partial(faults.hit, "worker.between_turns")
+    played = await play(cfg, worker.session, worker.tok.chat, task, task.n, settings.request_timeout, between)
     rewards = np.asarray([reward for _, reward in played], np.float64)
     batch = pack_trajectories(
         task,

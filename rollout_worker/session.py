@@ -110,10 +110,21 @@ def message_key(message) -> dict:
 
 class Session:
     """One trajectory of chat turns; ``generate(input_ids, max_new_tokens, stop)`` samples one turn
-    (the audited response as arrays) through the proxy."""
+    (the audited response as arrays) through the proxy. ``between_turns(n)``, if given, runs as
+    turn ``n`` (2 and later) arrives, before anything of it is done (a worker's failpoint)."""
 
-    def __init__(self, session_id: str, template: ChatTemplate, generate: Generate, *, k: int, budget: int):
+    def __init__(
+        self,
+        session_id: str,
+        template: ChatTemplate,
+        generate: Generate,
+        *,
+        k: int,
+        budget: int,
+        between_turns: Callable[[int], None] | None = None,
+    ):
         self.id, self.template, self.generate, self.k, self.budget = session_id, template, generate, k, budget
+        self.between_turns = between_turns
         self.messages: list[dict] = []  # the history: messages rendered so far and the replies returned
         self.text = ""  # the template text the tokens held stand for
         self.prompt_len = 0  # the first turn's prompt tokens
@@ -137,6 +148,8 @@ class Session:
             return await self._turn(messages, max_new_tokens, stop, tools)
 
     async def _turn(self, messages, max_new_tokens, stop, tools) -> Reply:
+        if self.turns and self.between_turns is not None:
+            self.between_turns(self.turns + 1)
         if self.finish is not None:
             raise SessionBudgetError(f"session {self.id} has ended ({self.finish}); it takes no more turns")
         given = [message_key(m) for m in messages]

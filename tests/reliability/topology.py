@@ -98,6 +98,7 @@ class Topology:
         ``max_payload``: the embedded server's, where a test needs batches split by size."""
         self.dir, self.upstream = dir, upstream
         self.proxy, self.model = upstream.proxy, upstream.model
+        self.task, self.environment = "copy", ""  # the dataset's toy task; a test may set them before start_trainer
         limits = {"max_payload": max_payload} if max_payload else {}
         self.server = server if server is not None else EmbeddedNats(dir / "nats", http_port=0, **limits).start()
         self.replicas = min(3, len(server.nodes)) if server is not None else None
@@ -107,8 +108,11 @@ class Topology:
         asyncio.run(_ensure(self.nats, self.replicas))
 
     def dataset(self, size: int = 64) -> Path:
+        """The trainer's dataset: ``size`` rows of the toy task ``task`` (``copy``), each naming
+        ``environment`` where set (multi-turn sessions: ``chain``)."""
         path = self.dir / "tasks.jsonl"
-        rows = [{"prompt": p, "answer": a, "reward": "exact"} for p, a in examples("copy", size, seed=0)]
+        named = {"environment": self.environment} if self.environment else {}
+        rows = [{"prompt": p, "answer": a, "reward": "exact", **named} for p, a in examples(self.task, size, seed=0)]
         path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
         return path
 

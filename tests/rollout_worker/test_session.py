@@ -539,3 +539,31 @@ def test_tools_go_to_the_chat_template_that_takes_them(tmp_path):
         asyncio.run(
             s.turn([*again, {"role": "assistant", "content": "5"}, {"role": "user", "content": "x"}], max_new_tokens=4)
         )
+
+
+def test_between_turns_runs_as_each_later_turn_arrives_before_it_is_sampled(template):
+    """The hook of the failpoint ``worker.between_turns``: turn n's number (2 and later), before
+    the engine sees anything of that turn."""
+    engine = Engine([(text_ids(t) + [IM_END], "stop") for t in ("x", "y", "z")])
+    seen = []
+    s = Session("s1", template, engine, k=K, budget=1024, between_turns=lambda n: seen.append((n, len(engine.inputs))))
+    messages = [{"role": "user", "content": "a"}]
+    for user in ("b", "c", None):
+        reply = turn(s, messages)
+        messages = [*messages, {"role": "assistant", "content": reply.content}]
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+    assert seen == [(2, 1), (3, 2)]
+
+
+def test_a_workers_sessions_pass_the_failpoint_between_turns(template, monkeypatch):
+    """``sample_sessions`` hits ``worker.between_turns`` with the arriving turn's number, once per
+    later turn of each session (the built-in chain: a 3-step problem is 3 turns)."""
+    from shared import faults
+
+    hits = []
+    monkeypatch.setattr(faults, "hit", lambda name, step=None: hits.append((name, step)))
+    engine = Engine([(text_ids("7") + [IM_END], "stop")] * 6)
+    outcome = process(template, monkeypatch, "chain", engine, n=2, prompt="3+4 +5 +2", answer="7 2 4")
+    assert outcome.batches[0].num_samples == 2
+    assert sorted(hits) == [("worker.between_turns", 2)] * 2 + [("worker.between_turns", 3)] * 2

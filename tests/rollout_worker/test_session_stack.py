@@ -6,7 +6,9 @@ model, its ChatML template), one batch for the group. No NATS: the worker's own 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 
 import aiohttp
 import numpy as np
@@ -20,6 +22,7 @@ from shared.config import Config
 from shared.contract import check_batch
 from shared.settings import WorkerSettings
 from shared.task import PromptTask
+from tests.processes import Router, SGLangProcess
 from tests.rollout_worker import session_environments
 from tests.router_proxy.conftest import ProxyProcess
 
@@ -169,6 +172,12 @@ def test_a_proxy_killed_mid_session_fails_the_task_as_transient_and_the_retry_ru
         outcome, turns, _ = run_task(again.url, model_dir, env, monkeypatch, attempt=2)
     finally:
         again.stop()
+    check_retried_whole(outcome, turns, lost)
+
+
+def check_retried_whole(outcome, turns, lost: set) -> None:
+    """The retry (attempt 2) of a task whose attempt 1 died mid-session: one batch of two new
+    sessions, every turn sampled anew, each trained whole on exactly the ids SGLang returned."""
     (batch,) = outcome.batches
     check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
     assert (batch.num_samples, batch.attempt) == (2, 2)
@@ -180,3 +189,45 @@ def test_a_proxy_killed_mid_session_fails_the_task_as_transient_and_the_retry_ru
         (session_turns,) = [t for t in turns.values() if tuple(ids) == tuple(t[-1][0] + t[-1][1].response_ids.tolist())]
         sampled = [tok for _, found in session_turns for tok in found.response_ids.tolist()]
         assert batch.response_ids[part][batch.loss_mask[part].astype(bool)].tolist() == sampled
+
+
+def test_an_engine_killed_mid_session_fails_the_task_as_transient_and_the_retry_runs_new_sessions_whole(
+    tmp_path, proxy, model_dir, monkeypatch
+):
+    """Faults (docs/design.md section 12): the SGLang server behind the router and the proxy is
+    SIGKILLed (its whole process group) after a session's first turn. Its own server, not the
+    session's shared one: the task fails as transient with nothing to publish, whatever turn was
+    in flight, and its redelivery, through a router whose engine lives (the shared one), samples
+    every turn again in new sessions and is trained whole."""
+    engine = SGLangProcess(model_dir, tmp_path / "sglang.log")
+    router = proxy_1 = None
+    try:
+        router = Router(tmp_path / "router.log", [engine.url])
+        flags = ("--vocab-size", str(VOCAB), "--rollout-top-logprobs-num", str(K))
+        proxy_1 = ProxyProcess(tmp_path / "proxy.log", router.url, *flags)
+        assert proxy_1.wait_probed()[0] == 200
+        monkeypatch.setattr(
+            session_environments, "AFTER_FIRST_TURN", [lambda: os.killpg(engine.proc.pid, signal.SIGKILL)]
+        )
+        env = "tests.rollout_worker.session_environments:three_turns_with_a_fault"
+        real, answered = environment.proxy_generate, []
+
+        async def recording(http, url, body, routing_key):  # every turn the proxy answered, by routing key
+            found = await real(http, url, body, routing_key)
+            answered.append(routing_key)
+            return found
+
+        monkeypatch.setattr(environment, "proxy_generate", recording)
+        # the proxy's answer for an upstream that failed the turn: unreachable (refused, cut off) or the router's 5xx
+        with pytest.raises(Transient, match=rf"^{re.escape(proxy_1.url)}/generate answered 5\d\d: ") as failed:
+            run_task(proxy_1.url, model_dir, env, monkeypatch)
+        print(f"\nattempt 1 failed: {failed.value}")
+    finally:
+        for part in (proxy_1, router, engine):
+            if part is not None:
+                part.stop()
+    lost = set(answered)  # sessions of attempt 1 that had a complete first turn before the kill, and no more
+    assert lost and len(answered) == len(lost)
+    monkeypatch.setattr(session_environments, "AFTER_FIRST_TURN", [])
+    outcome, turns, _ = run_task(proxy.url, model_dir, env, monkeypatch, attempt=2)
+    check_retried_whole(outcome, turns, lost)
