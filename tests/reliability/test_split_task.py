@@ -80,9 +80,10 @@ def test_a_worker_killed_between_two_publishes_of_a_task_leaves_its_group_traine
 def test_a_part_held_back_past_max_staleness_is_dropped_as_stale_and_its_task_sampled_again(split_topology):
     """The first worker sleeps 15 s between the two publishes of its first task, its whole process
     (the failpoint blocks its event loop, so no in-progress ack goes out), with its task kept by a
-    60 s ack wait (both workers set it: the last to bind the consumer decides): the second part reaches the gate more than ``--max-staleness`` versions old
-    and is dead-lettered as stale, the trainer publishes the task again, the other worker samples
-    it as attempt 2, which is trained; attempt 1's first part, pending, is dropped then."""
+    60 s ack wait (both workers set it: the last to bind the consumer decides): the second part
+    reaches the gate more than ``--max-staleness`` versions old and is dead-lettered as stale, the
+    trainer publishes the task again, the other worker samples it as attempt 2, which is trained;
+    attempt 1's first part, pending, is dropped then."""
     topology = split_topology
     slow = topology.add_worker(
         "w0", "--concurrency", "1", "--ack-wait", "60", env={ENV: "worker.between_parts@1=sleep:15"}
