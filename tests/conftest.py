@@ -10,6 +10,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_finish(session):
+    """The compose tests run last, their Docker set-up and image build begun now in the
+    background (tests/compose/prebuild.py): minutes on a machine that never built the image."""
+    if session.config.option.collectonly:
+        return
+    compose = [item for item in session.items if item.get_closest_marker("compose")]
+    if compose:
+        session.items[:] = [item for item in session.items if not item.get_closest_marker("compose")] + compose
+        from tests.compose import prebuild
+
+        prebuild.start()
+
+
+def pytest_sessionfinish(session):
+    """A Docker daemon the compose tier's set-up started is stopped at the end of the session."""
+    from tests.compose import prebuild
+
+    prebuild.stop()
+
+
 @dataclass(frozen=True)
 class UpRun:
     """A finished `centerline up`: its run directory (JetStream store included) and output."""

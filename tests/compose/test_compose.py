@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.compose import prebuild
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(2400)]
 
@@ -91,9 +92,7 @@ def project_resources() -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="module")
 def stack():
-    had_daemon = shutil.which("docker") is not None and (
-        subprocess.run(["docker", "info"], capture_output=True).returncode == 0
-    )
+    print(prebuild.wait(), flush=True)  # the set-up and build begun with the session (tests/conftest.py)
     sh(PREPARE, timeout=900)
     sh(DOWN)  # what an earlier, interrupted run left
     started = time.monotonic()
@@ -101,10 +100,6 @@ def stack():
     print(f"compose-test: up (build and start) took {time.monotonic() - started:.0f}s", flush=True)
     yield
     subprocess.run(DOWN, shell=True, cwd=ROOT, capture_output=True, timeout=300)
-    if not had_daemon:
-        pid = Path("/var/run/docker.pid")
-        if pid.exists():
-            subprocess.run(["kill", pid.read_text().strip()], check=False)
 
 
 def test_the_readme_has_these_commands():

@@ -49,6 +49,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.compose import prebuild
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
@@ -435,7 +437,8 @@ def docker_compose_1() -> str | None:
     ids=["compose", "compose-prepared", "compose-gpu", "compose-nats-cluster", "compose-gpu-nats-cluster-prepared"],
 )
 def test_docker_compose_1_29_resolves_the_files_as_these_tests_do(files, env, tmp_path):
-    # tests/compose (run before this module) installs it through deploy/docker/prepare.sh
+    # deploy/docker/prepare.sh installs it; a session with the compose tests runs that first (tests/compose/prebuild.py)
+    prebuild.wait_for_tool("docker-compose")
     assert docker_compose_1(), "no docker-compose 1.x on PATH: run deploy/docker/prepare.sh (or tests/compose) first"
     env_file = tmp_path / "env"  # not the repository's .env: only `env`
     env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
