@@ -679,6 +679,8 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
         stack.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
     trainer = stack.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
 
+    from trainer_service.metrics import complete_lines  # here: it imports torch, which the launcher needs nowhere else
+
     metrics = run_dir / "metrics.jsonl"
     seen, last_step, evaluated = 0, 0, 0
     while True:
@@ -690,8 +692,7 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
         for name in restart_dead_nats_nodes(nats):
             log(f"NATS node {name} died: started again on its store; clients reconnect")
         finished = trainer.poll() is not None  # before the read: its last line is in the file then
-        data = metrics.read_bytes() if metrics.exists() else b""
-        lines = data[: data.rfind(b"\n") + 1].splitlines()  # complete lines only
+        lines, _ = complete_lines(metrics.read_bytes() if metrics.exists() else b"")
         for line in lines[seen:]:
             record = orjson.loads(line)
             progress.show(record, up.steps)
