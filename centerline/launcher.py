@@ -585,79 +585,143 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     return Prepared(model, dataset, chat, heldout, environment=environment)
 
 
-def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
-    def log(message: str) -> None:
-        print(f"centerline up: {message}", file=sys.stderr, flush=True)
+def log(message: str) -> None:
+    """One line of ``centerline up``'s own on stderr."""
+    print(f"centerline up: {message}", file=sys.stderr, flush=True)
 
+
+def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
+    """One run, each job in turn: prepare what it trains, start NATS and its streams, choose the
+    addresses and write ``config.toml``, start the engines, router and proxy, evaluate before
+    training, start the workers and the trainer, follow the trainer to its last step, write the
+    report. ``launch`` stops every process afterwards, whatever happened."""
     up, run_dir = spec.up, spec.up.run_dir
     task = prepare(up, spec.cfg, run_dir, log)
-    replicas = stream_replicas(spec.cfg.nats_stream_replicas, up.nats_nodes)
-    nats.start()
-    # workers and the proxy may not create streams
-    asyncio.run(provision(nats.url, StreamLimits(replicas=replicas), **nats.credentials("admin")))
-    engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(up.engines)]
-    router_url, proxy_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
+    at = Addresses.pick(up.engines)
     spec = place(
         spec,
         task,
         nats_url=nats.url,
         replicas=replicas,
-        engine_urls=engine_urls,
-        router_url=router_url,
-        proxy_url=proxy_url,
+        engine_urls=at.engines,
+        router_url=at.router,
+        proxy_url=at.proxy,
     )
-    cfg = spec.cfg
     config_file = run_dir / "config.toml"
     spec.write(config_file)  # once, every table: no service writes it again
     argv = service_argv(spec, config_file)
 
     engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
-    engines = [
-        stack.start(f"sglang-{i}", engine_argv(spec, url), engine_key=engine_key, restart=True)
-        for i, url in enumerate(engine_urls)
-    ]
-    for i, (url, proc) in enumerate(zip(engine_urls, engines)):
-        wait_http(f"{url}/health", f"SGLang server {i}", proc, run_dir / "logs" / f"sglang-{i}.log", up.startup_timeout)
-    router_port = int(router_url.rsplit(":", 1)[1])
-    router = stack.start("router", sglang.router_argv(engine_urls, "127.0.0.1", router_port, free_port()))
-    wait_http(f"{router_url}/readiness", "SGLang router", router, run_dir / "logs" / "router.log", up.startup_timeout)
-    proxy = stack.start("proxy", argv["proxy"], nats_user="proxy")
-    wait_http(f"{proxy_url}/ready", "proxy", proxy, run_dir / "logs" / "proxy.log", up.startup_timeout)
+    start_serving(spec, stack, at, argv["proxy"], engine_key)
     log(
-        f"SGLang {' '.join(engine_urls)} behind the router {router_url}, proxy {proxy_url} "
+        f"SGLang {' '.join(at.engines)} behind the router {at.router}, proxy {at.proxy} "
         f"(ready: the upstream returns complete candidate sets), NATS {nats.url}"
     )
 
     progress = Progress()
-    evals = run_dir / "eval.jsonl"
-    evals.write_bytes(b"")
-    single, evaluator = [], None  # a user's held-out rows sampled once (no environment), and their evaluator
-    if task.user is not None:
-        (run_dir / "heldout.json").write_bytes(
-            orjson.dumps({"rows": len(task.heldout), "source": task.user.heldout_source, "reward": up.reward})
-        )
-        single = [row for row in task.heldout if not (row.environment or task.environment)]
-        evaluator = UserEvaluator(task.model, single, up.reward, task.chat_template) if single else None
+    evaluation = Evaluation(spec, task, at.engines, progress)
+    evaluation.record(0)
+    for i in range(up.workers):
+        stack.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
+    trainer = stack.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
+    follow(trainer, up, stack, nats, evaluation, progress, stopping)
 
-    heldout_tasks = task.heldout_tasks(up.reward)
-    played = [t for t in heldout_tasks if t.environment]
-    sessions = SessionEvaluator(task.model, played) if played else None
+    if progress.tty:
+        print()
+    if trainer.returncode != 0:
+        raise RuntimeError(f"trainer exited with status {trainer.returncode}; see {run_dir / 'logs' / 'trainer.log'}")
+    from centerline.report import write_report
 
-    def measure(url: str) -> dict | None:
-        if task.user is None and sessions is None:
+    log(f"report: {write_report(run_dir)}")
+
+
+def start_nats(nats: EmbeddedNats | NatsCluster, replicas_setting: int, nodes: int) -> int:
+    """Start the NATS server (or cluster) and create the streams, with the copies
+    ``stream_replicas`` gives; returns that number."""
+    replicas = stream_replicas(replicas_setting, nodes)
+    nats.start()
+    # workers and the proxy may not create streams
+    asyncio.run(provision(nats.url, StreamLimits(replicas=replicas), **nats.credentials("admin")))
+    return replicas
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where a run's servers listen, on this machine: chosen before any starts, written into config.toml."""
+
+    engines: list[str]
+    router: str
+    proxy: str
+
+    @classmethod
+    def pick(cls, engines: int) -> Addresses:
+        """Free ports for ``engines`` SGLang servers, the router and the proxy."""
+        engine_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(engines)]
+        return cls(engine_urls, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
+
+
+def start_serving(spec: RunSpec, stack: Stack, at: Addresses, proxy_argv: list[str], engine_key: str) -> None:
+    """Start the SGLang servers, then the router in front of them, then the proxy in front of the
+    router, each once the one before answers; the proxy is ready once its probe of the upstream passed."""
+    logs, timeout = spec.up.run_dir / "logs", spec.up.startup_timeout
+    engines = [
+        stack.start(f"sglang-{i}", engine_argv(spec, url), engine_key=engine_key, restart=True)
+        for i, url in enumerate(at.engines)
+    ]
+    for i, (url, proc) in enumerate(zip(at.engines, engines)):
+        wait_http(f"{url}/health", f"SGLang server {i}", proc, logs / f"sglang-{i}.log", timeout)
+    router_port = int(at.router.rsplit(":", 1)[1])
+    router = stack.start("router", sglang.router_argv(at.engines, "127.0.0.1", router_port, free_port()))
+    wait_http(f"{at.router}/readiness", "SGLang router", router, logs / "router.log", timeout)
+    proxy = stack.start("proxy", proxy_argv, nats_user="proxy")
+    wait_http(f"{at.proxy}/ready", "proxy", proxy, logs / "proxy.log", timeout)
+
+
+class Evaluation:
+    """The held-out evaluation, appended to ``run_dir/eval.jsonl`` and shown as progress: the toy
+    task's accuracy, or a user task's mean reward (its rows with an environment played as sessions
+    through the proxy, the others sampled once from an engine)."""
+
+    def __init__(self, spec: RunSpec, task: Prepared, engine_urls: list[str], progress: Progress):
+        up = spec.up
+        self.spec, self.task, self.engine_urls, self.progress = spec, task, engine_urls, progress
+        self.path = up.run_dir / "eval.jsonl"
+        self.path.write_bytes(b"")
+        self.single, self.evaluator = [], None  # a user's held-out rows sampled once (no environment), their evaluator
+        if task.user is not None:
+            (up.run_dir / "heldout.json").write_bytes(
+                orjson.dumps({"rows": len(task.heldout), "source": task.user.heldout_source, "reward": up.reward})
+            )
+            self.single = [row for row in task.heldout if not (row.environment or task.environment)]
+            self.evaluator = (
+                UserEvaluator(task.model, self.single, up.reward, task.chat_template) if self.single else None
+            )
+        self.tasks = task.heldout_tasks(up.reward)
+        played = [t for t in self.tasks if t.environment]
+        self.sessions = SessionEvaluator(task.model, played) if played else None
+
+    def measure(self, url: str) -> dict | None:
+        """The figures with ``url`` as the engine; None for a user task without held-out rows."""
+        task, cfg = self.task, self.spec.cfg
+        if task.user is None and self.sessions is None:
             return {"eval_accuracy": evaluate(url, task.heldout, cfg.rollout_temperature, cfg.seed)}
         if not task.heldout:
             return None
         # sessions go through the proxy, as the workers' do; rows without an environment are sampled once
-        total = sum(sessions(cfg, spec.worker.request_timeout)) if sessions is not None else 0.0
-        if evaluator is not None:
-            total += evaluator(url, cfg.rollout_temperature, cfg.rollout_max_new_tokens, cfg.seed) * len(single)
-        return {"eval_reward": total / len(heldout_tasks)}
+        total = sum(self.sessions(cfg, self.spec.worker.request_timeout)) if self.sessions is not None else 0.0
+        if self.evaluator is not None:
+            total += self.evaluator(url, cfg.rollout_temperature, cfg.rollout_max_new_tokens, cfg.seed) * len(
+                self.single
+            )
+        return {"eval_reward": total / len(self.tasks)}
 
-    def record_eval(step: int) -> None:
-        for url in engine_urls:  # the first server that answers (one may be restarting)
+    def record(self, step: int) -> None:
+        """Evaluate at ``step`` on the first engine that answers (one may be restarting) and record it;
+        a step whose evaluation cannot be run is logged and skipped."""
+        for url in self.engine_urls:
             try:
-                figures = measure(url)
+                figures = self.measure(url)
                 break
             except OSError as exc:  # URLError, a refused or broken connection
                 log(f"evaluation at step {step}: {url} did not answer ({exc}); trying the next server")
@@ -670,16 +734,26 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
         if figures is None:  # a user task without held-out rows
             return
         record = {"step": step, **figures}
-        with open(evals, "ab") as fh:
+        with open(self.path, "ab") as fh:
             fh.write(orjson.dumps(record) + b"\n")
-        progress.show(record, up.steps)
+        self.progress.show(record, self.spec.up.steps)
 
-    record_eval(0)
-    for i in range(up.workers):
-        stack.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
-    trainer = stack.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
 
-    metrics = run_dir / "metrics.jsonl"
+def follow(
+    trainer: subprocess.Popen,
+    up: UpSettings,
+    stack: Stack,
+    nats: EmbeddedNats | NatsCluster,
+    evaluation: Evaluation,
+    progress: Progress,
+    stopping: list,
+) -> None:
+    """Until the trainer exits: restart what died, show each step the trainer logs, evaluate every
+    ``eval_every`` steps and after the last (also when ``--train-seconds`` ended training early).
+    Raises ``Stopped`` once ``stopping`` gets an entry (a signal)."""
+    from trainer_service.metrics import complete_lines  # here: it imports torch, which the launcher needs nowhere else
+
+    metrics = up.run_dir / "metrics.jsonl"
     seen, last_step, evaluated = 0, 0, 0
     while True:
         if stopping:
@@ -690,26 +764,17 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
         for name in restart_dead_nats_nodes(nats):
             log(f"NATS node {name} died: started again on its store; clients reconnect")
         finished = trainer.poll() is not None  # before the read: its last line is in the file then
-        data = metrics.read_bytes() if metrics.exists() else b""
-        lines = data[: data.rfind(b"\n") + 1].splitlines()  # complete lines only
+        lines, _ = complete_lines(metrics.read_bytes() if metrics.exists() else b"")
         for line in lines[seen:]:
             record = orjson.loads(line)
             progress.show(record, up.steps)
             last_step = record["step"]
             if last_step % up.eval_every == 0 or last_step == up.steps:
-                record_eval(last_step)
+                evaluation.record(last_step)
                 evaluated = last_step
         seen = len(lines)
         if finished:
             if trainer.returncode == 0 and evaluated < last_step:  # stopped early by --train-seconds
-                record_eval(last_step)
-            break
+                evaluation.record(last_step)
+            return
         time.sleep(0.5)  # polling interval of the progress display
-    if progress.tty:
-        print()
-    if trainer.returncode != 0:
-        raise RuntimeError(f"trainer exited with status {trainer.returncode}; see {run_dir / 'logs' / 'trainer.log'}")
-    from centerline.report import write_report
-
-    report = write_report(run_dir)
-    log(f"report: {report}")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from shared import logs
 from shared.config import add_arguments, parse_args
+from shared.contract import k_above_vocab
 from shared.settings import WorkerSettings
 
 log = logging.getLogger("centerline.worker")
@@ -149,14 +150,9 @@ def main(argv: list[str]) -> int:
         print(f"centerline worker: {exc}", file=sys.stderr)
         return 2
     vocab = settings.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
-    if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab:
-        print(
-            f"centerline worker: --rollout-top-logprobs-num {cfg.rollout_top_logprobs_num} is above the model's "
-            "vocabulary of "
-            f"{vocab}: rows cannot hold K candidates (and SGLang takes its server down on such a request); set K <= "
-            f"{vocab}",
-            file=sys.stderr,
-        )
+    too_many = k_above_vocab(cfg.rollout_top_logprobs_num, vocab, cfg.rollout_logprobs_mode)
+    if too_many:
+        print(f"centerline worker: --rollout-top-logprobs-num: {too_many}", file=sys.stderr)
         return 2
 
     from rollout_worker.worker import Worker

@@ -57,6 +57,7 @@ PROXY_RULES = {
     "upstream_too_large": "the upstream's answer exceeded --max-upstream-response-bytes and was cut off",
     "upstream_unreachable": "the upstream could not be reached, broke off its answer, or did not speak HTTP/1.1",
     "vocab_unknown": "the vocabulary size is unknown (no vocab_size from the upstream, no --vocab-size)",
+    "k_above_vocab": "the proxy's K is above the model's vocabulary (which takes an SGLang server down): nothing sent",
 }
 
 # Up to this many candidate entries, quick_accept's Python loop (~0.3 us an entry) beats numpy's fixed ~60 us.

@@ -30,7 +30,7 @@ from router_proxy.rewrite import HARMLESS_DEFAULTS, STATED, Contract, rewrite_bo
 from router_proxy.upstream import UpstreamPool
 from shared import admin_key
 from shared.config import ConfigError, add_arguments, resolve_section
-from shared.contract import ContractViolation
+from shared.contract import ContractViolation, k_above_vocab
 from shared.settings import ProbeSettings
 from shared.sglang_response import response_metas
 
@@ -222,14 +222,9 @@ async def probe(upstream: UpstreamPool, contract: Contract, *, vocab_size: int |
     ):
         return report
     vocab = report.vocab_size
-    detail = f"K={contract.k} <= vocab {vocab}"
-    if contract.k > vocab:
-        detail = (
-            f"K={contract.k} is above the model's vocabulary of {vocab}: SGLang 0.5.23 takes its server down on "
-            "top_logprobs_num above the vocabulary, so nothing is sent; lower --rollout-top-logprobs-num "
-            f"to at most {vocab}"
-        )
-    if contract.mode == "selected" and not report.add("K within the vocabulary", contract.k <= vocab, detail):
+    too_many = k_above_vocab(contract.k, vocab, contract.mode)
+    detail = f"--rollout-top-logprobs-num: {too_many}" if too_many else f"K={contract.k} <= vocab {vocab}"
+    if contract.mode == "selected" and not report.add("K within the vocabulary", too_many is None, detail):
         return report
 
     try:

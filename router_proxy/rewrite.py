@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import orjson
 
 from shared.config import Config
+from shared.contract import k_above_vocab
 
 SGLANG_TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter" default
 
@@ -98,14 +99,11 @@ def check_k(body: dict, endpoint: str, max_k: int, vocab_size: int | None = None
     value = body.get(name)
     for k in value if isinstance(value, list) else (value,):
         if isinstance(k, (int, float)) and not isinstance(k, bool) and k > max_k:
-            if max_k == vocab_size:
-                why = (
-                    f"above the model's vocabulary of {vocab_size} (SGLang takes its server down on such a request); "
-                    f"ask for at most {vocab_size}"
-                )
-            else:
-                why = f"above the proxy's limit of {max_k} candidates per token (--max-top-logprobs-num)"
-            raise RequestRejected(name, f"is {k}, {why}", value=k, limit=max_k)
+            too_many = k_above_vocab(k, vocab_size) if max_k == vocab_size else None
+            why = (
+                too_many or f"is {k}, above the proxy's limit of {max_k} candidates per token (--max-top-logprobs-num)"
+            )
+            raise RequestRejected(name, why, value=k, limit=max_k)
 
 
 def check_eval_body(raw: bytes, endpoint: str, max_k: int, vocab_size: int | None = None) -> None:

@@ -47,7 +47,7 @@ from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rew
 from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
 from shared import admin_key, candidate_scan, logs, response_arrays
 from shared.config import ENV_PREFIX, Config, add_arguments, load_toml, parse_args
-from shared.contract import ContractViolation
+from shared.contract import ContractViolation, k_above_vocab
 from shared.settings import ProxySettings
 
 log = logging.getLogger("centerline.proxy")
@@ -256,14 +256,10 @@ class Proxy:
             return await self.forward(b"POST", req.target, req.body, req.headers)
         started = time.perf_counter()
         binary = _accepts_arrays(req.headers)
-        if vocab is not None and self.contract.mode == "selected" and self.contract.k > vocab:
+        too_many = None if vocab is None else k_above_vocab(self.contract.k, vocab, self.contract.mode)
+        if too_many:
             self.metrics.count(self.metrics.requests, endpoint, "rejected")
-            message = (
-                f"the proxy's K={self.contract.k} (--rollout-top-logprobs-num) is above the model's vocabulary of "
-                f"{vocab}: "
-                "nothing was sent (SGLang takes its server down on top_logprobs_num above the vocabulary); restart "
-                f"the proxy with K <= {vocab}"
-            )
+            message = f"the proxy's --rollout-top-logprobs-num: {too_many}, and restart the proxy"
             return (
                 503,
                 orjson.dumps(

@@ -32,7 +32,7 @@ ENV_PREFIX = "CENTERLINE_"
 S = TypeVar("S", bound=Section)
 M = TypeVar("M", bound=BaseModel)
 # The importance-weight options' defaults, here once: Config's fields below, and the keyword
-# defaults of the losses (trainer_service/loss.py) and of LossSettings (trainer_service/step.py).
+# defaults of LossSettings (trainer_service/loss.py).
 TIS_CLIP, MIS_LOW, MIS_HIGH = 2.0, 0.5, 5.0
 
 

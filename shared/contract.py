@@ -65,6 +65,21 @@ class ContractViolation(ValueError):
         }
 
 
+def k_above_vocab(k: int, vocab_size: int, mode: str = "selected") -> str | None:
+    """Why asking SGLang for ``k`` candidates per token is refused, or None when it may be asked.
+
+    SGLang 0.5.23 takes its whole server down on a ``top_logprobs_num`` above the vocabulary
+    (docs/sglang.md), so the worker, the trainer, the probe and the proxy refuse such a K before
+    anything is sent. Support mode asks for no top-K, so any K fits there.
+    """
+    if mode != "selected" or k <= vocab_size:
+        return None
+    return (
+        f"K={k} is above the model's vocabulary of {vocab_size}: SGLang takes its server down on a "
+        f"top_logprobs_num above the vocabulary, so nothing is sent; lower K to at most {vocab_size}"
+    )
+
+
 def check_batch(
     batch: Batch,
     *,

@@ -20,6 +20,9 @@ their gradient nothing of size [N, V] is ever held; REINFORCE and TIS use the sa
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, fields, replace
+
 import torch
 
 from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
@@ -35,34 +38,79 @@ class NonFiniteInput(ValueError):
     """A loss input holds NaN/inf at a trained position. The message names tensor and index."""
 
 
-def score_centering_loss(
-    logits,
-    response_ids,
-    sampled_logprobs,
-    cand_ids,
-    cand_logprobs,
-    advantages,
-    loss_mask,
-    *,
-    mode="selected",
-    is_mode="none",
-    temperature=1.0,
-    tis_clip=TIS_CLIP,
-    mis_low=MIS_LOW,
-    mis_high=MIS_HIGH,
-    token_count=None,
-    chunk_size=None,
-):
+@dataclass(frozen=True)
+class TokenRows:
+    """The N response tokens a loss trains on, row for row, and how they were sampled.
+
+    Shapes: ``response_ids`` [N] int, ``sampled_logprobs`` [N] float, ``cand_ids`` [N, K] int
+    (-1 = empty slot), ``cand_logprobs`` [N, K] float (-inf = empty slot), ``advantages`` [N]
+    (per token), ``loss_mask`` [N] bool. Rows with ``loss_mask`` False may hold anything
+    (padding): they contribute exactly 0 to the loss and the gradient. ``mode`` is the batch's
+    candidate mode and ``temperature`` its sampling temperature. ``token_count`` is the divisor
+    (default: the trained tokens of these rows; the trainer passes the global count).
+    """
+
+    response_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    cand_ids: torch.Tensor
+    cand_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    mode: str = "selected"  # selected | support
+    temperature: float = 1.0  # --rollout-temperature
+    token_count: int | None = None
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss chosen and its options (the trainer's settings; the rows bring mode and temperature)."""
+
+    loss: str = "score_centering"  # score_centering | reinforce | tis
+    is_mode: str = "none"  # --score-centering-is (score_centering only)
+    tis_clip: float = TIS_CLIP  # --score-centering-tis-clip
+    mis_low: float = MIS_LOW  # --score-centering-mis-low
+    mis_high: float = MIS_HIGH  # --score-centering-mis-high
+    chunk_size: int | None = None  # rows per [rows, V] pass; None: about 4M logits per chunk
+
+    @classmethod
+    def from_config(cls, cfg) -> LossSettings:
+        """The loss settings of a ``shared.config.Config``."""
+        return cls(
+            cfg.loss,
+            cfg.score_centering_is,
+            cfg.score_centering_tis_clip,
+            cfg.score_centering_mis_low,
+            cfg.score_centering_mis_high,
+        )
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(TokenRows))
+
+
+def _rows_by_name(loss):
+    """``loss(logits, rows, settings)``, also callable as ``loss(logits, **fields)`` with the
+    fields of ``TokenRows`` and ``LossSettings`` by name (the tests' cases and the benchmarks)."""
+
+    @functools.wraps(loss)
+    def call(logits, rows: TokenRows | None = None, settings: LossSettings | None = None, **by_name):
+        if rows is None:
+            rows = TokenRows(**{name: by_name.pop(name) for name in _ROW_FIELDS if name in by_name})
+        if settings is None:
+            settings = LossSettings(**by_name)
+        elif by_name:
+            raise TypeError(f"{loss.__name__}: {sorted(by_name)} given by name beside a LossSettings")
+        return loss(logits, rows, settings)
+
+    return call
+
+
+@_rows_by_name
+def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     """Score-centering loss (6.1) and its metrics.
 
-    Shapes: ``logits`` [N, V] (float32/bfloat16/float64, requires grad), ``response_ids`` [N]
-    int, ``sampled_logprobs`` [N] float, ``cand_ids`` [N, K] int (-1 = empty slot),
-    ``cand_logprobs`` [N, K] float (-inf = empty slot), ``advantages`` [N] (per token),
-    ``loss_mask`` [N] bool. Rows with ``loss_mask`` False may hold anything (padding): they
-    contribute exactly 0 to the loss and the gradient. Computation is in float32 (float64
-    for float64 logits). ``token_count`` is the divisor (default: trained tokens here; the
-    trainer passes the global count). ``chunk_size`` is the number of rows per [rows, V]
-    pass (default: about 4M logits per chunk).
+    ``logits`` [N, V] (float32/bfloat16/float64, requires grad) are the trainer's at the N
+    ``rows`` (``TokenRows``); ``settings.is_mode`` picks ``f``. Computation is in float32
+    (float64 for float64 logits).
 
     Returns ``(loss, metrics)``; metrics are plain floats, means over the trained tokens of
     this call (0.0 when there are none):
@@ -82,26 +130,16 @@ def score_centering_loss(
     shapes or ids (in support mode the sampled token must be in the support; in selected mode a
     trained row must hold exactly ``min(K, V)`` candidates, as the contract's ``short_row``).
     """
+    mode = rows.mode
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
-    f = _weight_fn(is_mode, tis_clip, mis_low, mis_high)
-    rows = _prepare(
-        logits,
-        response_ids,
-        sampled_logprobs,
-        cand_ids,
-        cand_logprobs,
-        advantages,
-        loss_mask,
-        temperature,
-        chunk_size,
-        with_candidates=True,
-    )
-    mask, valid = rows["mask"], rows["valid"]
+    f = _weight_fn(settings.is_mode, settings)
+    g = _prepare(logits, rows, settings.chunk_size, with_candidates=True)
+    mask, valid = g.mask, g.valid
     if (
         mode == "selected"
     ):  # the contract's short_row rule again: a caller that skips the gate cannot train a padded row
-        need = min(cand_ids.shape[1], logits.shape[1])
+        need = min(rows.cand_ids.shape[1], logits.shape[1])
         counts = valid.sum(1)
         short = mask & (counts != need)
         if bool(short.any()):
@@ -110,15 +148,15 @@ def score_centering_loss(
                 f"selected mode: trained row {i} holds {int(counts[i])} candidates, expected min(K, vocab) = {need}; "
                 "a truncated or padded candidate set is never trained on"
             )
-    lq_a, lq_h, logp_a, logp_h = rows["lq_a"], rows["lq_h"], rows["logp_a"], rows["logp_h"]
+    lq_a, lq_h, logp_a, logp_h = g.lq_a, g.lq_h, g.logp_a, g.logp_h
     q_h = lq_h.exp()  # 0 in empty slots
 
     if mode == "support":
-        in_support = ((rows["cand_ids"] == rows["ids_a"][:, None]) & valid).any(1) | ~mask
+        in_support = ((g.cand_ids == g.ids_a[:, None]) & valid).any(1) | ~mask
         if not bool(in_support.all()):
             i = int((~in_support).nonzero()[0, 0])
             raise ValueError(
-                f"support mode: sampled token response_ids[{i}] = {int(rows['ids_a'][i])} is not "
+                f"support mode: sampled token response_ids[{i}] = {int(g.ids_a[i])} is not "
                 f"in the recorded support cand_ids[{i}]; the batch violates the support contract"
             )
         log_head = torch.where(mask, logp_h.logsumexp(1), 0.0)  # log P_H; renormalise over H
@@ -137,8 +175,8 @@ def score_centering_loss(
         rho = torch.zeros_like(q_head)
         c_h = qf_h
     c_h = torch.where(valid & mask[:, None], c_h, 0.0)
-    adv = rows["adv"]
-    count = _count(token_count, mask)
+    adv = g.adv
+    count = _count(rows.token_count, mask)
     centering = torch.where(valid, c_h * logp_h, 0.0).sum(1)  # sum_{v in H} c_v log p_v
     per_token = -adv * (w_a * logp_a - centering)
     loss_value = torch.where(mask, per_token, 0.0).sum() / count
@@ -154,14 +192,14 @@ def score_centering_loss(
     loss = _SparseScoreLoss.apply(
         logits,
         loss_value,
-        rows["ids_a"],
+        g.ids_a,
         coef_a,
-        rows["cand_ids"],
+        g.cand_ids,
         coef_h,
         dense,
         mask,
-        float(temperature),
-        rows["chunk"],
+        float(rows.temperature),
+        g.chunk,
     )
     metrics = _sampled_metrics(logp_a, lq_a, w_a, mask)
     metrics.update(_mean(centering, mask, "sc_correction"))
@@ -172,117 +210,41 @@ def score_centering_loss(
     return loss, metrics
 
 
-def reinforce_loss(
-    logits,
-    response_ids,
-    sampled_logprobs,
-    cand_ids,
-    cand_logprobs,
-    advantages,
-    loss_mask,
-    *,
-    mode="selected",
-    is_mode="none",
-    temperature=1.0,
-    tis_clip=TIS_CLIP,
-    mis_low=MIS_LOW,
-    mis_high=MIS_HIGH,
-    token_count=None,
-    chunk_size=None,
-):
-    """Plain policy gradient ``l = -A * log p_a``, same signature, checks and reduction as
-    ``score_centering_loss``; ``mode``/``is_mode`` and candidates are accepted and unused
-    (candidates are still checked). Metrics: the sampled-token ones
-    (``sc_importance_weight`` is 1.0)."""
-    return _sampled_token_loss(
-        logits,
-        response_ids,
-        sampled_logprobs,
-        cand_ids,
-        cand_logprobs,
-        advantages,
-        loss_mask,
-        _weight_fn("none", tis_clip, mis_low, mis_high),
-        temperature,
-        token_count,
-        chunk_size,
-    )
+@_rows_by_name
+def reinforce_loss(logits, rows: TokenRows, settings: LossSettings):
+    """Plain policy gradient ``l = -A * log p_a``, same arguments, checks and reduction as
+    ``score_centering_loss``; ``mode``, ``is_mode`` and candidates are unused (candidates are
+    still checked). Metrics: the sampled-token ones (``sc_importance_weight`` is 1.0)."""
+    return _sampled_token_loss(logits, rows, settings.chunk_size, _weight_fn("none", settings))
 
 
-def tis_loss(
-    logits,
-    response_ids,
-    sampled_logprobs,
-    cand_ids,
-    cand_logprobs,
-    advantages,
-    loss_mask,
-    *,
-    mode="selected",
-    is_mode="tis",
-    temperature=1.0,
-    tis_clip=TIS_CLIP,
-    mis_low=MIS_LOW,
-    mis_high=MIS_HIGH,
-    token_count=None,
-    chunk_size=None,
-):
+@_rows_by_name
+def tis_loss(logits, rows: TokenRows, settings: LossSettings):
     """REINFORCE with a truncated importance weight: ``l = -A * min(p_a/q_a, tis_clip) * log p_a``
-    (weight detached). Same signature, checks and reduction as ``score_centering_loss``."""
-    return _sampled_token_loss(
-        logits,
-        response_ids,
-        sampled_logprobs,
-        cand_ids,
-        cand_logprobs,
-        advantages,
-        loss_mask,
-        _weight_fn("tis", tis_clip, mis_low, mis_high),
-        temperature,
-        token_count,
-        chunk_size,
-    )
+    (weight detached). Same arguments, checks and reduction as ``score_centering_loss``."""
+    return _sampled_token_loss(logits, rows, settings.chunk_size, _weight_fn("tis", settings))
 
 
-def _sampled_token_loss(
-    logits,
-    response_ids,
-    sampled_logprobs,
-    cand_ids,
-    cand_logprobs,
-    advantages,
-    loss_mask,
-    f,
-    temperature,
-    token_count,
-    chunk_size,
-):
-    rows = _prepare(
-        logits,
-        response_ids,
-        sampled_logprobs,
-        cand_ids,
-        cand_logprobs,
-        advantages,
-        loss_mask,
-        temperature,
-        chunk_size,
-        with_candidates=False,
-    )
-    mask, adv = rows["mask"], rows["adv"]
-    logp_a = rows["logp_a"]
-    w_a = f((logp_a - rows["lq_a"]).exp())
-    count = _count(token_count, mask)
+LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
+
+
+def _sampled_token_loss(logits, rows: TokenRows, chunk_size, f):
+    g = _prepare(logits, rows, chunk_size, with_candidates=False)
+    mask, adv = g.mask, g.adv
+    logp_a = g.logp_a
+    w_a = f((logp_a - g.lq_a).exp())
+    count = _count(rows.token_count, mask)
     loss_value = torch.where(mask, -adv * w_a * logp_a, 0.0).sum() / count
     coef_a = torch.where(mask, -adv * w_a / count, 0.0)
     loss = _SparseScoreLoss.apply(
-        logits, loss_value, rows["ids_a"], coef_a, None, None, -coef_a, mask, float(temperature), rows["chunk"]
+        logits, loss_value, g.ids_a, coef_a, None, None, -coef_a, mask, float(rows.temperature), g.chunk
     )
-    return loss, _sampled_metrics(logp_a, rows["lq_a"], w_a, mask)
+    return loss, _sampled_metrics(logp_a, g.lq_a, w_a, mask)
 
 
-def _weight_fn(is_mode, tis_clip, mis_low, mis_high):
+def _weight_fn(is_mode, settings: LossSettings):
     """``f`` of (6.1) on a detached ratio tensor."""
+    tis_clip, mis_low, mis_high = settings.tis_clip, settings.mis_low, settings.mis_high
     if is_mode == "none":
         return torch.ones_like
     if is_mode == "tis":
@@ -298,20 +260,31 @@ def _weight_fn(is_mode, tis_clip, mis_low, mis_high):
     raise ValueError(f"is_mode={is_mode!r}; expected one of {IS_MODES} (--score-centering-is)")
 
 
-def _prepare(
-    logits,
-    response_ids,
-    sampled_logprobs,
-    cand_ids,
-    cand_logprobs,
-    advantages,
-    loss_mask,
-    temperature,
-    chunk_size,
-    *,
-    with_candidates,
-):
+@dataclass(frozen=True)
+class _Gathered:
+    """What (6.1) needs of the rows, detached, in the compute dtype; 0 (or -inf) where untrained."""
+
+    mask: torch.Tensor  # [N] bool, the trained rows
+    ids_a: torch.Tensor  # [N] int64 sampled ids (0 where untrained)
+    chunk: int  # rows per [rows, V] pass
+    logp_a: torch.Tensor  # [N] trainer log p of the sampled token
+    adv: torch.Tensor  # [N] advantages
+    lq_a: torch.Tensor  # [N] sampler log q of the sampled token
+    valid: torch.Tensor | None = None  # [N, K] filled slots of trained rows (with candidates only)
+    cand_ids: torch.Tensor | None = None  # [N, K] as given
+    logp_h: torch.Tensor | None = None  # [N, K] trainer log p of each candidate, -inf in empty slots
+    lq_h: torch.Tensor | None = None  # [N, K] sampler log q of each candidate, -inf in empty slots
+
+
+def _prepare(logits, rows: TokenRows, chunk_size, *, with_candidates) -> _Gathered:
     """Validate inputs and gather everything (6.1) needs, detached, in the compute dtype."""
+    response_ids, sampled_logprobs, advantages = rows.response_ids, rows.sampled_logprobs, rows.advantages
+    cand_ids, cand_logprobs, loss_mask, temperature = (
+        rows.cand_ids,
+        rows.cand_logprobs,
+        rows.loss_mask,
+        rows.temperature,
+    )
     if logits.dim() != 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [N, V]")
     n, vocab = logits.shape
@@ -363,18 +336,19 @@ def _prepare(
                 logp_h[s : s + chunk_size] = buf.gather(1, ids_h[s : s + chunk_size])
         del buf
         _check_logits(logits, "the sampled token", logp_a, mask, ids_a[:, None])
-        out = {
-            "mask": mask,
-            "ids_a": ids_a,
-            "chunk": chunk_size,
-            "logp_a": torch.where(mask, logp_a, 0.0),
-            "adv": torch.where(mask, advantages.to(dtype), 0.0),
-            "lq_a": torch.where(mask, sampled_logprobs.to(dtype), 0.0),
-        }
+        out = _Gathered(
+            mask=mask,
+            ids_a=ids_a,
+            chunk=chunk_size,
+            logp_a=torch.where(mask, logp_a, 0.0),
+            adv=torch.where(mask, advantages.to(dtype), 0.0),
+            lq_a=torch.where(mask, sampled_logprobs.to(dtype), 0.0),
+        )
         if with_candidates:
             valid = valid & mask[:, None]
             _check_logits(logits, "every candidate", torch.where(valid, logp_h, 0.0), mask, ids_h)
-            out.update(
+            out = replace(
+                out,
                 valid=valid,
                 cand_ids=cand_ids,
                 logp_h=torch.where(valid, logp_h, -torch.inf),

@@ -53,6 +53,14 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def complete_lines(data: bytes) -> tuple[list[bytes], int]:
+    """The complete lines of ``data``, read from a JSONL file that may be growing, and the bytes
+    they span. A line is complete once its newline is written: what follows the last newline is a
+    line being appended, or one a crash cut short, and is left out (``len(data)`` is then larger)."""
+    end = data.rfind(b"\n") + 1
+    return data[:end].splitlines(), end
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -129,16 +137,13 @@ class Metrics:
         its batches in training order from the ledger, marked ``"recovered": true``; gate
         counts and timings of that step are gone). Every committed step then has one line.
         """
-        if not self.path.exists():
-            lines = []
-        else:
-            data = self.path.read_bytes()
-            complete = data[: data.rfind(b"\n") + 1]
-            if len(complete) != len(data):
-                log.warning("%s ended in a partial line (%d bytes); dropped", self.path, len(data) - len(complete))
-                with open(self.path, "r+b") as fh:
-                    fh.truncate(len(complete))
-            lines = [orjson.loads(line) for line in complete.splitlines()]
+        data = self.path.read_bytes() if self.path.exists() else b""
+        complete, end = complete_lines(data)
+        if end != len(data):
+            log.warning("%s ended in a partial line (%d bytes); dropped", self.path, len(data) - end)
+            with open(self.path, "r+b") as fh:
+                fh.truncate(end)
+        lines = [orjson.loads(line) for line in complete]
         step = state["step"]
         if step == 0 or "metrics" not in state or any(line.get("step") == step for line in lines):
             return

@@ -21,8 +21,9 @@ from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.distributed import agree, device, is_main, rank_and_world
+from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
-from trainer_service.step import LossSettings, make_optimizer, train_step
+from trainer_service.step import make_optimizer, train_step
 from trainer_service.weights import save_version
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from shared import config as shared_config
 from shared import logs
+from shared.contract import k_above_vocab
 from shared.settings import TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
@@ -165,17 +166,11 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
 
 
 def candidates_fit(cfg, vocab_size: int) -> bool:
-    """In selected mode a row holds K candidates: K above the vocabulary can never be met."""
-    if cfg.rollout_logprobs_mode == "selected" and cfg.rollout_top_logprobs_num > vocab_size:
-        log.error(
-            "--rollout-top-logprobs-num %d is above the model's vocabulary of %d: no row can hold K candidates "
-            "(and SGLang takes its server down on such a request); set K <= %d",
-            cfg.rollout_top_logprobs_num,
-            vocab_size,
-            vocab_size,
-        )
-        return False
-    return True
+    """Whether the configured K may be asked of SGLang (``shared.contract.k_above_vocab``); logs why not."""
+    too_many = k_above_vocab(cfg.rollout_top_logprobs_num, vocab_size, cfg.rollout_logprobs_mode)
+    if too_many:
+        log.error("--rollout-top-logprobs-num: %s", too_many)
+    return too_many is None
 
 
 async def unless_stopped(work, stopping: asyncio.Event) -> bool:

@@ -24,18 +24,16 @@ the contract before a batch gets here).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
 from shared.settings import MICRO_BATCH_TOKENS
 from trainer_service.distributed import rank_and_world
-from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
+from trainer_service.loss import LOSSES, LossSettings, TokenRows
 
-LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 METRICS = (
     "sc_correction",
     "sc_residual_l1",
@@ -49,26 +47,18 @@ METRICS = (
 
 
 @dataclass(frozen=True)
-class LossSettings:
-    """Loss choice and its options; ``mode`` and ``temperature`` come from the batch itself."""
+class MicroBatch:
+    """A micro-batch's padded model inputs and the loss rows of its response tokens."""
 
-    loss: str = "score_centering"  # score_centering | reinforce | tis
-    is_mode: str = "none"  # --score-centering-is
-    tis_clip: float = TIS_CLIP  # --score-centering-tis-clip
-    mis_low: float = MIS_LOW  # --score-centering-mis-low
-    mis_high: float = MIS_HIGH  # --score-centering-mis-high
-    chunk_size: int | None = None  # rows per [rows, V] pass in the loss; None = automatic
+    input_ids: torch.Tensor  # [B, prompt width + response width]
+    attention_mask: torch.Tensor | None  # None without left pads
+    position_ids: torch.Tensor | None
+    responses: torch.Tensor  # [B, response width] bool: True where a response token sits
+    rows: TokenRows  # row for row in the batch's order
 
-    @classmethod
-    def from_config(cls, cfg) -> LossSettings:
-        """The loss settings of a ``shared.config.Config``."""
-        return cls(
-            cfg.loss,
-            cfg.score_centering_is,
-            cfg.score_centering_tis_clip,
-            cfg.score_centering_mis_low,
-            cfg.score_centering_mis_high,
-        )
+    @property
+    def trained_tokens(self) -> int:
+        return int(self.rows.loss_mask.sum())
 
 
 def shard(num_samples: int, rank: int, world: int) -> range:
@@ -99,7 +89,7 @@ def micro_batches(batch, samples: range, budget: int) -> list[range]:
     return runs
 
 
-def micro_batch_inputs(batch, samples: range, device) -> dict:
+def micro_batch_inputs(batch, samples: range, device) -> MicroBatch:
     """The padded model inputs of consecutive ``samples`` and the loss inputs of their response
     tokens, row for row in the batch's order (each sample's advantage broadcast to its tokens)."""
     prompts = [batch.prompt_ids[int(batch.prompt_offsets[i]) : int(batch.prompt_offsets[i + 1])] for i in samples]
@@ -121,32 +111,35 @@ def micro_batch_inputs(batch, samples: range, device) -> dict:
     lengths = np.array([len(r) for r in responses])
     as_tensor = lambda a, dtype: torch.as_tensor(np.array(a), dtype=dtype, device=device)  # noqa: E731 (copies a read-only view)
     left_padded = len({len(p) for p in prompts}) > 1
-    return {
-        "input_ids": as_tensor(input_ids, torch.int64),
+    return MicroBatch(
+        input_ids=as_tensor(input_ids, torch.int64),
         # Without left pads the model runs unmasked (causal attention already hides right pads).
-        "attention_mask": as_tensor(attention, torch.int64) if left_padded else None,
-        "position_ids": as_tensor(np.maximum(attention.cumsum(1) - 1, 0), torch.int64) if left_padded else None,
-        "rows": as_tensor(np.arange(width_r)[None] < lengths[:, None], torch.bool),
-        "response_ids": as_tensor(batch.response_ids[rows], torch.int64),
-        "sampled_logprobs": as_tensor(batch.sampled_logprobs[rows], torch.float32),
-        "cand_ids": as_tensor(batch.cand_ids[rows], torch.int32),
-        "cand_logprobs": as_tensor(batch.cand_logprobs[rows], torch.float32),
-        "advantages": as_tensor(np.repeat(batch.advantages[samples.start : samples.stop], lengths), torch.float32),
-        "loss_mask": as_tensor(batch.loss_mask[rows], torch.bool),
-    }
+        attention_mask=as_tensor(attention, torch.int64) if left_padded else None,
+        position_ids=as_tensor(np.maximum(attention.cumsum(1) - 1, 0), torch.int64) if left_padded else None,
+        responses=as_tensor(np.arange(width_r)[None] < lengths[:, None], torch.bool),
+        rows=TokenRows(
+            response_ids=as_tensor(batch.response_ids[rows], torch.int64),
+            sampled_logprobs=as_tensor(batch.sampled_logprobs[rows], torch.float32),
+            cand_ids=as_tensor(batch.cand_ids[rows], torch.int32),
+            cand_logprobs=as_tensor(batch.cand_logprobs[rows], torch.float32),
+            advantages=as_tensor(np.repeat(batch.advantages[samples.start : samples.stop], lengths), torch.float32),
+            loss_mask=as_tensor(batch.loss_mask[rows], torch.bool),
+            mode=batch.mode,
+            temperature=batch.temperature,
+        ),
+    )
 
 
-def response_logits(model, x: dict) -> torch.Tensor:
+def response_logits(model, x: MicroBatch) -> torch.Tensor:
     """Logits [N, V] at the positions predicting each of a micro-batch's N response tokens."""
-    width_r = x["rows"].shape[1]
     # logits_to_keep skips the LM head on prompt positions that predict nothing we train on.
     logits = model(
-        input_ids=x["input_ids"],
-        attention_mask=x["attention_mask"],
-        position_ids=x["position_ids"],
-        logits_to_keep=width_r + 1,
+        input_ids=x.input_ids,
+        attention_mask=x.attention_mask,
+        position_ids=x.position_ids,
+        logits_to_keep=x.responses.shape[1] + 1,
     ).logits[:, :-1]
-    return logits[x["rows"]]
+    return logits[x.responses]
 
 
 def _sync_context(model, sync: bool):
@@ -188,7 +181,7 @@ def train_step(
     loss_fn = LOSSES[settings.loss]
     mine = shard(batch.num_samples, rank, world)
     inputs = [micro_batch_inputs(batch, run, device) for run in micro_batches(batch, mine, micro_batch_tokens)]
-    counts = torch.tensor([float(sum(int(x["loss_mask"].sum()) for x in inputs))], dtype=torch.float64)
+    counts = torch.tensor([float(sum(x.trained_tokens for x in inputs))], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(counts)
     global_count = int(counts.item())
@@ -201,26 +194,10 @@ def train_step(
                 (response_logits(model, inputs[0]).sum() * 0.0).backward()
                 continue
             x = inputs[j]
-            logits = response_logits(model, x)
-            loss, metrics = loss_fn(
-                logits,
-                x["response_ids"],
-                x["sampled_logprobs"],
-                x["cand_ids"],
-                x["cand_logprobs"],
-                x["advantages"],
-                x["loss_mask"],
-                mode=batch.mode,
-                is_mode=settings.is_mode,
-                temperature=batch.temperature,
-                tis_clip=settings.tis_clip,
-                mis_low=settings.mis_low,
-                mis_high=settings.mis_high,
-                token_count=global_count,
-                chunk_size=settings.chunk_size,
-            )
+            rows = replace(x.rows, token_count=global_count)
+            loss, metrics = loss_fn(response_logits(model, x), rows, settings)
             (loss * world).backward()  # DDP/FSDP2 divide the summed gradient by world
-        n = int(inputs[j]["loss_mask"].sum())
+        n = inputs[j].trained_tokens
         sums[0] += float(loss.detach())
         sums[1:] += torch.tensor([metrics.get(name, 0.0) * n for name in METRICS], dtype=torch.float64)
     if world > 1:

@@ -184,6 +184,35 @@ def test_a_sessions_routing_key_reaches_the_upstream(stack):
     assert status == 200 and double.last_headers()["x-smg-routing-key"] == "session-7"
 
 
+def test_configured_k_above_the_vocabulary_is_503_and_nothing_is_sent(tmp_path, kinds):
+    double = kinds.Double(tmp_path / "double.log")
+    try:
+        proxy = kinds.ProxyProcess(
+            tmp_path / "proxy.log", double.url, "--rollout-top-logprobs-num", "16", "--vocab-size", "10"
+        )
+        try:
+            before = double.last()
+            status, body = post(proxy.url, "/generate", json.dumps({"text": "a"}).encode())
+            assert double.last() == before  # never forwarded
+        finally:
+            proxy.stop()
+    finally:
+        double.stop()
+    assert (status, body) == (
+        503,
+        {
+            "error": {
+                "rule": "k_above_vocab",
+                "message": "the proxy's --rollout-top-logprobs-num: K=16 is above the model's vocabulary of 10: SGLang "
+                "takes its server down on a top_logprobs_num above the vocabulary, so nothing is sent; lower K to at "
+                "most 10, and restart the proxy",
+                "expected": 10,
+                "found": 16,
+            }
+        },
+    )
+
+
 def test_configured_k_above_the_limit_refuses_to_start():
     cmd = [
         sys.executable,

@@ -158,6 +158,24 @@ def test_requested_k_above_the_limit_names_field_value_and_limit():
     }
 
 
+def test_requested_k_above_the_vocabulary_names_it_and_the_fix():
+    # The proxy's limit is min(--max-top-logprobs-num, vocabulary): here the vocabulary.
+    with pytest.raises(RequestRejected) as info:
+        rewrite_body(
+            orjson.dumps({"text": "a", "top_logprobs_num": [8, 300]}), "generate", SELECTED, max_k=260, vocab_size=260
+        )
+    assert info.value.to_dict() == {
+        "error": {
+            "rule": "request_rejected",
+            "field": "top_logprobs_num",
+            "value": 300,
+            "limit": 260,
+            "message": "top_logprobs_num: K=300 is above the model's vocabulary of 260: SGLang takes its server down "
+            "on a top_logprobs_num above the vocabulary, so nothing is sent; lower K to at most 260",
+        }
+    }
+
+
 @pytest.mark.parametrize(
     ("preferred", "unstated"),
     [

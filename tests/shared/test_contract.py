@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.contract import RULES, ContractViolation, check_batch
+from shared.contract import RULES, ContractViolation, check_batch, k_above_vocab
 from shared.synth import make_batch
 from shared.wire import replace_arrays
 from tests.rounding import U32, sum_tolerance
@@ -359,3 +359,15 @@ def test_batches_from_real_distributions_pass(seed, mode, k, vocab):
         make_batch(samples=3, tokens_per_sample=4, k=k, vocab_size=vocab, mode=mode, top_k=top_k, seed=seed),
         vocab_size=vocab,
     )
+
+
+def test_k_above_the_vocabulary_is_refused_naming_both_and_the_fix():
+    assert k_above_vocab(300, 260) == (
+        "K=300 is above the model's vocabulary of 260: SGLang takes its server down on a top_logprobs_num above "
+        "the vocabulary, so nothing is sent; lower K to at most 260"
+    )
+
+
+@pytest.mark.parametrize(("k", "vocab", "mode"), [(260, 260, "selected"), (8, 260, "selected"), (300, 260, "support")])
+def test_k_at_most_the_vocabulary_or_in_support_mode_may_be_asked(k, vocab, mode):
+    assert k_above_vocab(k, vocab, mode) is None

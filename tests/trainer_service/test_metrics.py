@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from shared.config import ConfigError
 from shared.settings import TrainerSettings
-from trainer_service.metrics import Metrics, scalars
+from trainer_service.metrics import Metrics, complete_lines, scalars
 
 
 def record(step: int, loss: float) -> dict:
@@ -89,3 +89,24 @@ def test_wandb_without_the_package_stops_start_up_naming_the_extra(tmp_path, mon
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
     with pytest.raises(ConfigError, match=r"--wandb online needs the wandb package.*centerline\[wandb\]"):
         Metrics(TrainerSettings(run_dir=tmp_path, wandb="online"))
+
+
+@pytest.mark.parametrize(
+    ("data", "lines", "end"),
+    [
+        (b"", [], 0),
+        (b'{"step": 1}', [], 0),  # the first line, being written
+        (b'{"step": 1}\n{"st', [b'{"step": 1}'], 12),
+        (b'{"step": 1}\n{"step": 2}\n', [b'{"step": 1}', b'{"step": 2}'], 24),
+    ],
+)
+def test_complete_lines_of_a_growing_file_leave_out_the_line_being_written(data, lines, end):
+    assert complete_lines(data) == (lines, end)
+
+
+def test_recover_drops_a_line_a_crash_cut_short_and_keeps_the_complete_ones(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "lo')
+    metrics = Metrics(TrainerSettings(run_dir=tmp_path, tensorboard=False))
+    metrics.recover({"step": 1})
+    metrics.close()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'

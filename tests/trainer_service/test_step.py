@@ -70,19 +70,20 @@ def test_micro_batch_inputs_left_pad_prompts_right_pad_responses_and_keep_the_ro
     x = micro_batch_inputs(batch, range(0, 2), "cpu")
     p0, p1 = batch.prompt_ids[:3].tolist(), batch.prompt_ids[3:4].tolist()
     r0, r1 = batch.response_ids[:2].tolist(), batch.response_ids[2:8].tolist()
-    assert x["input_ids"].tolist() == [p0 + r0 + [0] * 4, [0, 0] + p1 + r1]
-    assert x["attention_mask"].tolist() == [[1] * 5 + [0] * 4, [0, 0] + [1] * 7]
-    assert x["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4, 5, 6]]
-    assert x["rows"].tolist() == [[True] * 2 + [False] * 4, [True] * 6]
-    assert x["response_ids"].tolist() == r0 + r1
+    assert x.input_ids.tolist() == [p0 + r0 + [0] * 4, [0, 0] + p1 + r1]
+    assert x.attention_mask.tolist() == [[1] * 5 + [0] * 4, [0, 0] + [1] * 7]
+    assert x.position_ids.tolist() == [[0, 1, 2, 3, 4, 4, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4, 5, 6]]
+    assert x.responses.tolist() == [[True] * 2 + [False] * 4, [True] * 6]
+    assert x.rows.response_ids.tolist() == r0 + r1
     a0, a1 = float(batch.advantages[0]), float(batch.advantages[1])
-    assert x["advantages"].tolist() == [a0] * 2 + [a1] * 6
-    assert x["loss_mask"].tolist() == batch.loss_mask[:8].astype(bool).tolist()
+    assert x.rows.advantages.tolist() == [a0] * 2 + [a1] * 6
+    assert x.rows.loss_mask.tolist() == batch.loss_mask[:8].astype(bool).tolist()
+    assert (x.rows.mode, x.rows.temperature, x.rows.token_count) == (batch.mode, batch.temperature, None)
 
 
 def test_micro_batch_inputs_of_equal_prompts_need_no_mask():
     x = micro_batch_inputs(global_batch(), range(0, 5), "cpu")
-    assert x["attention_mask"] is None and x["position_ids"] is None and x["input_ids"].shape == (5, 4 + 6)
+    assert x.attention_mask is None and x.position_ids is None and x.input_ids.shape == (5, 4 + 6)
 
 
 def test_an_empty_prompt_is_refused_with_its_sample_id():
