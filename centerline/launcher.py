@@ -50,7 +50,8 @@ learning rate 3e-4, 16 prompts x 8 samples per step (fewer samples per step left
 reward flat at 1e-4 and collapsed it at 1e-3: too much gradient noise for AdamW), 8 new
 tokens, 300 steps. Measured on real SGLang (seed 0, 2 workers, 2 trainer ranks, 480 s):
 held-out accuracy 0.115 -> 0.31 on 200 prompts, train reward 0.11 -> 0.37 (30-step means).
-``UP_DEFAULTS`` holds the shared settings this job changes. The pipeline is asynchronous, as
+``UP_DEFAULTS`` holds the shared settings this job changes (``SESSION_DEFAULTS`` over them for a
+run of sessions). The pipeline is asynchronous, as
 everywhere by default (``max_inflight_steps`` 2: SGLang samples the next step while the trainer
 trains); ``--max-inflight-steps 1`` runs on-policy. ``--train-seconds T`` ends training after
 ``T`` seconds instead of ``--steps``, then evaluates as after the last step: runs compared at
@@ -104,6 +105,9 @@ PYTHON = sys.executable
 # Shared settings whose default differs for this job (chosen so that the default run learns;
 # numbers in the docstring above).
 UP_DEFAULTS = {"learning_rate": 3e-4, "rollout_n": 8, "rollout_max_new_tokens": 8}
+# ... and for a run of sessions (``--environment``, or a multi-turn toy task): a session's replies
+# share one advantage, so 3e-4 moved the policy too far on chain (README "A multi-turn toy task").
+SESSION_DEFAULTS = {"learning_rate": 1e-4}
 
 
 def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mapping[str, str]) -> dict[str, str]:
@@ -323,9 +327,18 @@ def parse(argv: list[str]) -> RunSpec:
     shared_config.add_arguments(parser, UpSettings)
     args = parser.parse_args(argv)
     try:
-        return run_spec.compose(args, defaults=UP_DEFAULTS)
+        spec = run_spec.compose(args, defaults=UP_DEFAULTS)
+        if trains_sessions(spec.up):
+            spec = run_spec.compose(args, defaults=UP_DEFAULTS | SESSION_DEFAULTS)
+        return spec
     except shared_config.ConfigError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
+
+
+def trains_sessions(up: UpSettings) -> bool:
+    """Whether every task of the run is a session: ``--environment``, or a multi-turn toy task
+    (a dataset's rows may name environments of their own; those runs keep ``UP_DEFAULTS``)."""
+    return bool(up.environment) or (up.dataset is None and up.task in CHAT_TASKS)
 
 
 def place(

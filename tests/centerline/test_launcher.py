@@ -140,3 +140,20 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
     write_run_config(config, args, cfg, trainer)
     after = config.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_source_overrides_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("CENTERLINE_LEARNING_RATE", raising=False)
+    rate = lambda *argv: launcher.parse(list(argv)).cfg.learning_rate  # noqa: E731
+    assert rate() == rate("--task", "copy") == 3e-4
+    assert (
+        rate("--task", "chain")
+        == rate("--environment", "tests.rollout_worker.session_environments:three_turns")
+        == 1e-4
+    )
+    assert rate("--task", "chain", "--learning-rate", "3e-4") == 3e-4
+    config = tmp_path / "run.toml"
+    config.write_text("learning_rate = 2e-4\n")
+    assert rate("--task", "chain", "--config", str(config)) == 2e-4
+    monkeypatch.setenv("CENTERLINE_LEARNING_RATE", "5e-5")
+    assert rate("--task", "chain") == 5e-5
