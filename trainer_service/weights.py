@@ -86,6 +86,9 @@ def save_version(root: Path, version: int, model, initial: Path) -> Path:
 
 
 def sha256(path: Path) -> str:
+    """The digest of the ``*.safetensors`` files of the version directory ``path``, in name order."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"no weights directory {path}")
     digest = hashlib.sha256()
     for f in sorted(path.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -122,19 +125,33 @@ class WeightPublisher:
         self.failures = 0
         self.catch_ups = 0  # engines found behind and sent the latest version again (``watch``)
         self.latest: tuple[int, Path] | None = None
+        self.announcing: asyncio.Task | None = None  # the last version's event, on its way to NATS
         self.locks = {url: asyncio.Lock() for url in self.engine_urls}  # one update at a time per engine
 
-    async def publish(self, version: int, path: Path) -> dict:
+    async def publish(self, version: int, path: Path) -> None:
+        """Load ``version`` into every engine; then, off the caller's path, announce it on NATS."""
         path = path.resolve()
         self.latest = (version, path)
         results = await asyncio.gather(*(self.update(url, version, path) for url in self.engine_urls))
         self.failures += results.count(False)
-        event = {"version": version, "path": str(path), "sha256": sha256(path)}
-        try:  # the engines have the weights already; the event tells observers, and a later one replaces it
+        # The engines serve the version now. The event only tells observers, so the next step need
+        # not wait for its digest (a thread: seconds for a real model's files) nor its PubAck; each
+        # event follows the one before, so the stream's last value is the latest version.
+        self.announcing = asyncio.create_task(self._announce(self.announcing, version, path))
+
+    async def _announce(self, before: asyncio.Task | None, version: int, path: Path) -> None:
+        if before is not None:
+            await before
+        try:
+            digest = await asyncio.to_thread(sha256, path)
+        except OSError as exc:  # pruned already (KEEP versions are kept): a later event replaces it
+            log.warning("weights version %d is loaded but not announced: %s", version, exc)
+            return
+        event = {"version": version, "path": str(path), "sha256": digest}
+        try:
             await publish_acked(self.js, names.WEIGHTS_SUBJECT, orjson.dumps(event), what=f"weights version {version}")
         except PublishError as exc:
             log.error("weights version %d is loaded but %s not published: %s", version, names.WEIGHTS_SUBJECT, exc)
-        return event
 
     async def update(self, url: str, version: int, path: Path) -> bool:
         async with self.locks[url]:
@@ -263,7 +280,12 @@ class WeightPublisher:
         return info.get("weight_version") if isinstance(info, dict) else None
 
     async def close(self) -> None:
-        await self.session.close()
+        """Close the engines' HTTP session, once the last event is announced (or failed to be)."""
+        try:
+            if self.announcing is not None:
+                await self.announcing
+        finally:
+            await self.session.close()
 
 
 def served_version(reported: str | None) -> int | None:
