@@ -9,7 +9,7 @@
 - ``pull_consumer`` binds a durable pull consumer with explicit acks.
 
 Not here: the batch format (``shared/wire.py``), the checks (``shared/contract.py``), the
-streams (``shared/streams.py``), the server (``shared/nats_server.py``).
+streams (``shared/streams.py``), the server (``centerline/nats_server.py``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.bench_proxy import native_response
 from fuzz import fuzz_proxy_audit, fuzz_wire
-from router_proxy.bench import native_response
 from shared import response_arrays, sglang_response
 from tests.processes import ENV, REPO
 

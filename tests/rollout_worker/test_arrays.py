@@ -11,10 +11,11 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_worker.packing import pack_group, samples_from_arrays, samples_from_response
+from rollout_worker.packing import pack_group, samples_from_arrays
 from router_proxy.audit import audit_body
 from shared import response_arrays
 from shared.wire import ARRAY_FIELDS, Batch, WireError, encode_map
+from tests.json_samples import samples_from_response
 from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, pack
 
 ARRAYS_ACCEPT = {"Accept": response_arrays.MEDIA_TYPE}
@@ -73,7 +74,7 @@ def test_a_chat_answer_carries_the_prompt_ids_sglang_rendered():
 
 
 def test_a_large_scanned_response_packs_the_same_batches_either_way():
-    from router_proxy.bench import native_response
+    from centerline.bench_proxy import native_response
 
     body = native_response(512, 128, VOCAB)  # above SCAN_MIN_BYTES: candidate rows scanned, not parsed
     found = binary_samples(body, k=128)

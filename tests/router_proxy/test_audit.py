@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.bench_proxy import native_response
 from router_proxy.audit import audit_body, full_audit, quick_accept
-from router_proxy.bench import native_response
 from shared import candidate_scan, response_arrays, sglang_response
 from shared.candidate_scan import Scanned
 from shared.contract import ContractViolation

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.synth import make_batch
 from shared.contract import RULES, ContractViolation, check_batch
-from shared.synth import make_batch
 from shared.wire import replace_arrays
 from tests.rounding import U32, sum_tolerance
 

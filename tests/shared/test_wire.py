@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.synth import make_batch
 from shared.contract import ContractViolation, check_batch
-from shared.synth import make_batch
 from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch, replace_arrays
 
 

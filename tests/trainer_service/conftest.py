@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.synth import make_batch
+from centerline.synth import make_batch
 from shared.wire import replace_arrays
 
 VOCAB = 64  # larger than K = 8, so the proportional tail is exercised

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from centerline.synth import make_batch
 from shared import names
 from shared.nats_client import connect, publish_batch, pull_consumer
 from shared.streams import ensure_streams
-from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import encode_batch, replace_arrays
 from tests.processes import ENV, REPO, http, stored_messages

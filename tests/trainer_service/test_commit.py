@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.synth import make_batch
+from centerline.synth import make_batch
 from shared.wire import decode_batch
 from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
 from trainer_service.gate import Held

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from centerline.synth import make_batch
 from shared import names
 from shared.config import Config
 from shared.contract import check_batch
 from shared.split import select_samples
-from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch, replace_arrays
 from trainer_service.gate import (
     DROP,

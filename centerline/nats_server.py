@@ -26,8 +26,8 @@ import typing
 import urllib.request
 from pathlib import Path
 
+from centerline.ports import free_port
 from shared import names, nats_auth
-from shared.ports import free_port
 
 
 def server_binary() -> str:
