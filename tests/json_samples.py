@@ -4,7 +4,7 @@ proxy's binary answer with (the worker itself only ever reads that answer, rollo
 from __future__ import annotations
 
 from rollout_worker.packing import Sample, samples_from_arrays
-from shared import response_arrays, sglang_response
+from router_proxy import answer, sglang_response
 from shared.contract import ContractViolation
 
 
@@ -17,7 +17,7 @@ def samples_from_response(doc, *, endpoint: str, mode: str, k: int) -> list[Samp
     samples of the same arrays as the proxy's binary answer."""
     try:
         metas = sglang_response.response_metas(doc, endpoint)
-        found = response_arrays.from_parsed(doc, metas, endpoint, mode=mode, k=k)
+        found = answer.from_parsed(doc, metas, endpoint, mode=mode, k=k)
     except ContractViolation as exc:
         raise ResponseError(str(exc)) from None
     return samples_from_arrays(found)

@@ -987,7 +987,7 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
     # build fails where it did not), and only the wheel reaches the image.
     wheel, image = text.index("FROM ${BASE} AS wheel"), text.index("\nFROM ${BASE}\n")
     assert wheel < text.index("pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .") < image
-    assert wheel < text.index("the C row scanner (shared/_rowscan.c) did not compile") < image
+    assert wheel < text.index("the C row scanner (router_proxy/_rowscan.c) did not compile") < image
     assert image < text.index("COPY --from=wheel /wheels/ /tmp/wheels/") < text.index(steps[-1])
     packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in {p.rstrip("*") for p in packages}:

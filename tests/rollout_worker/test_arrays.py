@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from rollout_worker.packing import pack_group, samples_from_arrays
+from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
 from shared.wire import ARRAY_FIELDS, Batch, WireError, encode_map
@@ -99,7 +100,7 @@ def pack_k(samples, k: int) -> Batch:
 
 
 def test_a_message_that_disagrees_with_itself_is_refused_naming_the_field():
-    good = response_arrays.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
+    good = answer.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
     head = {"v": 1, "texts": good.texts, "finish_reasons": good.finish_reasons, "weight_versions": good.weight_versions}
     arrays = {name: (getattr(good, name), dtype) for name, dtype in response_arrays.ARRAYS.items()}
     assert response_arrays.decode(encode_map({**head, "prompt_ids": None}, arrays)).texts == ["A", "B"]
@@ -123,7 +124,7 @@ def test_the_binary_answer_carries_each_samples_cached_prompt_tokens():
     doc[1] = {**doc[1], "meta_info": {**doc[1]["meta_info"], "cached_tokens": "7"}}
     result = audit_body(orjson.dumps(doc), endpoint="generate", mode="selected", k=K, vocab_size=VOCAB, arrays=True)
     assert response_arrays.decode(result.reply).cached_tokens == [7, None]
-    good = response_arrays.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
+    good = answer.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
     head = {"v": 1, "texts": good.texts, "finish_reasons": good.finish_reasons, "weight_versions": good.weight_versions}
     arrays = {name: (getattr(good, name), dtype) for name, dtype in response_arrays.ARRAYS.items()}
     assert response_arrays.decode(encode_map(head, arrays)).cached_tokens is None

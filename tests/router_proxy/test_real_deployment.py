@@ -251,7 +251,7 @@ def test_chat_training_responses_carry_the_prompt_ids_sglang_rendered(sglang, pr
     """The worker trains on these ids, not on its own rendering of the chat template."""
     from transformers import AutoTokenizer
 
-    from shared.sglang_response import prompt_token_ids
+    from router_proxy.sglang_response import prompt_token_ids
 
     url = proxy_to(sglang.url)
     messages = [{"role": "user", "content": "hello"}]
