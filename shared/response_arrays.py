@@ -23,7 +23,7 @@ docs/design.md section 4); it holds what ``rollout_worker/packing.py`` reads and
 
 Absent ``token_versions`` (no sample had ``meta_info.weight_versions``): each sample's
 ``weight_versions`` entry on all of its tokens (``ResponseArrays.versions_of_tokens``).
-The arrays are ``router_proxy/sglang_response.to_arrays``' in the batch's dtypes (``to_wire_dtypes``),
+The arrays are ``router_proxy/sglang_response.to_arrays``' in the batch's dtypes (``router_proxy/answer.py``),
 so a worker packs the same batches from this as from the JSON (``tests/rollout_worker/test_packing.py``).
 The proxy's audit judges them in these dtypes, as they travel: what it passed is what arrives.
 """
