@@ -264,10 +264,6 @@ class NatsCluster:
         self.wait_healthy(timeout)
         return self
 
-    def start_node(self, i: int, timeout: float = 60.0) -> None:
-        self.nodes[i].start(timeout)
-        self.wait_healthy(timeout)
-
     def wait_healthy(self, timeout: float = 60.0) -> None:
         """Until every running node's ``/healthz`` says JetStream is up with a meta leader, and that
         leader counts every running node as a current peer (before that, a stream with a replica

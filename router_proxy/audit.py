@@ -140,13 +140,6 @@ def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, array
     return AuditResult(samples=len(metas), tokens=tokens, reply=reply)
 
 
-def full_audit(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> AuditResult:
-    """The numpy way: arrays, then ``check_rows``; raises the first defect."""
-    return AuditResult(
-        samples=len(metas), tokens=int(checked_arrays(metas, mode=mode, k=k, vocab_size=vocab_size)[0].shape[0])
-    )
-
-
 def checked_arrays(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> tuple:
     """``to_arrays(metas)`` in the wire dtypes (``to_wire_dtypes``) once ``check_rows`` passed them as such;
     raises the first defect."""

@@ -69,7 +69,6 @@ _MAX_EXP10 = 27  # 5**27 < 2**64: 10**e is exact in long double up to here
 
 _U = np.uint64
 _ZEROS = _U(0x3030303030303030)  # eight ASCII '0'
-_HIGH = _U(0x8080808080808080)
 _SEVEN = _U(0x7F7F7F7F7F7F7F7F)
 _MOVEMASK = _U(0x0102040810204080)  # (0/1 per byte) * this >> 56: bit i = byte i
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from centerline.bench_proxy import native_response
 from router_proxy import candidate_scan, sglang_response
-from router_proxy.audit import audit_body, full_audit, quick_accept
+from router_proxy.audit import audit_body, checked_arrays, quick_accept
 from router_proxy.candidate_scan import Scanned
 from router_proxy.sglang_response import native_metas
 from shared import response_arrays
@@ -201,11 +201,12 @@ def outcome(doc: dict, *, mode: str, k: int, quick: bool):
     try:
         if quick:
             result = audit_body(body, endpoint="generate", mode=mode, k=k, vocab_size=VOCAB)
-        else:
-            result = full_audit(native_metas(orjson.loads(body)), mode=mode, k=k, vocab_size=VOCAB)
+            return ("ok", result.samples, result.tokens)
+        metas = native_metas(orjson.loads(body))
+        ids = checked_arrays(metas, mode=mode, k=k, vocab_size=VOCAB)[0]  # the numpy way: arrays, then check_rows
     except ContractViolation as v:
         return ("fail", v.to_dict())
-    return ("ok", result.samples, result.tokens)
+    return ("ok", len(metas), int(ids.shape[0]))
 
 
 def support(doc: dict, width: int) -> dict:

@@ -15,7 +15,7 @@ from shared import names
 from shared.config import Config
 from shared.contract import check_batch
 from shared.split import select_samples
-from shared.wire import decode_batch, encode_batch, replace_arrays
+from shared.wire import decode_batch, encode_batch
 from trainer_service.gate import (
     DROP,
     DUPLICATE,
@@ -138,7 +138,7 @@ def test_same_batch_id_twice_in_one_step_keeps_the_first():
     [
         (lambda: batch(version=1), "stale"),
         (lambda: batch(version=4), "unknown_version"),
-        (lambda: replace_arrays(batch(), advantages=np.array([0, np.nan, 0, 0], np.float32)), "non_finite"),
+        (lambda: replace(batch(), advantages=np.array([0, np.nan, 0, 0], np.float32)), "non_finite"),
         (lambda: batch(mode="support", top_k=4), "settings"),
     ],
 )
