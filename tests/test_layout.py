@@ -3,8 +3,7 @@
 
 The import graph is read with ``ast`` from every module of the four packages; tests, scripts and
 fuzz harnesses are not users. A shared module imported by another shared module counts for that
-module's users too (``shared/split.py`` is used by everyone who publishes through
-``shared/nats_client.py``).
+module's users too (``shared/wire.py`` is used by the proxy through ``shared/response_arrays.py``).
 """
 
 from __future__ import annotations

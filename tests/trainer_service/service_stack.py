@@ -26,8 +26,9 @@ import numpy as np
 import orjson
 
 from centerline.synth import make_batch
+from rollout_worker.publish import publish_batch
 from shared import names
-from shared.nats_client import connect, publish_batch, pull_consumer
+from shared.nats_client import connect, pull_consumer
 from shared.streams import ensure_streams
 from shared.task import PromptTask
 from shared.wire import encode_batch
