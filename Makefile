@@ -21,7 +21,7 @@ setup: $(STAMP)
 # torch first, at sglang's pin: anything that depends on torch would otherwise pull another
 # build. SGLang then comes without its CUDA-only dependencies (deploy/sglang-cpu.txt lists
 # what it needs instead, docs/sglang.md says why), and the project last.
-$(STAMP): pyproject.toml setup.py shared/_rowscan.c deploy/sglang-cpu.txt
+$(STAMP): pyproject.toml setup.py router_proxy/_rowscan.c deploy/sglang-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1

@@ -94,9 +94,9 @@ import orjson
 
 from centerline import launcher, run_spec
 from centerline.launcher import PYTHON, Stack, wait_http
+from centerline.ports import free_port
 from centerline.run_spec import RunSpec
 from shared.config import Config, ConfigError, setting_variables
-from shared.ports import free_port
 
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
 MODES = {"on-policy": (1, "in_place"), "drain": (2, "drain"), "in-flight": (2, "in_place")}

@@ -60,7 +60,7 @@ import orjson
 
 from centerline import launcher, sglang
 from centerline.launcher import PYTHON, Stack, wait_http
-from shared.ports import free_port
+from centerline.ports import free_port
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
 REQUESTS = re.compile(rb"^sglang:num_requests_total(?:\{[^}]*\})? (\S+)$", re.M)

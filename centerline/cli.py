@@ -54,9 +54,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # bench target -> (module:function, one-line help); each prints one JSON object with --json.
 BENCHES: dict[str, tuple[str, str]] = {
-    "wire": ("shared.bench:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
-    "contract": ("shared.bench:bench_contract", "completeness-contract check cost per batch"),
-    "proxy": ("router_proxy.bench:bench_proxy", "proxy req/s and added latency vs direct, audit cost vs orjson parse"),
+    "wire": ("centerline.bench_wire:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
+    "contract": ("centerline.bench_wire:bench_contract", "completeness-contract check cost per batch"),
+    "proxy": (
+        "centerline.bench_proxy:bench_proxy",
+        "proxy req/s and added latency vs direct, audit cost vs orjson parse",
+    ),
     "loss": ("trainer_service.bench:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
     "pipeline": (
         "centerline.bench_pipeline:bench_pipeline",

@@ -80,6 +80,8 @@ import orjson
 
 from centerline import run_spec, sglang
 from centerline.heldout import SessionEvaluator
+from centerline.nats_server import EmbeddedNats, NatsCluster
+from centerline.ports import free_port
 from centerline.run_spec import RunSpec
 from centerline.user_task import (
     UserTask,
@@ -94,8 +96,6 @@ from rollout_worker.worker import Rejected, Transient
 from router_proxy.rewrite import NEUTRAL
 from shared import admin_key, nats_auth
 from shared import config as shared_config
-from shared.nats_server import EmbeddedNats, NatsCluster
-from shared.ports import free_port
 from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.streams import StreamLimits, provision
 from shared.task import PromptTask

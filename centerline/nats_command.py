@@ -15,8 +15,8 @@ import json
 import signal
 import sys
 
+from centerline.nats_server import EmbeddedNats, NatsCluster
 from shared import names
-from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.streams import StreamLimits, provision
 
 

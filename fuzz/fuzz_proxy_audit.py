@@ -6,18 +6,18 @@ The first input byte picks the case: bit 0 the endpoint (generate, chat), bit 1 
 upstream connection, split in two reads at the second byte, under a 64 KiB answer limit,
 then audited with its content type) or just a body for ``audit_body``. The only acceptable
 failures are ``UpstreamError`` and ``ContractViolation``. Every body is audited with each
-candidate-row scanner (``shared/candidate_scan.py``: C where built, numpy) and once parsed
+candidate-row scanner (``router_proxy/candidate_scan.py``: C where built, numpy) and once parsed
 whole by orjson: the verdicts must be the same, and the binary answer a worker asks for
 (``shared/response_arrays.py``) must have the same verdict. An accepted binary answer must
 decode, and equal value for value, in the wire dtypes, what the JSON says (``travelled``, read
-here without ``shared/sglang_response.py``): every log-prob finite and its float32 rounding,
+here without ``router_proxy/sglang_response.py``): every log-prob finite and its float32 rounding,
 every id exact, each text, finish reason and weight version; and its arrays must pass the
 contract as the worker and the trainer will check them. The audit's promise is that what a
 worker receives is what it audited.
 
 Besides libFuzzer's byte mutations, ``mutate_structure`` edits a body's JSON as a tree: a
 value's type swapped, a number pushed past float32's or int32's range, a list cut short, a key
-dropped. Seeds are valid SGLang answers (``router_proxy/bench.py``), written to
+dropped. Seeds are valid SGLang answers (``centerline/bench_proxy.py``), written to
 ``fuzz/corpus/proxy_audit/`` when it is empty.
 
     .venv/bin/python -m fuzz.fuzz_proxy_audit -max_total_time=600 -rss_limit_mb=1024 -timeout=5
@@ -39,11 +39,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from centerline.bench_proxy import native_response
 from fuzz.fuzz_wire import fuzz
+from router_proxy import candidate_scan, sglang_response
 from router_proxy.audit import audit_body
-from router_proxy.bench import native_response
 from router_proxy.upstream import UpstreamError, UpstreamPool, _Connection
-from shared import candidate_scan, response_arrays, sglang_response
+from shared import response_arrays
 from shared.contract import ContractViolation, check_rows
 from shared.wire import WireError
 
@@ -371,9 +372,9 @@ def main(argv: list[str]) -> None:
             "router_proxy.audit",
             "router_proxy.upstream",
             "shared.contract",
-            "shared.sglang_response",
+            "router_proxy.sglang_response",
             "shared.response_arrays",
-            "shared.candidate_scan",
+            "router_proxy.candidate_scan",
         ),
         mutator=mutator,
     )

@@ -3,7 +3,7 @@
 The only acceptable failures are ``WireError`` (not a v2 batch) and ``ContractViolation``
 (a batch that may not be trained on); anything else, a hang (libFuzzer ``-timeout``) or a
 memory blow-up (``-rss_limit_mb``) is a finding. Seeds are valid batches from
-``shared/synth.py`` (both modes, a few shapes), written to ``fuzz/corpus/wire/`` when that
+``centerline/synth.py`` (both modes, a few shapes), written to ``fuzz/corpus/wire/`` when that
 directory (or the first one given) is empty; libFuzzer adds what it finds there.
 
     .venv/bin/python -m fuzz.fuzz_wire -max_total_time=600 -rss_limit_mb=1024 -timeout=5
@@ -18,8 +18,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from centerline.synth import make_batch
 from shared.contract import ContractViolation, check_batch
-from shared.synth import make_batch
 from shared.wire import WireError, decode_batch, encode_batch
 
 VOCAB = 64

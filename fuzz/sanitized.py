@@ -1,16 +1,16 @@
-"""The C scanner (``shared/_rowscan.c``) built with AddressSanitizer and UBSan, and the proxy's fuzz
+"""The C scanner (``router_proxy/_rowscan.c``) built with AddressSanitizer and UBSan, and the proxy's fuzz
 target (``fuzz/fuzz_proxy_audit.py``'s ``TestOneInput``) run against it: the C code that parses
 untrusted bytes.
 
     .venv/bin/python -m fuzz.sanitized --canary --runs 3000
 
-1. gcc builds ``shared/_rowscan.c`` with ``-fsanitize=address,undefined -fno-sanitize-recover=all``
+1. gcc builds ``router_proxy/_rowscan.c`` with ``-fsanitize=address,undefined -fno-sanitize-recover=all``
    into ``build/asan/`` (ignored by git); the normal extension in ``shared/`` stays as it is.
 2. A child python runs the target with gcc's ``libasan.so`` preloaded (a sanitized extension
    cannot load into an uninstrumented python otherwise), ``ASAN_OPTIONS=detect_leaks=0``
    (CPython keeps objects until exit by design) and ``PYTHONMALLOC=malloc`` (every Python object,
    each response body among them, its own allocation, so that a read past one is seen). The
-   sanitized module is put in place of ``shared._rowscan`` before anything imports it; the child
+   sanitized module is put in place of ``router_proxy._rowscan`` before anything imports it; the child
    prints its file and checks that the scanner in use is it. It feeds the target ``--runs``
    inputs: the target's seeds, one large body (its rows outgrow the scanner's first buffer),
    the files of any corpus directory given, each mutated 1 to 4 times by the target's
@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "asan"
-SOURCE = REPO / "shared" / "_rowscan.c"
+SOURCE = REPO / "router_proxy" / "_rowscan.c"
 FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1"]
 CC = os.environ.get("CC", "gcc")
 
@@ -129,13 +129,13 @@ def load(name: str, path: str):
 
 
 def child(path: str, runs: int, seed: int, directories: list[str]) -> None:
-    """In the sanitized child: ``path`` as ``shared._rowscan``, then ``runs`` inputs through the target."""
-    module = load("shared._rowscan", path)
-    import shared
+    """In the sanitized child: ``path`` as ``router_proxy._rowscan``, then ``runs`` inputs through the target."""
+    module = load("router_proxy._rowscan", path)
+    import router_proxy
 
-    shared._rowscan = module
+    router_proxy._rowscan = module
     from fuzz import fuzz_proxy_audit
-    from shared import candidate_scan
+    from router_proxy import candidate_scan
 
     if candidate_scan._rowscan is not module or candidate_scan.SCANNER != "c":
         sys.exit(f"the sanitized scanner is not the one in use: {candidate_scan._rowscan!r}")

@@ -7,8 +7,7 @@ so the worker reads them as views and parses no JSON. They hold sampled ids and 
 realized support with its renormalised log-probs, which is then also the sampled token's),
 each sample's weight version (``"default"``, the initial weights, is 0) and each token's
 (SGLang's ``meta_info.weight_versions`` spans: a response that spans an update is sampled by
-two versions), finish reason and text. ``samples_from_response`` reads SGLang's JSON into the
-same arrays, for tools and tests.
+two versions), finish reason and text.
 
 Rows shorter than ``K`` keep their leading slots and leave the rest empty (``-1`` / ``-inf``)
 for the contract to judge; nothing is padded into a full row or repaired here.
@@ -20,15 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared import response_arrays, sglang_response
-from shared.contract import ContractViolation
 from shared.response_arrays import ResponseArrays
 from shared.task import PromptTask
 from shared.wire import Batch
-
-
-class ResponseError(ValueError):
-    """A response the worker cannot turn into samples; the message names the field."""
 
 
 @dataclass
@@ -68,17 +61,6 @@ def samples_from_arrays(found: ResponseArrays) -> list[Sample]:
         )
         for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
     ]
-
-
-def samples_from_response(doc, *, endpoint: str, mode: str, k: int) -> list[Sample]:
-    """Every sample of a native (``endpoint="generate"``) or chat response body (parsed JSON): the
-    samples of the same arrays as the proxy's binary answer."""
-    try:
-        metas = sglang_response.response_metas(doc, endpoint)
-        found = response_arrays.from_parsed(doc, metas, endpoint, mode=mode, k=k)
-    except ContractViolation as exc:
-        raise ResponseError(str(exc)) from None
-    return samples_from_arrays(found)
 
 
 @dataclass

@@ -36,15 +36,15 @@ import numpy as np
 import orjson
 
 from rollout_worker.packing import pack_group, samples_from_arrays
+from rollout_worker.publish import PayloadTooLargeError, publish_batch
 from rollout_worker.rewards import RewardError, group_advantages, score
 from shared import faults, names, response_arrays
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
-from shared.nats_client import PublishError, PullConsumer, connect, publish_batch, pull_consumer
+from shared.nats_client import PublishError, PullConsumer, connect, pull_consumer
 from shared.response_arrays import ResponseArrays
 from shared.settings import WorkerSettings
-from shared.split import PayloadTooLargeError
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
 from shared.wire import WireError, encode_batch

@@ -1,16 +1,16 @@
 """A response audited against the completeness contract.
 
-    response bytes -> shared.sglang_response.parse_body (orjson; large candidate rows scanned by
-    shared.candidate_scan) -> arrays -> shared.contract.check_rows [-> shared.response_arrays]
+    response bytes -> router_proxy.sglang_response.parse_body (orjson; large candidate rows scanned by
+    router_proxy.candidate_scan) -> arrays -> shared.contract.check_rows [-> shared.response_arrays]
 
-The parse is ``shared/sglang_response.py``; an aborted sample is refused before anything
+The parse is ``router_proxy/sglang_response.py``; an aborted sample is refused before anything
 else. Asked with ``arrays=True`` (a worker that accepts the binary answer), a passed audit
 also returns the arrays it checked, encoded as the proxy's binary answer: the worker packs
 those and never parses the JSON itself. ``centerline bench proxy`` measures the audit against
 ``orjson.loads`` of the same body.
 
 The audit judges the values as they travel: the arrays are converted to the wire dtypes first
-(int32 ids, float32 log-probs; ``response_arrays.to_wire_dtypes`` refuses a value that would not
+(int32 ids, float32 log-probs; ``answer.to_wire_dtypes`` refuses a value that would not
 survive it), and ``check_rows`` runs on those, as the worker's and the trainer's checks do. The
 texts and finish reasons the binary answer carries are judged for both answers too, so the
 JSON and the binary verdicts are the same (but for a weight version, see ``audit_body``).
@@ -33,10 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from shared import response_arrays
-from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
-from shared.response_arrays import to_wire_dtypes
-from shared.sglang_response import (
+from router_proxy import answer
+from router_proxy.answer import to_wire_dtypes
+from router_proxy.sglang_response import (
     check_not_aborted,
     finish_reasons,
     malformed,
@@ -44,6 +43,8 @@ from shared.sglang_response import (
     response_texts,
     to_arrays,
 )
+from shared import response_arrays
+from shared.contract import LOGPROB_TOL, MASS_TOL, check_rows
 
 # Rules the proxy adds to shared.contract.RULES for responses that cannot even be read.
 PROXY_RULES = {
@@ -132,19 +133,12 @@ def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, array
         built = to_wire_dtypes(to_arrays(metas, mode=mode, k=k), mode=mode)
     if not arrays:
         return AuditResult(samples=len(metas), tokens=tokens)
-    found = response_arrays.from_parsed(doc, metas, endpoint, mode=mode, k=k, arrays=built)
+    found = answer.from_parsed(doc, metas, endpoint, mode=mode, k=k, arrays=built)
     try:
         reply = response_arrays.encode(found)
     except OverflowError as exc:  # msgpack: an int beyond 64 bits
         raise malformed(f"the response cannot be put in arrays ({exc})") from None
     return AuditResult(samples=len(metas), tokens=tokens, reply=reply)
-
-
-def full_audit(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> AuditResult:
-    """The numpy way: arrays, then ``check_rows``; raises the first defect."""
-    return AuditResult(
-        samples=len(metas), tokens=int(checked_arrays(metas, mode=mode, k=k, vocab_size=vocab_size)[0].shape[0])
-    )
 
 
 def checked_arrays(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> tuple:

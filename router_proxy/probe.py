@@ -27,12 +27,12 @@ import orjson
 
 from router_proxy.audit import audit_body
 from router_proxy.rewrite import HARMLESS_DEFAULTS, STATED, Contract, rewrite_body
+from router_proxy.sglang_response import response_metas
 from router_proxy.upstream import UpstreamPool
 from shared import admin_key
 from shared.config import ConfigError, add_arguments, resolve_section
 from shared.contract import ContractViolation, k_above_vocab
 from shared.settings import ProbeSettings
-from shared.sglang_response import response_metas
 
 CANARY_TOKENS = 8
 CHAT_TOP_LOGPROBS_CAP = 20  # the PyPI sglang-router rejects chat top_logprobs above this

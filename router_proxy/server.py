@@ -39,13 +39,14 @@ import time
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from router_proxy import answer, candidate_scan
 from router_proxy.audit import audit_body
 from router_proxy.events import AuditPublisher, ProxyMetrics
 from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
 from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
-from shared import admin_key, candidate_scan, logs, response_arrays
+from shared import admin_key, logs, response_arrays
 from shared.config import ENV_PREFIX, Config, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation, k_above_vocab
 from shared.settings import ProxySettings
@@ -328,7 +329,7 @@ class Proxy:
 
     def _unchecked_arrays(self, endpoint: str, body: bytes) -> bytes | None:
         try:
-            found = response_arrays.from_body(body, endpoint, mode=self.contract.mode, k=self.contract.k)
+            found = answer.from_body(body, endpoint, mode=self.contract.mode, k=self.contract.k)
             return response_arrays.encode(found)
         except Exception:  # noqa: BLE001 - unreadable as arrays: the client gets the JSON and the verdict header
             return None
@@ -414,7 +415,9 @@ async def run(proxy: Proxy) -> None:
         proxy.upstream,
         proxy.contract,
         candidate_scan.SCANNER or "no",
-        "" if candidate_scan.SCANNER == "c" else ": shared/_rowscan.c is not built, pip install it with a C compiler",
+        ""
+        if candidate_scan.SCANNER == "c"
+        else ": router_proxy/_rowscan.c is not built, pip install it with a C compiler",
     )
     await stopping.wait()
     await front.shutdown(SHUTDOWN_GRACE_S)

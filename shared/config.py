@@ -279,7 +279,7 @@ def resolve_section(
 
 def check_section(settings: S, cfg: Config) -> S:
     """``settings`` once ``settings.checks(cfg)`` pass; the first failure raised as ``ConfigError``."""
-    _raise_failed(settings.checks(cfg), type(settings))
+    _raise_failed(settings.checks(cfg))
     return settings
 
 
@@ -322,7 +322,7 @@ def _fix(err: dict) -> str:
     return err["msg"]
 
 
-def _raise_failed(checks, section: type[Section] | None = None) -> None:
+def _raise_failed(checks) -> None:
     for failed, name, value, fix in checks:
         if failed:
             raise ConfigError(f"{flag(name)} {value}: {fix}")

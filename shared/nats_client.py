@@ -2,14 +2,13 @@
 
 - ``connect`` logs in as ``CENTERLINE_NATS_USER`` (``shared/nats_auth.py``: users and their
   permissions) and reconnects forever, so a server restart does not end a service.
-- ``publish_batch`` publishes a wire-format batch with ``Nats-Msg-Id = batch_id`` (JetStream
-  drops a re-publish inside the duplicate window), split by sample (``shared/split.py``)
-  when the encoded batch exceeds the server's ``max_payload``; ``publish_acked`` is one
-  message, repeated until JetStream confirms it.
+- ``publish_acked`` publishes one message with its ``Nats-Msg-Id`` (JetStream drops a re-publish
+  inside the duplicate window), repeated until JetStream confirms it; a worker publishes its
+  batches through it, split by sample where needed (``rollout_worker/publish.py``).
 - ``pull_consumer`` binds a durable pull consumer with explicit acks.
 
 Not here: the batch format (``shared/wire.py``), the checks (``shared/contract.py``), the
-streams (``shared/streams.py``), the server (``shared/nats_server.py``).
+streams (``shared/streams.py``), the server (``centerline/nats_server.py``).
 """
 
 from __future__ import annotations
@@ -22,15 +21,11 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, PubAck
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
-from shared import names, nats_auth
+from shared import nats_auth
 from shared.nats_auth import CredentialsError
-from shared.split import Part, split_batch
-from shared.wire import Batch, decode_batch
 
 log = logging.getLogger("centerline.nats")
 
-# Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
-HEADER_ROOM = 4096
 # JetStream's answer to a publish whose Nats-Msg-Id a cluster is still storing from an earlier copy
 DUPLICATE_IN_PROCESS = 10158
 
@@ -101,53 +96,6 @@ def _refused(url: str, user: str | None) -> CredentialsError:
 
 async def _log_error(exc: Exception) -> None:
     log.error("NATS: %s", exc)
-
-
-async def publish_batch(
-    js: JetStreamContext,
-    batch: Batch | bytes,
-    *,
-    max_payload: int,
-    subject: str = names.ROLLOUTS_SUBJECT,
-    batch_id: str | None = None,  # only for bytes
-    timeout: float = 10.0,
-    attempts: int = 3,
-    between=None,
-) -> list[PubAck]:
-    """Publish a batch with ``Nats-Msg-Id = batch_id`` and wait for each PubAck (acked = fsynced).
-
-    ``max_payload`` is the server's (``nc.max_payload``); a larger batch is split by sample
-    (``split_batch``). Bytes that fit are published unchanged; their ``batch_id`` is read
-    from them unless given.
-    A publish without PubAck within ``timeout`` is repeated with the same id, ``attempts``
-    times in all, then raises ``PublishError``. Returns one PubAck per message;
-    ``ack.duplicate`` is True where JetStream already held that id, which is a successful
-    publish, not an error. ``between()``, if given, is called between two parts' publishes (the
-    worker's failpoint ``worker.between_parts``).
-    """
-    limit = max_payload - HEADER_ROOM
-    if isinstance(batch, Batch):
-        parts = split_batch(batch, limit)
-    elif len(batch) <= limit:
-        parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
-    else:
-        parts = split_batch(decode_batch(batch), limit)
-    acks = []
-    for i, part in enumerate(parts):
-        if i and between is not None:
-            between()
-        acks.append(
-            await publish_acked(
-                js,
-                subject,
-                part.data,
-                {names.MSG_ID_HEADER: part.batch_id},
-                what=f"batch {part.batch_id!r}",
-                timeout=timeout,
-                attempts=attempts,
-            )
-        )
-    return acks
 
 
 async def publish_acked(

@@ -23,7 +23,7 @@ docs/design.md section 4); it holds what ``rollout_worker/packing.py`` reads and
 
 Absent ``token_versions`` (no sample had ``meta_info.weight_versions``): each sample's
 ``weight_versions`` entry on all of its tokens (``ResponseArrays.versions_of_tokens``).
-The arrays are ``shared/sglang_response.to_arrays``' in the batch's dtypes (``to_wire_dtypes``),
+The arrays are ``router_proxy/sglang_response.to_arrays``' in the batch's dtypes (``router_proxy/answer.py``),
 so a worker packs the same batches from this as from the JSON (``tests/rollout_worker/test_packing.py``).
 The proxy's audit judges them in these dtypes, as they travel: what it passed is what arrives.
 """
@@ -34,8 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared import sglang_response, wire
-from shared.contract import ContractViolation
+from shared import wire
+
+# SGLang's weight version until an update names one, and again after a restart: the server
+# then serves its --model-path, the trainer's initial model, which is version 0. Where that
+# is older than the trainer, the staleness rule rejects the batch; it is never trained as current.
+INITIAL_VERSION = "default"
 
 MEDIA_TYPE = "application/x-centerline-arrays"
 VERSION = 1
@@ -48,12 +52,6 @@ ARRAYS = {
 }
 # Texts are as long as the response: no string limit below the message's own size.
 LIMITS = wire.WireLimits(max_str_len=wire.WireLimits().max_message_bytes)
-_INT32 = np.iinfo(np.int32)
-# The JSON fields each array comes from, by mode: sampled ids and log-probs, candidate ids, candidate log-probs.
-_FIELDS = {
-    "selected": ("output_token_logprobs", "output_top_logprobs", "output_top_logprobs"),
-    "support": ("output_token_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs"),
-}
 
 
 @dataclass
@@ -85,98 +83,9 @@ class ResponseArrays:
         return len(self.texts)
 
 
-def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arrays=None) -> ResponseArrays:
-    """The arrays of a parsed response (``sglang_response.parse_body``'s doc and metas); ``arrays``:
-    ``to_wire_dtypes(to_arrays(metas))`` where already built. Raises ``ContractViolation`` as
-    ``to_arrays``, ``to_wire_dtypes``, ``response_texts``, ``finish_reasons``, ``weight_versions`` and
-    ``token_versions`` do."""
-    if arrays is None:
-        arrays = to_wire_dtypes(sglang_response.to_arrays(metas, mode=mode, k=k), mode=mode)
-    ids, logprobs, _, cand_ids, cand_logprobs, offsets = arrays
-    return ResponseArrays(
-        texts=sglang_response.response_texts(doc, endpoint),
-        finish_reasons=sglang_response.finish_reasons(metas),
-        weight_versions=sglang_response.weight_versions(metas),
-        prompt_ids=sglang_response.prompt_token_ids(doc) if endpoint == "chat" else None,
-        offsets=offsets,
-        response_ids=ids,
-        sampled_logprobs=logprobs,
-        cand_ids=cand_ids,
-        cand_logprobs=cand_logprobs,
-        cached_tokens=[_count(meta.get("cached_tokens")) for meta in metas],
-        token_versions=sglang_response.token_versions(metas),
-    )
-
-
-def _count(value) -> int | None:
+def cached_count(value) -> int | None:
+    """A sample's ``cached_tokens`` as it travels: an int >= 0, else None (not known)."""
     return value if type(value) is int and value >= 0 else None
-
-
-def to_wire_dtypes(arrays: tuple, *, mode: str) -> tuple:
-    """``sglang_response.to_arrays``' ``(ids, logprobs, loss_mask, cand_ids, cand_logprobs, offsets)`` with ids
-    in int32 and log-probs in float32: the values as they travel, which the audit then judges.
-
-    A value the conversion would change by more than float32 rounding raises ``malformed_response``
-    naming its field, sample and row: an id outside int32 (it would wrap), a finite log-prob beyond
-    float32's range (it would travel as -inf or inf; -inf is the wire format's mark of an empty
-    slot). The first such token row is reported; within it ids before log-probs, the sampled token
-    before its candidates.
-    """
-    ids, logprobs, loss_mask, cand_ids, cand_logprobs, offsets = arrays
-    with np.errstate(over="ignore"):  # an overflow is found below, by value
-        logprobs32, cand_logprobs32 = logprobs.astype(np.float32), cand_logprobs.astype(np.float32)
-    sampled, cand_id_field, cand_lp_field = _FIELDS[mode]
-    checks = [
-        (ids, _outside_int32(ids), f"{sampled} id"),
-        (cand_ids, _outside_int32(cand_ids), f"{cand_id_field} id"),
-        (logprobs, _overflows(logprobs, logprobs32), f"{sampled} log-prob"),
-        (cand_logprobs, _overflows(cand_logprobs, cand_logprobs32), f"{cand_lp_field} log-prob"),
-    ]
-    firsts = [
-        (int(np.argmax(bad if bad.ndim == 1 else bad.any(axis=1))), n)
-        for n, (_, bad, _) in enumerate(checks)
-        if bad is not None
-    ]
-    if firsts:
-        i, n = min(firsts)
-        values, bad, name = checks[n]
-        value = (values[i] if values.ndim == 1 else values[i][bad[i]][0]).item()
-        if type(value) is int:
-            why = "outside int32, the wire format's id dtype: it would wrap"
-        else:
-            why = f"beyond float32's range, the wire format's log-prob dtype: it would travel as {'-' * (value < 0)}inf"
-        sample = int(np.searchsorted(offsets, i, side="right") - 1)
-        row = i - int(offsets[sample])
-        raise ContractViolation(
-            "malformed_response",
-            f"sample {sample} row {row}: {name} {value!r} is {why}",
-            sample=sample,
-            row=row,
-            found=value,
-        )
-    return ids.astype(np.int32), logprobs32, loss_mask, cand_ids.astype(np.int32), cand_logprobs32, offsets
-
-
-def _outside_int32(ids: np.ndarray) -> np.ndarray | None:
-    """Where ``ids`` (int64) do not fit int32; None where all do (two reductions, no mask, in the usual case)."""
-    if ids.size == 0 or (int(ids.min()) >= _INT32.min and int(ids.max()) <= _INT32.max):
-        return None
-    return (ids < _INT32.min) | (ids > _INT32.max)
-
-
-def _overflows(wide: np.ndarray, narrow: np.ndarray) -> np.ndarray | None:
-    """Where a finite float64 became infinite in float32; None where none did. (-inf stays -inf: empty slots.)"""
-    inf = np.isinf(narrow)
-    if not inf.any():
-        return None
-    inf &= np.isfinite(wide)
-    return inf if inf.any() else None
-
-
-def from_body(body: bytes, endpoint: str, *, mode: str, k: int) -> ResponseArrays:
-    """The arrays of a response body, unchecked; raises as ``parse_body`` and ``from_parsed`` do."""
-    doc, metas = sglang_response.parse_body(body, endpoint, mode=mode, k=k)
-    return from_parsed(doc, metas, endpoint, mode=mode, k=k)
 
 
 def encode(r: ResponseArrays) -> bytes:
@@ -224,7 +133,9 @@ def decode(data: bytes) -> ResponseArrays:
         raise wire.WireError(f"arrays message: per-token arrays of shapes {shapes}, expected [N], [N, K], [N, K]")
     cached = doc.get("cached_tokens")
     if cached is not None and not (
-        type(cached) is list and len(cached) == len(texts) and all(c is None or _count(c) is not None for c in cached)
+        type(cached) is list
+        and len(cached) == len(texts)
+        and all(c is None or cached_count(c) is not None for c in cached)
     ):
         raise wire.WireError(f"arrays message: cached_tokens must be absent or {len(texts)} counts (ints >= 0 or nil)")
     token_versions = None

@@ -5,7 +5,7 @@ settings; on a deployment with the same settings it changes nothing. ``provision
 in one connection of its own.
 
 Not here: the stream and subject names (``shared/names.py``), the server
-(``shared/nats_server.py``), publishing and consuming (``shared/nats_client.py``).
+(``centerline/nats_server.py``), publishing and consuming (``shared/nats_client.py``).
 """
 
 from __future__ import annotations

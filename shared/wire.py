@@ -25,7 +25,7 @@ import functools
 import math
 import re
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
@@ -470,10 +470,3 @@ _CANONICAL_ARRAY = re.compile(
 )
 _WIRE_DTYPES = {name.encode(): dtype for name, dtype in DTYPES.items()}
 _DIM = re.compile(rb"[\x00-\x7f]|\xcc.|\xcd..|\xce....", re.DOTALL)
-
-
-def replace_arrays(batch: Batch, **arrays) -> Batch:
-    """A copy of ``batch`` with some fields replaced (tests and tools build defects this way)."""
-    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    values.update(arrays)
-    return Batch(**values)

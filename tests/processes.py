@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-from shared.ports import free_port
+from centerline.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}

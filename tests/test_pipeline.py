@@ -12,10 +12,10 @@ import asyncio
 import orjson
 import pytest
 
+from centerline.nats_server import EmbeddedNats
 from shared import names
 from shared.contract import check_batch
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats
 from shared.wire import decode_batch
 
 

@@ -47,7 +47,7 @@ import orjson
 
 from shared import admin_key, faults, names
 from shared.nats_client import PublishError, publish_acked
-from shared.sglang_response import INITIAL_VERSION
+from shared.response_arrays import INITIAL_VERSION
 from trainer_service.checkpoint import publish_dir
 from trainer_service.distributed import is_main
 from trainer_service.model import save_model

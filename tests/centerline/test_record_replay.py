@@ -20,10 +20,10 @@ import orjson
 import pytest
 import torch
 
+from centerline.nats_server import EmbeddedNats
 from centerline.record import MAGIC, RecordFileError, read_record
 from shared import names
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats
 from shared.streams import ensure_streams
 from tests.processes import stored_messages
 

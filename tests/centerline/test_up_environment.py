@@ -15,9 +15,9 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
+from centerline.nats_server import EmbeddedNats
 from centerline.record import read_record
 from shared.contract import check_batch
-from shared.nats_server import EmbeddedNats
 from shared.wire import decode_batch
 from tests.processes import ENV
 

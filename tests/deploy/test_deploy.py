@@ -689,8 +689,8 @@ def nats_configs() -> dict[str, str]:
 
 @pytest.mark.parametrize("where", ["compose", "k8s"])
 def test_nats_server_accepts_the_config(where, tmp_path):
+    from centerline.nats_server import server_binary
     from shared import nats_auth
-    from shared.nats_server import server_binary
 
     path = tmp_path / "nats.conf"
     path.write_text(nats_configs()[where])
@@ -800,7 +800,7 @@ def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password
 
 
 def test_compose_nats_command_starts_the_server_with_every_users_password(tmp_path):
-    from shared.nats_server import server_binary
+    from centerline.nats_server import server_binary
 
     services = project()["services"]
     nats = services["nats"]
@@ -990,7 +990,7 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
     # build fails where it did not), and only the wheel reaches the image.
     wheel, image = text.index("FROM ${BASE} AS wheel"), text.index("\nFROM ${BASE}\n")
     assert wheel < text.index("pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .") < image
-    assert wheel < text.index("the C row scanner (shared/_rowscan.c) did not compile") < image
+    assert wheel < text.index("the C row scanner (router_proxy/_rowscan.c) did not compile") < image
     assert image < text.index("COPY --from=wheel /wheels/ /tmp/wheels/") < text.index(steps[-1])
     packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in {p.rstrip("*") for p in packages}:
@@ -1326,7 +1326,7 @@ def test_cluster_conf_includes_the_single_servers_and_adds_a_name_and_routes():
 
 
 def nats_server_test(conf_dir: Path, conf: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    from shared.nats_server import server_binary
+    from centerline.nats_server import server_binary
 
     return subprocess.run(
         [server_binary(), "-c", str(conf_dir / conf), "-t"],
@@ -1342,7 +1342,7 @@ def compose_node_launch(svc: dict, volumes: dict[str, dict[str, str]], tmp_path:
     credentials volume's nats.env) mapped to a directory, nats-server a wrapper that records the
     environment and argv it is started with and runs the real one with `-t`. Returns
     {"env": ..., "argv": ..., "returncode": ..., "output": ...}."""
-    from shared.nats_server import server_binary
+    from centerline.nats_server import server_binary
 
     etc = tmp_path / "etc/nats"
     (etc / "credentials").mkdir(parents=True)
@@ -1509,7 +1509,7 @@ def test_compose_cluster_nodes_form_a_jetstream_cluster_on_loopback(tmp_path):
     on loopback: the container's ports, store and route host names moved to this machine."""
     import time
 
-    from shared.nats_server import server_binary
+    from centerline.nats_server import server_binary
 
     services = project("compose-nats-cluster")["services"]
     volumes = credentials_volumes(services, tmp_path / "init")
@@ -1701,7 +1701,7 @@ def test_k8s_nats_cluster_runs_three_nodes_routed_by_pod_name(tmp_path):
         out = nats_server_test(tmp_path / "etc", "nats-cluster.conf", pod_env)
         assert out.returncode == 0, out.stdout + out.stderr
     # The image's nats-server is the wheel's (tests run that one): same minor version.
-    from shared.nats_server import server_binary
+    from centerline.nats_server import server_binary
 
     version = subprocess.run([server_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
     assert container["image"] == "nats:" + re.search(r"v(\d+\.\d+)\.", version)[1] + "-alpine"

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.bench_proxy import native_response
 from fuzz import fuzz_proxy_audit, fuzz_wire
-from router_proxy.bench import native_response
-from shared import response_arrays, sglang_response
+from router_proxy import answer, sglang_response
+from shared import response_arrays
 from tests.processes import ENV, REPO
 
 HARNESSES = {"fuzz.fuzz_wire": fuzz_wire, "fuzz.fuzz_proxy_audit": fuzz_proxy_audit}
@@ -136,7 +137,7 @@ def test_binary_answer_check_finds_a_finish_reason_that_does_not_decode():
     valid = native_response(1, 8, fuzz_proxy_audit.VOCAB)
     doc = orjson.loads(valid)
     doc["meta_info"]["finish_reason"] = {"type": 1}
-    found = response_arrays.from_body(valid, "generate", mode="selected", k=8)
+    found = answer.from_body(valid, "generate", mode="selected", k=8)
     found.finish_reasons = [{"type": 1}]
     with pytest.raises(AssertionError, match="the binary answer of an accepted response does not decode"):
         fuzz_proxy_audit.check_travelled(orjson.dumps(doc), "generate", "selected", response_arrays.encode(found))

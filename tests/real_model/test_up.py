@@ -16,9 +16,9 @@ import numpy as np
 import orjson
 import pytest
 
+from centerline.nats_server import EmbeddedNats
 from shared import names
 from shared.contract import check_batch
-from shared.nats_server import EmbeddedNats
 from shared.wire import decode_batch
 from tests.processes import ENV, REPO, stored_messages
 from tests.real_model.conftest import VOCAB

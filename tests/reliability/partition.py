@@ -15,8 +15,8 @@ import socket
 import threading
 from pathlib import Path
 
-from shared.nats_server import NatsCluster
-from shared.ports import free_port
+from centerline.nats_server import NatsCluster
+from centerline.ports import free_port
 from tests.reliability.relay import close_socket
 
 

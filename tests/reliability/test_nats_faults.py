@@ -28,11 +28,12 @@ from pathlib import Path
 
 import pytest
 
+from centerline.nats_server import EmbeddedNats
+from centerline.synth import make_batch
+from rollout_worker.publish import publish_batch
 from shared import names
-from shared.nats_client import PublishError, connect, publish_batch
-from shared.nats_server import EmbeddedNats
+from shared.nats_client import PublishError, connect
 from shared.streams import ensure_streams
-from shared.synth import make_batch
 from shared.task import PromptTask
 from shared.wire import decode_batch, encode_batch
 from tests.processes import wait_until

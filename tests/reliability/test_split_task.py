@@ -17,9 +17,9 @@ from collections import Counter
 
 import pytest
 
+from centerline.synth import make_batch
+from rollout_worker.publish import HEADER_ROOM
 from shared.faults import ENV
-from shared.nats_client import HEADER_ROOM
-from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch
 from tests.reliability.topology import Topology, leftovers, run_accounting, stream_messages
 from tests.rollout_worker.test_worker_stack import K

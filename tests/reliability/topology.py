@@ -28,10 +28,10 @@ from pathlib import Path
 import orjson
 from nats.js.errors import NotFoundError
 
+from centerline.nats_server import EmbeddedNats, NatsCluster
 from centerline.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.streams import StreamLimits, ensure_streams
 from shared.toy_tasks import examples
 from shared.wire import decode_batch

@@ -11,10 +11,12 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_worker.packing import pack_group, samples_from_arrays, samples_from_response
+from rollout_worker.packing import pack_group, samples_from_arrays
+from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
 from shared.wire import ARRAY_FIELDS, Batch, WireError, encode_map
+from tests.json_samples import samples_from_response
 from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, pack
 
 ARRAYS_ACCEPT = {"Accept": response_arrays.MEDIA_TYPE}
@@ -73,7 +75,7 @@ def test_a_chat_answer_carries_the_prompt_ids_sglang_rendered():
 
 
 def test_a_large_scanned_response_packs_the_same_batches_either_way():
-    from router_proxy.bench import native_response
+    from centerline.bench_proxy import native_response
 
     body = native_response(512, 128, VOCAB)  # above SCAN_MIN_BYTES: candidate rows scanned, not parsed
     found = binary_samples(body, k=128)
@@ -98,7 +100,7 @@ def pack_k(samples, k: int) -> Batch:
 
 
 def test_a_message_that_disagrees_with_itself_is_refused_naming_the_field():
-    good = response_arrays.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
+    good = answer.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
     head = {"v": 1, "texts": good.texts, "finish_reasons": good.finish_reasons, "weight_versions": good.weight_versions}
     arrays = {name: (getattr(good, name), dtype) for name, dtype in response_arrays.ARRAYS.items()}
     assert response_arrays.decode(encode_map({**head, "prompt_ids": None}, arrays)).texts == ["A", "B"]
@@ -122,7 +124,7 @@ def test_the_binary_answer_carries_each_samples_cached_prompt_tokens():
     doc[1] = {**doc[1], "meta_info": {**doc[1]["meta_info"], "cached_tokens": "7"}}
     result = audit_body(orjson.dumps(doc), endpoint="generate", mode="selected", k=K, vocab_size=VOCAB, arrays=True)
     assert response_arrays.decode(result.reply).cached_tokens == [7, None]
-    good = response_arrays.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
+    good = answer.from_body(orjson.dumps(SELECTED), "generate", mode="selected", k=K)
     head = {"v": 1, "texts": good.texts, "finish_reasons": good.finish_reasons, "weight_versions": good.weight_versions}
     arrays = {name: (getattr(good, name), dtype) for name, dtype in response_arrays.ARRAYS.items()}
     assert response_arrays.decode(encode_map(head, arrays)).cached_tokens is None

@@ -9,10 +9,11 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_worker.packing import ResponseError, pack_group, samples_from_response
+from rollout_worker.packing import pack_group
 from rollout_worker.rewards import group_advantages
 from shared.contract import ContractViolation, check_batch
 from shared.task import PromptTask, TaskError
+from tests.json_samples import ResponseError, samples_from_response
 from tests.rounding import U32
 
 K, VOCAB = 3, 260

@@ -1,4 +1,4 @@
-"""Per-token weight versions (shared/sglang_response.py ``token_versions``): SGLang's
+"""Per-token weight versions (router_proxy/sglang_response.py ``token_versions``): SGLang's
 ``meta_info.weight_versions`` spans ``{version, start, end}`` travel through the proxy's audit
 and its binary answer into the batch's ``token_versions``; a span list that does not cover the
 sample's output positions exactly is a named ``malformed_response``, never repaired."""
@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from rollout_worker.packing import samples_from_arrays
+from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
 from shared.contract import ContractViolation, check_batch
@@ -50,10 +51,7 @@ def test_a_response_that_spans_an_update_carries_each_tokens_version_into_the_ba
 
 
 def test_a_sample_without_spans_is_one_version_on_every_token():
-    assert (
-        response_arrays.from_body(orjson.dumps([item(3, None)]), "generate", mode="selected", k=K).token_versions
-        is None
-    )
+    assert answer.from_body(orjson.dumps([item(3, None)]), "generate", mode="selected", k=K).token_versions is None
     (sample,) = through_proxy([item(3, None, version="7")])
     assert sample.token_versions.tolist() == [7, 7, 7]
     mixed = through_proxy([item(2, None, version="7"), item(1, [span("7", 0, 1)], version="7")])
@@ -97,7 +95,7 @@ def test_a_malformed_span_list_refuses_the_binary_answer_by_name(spans, message)
 
 
 def test_the_binary_answer_refuses_token_versions_of_another_length():
-    good = response_arrays.from_body(orjson.dumps([item(3, [span("5", 0, 3)])]), "generate", mode="selected", k=K)
+    good = answer.from_body(orjson.dumps([item(3, [span("5", 0, 3)])]), "generate", mode="selected", k=K)
     assert good.token_versions.tolist() == [5, 5, 5]
     good.token_versions = np.array([5, 5], np.int32)
     with pytest.raises(response_arrays.wire.WireError, match=r"token_versions of shape \(2,\), expected \[N\]=3"):

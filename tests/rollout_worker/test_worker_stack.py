@@ -20,10 +20,10 @@ import nats.errors
 import numpy as np
 import pytest
 
+from centerline.nats_server import EmbeddedNats
 from shared import names
 from shared.contract import check_batch
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats
 from shared.streams import ensure_streams
 from shared.task import PromptTask
 from shared.wire import decode_batch

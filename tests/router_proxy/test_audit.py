@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_proxy.audit import audit_body, full_audit, quick_accept
-from router_proxy.bench import native_response
-from shared import candidate_scan, response_arrays, sglang_response
-from shared.candidate_scan import Scanned
+from centerline.bench_proxy import native_response
+from router_proxy import candidate_scan, sglang_response
+from router_proxy.audit import audit_body, checked_arrays, quick_accept
+from router_proxy.candidate_scan import Scanned
+from router_proxy.sglang_response import native_metas
+from shared import response_arrays
 from shared.contract import ContractViolation
-from shared.sglang_response import native_metas
 
 VOCAB = 300
 
@@ -200,11 +201,12 @@ def outcome(doc: dict, *, mode: str, k: int, quick: bool):
     try:
         if quick:
             result = audit_body(body, endpoint="generate", mode=mode, k=k, vocab_size=VOCAB)
-        else:
-            result = full_audit(native_metas(orjson.loads(body)), mode=mode, k=k, vocab_size=VOCAB)
+            return ("ok", result.samples, result.tokens)
+        metas = native_metas(orjson.loads(body))
+        ids = checked_arrays(metas, mode=mode, k=k, vocab_size=VOCAB)[0]  # the numpy way: arrays, then check_rows
     except ContractViolation as v:
         return ("fail", v.to_dict())
-    return ("ok", result.samples, result.tokens)
+    return ("ok", len(metas), int(ids.shape[0]))
 
 
 def support(doc: dict, width: int) -> dict:
@@ -528,7 +530,7 @@ def test_sglangs_weight_versions_travel_as_ints(version, travels):
     assert response_arrays.decode(result.reply).weight_versions == [travels]
 
 
-# The scanned path (shared/candidate_scan.py, for large bodies) against the full orjson parse.
+# The scanned path (router_proxy/candidate_scan.py, for large bodies) against the full orjson parse.
 
 
 # Each scanner built here: the C one must be (make setup compiles it), the numpy one always is.
@@ -536,7 +538,9 @@ SCANNERS = ("c", "numpy")
 
 
 def test_the_c_scanner_is_built_and_used():
-    assert candidate_scan._rowscan is not None, "shared/_rowscan.c is not built: pip install -e . with a C compiler"
+    assert candidate_scan._rowscan is not None, (
+        "router_proxy/_rowscan.c is not built: pip install -e . with a C compiler"
+    )
     assert candidate_scan.SCANNER == "c"
 
 

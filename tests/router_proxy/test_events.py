@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 from nats.js.errors import NotFoundError
 
+from centerline.nats_server import EmbeddedNats
 from shared import names
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats
 
 pytestmark = pytest.mark.integration
 

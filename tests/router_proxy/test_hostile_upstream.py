@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from centerline.bench_proxy import native_response
 from router_proxy.audit import PROXY_RULES
-from router_proxy.bench import native_response
 from shared.contract import RULES
 
 pytestmark = pytest.mark.integration

@@ -187,7 +187,8 @@ def post_raw(url: str, body: dict, headers: dict | None = None) -> tuple[int, st
 
 
 def test_a_plain_client_gets_sglangs_bytes_and_an_arrays_client_the_same_response_as_arrays(proxy, double):
-    from router_proxy.bench import native_response
+    from centerline.bench_proxy import native_response
+    from router_proxy import answer
     from shared import response_arrays
 
     upstream = native_response(5, 128, 300).decode()
@@ -199,7 +200,7 @@ def test_a_plain_client_gets_sglangs_bytes_and_an_arrays_client_the_same_respons
     status, ctype, binary, headers = post_raw(proxy.url + "/generate", request, ACCEPT_ARRAYS)
     assert (status, ctype, headers["x-centerline-audit"]) == (200, "application/x-centerline-arrays", "ok")
     found = response_arrays.decode(binary)
-    expected = response_arrays.from_body(plain, "generate", mode="selected", k=128)
+    expected = answer.from_body(plain, "generate", mode="selected", k=128)
     assert (found.texts, found.weight_versions, found.finish_reasons) == (["xxxxx"], [0], ["length"])
     for name in response_arrays.ARRAYS:
         assert getattr(found, name).tobytes() == getattr(expected, name).tobytes(), name

@@ -251,7 +251,7 @@ def test_chat_training_responses_carry_the_prompt_ids_sglang_rendered(sglang, pr
     """The worker trains on these ids, not on its own rendering of the chat template."""
     from transformers import AutoTokenizer
 
-    from shared.sglang_response import prompt_token_ids
+    from router_proxy.sglang_response import prompt_token_ids
 
     url = proxy_to(sglang.url)
     messages = [{"role": "user", "content": "hello"}]
@@ -277,7 +277,7 @@ def test_probe_of_chat_checks_the_prompt_ids_come_back(sglang):
 def test_a_restarted_server_samples_as_version_0_whatever_it_served_before(sglang, proxy_to, model_dir):
     """SGLang forgets its weight version on a restart ("default") and serves its --model-path again:
     the trainer's initial weights. The worker records them as version 0, never as the last one."""
-    from rollout_worker.packing import samples_from_response
+    from tests.json_samples import samples_from_response
 
     status, reply = http(
         "POST", sglang.url + "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "7"}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.nats_server import EmbeddedNats
+from centerline.nats_server import EmbeddedNats
 
 
 @pytest.fixture

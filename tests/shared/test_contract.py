@@ -1,13 +1,14 @@
 """The completeness contract: each rule, violated alone, is reported by name with its sample and row."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.synth import make_batch
 from shared.contract import RULES, ContractViolation, check_batch, k_above_vocab
-from shared.synth import make_batch
-from shared.wire import replace_arrays
 from tests.rounding import U32, sum_tolerance
 
 VOCAB = 64
@@ -36,7 +37,7 @@ def violation(batch, **kw) -> ContractViolation:
 def edit(batch, name, index, value):
     arr = np.array(getattr(batch, name))
     arr[index] = value
-    return replace_arrays(batch, **{name: arr})
+    return replace(batch, **{name: arr})
 
 
 def row_of(sample, row, tokens_per_sample=8):
@@ -59,7 +60,7 @@ def test_truncated_row_in_selected_mode_is_short_row():
     i = row_of(2, 5)
     ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
     ids[i, 37:], lps[i, 37:] = -1, -np.inf
-    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps), vocab_size=256)
+    err = violation(replace(batch, cand_ids=ids, cand_logprobs=lps), vocab_size=256)
     assert (err.rule, err.sample, err.row, err.expected, err.found) == ("short_row", 2, 5, 128, 37)
     assert str(err).startswith("sample 2 row 5 has 37 candidates, expected 128: the upstream or a router truncated")
 
@@ -69,7 +70,7 @@ def test_exactly_twenty_candidates_when_k_is_128_blames_the_router_cap():
     ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
     ids[:, 20:], lps[:, 20:] = -1, -np.inf
     err = violation(
-        replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=np.array([0, 1, 1], np.uint8)), vocab_size=256
+        replace(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=np.array([0, 1, 1], np.uint8)), vocab_size=256
     )
     assert (err.rule, err.sample, err.row, err.expected, err.found) == ("short_row", 0, 1, 128, 20)
     assert "the router probably caps top_logprobs at 20; run `centerline probe --k 128`" in str(err)
@@ -80,7 +81,7 @@ def test_empty_slots_are_allowed_in_untrained_rows():
     i = row_of(1, 3)
     ids, lps, mask = np.array(batch.cand_ids), np.array(batch.cand_logprobs), np.array(batch.loss_mask)
     ids[i, :], lps[i, :], mask[i] = -1, -np.inf, 0
-    check_batch(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=mask), vocab_size=VOCAB)
+    check_batch(replace(batch, cand_ids=ids, cand_logprobs=lps, loss_mask=mask), vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("make, rule", [(selected, "short_row"), (support, "support_mass")])
@@ -89,7 +90,7 @@ def test_a_trained_token_with_an_empty_row_is_refused_in_either_mode(make, rule)
     i = row_of(2, 4)
     ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
     ids[i, :], lps[i, :] = -1, -np.inf
-    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps))
+    err = violation(replace(batch, cand_ids=ids, cand_logprobs=lps))
     assert (err.rule, err.sample, err.row) == (rule, 2, 4)
 
 
@@ -98,7 +99,7 @@ def test_a_candidate_row_on_an_untrained_token_is_row_on_untrained_token(make):
     batch = make()
     mask = np.array(batch.loss_mask)
     mask[row_of(3, 6)] = 0
-    err = violation(replace_arrays(batch, loss_mask=mask))
+    err = violation(replace(batch, loss_mask=mask))
     assert (err.rule, err.sample, err.row, err.expected) == ("row_on_untrained_token", 3, 6, 0)
     assert str(err).startswith("sample 3 row 6 is not trained (loss_mask 0) yet holds ")
 
@@ -112,7 +113,7 @@ def session_like(**kw):
     sampled, versions = np.array(batch.sampled_logprobs), np.array(batch.token_versions)
     ids[rows], lps[rows], mask[rows], sampled[rows] = -1, -np.inf, 0, 0.0
     versions[row_of(1, 0) : row_of(1, 5)] = 4
-    return replace_arrays(
+    return replace(
         batch, cand_ids=ids, cand_logprobs=lps, loss_mask=mask, sampled_logprobs=sampled, token_versions=versions
     )
 
@@ -128,9 +129,7 @@ def test_staleness_is_judged_on_the_oldest_trained_token():
     versions = np.array(session_like().token_versions)
     versions[row_of(1, 2) : row_of(1, 5)] = 0  # untrained tokens: their version does not count
     versions[row_of(1, 0) : row_of(1, 2)] = 5
-    check_batch(
-        replace_arrays(session_like(), token_versions=versions), vocab_size=VOCAB, current_version=6, max_staleness=1
-    )
+    check_batch(replace(session_like(), token_versions=versions), vocab_size=VOCAB, current_version=6, max_staleness=1)
 
 
 @pytest.mark.parametrize("version", [6, -1])
@@ -138,7 +137,7 @@ def test_a_token_newer_than_the_batch_or_negative_is_token_version(version):
     batch = session_like()
     versions = np.array(batch.token_versions)
     versions[row_of(2, 7)] = version
-    err = violation(replace_arrays(batch, token_versions=versions))
+    err = violation(replace(batch, token_versions=versions))
     assert (err.rule, err.sample, err.row, err.expected, err.found) == ("token_version", 2, 7, 5, version)
     assert f"was sampled by weight version {version}, outside [0, 5]" in str(err)
 
@@ -151,13 +150,13 @@ def test_a_token_newer_than_the_batch_or_negative_is_token_version(version):
     ],
 )
 def test_token_versions_of_another_dtype_or_shape_are_rule_shape(versions, message):
-    err = violation(replace_arrays(selected(), token_versions=versions))
+    err = violation(replace(selected(), token_versions=versions))
     assert err.rule == "shape" and message in str(err)
 
 
 @pytest.mark.parametrize("field", ["attempt", "parts"])
 def test_an_attempt_or_part_count_below_one_is_rule_shape(field):
-    err = violation(replace_arrays(selected(), **{field: 0}))
+    err = violation(replace(selected(), **{field: 0}))
     assert err.rule == "shape" and "expected both at least 1" in str(err)
 
 
@@ -166,7 +165,7 @@ def test_duplicate_candidate_is_named():
     i = row_of(3, 2)
     ids = np.array(batch.cand_ids)
     ids[i, 6] = ids[i, 1]
-    err = violation(replace_arrays(batch, cand_ids=ids))
+    err = violation(replace(batch, cand_ids=ids))
     assert (err.rule, err.sample, err.row, err.found) == ("duplicate_candidate", 3, 2, int(ids[i, 1]))
 
 
@@ -198,7 +197,7 @@ def test_padding_with_a_logprob_is_rejected():
     i = row_of(1, 1)
     ids, mask = np.array(batch.cand_ids), np.array(batch.loss_mask)
     ids[i, 7], mask[i] = -1, 0  # the slot claims to be empty but still carries a log-prob
-    err = violation(replace_arrays(batch, cand_ids=ids, loss_mask=mask))
+    err = violation(replace(batch, cand_ids=ids, loss_mask=mask))
     assert (err.rule, err.sample, err.row) == ("padding", 1, 1)
 
 
@@ -213,7 +212,7 @@ def test_row_mass_above_one_is_rejected():
     lps = np.array(batch.cand_logprobs)
     lps[i] = np.log(np.full(8, 0.2, np.float32))  # mass 1.6
     lps[i, 0] = batch.sampled_logprobs[i] if batch.cand_ids[i, 0] == batch.response_ids[i] else lps[i, 0]
-    err = violation(replace_arrays(batch, cand_logprobs=lps))
+    err = violation(replace(batch, cand_logprobs=lps))
     assert (err.rule, err.sample, err.row, err.expected) == ("row_mass", 0, 2, 1.0)
     assert abs(err.found - float(np.exp(lps[i].astype(np.float64)).sum())) <= float32_mass_tolerance(lps[i])
 
@@ -224,7 +223,7 @@ def test_support_mass_not_one_is_rejected():
     lps, slp = np.array(batch.cand_logprobs), np.array(batch.sampled_logprobs)
     lps[i, :5] -= 0.01  # mass 0.990; keep sampled log-prob consistent so only the mass is wrong
     slp[i] -= 0.01
-    err = violation(replace_arrays(batch, cand_logprobs=lps, sampled_logprobs=slp))
+    err = violation(replace(batch, cand_logprobs=lps, sampled_logprobs=slp))
     assert (err.rule, err.sample, err.row) == ("support_mass", 3, 3)
     assert abs(err.found - float(np.exp(lps[i].astype(np.float64)).sum())) <= float32_mass_tolerance(lps[i])
 
@@ -233,7 +232,7 @@ def test_empty_support_blames_dropped_support_fields():
     batch = support()
     ids, lps = np.array(batch.cand_ids), np.array(batch.cand_logprobs)
     ids[:], lps[:] = -1, -np.inf
-    err = violation(replace_arrays(batch, cand_ids=ids, cand_logprobs=lps))
+    err = violation(replace(batch, cand_ids=ids, cand_logprobs=lps))
     assert (err.rule, err.sample, err.row, err.found) == ("support_mass", 0, 0, 0.0)
     assert "dropped sampling_logprobs_mode/return_sampling_mask" in str(err)
 
@@ -303,29 +302,29 @@ def test_duplicate_batch_is_rejected():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda b: replace_arrays(b, offsets=np.array([0, 8, 4, 24, 32])), "offsets must rise monotonically"),
+        (lambda b: replace(b, offsets=np.array([0, 8, 4, 24, 32])), "offsets must rise monotonically"),
         (
-            lambda b: replace_arrays(b, offsets=np.array([0, 8, 16, 24, 31])),
+            lambda b: replace(b, offsets=np.array([0, 8, 16, 24, 31])),
             "offsets must rise monotonically from 0 to 32",
         ),
         (
-            lambda b: replace_arrays(b, cand_ids=b.cand_ids[:, :7], cand_logprobs=b.cand_logprobs[:, :7]),
+            lambda b: replace(b, cand_ids=b.cand_ids[:, :7], cand_logprobs=b.cand_logprobs[:, :7]),
             "cand_ids has shape [32, 7], expected [32, 8]",
         ),
-        (lambda b: replace_arrays(b, rewards=b.rewards[:3]), "rewards has shape [3], expected [4]"),
+        (lambda b: replace(b, rewards=b.rewards[:3]), "rewards has shape [3], expected [4]"),
         (
-            lambda b: replace_arrays(b, cand_ids=b.cand_ids.astype(np.int64)),
+            lambda b: replace(b, cand_ids=b.cand_ids.astype(np.int64)),
             "cand_ids must be a int32 array, found int64",
         ),
-        (lambda b: replace_arrays(b, mode="full"), "mode is 'full'"),
-        (lambda b: replace_arrays(b, group_ids=["g"]), "1 group_ids for 4 sample_ids"),
+        (lambda b: replace(b, mode="full"), "mode is 'full'"),
+        (lambda b: replace(b, group_ids=["g"]), "1 group_ids for 4 sample_ids"),
         (
-            lambda b: replace_arrays(b, finish_reasons=["stop"]),
+            lambda b: replace(b, finish_reasons=["stop"]),
             "1 finish_reasons for 4 sample_ids (one per sample, or none)",
         ),
-        (lambda b: replace_arrays(b, loss_mask=np.full(32, 2, np.uint8)), "loss_mask holds values other than 0 and 1"),
+        (lambda b: replace(b, loss_mask=np.full(32, 2, np.uint8)), "loss_mask holds values other than 0 and 1"),
         (
-            lambda b: replace_arrays(b, prompt_offsets=np.array([0, 3, 6, 9, 13])),
+            lambda b: replace(b, prompt_offsets=np.array([0, 3, 6, 9, 13])),
             "prompt_offsets must rise monotonically from 0 to 12",
         ),
     ],

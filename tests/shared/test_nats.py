@@ -6,12 +6,13 @@ import pytest
 from nats.js.api import PubAck
 from nats.js.errors import APIError
 
+from centerline.nats_server import EmbeddedNats
+from centerline.synth import make_batch
+from rollout_worker.publish import HEADER_ROOM, publish_batch
 from shared import names
 from shared.contract import check_batch
-from shared.nats_client import DUPLICATE_IN_PROCESS, HEADER_ROOM, connect, publish_acked, publish_batch, pull_consumer
-from shared.nats_server import EmbeddedNats
+from shared.nats_client import DUPLICATE_IN_PROCESS, connect, publish_acked, pull_consumer
 from shared.streams import StreamConfigError, StreamLimits, ensure_streams
-from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch
 
 VOCAB = 64

@@ -20,12 +20,13 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
+from centerline.nats_server import EmbeddedNats
+from centerline.synth import make_batch
+from rollout_worker.publish import publish_batch
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
-from shared.nats_client import connect, publish_batch, pull_consumer
-from shared.nats_server import EmbeddedNats
+from shared.nats_client import connect, pull_consumer
 from shared.streams import StreamConfigError, ensure_streams, provision, stream_configs
-from shared.synth import make_batch
 
 STREAMS = {c.name for c in stream_configs()}
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from centerline.nats_server import EmbeddedNats, NatsCluster
 from shared import names
 from shared.nats_client import PublishError, connect, publish_acked, pull_consumer, servers
-from shared.nats_server import EmbeddedNats, NatsCluster
 from shared.streams import StreamConfigError, StreamLimits, ensure_streams
 
 pytestmark = pytest.mark.integration

@@ -4,6 +4,7 @@ import copy
 import resource
 import struct
 import time
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -11,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centerline.synth import make_batch
 from shared.contract import ContractViolation, check_batch
-from shared.synth import make_batch
-from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch, replace_arrays
+from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch
 
 
 def assert_same_batch(a: Batch, b: Batch) -> None:
@@ -124,7 +125,7 @@ def test_a_v1_batch_is_refused_naming_both_versions_and_what_v2_adds():
 
 
 def test_v2_carries_each_tokens_weight_version_and_the_batchs_task_attempt_and_parts():
-    batch = replace_arrays(make_batch(samples=2, tokens_per_sample=3, weight_version=5), task_id="run/0/3", attempt=2)
+    batch = replace(make_batch(samples=2, tokens_per_sample=3, weight_version=5), task_id="run/0/3", attempt=2)
     batch.token_versions = np.array([4, 4, 5, 5, 5, 5], np.int32)
     doc = msgpack.unpackb(encode_batch(batch))
     assert (doc["v"], doc["task_id"], doc["attempt"], doc["parts"]) == (2, "run/0/3", 2, 1)
@@ -344,7 +345,7 @@ def test_empty_array_with_impossible_dimensions_is_a_wire_error(shape, message):
 
 
 def test_each_samples_finish_reason_travels_and_a_batch_without_them_decodes_with_none():
-    batch = replace_arrays(make_batch(samples=2, tokens_per_sample=3), finish_reasons=["stop", "session_budget"])
+    batch = replace(make_batch(samples=2, tokens_per_sample=3), finish_reasons=["stop", "session_budget"])
     assert decode_batch(encode_batch(batch)).finish_reasons == ["stop", "session_budget"]
     doc = msgpack.unpackb(encode_batch(batch))
     del doc["finish_reasons"]  # a batch recorded before the field existed

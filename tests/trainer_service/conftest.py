@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.synth import make_batch
-from shared.wire import replace_arrays
+from centerline.synth import make_batch
 
 VOCAB = 64  # larger than K = 8, so the proportional tail is exercised
 
@@ -43,7 +44,7 @@ def global_batch(samples: int = 5, tokens_per_sample: int = 6, mode: str = "sele
         np.array(a) for a in (batch.cand_ids, batch.cand_logprobs, batch.sampled_logprobs)
     )
     cand_ids[untrained], cand_logprobs[untrained], sampled[untrained] = -1, -np.inf, 0.0
-    return replace_arrays(
+    return replace(
         batch,
         advantages=advantages,
         loss_mask=mask,

@@ -19,18 +19,19 @@ import subprocess
 import sys
 import threading
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import orjson
 
+from centerline.synth import make_batch
+from rollout_worker.publish import publish_batch
 from shared import names
-from shared.nats_client import connect, publish_batch, pull_consumer
+from shared.nats_client import connect, pull_consumer
 from shared.streams import ensure_streams
-from shared.synth import make_batch
 from shared.task import PromptTask
-from shared.wire import encode_batch, replace_arrays
+from shared.wire import encode_batch
 from tests.processes import ENV, REPO, http, stored_messages
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -66,7 +67,7 @@ def task_batch(task: PromptTask, version: int, vocab: int):
     )
     rewards = np.asarray(batch.rewards, np.float32)
     batch.group_ids = [task.group_id] * task.n
-    return replace_arrays(batch, advantages=(rewards - rewards.mean()).astype(np.float32))
+    return replace(batch, advantages=(rewards - rewards.mean()).astype(np.float32))
 
 
 @dataclass
@@ -142,7 +143,7 @@ def fault(batch, kind: str, version: int | None = None):
         adv[1] = np.nan
     elif kind == "duplicate_candidate":
         cand_ids[3, 1] = cand_ids[3, 0]
-    out = replace_arrays(batch, cand_ids=cand_ids, cand_logprobs=cand_lp, advantages=adv)
+    out = replace(batch, cand_ids=cand_ids, cand_logprobs=cand_lp, advantages=adv)
     out.batch_id = f"fault/{kind}/{batch.batch_id}"
     if version is not None:  # every token sampled by ``version``
         out.weight_version = version

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.synth import make_batch
+from centerline.synth import make_batch
 from shared.wire import decode_batch
 from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
 from trainer_service.gate import Held
@@ -92,15 +92,16 @@ def test_a_checkpoint_with_a_ledger_of_batch_ids_is_refused_by_name():
 
 
 def test_a_step_record_counts_the_sessions_turns_sampled_and_injected_tokens_and_finish_reasons():
+    from dataclasses import replace
+
     import numpy as np
 
-    from shared.wire import replace_arrays
     from trainer_service.commit import sample_shape
 
     batch = make_batch(samples=2, tokens_per_sample=5, k=4, vocab_size=32)
     # sample 0: two turns (1 1 | 0 | 1 1), sample 1: three (1 | 0 | 1 | 0 0 | 1)
     mask = np.array([1, 1, 0, 1, 1, 1, 0, 1, 0, 1], np.uint8)
-    session = replace_arrays(batch, loss_mask=mask, finish_reasons=["stop", "session_budget"])
+    session = replace(batch, loss_mask=mask, finish_reasons=["stop", "session_budget"])
     assert sample_shape([session, batch]) == {
         "turns_mean": (2 + 3 + 1 + 1) / 4,
         "sampled_tokens": 7 + 10,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from shared.ports import free_port
+from centerline.ports import free_port
 from shared.wire import encode_batch
 from tests.rounding import REORDER64_TOLERANCE
 from tests.trainer_service.conftest import global_batch

@@ -19,10 +19,10 @@ import orjson
 import pytest
 from nats.js.errors import NotFoundError
 
+from centerline.nats_server import EmbeddedNats
 from centerline.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats_client import connect, pull_consumer
-from shared.nats_server import EmbeddedNats
 from shared.wire import encode_batch
 from tests.processes import ENV, REPO, metrics_lines, stored_messages, wait_until
 from tests.trainer_service import service_stack

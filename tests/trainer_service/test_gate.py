@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from centerline.synth import make_batch
+from rollout_worker.publish import select_samples
 from shared import names
 from shared.config import Config
 from shared.contract import check_batch
-from shared.split import select_samples
-from shared.synth import make_batch
-from shared.wire import decode_batch, encode_batch, replace_arrays
+from shared.wire import decode_batch, encode_batch
 from trainer_service.gate import (
     DROP,
     DUPLICATE,
@@ -138,7 +138,7 @@ def test_same_batch_id_twice_in_one_step_keeps_the_first():
     [
         (lambda: batch(version=1), "stale"),
         (lambda: batch(version=4), "unknown_version"),
-        (lambda: replace_arrays(batch(), advantages=np.array([0, np.nan, 0, 0], np.float32)), "non_finite"),
+        (lambda: replace(batch(), advantages=np.array([0, np.nan, 0, 0], np.float32)), "non_finite"),
         (lambda: batch(mode="support", top_k=4), "settings"),
     ],
 )
@@ -249,7 +249,7 @@ def attempt_parts(attempt: int, task="T", seed=0) -> list[bytes]:
     T#2/0-2, T#2/2-4 for attempt 2), as the worker publishes them."""
     whole = replace(batch(task if attempt == 1 else f"{task}#{attempt}", seed=seed), task_id=task, attempt=attempt)
     bid = whole.batch_id
-    # what shared.split.split_batch makes of it under a limit that holds two samples
+    # what rollout_worker.publish.split_batch makes of it under a limit that holds two samples
     return [
         encode_batch(replace(select_samples(whole, slice(a, b)), batch_id=f"{bid}/{a}-{b}", parts=2))
         for a, b in ((0, 2), (2, 4))

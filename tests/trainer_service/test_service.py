@@ -18,8 +18,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from centerline.nats_server import EmbeddedNats
 from centerline.tokenizer import VOCAB_SIZE
-from shared.nats_server import EmbeddedNats
 from shared.wire import encode_batch as encode
 from tests.processes import free_port, http, wait_until
 from tests.trainer_service.service_stack import (

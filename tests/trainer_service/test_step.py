@@ -3,12 +3,13 @@ however its samples are cut into padded micro-batches."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from shared.contract import check_batch
-from shared.wire import replace_arrays
 from tests.rounding import REORDER64_TOLERANCE
 from tests.trainer_service.conftest import VOCAB, global_batch
 from trainer_service.loss import score_centering_loss
@@ -30,7 +31,7 @@ def ragged_batch(mode: str = "selected"):
     """``global_batch``'s 30 rows regrouped into 5 samples of different prompt and response lengths."""
     batch = global_batch(samples=5, tokens_per_sample=6, mode=mode)
     prompts = np.random.default_rng(7).integers(0, VOCAB, sum(PROMPT_LENS)).astype(batch.prompt_ids.dtype)
-    return replace_arrays(
+    return replace(
         batch,
         offsets=np.concatenate([[0], np.cumsum(RESPONSE_LENS)]).astype(batch.offsets.dtype),
         prompt_offsets=np.concatenate([[0], np.cumsum(PROMPT_LENS)]).astype(batch.prompt_offsets.dtype),
@@ -88,7 +89,7 @@ def test_micro_batch_inputs_of_equal_prompts_need_no_mask():
 
 def test_an_empty_prompt_is_refused_with_its_sample_id():
     batch = ragged_batch()
-    batch = replace_arrays(batch, prompt_offsets=np.array([0, 0, 1, 6, 8, 12], dtype=batch.prompt_offsets.dtype))
+    batch = replace(batch, prompt_offsets=np.array([0, 0, 1, 6, 8, 12], dtype=batch.prompt_offsets.dtype))
     with pytest.raises(ValueError, match=f"sample {batch.sample_ids[0]!r} has an empty prompt"):
         micro_batch_inputs(batch, range(0, 2), "cpu")
 

@@ -10,9 +10,9 @@ from collections import Counter
 import orjson
 import pytest
 
+from centerline.nats_server import EmbeddedNats
+from centerline.ports import free_port
 from centerline.tokenizer import VOCAB_SIZE
-from shared.nats_server import EmbeddedNats
-from shared.ports import free_port
 from tests.processes import metrics_lines, wait_until
 from tests.trainer_service import service_stack
 from tests.trainer_service.service_stack import StandInWorker, Trainer, write_dataset

@@ -11,9 +11,9 @@ import logging
 import orjson
 import pytest
 
+from centerline.nats_server import EmbeddedNats
 from shared import names
 from shared.nats_client import connect
-from shared.nats_server import EmbeddedNats
 from shared.streams import ensure_streams
 from trainer_service.weights import WeightPublisher, version_dir
 

@@ -26,8 +26,8 @@ import typing
 import urllib.request
 from pathlib import Path
 
+from centerline.ports import free_port
 from shared import names, nats_auth
-from shared.ports import free_port
 
 
 def server_binary() -> str:
@@ -263,10 +263,6 @@ class NatsCluster:
                 node.start(timeout)
         self.wait_healthy(timeout)
         return self
-
-    def start_node(self, i: int, timeout: float = 60.0) -> None:
-        self.nodes[i].start(timeout)
-        self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         """Until every running node's ``/healthz`` says JetStream is up with a meta leader, and that

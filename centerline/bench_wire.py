@@ -18,8 +18,8 @@ import time
 import msgpack
 import numpy as np
 
+from centerline.synth import make_batch
 from shared.contract import check_batch
-from shared.synth import make_batch
 from shared.wire import decode_batch, encode_batch
 
 

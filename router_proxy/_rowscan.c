@@ -1,5 +1,5 @@
 /* SGLang's candidate rows read from the response bytes in one pass: the C scanner of
- * shared/candidate_scan.py (which documents the contract and holds the numpy scanner this one
+ * router_proxy/candidate_scan.py (which documents the contract and holds the numpy scanner this one
  * must agree with, bit for bit).
  *
  *     rows(body, start, k) -> (ids: bytearray of int64, logprobs: bytearray of float64, end) | None

@@ -9,7 +9,7 @@ that are then turned back into arrays. This module reads that one value as SGLan
 for anything else; the caller then parses the whole body the general way, so a verdict never
 depends on which way was taken. Two scanners do it, with the same results bit for bit:
 
-- ``c``: ``shared/_rowscan.c``, one pass over the bytes (about 10x faster than ``orjson.loads``).
+- ``c``: ``router_proxy/_rowscan.c``, one pass over the bytes (about 10x faster than ``orjson.loads``).
   ``setup.py`` builds it where a C compiler is present.
 - ``numpy``: where it is not. It finds every ``null`` (one per entry), checks every other byte
   against the layout, and parses the numbers 8 bytes at a time (SWAR: digit lanes combined by
@@ -39,7 +39,7 @@ import orjson
 EXACT = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
 
 try:
-    from shared import _rowscan
+    from router_proxy import _rowscan
 except ImportError:  # built without a C compiler (setup.py)
     _rowscan = None
 
@@ -69,7 +69,6 @@ _MAX_EXP10 = 27  # 5**27 < 2**64: 10**e is exact in long double up to here
 
 _U = np.uint64
 _ZEROS = _U(0x3030303030303030)  # eight ASCII '0'
-_HIGH = _U(0x8080808080808080)
 _SEVEN = _U(0x7F7F7F7F7F7F7F7F)
 _MOVEMASK = _U(0x0102040810204080)  # (0/1 per byte) * this >> 56: bit i = byte i
 

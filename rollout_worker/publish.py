@@ -1,4 +1,5 @@
-"""Splitting a candidate batch by sample, so that each message fits the NATS ``max_payload``.
+"""Publishing a candidate batch: split by sample so that each message fits the NATS ``max_payload``,
+each part with ``Nats-Msg-Id`` = its ``batch_id`` and a PubAck awaited.
 
 docs/design.md section 3: a message never exceeds the server's ``max_payload``; a producer splits a
 group across messages by sample, and a single sample too large for one message is an error
@@ -12,8 +13,15 @@ from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
-from shared.wire import Batch, encode_batch
+from shared import names
+from shared.nats_client import publish_acked
+from shared.wire import Batch, decode_batch, encode_batch
+
+# Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
+HEADER_ROOM = 4096
 
 
 class PayloadTooLargeError(ValueError):
@@ -119,3 +127,50 @@ def _sample_bytes(batch: Batch) -> np.ndarray:
     strings = np.array([len(s.encode()) + len(g.encode()) + 10 for s, g in zip(batch.sample_ids, batch.group_ids)])
     # rewards, advantages (4+4), two offsets (8+8); per token: id, logprob, mask, version, K ids, K logprobs
     return 24 + 4 * prompt + tokens * (13 + 8 * k) + strings.astype(np.int64)
+
+
+async def publish_batch(
+    js: JetStreamContext,
+    batch: Batch | bytes,
+    *,
+    max_payload: int,
+    subject: str = names.ROLLOUTS_SUBJECT,
+    batch_id: str | None = None,  # only for bytes
+    timeout: float = 10.0,
+    attempts: int = 3,
+    between=None,
+) -> list[PubAck]:
+    """Publish a batch with ``Nats-Msg-Id = batch_id`` and wait for each PubAck (acked = fsynced).
+
+    ``max_payload`` is the server's (``nc.max_payload``); a larger batch is split by sample
+    (``split_batch``). Bytes that fit are published unchanged; their ``batch_id`` is read
+    from them unless given.
+    A publish without PubAck within ``timeout`` is repeated with the same id, ``attempts``
+    times in all, then raises ``PublishError``. Returns one PubAck per message;
+    ``ack.duplicate`` is True where JetStream already held that id, which is a successful
+    publish, not an error. ``between()``, if given, is called between two parts' publishes (the
+    worker's failpoint ``worker.between_parts``).
+    """
+    limit = max_payload - HEADER_ROOM
+    if isinstance(batch, Batch):
+        parts = split_batch(batch, limit)
+    elif len(batch) <= limit:
+        parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
+    else:
+        parts = split_batch(decode_batch(batch), limit)
+    acks = []
+    for i, part in enumerate(parts):
+        if i and between is not None:
+            between()
+        acks.append(
+            await publish_acked(
+                js,
+                subject,
+                part.data,
+                {names.MSG_ID_HEADER: part.batch_id},
+                what=f"batch {part.batch_id!r}",
+                timeout=timeout,
+                attempts=attempts,
+            )
+        )
+    return acks

@@ -32,15 +32,11 @@ from itertools import chain
 import numpy as np
 import orjson
 
-from shared import candidate_scan
+from router_proxy import candidate_scan
 from shared.contract import ContractViolation
+from shared.response_arrays import INITIAL_VERSION
 
-# SGLang's weight version until an update names one, and again after a restart: the server
-# then serves its --model-path, the trainer's initial model, which is version 0. Where that
-# is older than the trainer, the staleness rule rejects the batch; it is never trained as current.
-INITIAL_VERSION = "default"
-
-# Bodies from this size on have their candidate rows scanned (shared/candidate_scan.py); below it
+# Bodies from this size on have their candidate rows scanned (router_proxy/candidate_scan.py); below it
 # numpy's fixed costs outweigh the objects orjson would build.
 SCAN_MIN_BYTES = 64 << 10
 
@@ -55,7 +51,7 @@ def malformed(message: str) -> ContractViolation:
 def parse_body(body: bytes, endpoint: str, *, mode: str, k: int) -> tuple[object, list[dict]]:
     """``orjson.loads(body)`` and its samples' ``meta_info`` (``response_metas``), raising as they do.
 
-    In selected mode a large body's ``output_top_logprobs`` are read by ``shared.candidate_scan``
+    In selected mode a large body's ``output_top_logprobs`` are read by ``router_proxy.candidate_scan``
     and stand in the metas as ``Scanned`` arrays, which ``to_arrays`` takes as they are; the
     rest of the body is parsed by orjson. Whenever the scan cannot vouch for every sample
     (another layout, a key in a string, a duplicate key), the whole body is parsed by orjson:

@@ -13,7 +13,7 @@ Audit cost (``"audit"``, one entry per ``--audit-tokens``, K=128): ``orjson.load
 response (``parse_ms``), and the CPU per response across proxy and worker, before and after.
 Before: the proxy's audit (``audit_body``) parses the whole body with orjson and forwards the
 JSON, which the worker parses again. After: the audit scans the candidate rows
-(``shared/candidate_scan.py``, its C scanner where built: ``"scanner"``; the numpy one's audit
+(``router_proxy/candidate_scan.py``, its C scanner where built: ``"scanner"``; the numpy one's audit
 alone is ``numpy_scanner_audit_ms``), and the proxy encodes the arrays it checked as its binary
 answer (``shared/response_arrays.py``), which the worker decodes instead of parsing JSON.
 Each figure is the median CPU time of ``--repeats``. ``--audit-only`` prints just this table:
@@ -40,8 +40,8 @@ import urllib.request
 import numpy as np
 import orjson
 
+from centerline.ports import free_port
 from router_proxy.audit import audit_body
-from shared.ports import free_port
 
 
 def native_response(tokens: int, k: int, vocab_size: int, seed: int = 0) -> bytes:
@@ -252,13 +252,14 @@ def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int =
     worker, before and after, in ms per response.
 
     before: the proxy audits the body parsed whole by orjson and forwards the JSON, which the
-    worker parses again (``parse_body`` + ``samples_from_response``). after: the proxy audits with
-    candidate rows scanned (``shared/candidate_scan.py``) and encodes the checked arrays as its
+    worker parses again (``parse_body``, its samples' metas and arrays). after: the proxy audits with
+    candidate rows scanned (``router_proxy/candidate_scan.py``) and encodes the checked arrays as its
     binary answer; the worker decodes them (``shared/response_arrays.py``) and parses nothing.
     ``*_audit_ms`` is the audit alone (what the audit-to-parse ratio compares), ``*_proxy_ms`` the
     proxy's whole share."""
-    from rollout_worker.packing import samples_from_arrays, samples_from_response
-    from shared import candidate_scan, response_arrays, sglang_response
+    from rollout_worker.packing import samples_from_arrays
+    from router_proxy import answer, candidate_scan, sglang_response
+    from shared import response_arrays
 
     body = native_response(tokens, k, vocab_size)
     reply = audit_body(body, endpoint="generate", mode="selected", k=k, vocab_size=vocab_size, arrays=True).reply
@@ -268,7 +269,8 @@ def audit_cost(repeats: int, tokens: int = 1024, k: int = 128, vocab_size: int =
 
     def json_worker():
         doc, _ = sglang_response.parse_body(body, "generate", mode="selected", k=k)
-        samples_from_response(doc, endpoint="generate", mode="selected", k=k)
+        metas = sglang_response.response_metas(doc, "generate")
+        samples_from_arrays(answer.from_parsed(doc, metas, "generate", mode="selected", k=k))
 
     def binary_worker():
         samples_from_arrays(response_arrays.decode(reply))
@@ -369,7 +371,7 @@ def bench_proxy(argv: list[str]) -> int:
                     [
                         sys.executable,
                         "-m",
-                        "router_proxy.bench",
+                        "centerline.bench_proxy",
                         "upstream",
                         args.upstream,
                         str(up_port),
@@ -425,7 +427,7 @@ def bench_proxy(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the upstream process: python -m router_proxy.bench upstream KIND PORT BODY_FILE VOCAB
+if __name__ == "__main__":  # the upstream process: python -m centerline.bench_proxy upstream KIND PORT BODY_FILE VOCAB
     if sys.argv[1:2] == ["upstream"]:
         serve = serve_fixed if sys.argv[2] == "raw" else serve_aiohttp
         serve(int(sys.argv[3]), open(sys.argv[4], "rb").read(), int(sys.argv[5]))

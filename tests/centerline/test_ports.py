@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from shared.ports import HIGH, LOW, ephemeral_low, free_port
+from centerline.ports import HIGH, LOW, ephemeral_low, free_port
 
 
 def test_a_free_port_is_below_the_ephemeral_range_and_bindable():

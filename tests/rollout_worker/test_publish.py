@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from centerline.synth import make_batch
+from rollout_worker.publish import PayloadTooLargeError, select_samples, split_batch
 from shared.contract import check_batch
-from shared.split import PayloadTooLargeError, select_samples, split_batch
-from shared.synth import make_batch
 from shared.wire import ARRAY_FIELDS, Batch, decode_batch, encode_batch
 
 VOCAB = 64
