@@ -43,7 +43,15 @@ class UpRun:
 
 
 @pytest.fixture(scope="session")
-def up_run(tmp_path_factory) -> UpRun:
+def toy_models(tmp_path_factory) -> Path:
+    """One ``--model-dir`` for every `centerline up` of the session: each toy task's SFT warm start
+    is made once (``sft-<task>-seed<n>``, kept by its settings) and read by the runs after (12 s each
+    here). A run that asks for other SFT settings (``--sft-steps``) takes a directory of its own."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def up_run(tmp_path_factory, toy_models) -> UpRun:
     """One 3-step run of the whole topology (NATS, engine, proxy, two workers, a 2-rank trainer),
     shared by the end-to-end tests: the report, the pipeline's leftovers and record/replay all
     read the same finished run instead of starting their own (each start costs a minute here)."""
@@ -71,13 +79,13 @@ def up_run(tmp_path_factory) -> UpRun:
         "--eval-every",
         "2",
         "--model-dir",
-        str(tmp / "models"),
+        str(toy_models),
         "--run-dir",
         str(run_dir),
     ]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    return UpRun(run_dir=run_dir, model_dir=tmp / "models" / "sft-copy-seed0", stdout=run.stdout)
+    return UpRun(run_dir=run_dir, model_dir=toy_models / "sft-copy-seed0", stdout=run.stdout)
 
 
 @pytest.fixture(scope="session")

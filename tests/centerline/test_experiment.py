@@ -186,7 +186,7 @@ def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_pa
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_path):
+def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_path, toy_models):
     out = tmp_path / "exp"
     argv = [
         sys.executable,
@@ -218,7 +218,7 @@ def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_
         "--eval-prompts",
         "8",
         "--model-dir",
-        str(tmp_path / "models"),
+        str(toy_models),
     ]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

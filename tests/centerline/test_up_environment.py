@@ -50,7 +50,7 @@ def centerline(cwd: Path, *argv: str, timeout: float = 300) -> subprocess.Comple
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessions(tmp_path):
+def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessions(tmp_path, toy_models):
     (tmp_path / "mymod.py").write_text(ENVIRONMENT)
     run_dir = tmp_path / "run"
     up = centerline(
@@ -75,7 +75,7 @@ def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessi
         "--eval-every",
         str(STEPS),
         "--model-dir",
-        str(tmp_path / "models"),
+        str(toy_models),
         "--run-dir",
         str(run_dir),
         timeout=600,
@@ -112,7 +112,7 @@ def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessi
         assert b["samples"] == N and b["turns"] == [2] * N and len(b["finish_reasons"]) == N
         assert b["sampled_tokens"] + b["injected_tokens"] == b["tokens"] and b["injected_tokens"] > 0
 
-    template = AutoTokenizer.from_pretrained(str(tmp_path / "models" / "sft-copy-seed0"))
+    template = AutoTokenizer.from_pretrained(str(toy_models / "sft-copy-seed0"))
 
     def render(messages) -> str:
         return template.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
