@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from centerline import launcher
-from centerline.bench_pipeline import concurrent_requests, duty_cycle, mode_spec, token_staleness
+from centerline.bench.pipeline import concurrent_requests, duty_cycle, mode_spec, token_staleness
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -93,6 +93,7 @@ from pathlib import Path
 import orjson
 
 from centerline import launcher, run_spec
+from centerline.bench import add_out_flag, emit
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
@@ -465,6 +466,7 @@ def bench_pipeline(argv: list[str]) -> int:
         default=0.25,
         help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics",
     )
+    add_out_flag(parser, "pipeline")
     args = parser.parse_args(ours)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
@@ -513,5 +515,5 @@ def bench_pipeline(argv: list[str]) -> int:
         "modes": results,
         **alone,
     }
-    print(json.dumps(result, indent=None if args.json else 2))
+    emit(result, args.out, indent=None if args.json else 2)
     return 0
