@@ -317,24 +317,19 @@ def _poll(up: subprocess.Popen, log: Path, interval: float) -> None:
 
 
 def request_bodies(config: Config, model: str, dataset: Path, count: int = 256) -> list[bytes]:
-    """The worker's native /generate request for the first ``count`` prompts of ``dataset``, as the proxy rewrites
-    it."""
+    """The worker's native /generate request (``rollout_worker.request.training_body``) for the first ``count``
+    prompts of ``dataset``, as the proxy rewrites it."""
     from transformers import AutoTokenizer
 
+    from rollout_worker.request import training_body
     from router_proxy.rewrite import Contract, rewrite_body
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [orjson.loads(line)["prompt"] for line in dataset.read_bytes().splitlines()[:count]]
-    sampling = {
-        "n": config.rollout_n,
-        "max_new_tokens": config.rollout_max_new_tokens,
-        "temperature": config.rollout_temperature,
-        "top_p": config.rollout_top_p,
-    }
     contract = Contract.from_config(config)
     return [
         rewrite_body(
-            orjson.dumps({"input_ids": list(tok(p)["input_ids"]), "sampling_params": sampling}), "generate", contract
+            orjson.dumps(training_body(config, list(tok(p)["input_ids"]), config.rollout_n)), "generate", contract
         )
         for p in prompts
     ]

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from centerline import launcher
-from centerline.bench.pipeline import concurrent_requests, duty_cycle, mode_spec, token_staleness
+from centerline.bench.pipeline import concurrent_requests, duty_cycle, mode_spec, request_bodies, token_staleness
+from shared.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,6 +165,28 @@ def _processes_mentioning(path: str) -> list[str]:
             if path in cmdline:
                 found.append(f"{entry.name}: {cmdline}")
     return found
+
+
+def test_sglang_alone_gets_the_workers_request_as_the_proxy_rewrites_it(tmp_path):
+    from centerline.tokenizer import save_tokenizer
+    from rollout_worker.worker import Tokenizer, Worker
+    from router_proxy.rewrite import Contract, rewrite_body
+    from shared.settings import WorkerSettings
+    from shared.task import PromptTask
+
+    save_tokenizer(tmp_path)
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_bytes(b'{"prompt": "up ab=", "answer": "AB"}\n{"prompt": "up cd=", "answer": "CD"}\n')
+    cfg = Config(rollout_n=4, rollout_top_k=8, rollout_top_p=0.9, rollout_temperature=0.7)
+    bodies = request_bodies(cfg, str(tmp_path), dataset)
+    worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=260), Tokenizer(None, None))
+    task = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", reward="exact", n=4, step=0)
+    ids = orjson.loads(bodies[0])["input_ids"]
+    assert len(bodies) == 2 and ids
+    assert bodies[0] == rewrite_body(
+        orjson.dumps(worker.request_body(task, ids)), "generate", Contract.from_config(cfg)
+    )
+    assert orjson.loads(bodies[0])["sampling_params"]["top_k"] == 8
 
 
 @pytest.mark.integration
