@@ -34,10 +34,10 @@ def test_help_lists_the_commands_and_unknown_ones_fail():
 
 
 def assert_written_with_machine(out: Path, printed: dict) -> None:
-    """The figure file holds what the bench printed, and where and when it was measured."""
+    """The figure file holds what the bench printed, the command, and where and when it was measured."""
     written = json.loads(out.read_text())
-    machine = written.pop("machine")
-    assert written == printed
+    machine, command = written.pop("machine"), written.pop("command")
+    assert written == printed and command.startswith("centerline bench ") and "--out" in command
     assert set(machine) == {"hostname", "cpu_model", "nproc", "measured_at"}
     assert machine["nproc"] >= 1 and machine["measured_at"].endswith("Z")
 

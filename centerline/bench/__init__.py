@@ -1,9 +1,10 @@
 """`centerline bench <target>`: every benchmark, each in its module here.
 
 A target prints one JSON object (``--json``: on one line) and writes the same object to
-``--out`` (default ``runs/bench/<target>.json``) with a ``machine`` entry beside it: host name,
-CPU model, CPUs usable and when it was measured (UTC). README's benchmark tables are generated
-from the figure files committed in ``docs/bench/`` (``scripts/gen_bench_docs.py``).
+``--out`` (default ``runs/bench/<target>.json``) with two entries beside it: ``command``, the
+command line, and ``machine``: host name, CPU model, CPUs usable and when it was measured
+(UTC). README's benchmark tables are generated from the figure files committed in
+``docs/bench/`` (``scripts/gen_bench_docs.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import socket
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -64,10 +67,12 @@ def machine() -> dict:
 
 
 def emit(result: dict, out: Path, *, indent: int | None = None) -> None:
-    """Print ``result`` as one JSON object and write it, with ``machine()``, to ``out``."""
+    """Print ``result`` as one JSON object and write it to ``out`` with the command that measured it
+    and ``machine()``."""
     print(json.dumps(result, indent=indent))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
+    command = shlex.join(["centerline", *sys.argv[1:]])
+    out.write_text(json.dumps({**result, "command": command, "machine": machine()}, indent=2) + "\n")
 
 
 def main(argv: list[str]) -> int:

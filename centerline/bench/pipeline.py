@@ -53,12 +53,9 @@ another is running. Phase 2 reports its own duty cycle the same way, what the pi
 at this concurrency: short of 1 by the round trips between an answer and the next request, which
 are long beside a small model's forward passes (top-K log-probs are formatted in Python).
 
-Measured here before in-flight updates (2 CPUs otherwise idle; ``--train-seconds 120
---eval-prompts 200``, otherwise the defaults): on-policy 241 steps, 257.5 samples/s, SGLang duty
-cycle 0.588, trainer 0.313, held-out accuracy 0.075 -> 0.215; asynchronous with draining updates
-297 steps, 317.4 samples/s, duty cycles 0.865 and 0.920, 0.065 -> 0.22; SGLang alone at 16
-requests 347.9 samples/s, duty cycle 0.854. ``trainer_duty_cycle`` says which side waits.
-The figures of drain against in-flight are in README's bench section.
+``trainer_duty_cycle``, the share of the trainer's step time not spent waiting for batches, says
+which side waits. The figures are data: ``--out`` (default
+``runs/bench/pipeline.json``) and, for the README, ``docs/bench/pipeline*.json``.
 
 Left out: more than one SGLang server (``--engines``), GPUs, and the pipeline's latency
 figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step). Sessions run the same way
