@@ -99,3 +99,16 @@ def test_bench_loss_prints_time_and_peak_memory_of_both_losses(tmp_path):
     assert result["reinforce_ms"] > 0 and result["sc_ms"] > 0 and result["autograd_reinforce_ms"] > 0
     assert result["extra_peak_mb"] == result["sc_peak_mb"] - result["reinforce_peak_mb"]
     assert result["autograd_reinforce_peak_mb"] > result["logits_mb"]  # it materialises log_softmax [N, V]
+
+
+def test_bench_refuses_an_out_path_it_cannot_write_before_measuring(tmp_path):
+    run = centerline("bench", "contract", "--out", tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert f"argument --out: {tmp_path}: not a writable file path; pick a writable path" in run.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    run = centerline("bench", "wire", "--out", blocked / "wire.json")
+    assert run.returncode == 2 and run.stdout == ""
+    assert f"argument --out: {blocked / 'wire.json'}: cannot make its folder (File exists); pick a writable path" in (
+        run.stderr
+    )

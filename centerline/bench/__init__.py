@@ -41,11 +41,26 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+def _writable(value: str) -> Path:
+    """``--out``, checked before the bench runs (some take minutes): its folder exists or can be made, and is
+    writable."""
+    path = Path(value)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{value}: cannot make its folder ({exc.strerror}); pick a writable path"
+        ) from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{value}: not a writable file path; pick a writable path")
+    return path
+
+
 def add_out_flag(parser: argparse.ArgumentParser, target: str) -> None:
     parser.add_argument(
         "--out",
-        type=Path,
-        default=Path("runs") / "bench" / f"{target}.json",
+        type=_writable,
+        default=f"runs/bench/{target}.json",
         help="file the figures are written to, with the machine they were measured on (default: %(default)s)",
     )
 
@@ -70,7 +85,6 @@ def emit(result: dict, out: Path, *, indent: int | None = None) -> None:
     """Print ``result`` as one JSON object and write it to ``out`` with the command that measured it
     and ``machine()``."""
     print(json.dumps(result, indent=indent))
-    out.parent.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["centerline", *sys.argv[1:]])
     out.write_text(json.dumps({**result, "command": command, "machine": machine()}, indent=2) + "\n")
 
