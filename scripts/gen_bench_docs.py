@@ -310,6 +310,8 @@ def main() -> int:
                 "run python scripts/gen_bench_docs.py",
                 file=sys.stderr,
             )
+        if not stale:
+            print(f"{args.readme.name}: the benchmark parts are current")
         return 1 if stale else 0
     args.readme.write_text(text)
     print(f"wrote {args.readme.name} ({len(stale)} benchmark parts changed: {', '.join(stale) or 'none'})")
