@@ -39,6 +39,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check
+	$(BIN)/python scripts/gen_bench_docs.py --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider; status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$status
 
@@ -48,10 +49,12 @@ test-fast: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check
+	$(BIN)/python scripts/gen_bench_docs.py --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow and not compose and not real_model"
 
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_config_docs.py
+	$(BIN)/python scripts/gen_bench_docs.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -52,25 +52,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
-# bench target -> (module:function, one-line help); each prints one JSON object with --json.
-BENCHES: dict[str, tuple[str, str]] = {
-    "wire": ("centerline.bench_wire:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
-    "contract": ("centerline.bench_wire:bench_contract", "completeness-contract check cost per batch"),
-    "proxy": (
-        "centerline.bench_proxy:bench_proxy",
-        "proxy req/s and added latency vs direct, audit cost vs orjson parse",
-    ),
-    "loss": ("trainer_service.bench:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
-    "pipeline": (
-        "centerline.bench_pipeline:bench_pipeline",
-        "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle",
-    ),
-    "sessions": (
-        "centerline.bench_sessions:bench_sessions",
-        "multi-turn session turns vs single requests of the same token counts, prefix-cache share by router policy",
-    ),
-}
-
 
 def resolve(target: str):
     module, _, func = target.partition(":")

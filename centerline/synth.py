@@ -1,11 +1,13 @@
-"""Synthetic but valid candidate batches, made from a real softmax so every rule holds.
+"""Synthetic but valid candidate batches and SGLang answers, made from a real softmax so every rule holds.
 
-Used by the benchmarks and tests; a batch made here passes `check_batch` by construction.
+Used by the benchmarks, tests and fuzz seeds; a batch made here passes `check_batch` by construction,
+an answer made here passes the proxy's audit.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import orjson
 
 from shared.wire import Batch
 
@@ -83,3 +85,24 @@ def make_batch(
         cand_ids=cand_ids,
         cand_logprobs=cand_lp,
     )
+
+
+def native_response(tokens: int, k: int, vocab_size: int, seed: int = 0) -> bytes:
+    """A valid native /generate response: each row is the top-``k`` of a random softmax, the sampled token its head."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((tokens, vocab_size)) * 3
+    logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    top = np.argsort(-logp, axis=1)[:, :k]
+    rows = [[[float(logp[i, v]), int(v), None] for v in top[i]] for i in range(tokens)]
+    sampled = [[rows[i][0][0], rows[i][0][1], None] for i in range(tokens)]
+    meta = {
+        "id": "bench",
+        "finish_reason": {"type": "length", "length": tokens},
+        "prompt_tokens": 3,
+        "completion_tokens": tokens,
+        "cached_tokens": 0,
+        "weight_version": "default",
+        "output_token_logprobs": sampled,
+        "output_top_logprobs": rows,
+    }
+    return orjson.dumps({"text": "x" * tokens, "output_ids": [s[1] for s in sampled], "meta_info": meta})

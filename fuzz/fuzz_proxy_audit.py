@@ -17,7 +17,7 @@ worker receives is what it audited.
 
 Besides libFuzzer's byte mutations, ``mutate_structure`` edits a body's JSON as a tree: a
 value's type swapped, a number pushed past float32's or int32's range, a list cut short, a key
-dropped. Seeds are valid SGLang answers (``centerline/bench_proxy.py``), written to
+dropped. Seeds are valid SGLang answers (``centerline/synth.py``), written to
 ``fuzz/corpus/proxy_audit/`` when it is empty.
 
     .venv/bin/python -m fuzz.fuzz_proxy_audit -max_total_time=600 -rss_limit_mb=1024 -timeout=5
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from centerline.bench_proxy import native_response
+from centerline.synth import native_response
 from fuzz.fuzz_wire import fuzz
 from router_proxy import candidate_scan, sglang_response
 from router_proxy.audit import audit_body

@@ -18,6 +18,26 @@ def sampling(cfg: Config) -> dict:
     return out
 
 
+def training_body(cfg: Config, prompt_ids: list[int], n: int) -> dict:
+    """The native /generate training request of a prompt's group of ``n`` samples; the proxy adds
+    the log-prob fields of the contract."""
+    return {
+        "input_ids": prompt_ids,
+        "sampling_params": {"n": n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling(cfg)},
+    }
+
+
+def chat_training_body(cfg: Config, prompt: str, n: int) -> dict:
+    """The same request on ``/v1/chat/completions`` (``--rollout-endpoint chat``): the prompt as one user message."""
+    return {
+        "model": "default",
+        "messages": [{"role": "user", "content": prompt}],
+        "n": n,
+        "max_tokens": cfg.rollout_max_new_tokens,
+        **sampling(cfg),
+    }
+
+
 def logprob_fields(cfg: Config) -> dict:
     """What the contract asks SGLang to return: the sampled log-probs and the top-``K`` rows
     (``selected``) or the realized support (``support``). The proxy sets the same again."""

@@ -37,6 +37,7 @@ import orjson
 
 from rollout_worker.packing import pack_group, samples_from_arrays
 from rollout_worker.publish import PayloadTooLargeError, publish_batch
+from rollout_worker.request import chat_training_body, training_body
 from rollout_worker.rewards import RewardError, group_advantages, score
 from shared import faults, names, response_arrays
 from shared.config import Config
@@ -327,22 +328,9 @@ class Worker:
 
     def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
         """The training request; the proxy adds the log-prob fields of the contract."""
-        cfg = self.cfg
-        sampling = {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p}
-        if cfg.rollout_top_k > 0:
-            sampling["top_k"] = cfg.rollout_top_k
-        if cfg.rollout_endpoint == "chat":
-            return {
-                "model": "default",
-                "messages": [{"role": "user", "content": task.prompt}],
-                "n": task.n,
-                "max_tokens": cfg.rollout_max_new_tokens,
-                **sampling,
-            }
-        return {
-            "input_ids": prompt_ids,
-            "sampling_params": {"n": task.n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling},
-        }
+        if self.cfg.rollout_endpoint == "chat":
+            return chat_training_body(self.cfg, task.prompt, task.n)
+        return training_body(self.cfg, prompt_ids, task.n)
 
     async def sample(self, task: PromptTask, prompt_ids: list[int]) -> ResponseArrays:
         """The audited response as arrays: the proxy parsed SGLang's JSON once, to audit it, and

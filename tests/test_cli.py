@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from centerline.cli import BENCHES, COMMANDS, resolve
+from centerline.bench import BENCHES
+from centerline.cli import COMMANDS, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def centerline(*argv):
     return subprocess.run(
-        [sys.executable, "-m", "centerline", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "centerline", *map(str, argv)], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
 
 
@@ -32,26 +33,42 @@ def test_help_lists_the_commands_and_unknown_ones_fail():
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
 
 
-def test_bench_wire_prints_one_json_object_with_its_baselines():
-    run = centerline("bench", "wire", "--json", "--tokens", "512", "--repeats", "3", "--sizes", "128")
+def assert_written_with_machine(out: Path, printed: dict) -> None:
+    """The figure file holds what the bench printed, the command, and where and when it was measured."""
+    written = json.loads(out.read_text())
+    machine, command = written.pop("machine"), written.pop("command")
+    assert written == printed and command.startswith("centerline bench ") and "--out" in command
+    assert set(machine) == {"hostname", "cpu_model", "nproc", "measured_at"}
+    assert machine["nproc"] >= 1 and machine["measured_at"].endswith("Z")
+
+
+def test_bench_wire_prints_one_json_object_with_its_baselines(tmp_path):
+    out = tmp_path / "wire.json"
+    run = centerline("bench", "wire", "--json", "--tokens", "512", "--repeats", "3", "--sizes", "128", "--out", out)
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
+    assert_written_with_machine(out, result)
     assert result["tokens"] == 512 and result["k"] == 128 and [s["tokens"] for s in result["sizes"]] == [128]
     assert {"encode_decode_gbps", "memcpy_gbps", "ratio_to_memcpy", "nested_list_msgpack_gbps"} <= set(result)
     assert result["encode_decode_gbps"] > result["nested_list_msgpack_gbps"] > 0
 
 
-def test_bench_contract_prints_one_json_object():
-    run = centerline("bench", "contract", "--json", "--tokens", "512", "--repeats", "3")
+def test_bench_contract_prints_one_json_object(tmp_path):
+    out = tmp_path / "contract.json"
+    run = centerline("bench", "contract", "--json", "--tokens", "512", "--repeats", "3", "--out", out)
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
+    assert_written_with_machine(out, result)
     assert result["tokens"] == 512 and {"rows_per_s", "ms_per_batch", "mb_per_s"} <= set(result)
 
 
-def test_bench_proxy_audit_table_has_before_and_after_per_size():
-    run = centerline("bench", "proxy", "--json", "--audit-only", "--audit-tokens", "8,32", "--repeats", "2")
+def test_bench_proxy_audit_table_has_before_and_after_per_size(tmp_path):
+    out = tmp_path / "proxy.json"
+    argv = ("bench", "proxy", "--json", "--audit-only", "--audit-tokens", "8,32", "--repeats", "2", "--out", out)
+    run = centerline(*argv)
     assert run.returncode == 0, run.stderr
     rows = json.loads(run.stdout)["audit"]
+    assert_written_with_machine(out, {"audit": rows})
     assert [(r["tokens"], r["k"]) for r in rows] == [(8, 128), (32, 128)]
     for row in rows:
         for when in ("before", "after"):
@@ -62,3 +79,36 @@ def test_bench_proxy_audit_table_has_before_and_after_per_size():
         assert row["parse_ms"] > 0 and row["cpu_after_to_before"] > 0
         assert row["scanner"] == "c" and row["numpy_scanner_audit_ms"] > 0
         assert row["before_proxy_ms"] == row["before_audit_ms"] and row["reply_bytes"] > 0  # after: + the encode
+
+
+def test_bench_loss_prints_time_and_peak_memory_of_both_losses(tmp_path):
+    out = tmp_path / "loss.json"
+    argv = ("bench", "loss", "--json", "--tokens", "64", "--vocab", "512", "--k", "16", "--repeats", "2", "--out", out)
+    run = centerline(*argv)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert_written_with_machine(out, result)
+    assert {k: result[k] for k in ("tokens", "vocab", "k", "mode", "is_mode")} == {
+        "tokens": 64,
+        "vocab": 512,
+        "k": 16,
+        "mode": "selected",
+        "is_mode": "none",
+    }
+    assert result["logits_mb"] == 64 * 512 * 4 / 2**20
+    assert result["reinforce_ms"] > 0 and result["sc_ms"] > 0 and result["autograd_reinforce_ms"] > 0
+    assert result["extra_peak_mb"] == result["sc_peak_mb"] - result["reinforce_peak_mb"]
+    assert result["autograd_reinforce_peak_mb"] > result["logits_mb"]  # it materialises log_softmax [N, V]
+
+
+def test_bench_refuses_an_out_path_it_cannot_write_before_measuring(tmp_path):
+    run = centerline("bench", "contract", "--out", tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert f"argument --out: {tmp_path}: not a writable file path; pick a writable path" in run.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    run = centerline("bench", "wire", "--out", blocked / "wire.json")
+    assert run.returncode == 2 and run.stdout == ""
+    assert f"argument --out: {blocked / 'wire.json'}: cannot make its folder (File exists); pick a writable path" in (
+        run.stderr
+    )

@@ -20,8 +20,7 @@ their gradient nothing of size [N, V] is ever held; REINFORCE and TIS use the sa
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,27 +83,6 @@ class LossSettings:
         )
 
 
-_ROW_FIELDS = tuple(f.name for f in fields(TokenRows))
-
-
-def _rows_by_name(loss):
-    """``loss(logits, rows, settings)``, also callable as ``loss(logits, **fields)`` with the
-    fields of ``TokenRows`` and ``LossSettings`` by name (the tests' cases and the benchmarks)."""
-
-    @functools.wraps(loss)
-    def call(logits, rows: TokenRows | None = None, settings: LossSettings | None = None, **by_name):
-        if rows is None:
-            rows = TokenRows(**{name: by_name.pop(name) for name in _ROW_FIELDS if name in by_name})
-        if settings is None:
-            settings = LossSettings(**by_name)
-        elif by_name:
-            raise TypeError(f"{loss.__name__}: {sorted(by_name)} given by name beside a LossSettings")
-        return loss(logits, rows, settings)
-
-    return call
-
-
-@_rows_by_name
 def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     """Score-centering loss (6.1) and its metrics.
 
@@ -210,7 +188,6 @@ def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     return loss, metrics
 
 
-@_rows_by_name
 def reinforce_loss(logits, rows: TokenRows, settings: LossSettings):
     """Plain policy gradient ``l = -A * log p_a``, same arguments, checks and reduction as
     ``score_centering_loss``; ``mode``, ``is_mode`` and candidates are unused (candidates are
@@ -218,7 +195,6 @@ def reinforce_loss(logits, rows: TokenRows, settings: LossSettings):
     return _sampled_token_loss(logits, rows, settings.chunk_size, _weight_fn("none", settings))
 
 
-@_rows_by_name
 def tis_loss(logits, rows: TokenRows, settings: LossSettings):
     """REINFORCE with a truncated importance weight: ``l = -A * min(p_a/q_a, tis_clip) * log p_a``
     (weight detached). Same arguments, checks and reduction as ``score_centering_loss``."""

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from centerline import launcher
-from centerline.bench_pipeline import concurrent_requests, duty_cycle, mode_spec, token_staleness
+from centerline.bench.pipeline import concurrent_requests, duty_cycle, mode_spec, request_bodies, token_staleness
+from shared.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,6 +167,28 @@ def _processes_mentioning(path: str) -> list[str]:
     return found
 
 
+def test_sglang_alone_gets_the_workers_request_as_the_proxy_rewrites_it(tmp_path):
+    from centerline.tokenizer import save_tokenizer
+    from rollout_worker.worker import Tokenizer, Worker
+    from router_proxy.rewrite import Contract, rewrite_body
+    from shared.settings import WorkerSettings
+    from shared.task import PromptTask
+
+    save_tokenizer(tmp_path)
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_bytes(b'{"prompt": "up ab=", "answer": "AB"}\n{"prompt": "up cd=", "answer": "CD"}\n')
+    cfg = Config(rollout_n=4, rollout_top_k=8, rollout_top_p=0.9, rollout_temperature=0.7)
+    bodies = request_bodies(cfg, str(tmp_path), dataset)
+    worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=260), Tokenizer(None, None))
+    task = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", reward="exact", n=4, step=0)
+    ids = orjson.loads(bodies[0])["input_ids"]
+    assert len(bodies) == 2 and ids
+    assert bodies[0] == rewrite_body(
+        orjson.dumps(worker.request_body(task, ids)), "generate", Contract.from_config(cfg)
+    )
+    assert orjson.loads(bodies[0])["sampling_params"]["top_k"] == 8
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
@@ -196,6 +219,8 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         str(tmp_path / "models"),
         "--run-dir",
         str(tmp_path / "run"),
+        "--out",
+        str(tmp_path / "pipeline.json"),
         "--alone-warmup",
         "1",
         "--alone-seconds",
@@ -216,6 +241,8 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
 
     r = json.loads(run.stdout)
     assert set(r) == SETTING_KEYS | ALONE_KEYS
+    written = json.loads((tmp_path / "pipeline.json").read_text())
+    assert {k: v for k, v in written.items() if k not in ("command", "machine")} == r
     assert (r["steps"], r["warmup_steps"], r["rollout_n"], r["rollout_max_new_tokens"]) == (STEPS, WARMUP, N, MAX_NEW)
     assert r["train_seconds"] == TRAIN_S
     assert r["concurrent_requests"] == 1 * 8  # one worker, eight tasks in flight (the worker's default)

@@ -51,12 +51,15 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     argv = [sys.executable, "-m", "centerline", "bench", "sessions", "--json", "--engine-urls", *engines]
     argv += ["--model", str(model_dir), "--policies", "manual", "--sessions", str(SESSIONS), "--turns", str(TURNS)]
     argv += ["--user-tokens", str(USER), "--max-tokens", str(MAX_TOKENS), "--run-dir", str(tmp_path / "run")]
+    argv += ["--out", str(tmp_path / "sessions.json")]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     phases = [json.loads(line)["phase"] for line in run.stderr.splitlines() if line.startswith('{"bench"')]
     assert phases == ["engines_ready", "stack_ready", "sessions", "single"]
     (line,) = run.stdout.splitlines()
     result = json.loads(line)
+    written = json.loads((tmp_path / "sessions.json").read_text())
+    assert {k: v for k, v in written.items() if k not in ("command", "machine")} == result
     assert {k: result[k] for k in ("bench", "engines", "sessions", "turns", "max_tokens", "k")} == {
         "bench": "sessions",
         "engines": 2,

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from centerline.bench_proxy import native_response
+from centerline.synth import native_response
 from fuzz import fuzz_proxy_audit, fuzz_wire
 from router_proxy import answer, sglang_response
 from shared import response_arrays

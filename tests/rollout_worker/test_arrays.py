@@ -75,7 +75,7 @@ def test_a_chat_answer_carries_the_prompt_ids_sglang_rendered():
 
 
 def test_a_large_scanned_response_packs_the_same_batches_either_way():
-    from centerline.bench_proxy import native_response
+    from centerline.synth import native_response
 
     body = native_response(512, 128, VOCAB)  # above SCAN_MIN_BYTES: candidate rows scanned, not parsed
     found = binary_samples(body, k=128)

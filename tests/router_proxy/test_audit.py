@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from centerline.bench_proxy import native_response
+from centerline.synth import native_response
 from router_proxy import candidate_scan, sglang_response
 from router_proxy.audit import audit_body, checked_arrays, quick_accept
 from router_proxy.candidate_scan import Scanned

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from centerline.bench_proxy import native_response
+from centerline.synth import native_response
 from router_proxy.audit import PROXY_RULES
 from shared.contract import RULES
 

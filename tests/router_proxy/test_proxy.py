@@ -187,7 +187,7 @@ def post_raw(url: str, body: dict, headers: dict | None = None) -> tuple[int, st
 
 
 def test_a_plain_client_gets_sglangs_bytes_and_an_arrays_client_the_same_response_as_arrays(proxy, double):
-    from centerline.bench_proxy import native_response
+    from centerline.synth import native_response
     from router_proxy import answer
     from shared import response_arrays
 

@@ -8,7 +8,38 @@ renormalised over it) mode.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import fields
+
 import torch
+
+from trainer_service import loss as _loss
+from trainer_service.loss import LossSettings, TokenRows
+
+_ROW_FIELDS = tuple(f.name for f in fields(TokenRows))
+
+
+def by_name(loss):
+    """``loss(logits, rows, settings)``, also callable as ``loss(logits, **fields)`` with the fields
+    of ``TokenRows`` and ``LossSettings`` by name, as the cases here are keyword arguments."""
+
+    @functools.wraps(loss)
+    def call(logits, rows: TokenRows | None = None, settings: LossSettings | None = None, **named):
+        if rows is None:
+            rows = TokenRows(**{name: named.pop(name) for name in _ROW_FIELDS if name in named})
+        if settings is None:
+            settings = LossSettings(**named)
+        elif named:
+            raise TypeError(f"{loss.__name__}: {sorted(named)} given by name beside a LossSettings")
+        return loss(logits, rows, settings)
+
+    return call
+
+
+score_centering_loss = by_name(_loss.score_centering_loss)
+reinforce_loss = by_name(_loss.reinforce_loss)
+tis_loss = by_name(_loss.tis_loss)
+LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 
 
 def make_case(

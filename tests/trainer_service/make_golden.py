@@ -15,11 +15,9 @@ from pathlib import Path
 
 import torch
 
-from tests.trainer_service.cases import in_dtype, make_case
-from trainer_service.loss import reinforce_loss, score_centering_loss, tis_loss
+from tests.trainer_service.cases import LOSSES, in_dtype, make_case
 
 PATH = Path(__file__).with_name("golden_loss.json")
-LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 
 
 def configurations():

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.rounding import sum_tolerance, unit_roundoff
-from tests.trainer_service.cases import fresh, make_case
+from tests.trainer_service.cases import fresh, make_case, reinforce_loss, score_centering_loss, tis_loss
 from tests.trainer_service.oracle import chain_length, oracle
-from trainer_service.loss import NonFiniteInput, reinforce_loss, score_centering_loss, tis_loss
+from trainer_service.loss import NonFiniteInput
 
 MODES = ("selected", "support")
 IS_MODES = ("none", "tis", "mis")

@@ -1,10 +1,12 @@
-"""The loss's typed interface: ``loss(logits, TokenRows, LossSettings)`` and the same call by name."""
+"""The loss's typed interface: ``loss(logits, TokenRows, LossSettings)``, and the tests' call by name
+(``tests/trainer_service/cases.py``: ``by_name``) that the other loss tests use."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.trainer_service.cases import LOSSES as BY_NAME
 from tests.trainer_service.cases import fresh, make_case
 from trainer_service.loss import LOSSES, LossSettings, TokenRows
 
@@ -18,7 +20,7 @@ def test_the_typed_call_equals_the_call_by_name_bit_for_bit(name):
     case = make_case(5, mode="support", n=10, vocab=30, k=6, dtype=torch.float32, padded_rows=(2,))
     by_name, typed = fresh(case), fresh(case)
     options = {"is_mode": "mis", "mis_low": 0.25, "chunk_size": 3}
-    loss_a, metrics_a = LOSSES[name](**by_name, mode="support", temperature=0.7, token_count=40, **options)
+    loss_a, metrics_a = BY_NAME[name](**by_name, mode="support", temperature=0.7, token_count=40, **options)
     rows = rows_of(typed, mode="support", temperature=0.7, token_count=40)
     loss_b, metrics_b = LOSSES[name](typed["logits"], rows, LossSettings(loss=name, **options))
     loss_a.backward()
@@ -30,12 +32,12 @@ def test_the_typed_call_equals_the_call_by_name_bit_for_bit(name):
 def test_settings_and_options_by_name_together_are_refused():
     case = fresh(make_case(6))
     with pytest.raises(TypeError, match=r"score_centering_loss: \['tis_clip'\] given by name beside a LossSettings"):
-        LOSSES["score_centering"](case["logits"], rows_of(case), LossSettings(), tis_clip=3.0)
+        BY_NAME["score_centering"](case["logits"], rows_of(case), LossSettings(), tis_clip=3.0)
 
 
 def test_a_field_name_neither_record_has_is_refused():
     with pytest.raises(TypeError, match="temprature"):
-        LOSSES["reinforce"](**fresh(make_case(6)), temprature=0.7)
+        BY_NAME["reinforce"](**fresh(make_case(6)), temprature=0.7)
 
 
 def test_the_mode_comes_from_the_rows():

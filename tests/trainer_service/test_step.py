@@ -11,8 +11,8 @@ import torch
 
 from shared.contract import check_batch
 from tests.rounding import REORDER64_TOLERANCE
+from tests.trainer_service.cases import score_centering_loss
 from tests.trainer_service.conftest import VOCAB, global_batch
-from trainer_service.loss import score_centering_loss
 from trainer_service.model import load_model
 from trainer_service.step import (
     LossSettings,

@@ -53,12 +53,9 @@ another is running. Phase 2 reports its own duty cycle the same way, what the pi
 at this concurrency: short of 1 by the round trips between an answer and the next request, which
 are long beside a small model's forward passes (top-K log-probs are formatted in Python).
 
-Measured here before in-flight updates (2 CPUs otherwise idle; ``--train-seconds 120
---eval-prompts 200``, otherwise the defaults): on-policy 241 steps, 257.5 samples/s, SGLang duty
-cycle 0.588, trainer 0.313, held-out accuracy 0.075 -> 0.215; asynchronous with draining updates
-297 steps, 317.4 samples/s, duty cycles 0.865 and 0.920, 0.065 -> 0.22; SGLang alone at 16
-requests 347.9 samples/s, duty cycle 0.854. ``trainer_duty_cycle`` says which side waits.
-The figures of drain against in-flight are in README's bench section.
+``trainer_duty_cycle``, the share of the trainer's step time not spent waiting for batches, says
+which side waits. The figures are data: ``--out`` (default
+``runs/bench/pipeline.json``) and, for the README, ``docs/bench/pipeline*.json``.
 
 Left out: more than one SGLang server (``--engines``), GPUs, and the pipeline's latency
 figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step). Sessions run the same way
@@ -93,6 +90,7 @@ from pathlib import Path
 import orjson
 
 from centerline import launcher, run_spec
+from centerline.bench import add_out_flag, emit
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
@@ -316,24 +314,19 @@ def _poll(up: subprocess.Popen, log: Path, interval: float) -> None:
 
 
 def request_bodies(config: Config, model: str, dataset: Path, count: int = 256) -> list[bytes]:
-    """The worker's native /generate request for the first ``count`` prompts of ``dataset``, as the proxy rewrites
-    it."""
+    """The worker's native /generate request (``rollout_worker.request.training_body``) for the first ``count``
+    prompts of ``dataset``, as the proxy rewrites it."""
     from transformers import AutoTokenizer
 
+    from rollout_worker.request import training_body
     from router_proxy.rewrite import Contract, rewrite_body
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [orjson.loads(line)["prompt"] for line in dataset.read_bytes().splitlines()[:count]]
-    sampling = {
-        "n": config.rollout_n,
-        "max_new_tokens": config.rollout_max_new_tokens,
-        "temperature": config.rollout_temperature,
-        "top_p": config.rollout_top_p,
-    }
     contract = Contract.from_config(config)
     return [
         rewrite_body(
-            orjson.dumps({"input_ids": list(tok(p)["input_ids"]), "sampling_params": sampling}), "generate", contract
+            orjson.dumps(training_body(config, list(tok(p)["input_ids"]), config.rollout_n)), "generate", contract
         )
         for p in prompts
     ]
@@ -465,6 +458,7 @@ def bench_pipeline(argv: list[str]) -> int:
         default=0.25,
         help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics",
     )
+    add_out_flag(parser, "pipeline")
     args = parser.parse_args(ours)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
@@ -513,5 +507,5 @@ def bench_pipeline(argv: list[str]) -> int:
         "modes": results,
         **alone,
     }
-    print(json.dumps(result, indent=None if args.json else 2))
+    emit(result, args.out, indent=None if args.json else 2)
     return 0

@@ -59,6 +59,7 @@ import numpy as np
 import orjson
 
 from centerline import launcher, sglang
+from centerline.bench import add_out_flag, emit
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
 
@@ -271,6 +272,7 @@ def bench_sessions(argv: list[str]) -> int:
     )
     parser.add_argument("--model-dir", type=Path, default=Path("models"), help="where the toy model is written once")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs; default runs/bench-sessions-<date-time>")
+    add_out_flag(parser, "sessions")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or set(policies) - set(POLICIES) or len(set(policies)) != len(policies):
@@ -292,7 +294,7 @@ def bench_sessions(argv: list[str]) -> int:
         return 1
     finally:
         stack.stop()
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    emit(result, args.out, indent=None if args.json else 2)
     return 0
 
 

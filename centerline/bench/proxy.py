@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -40,30 +39,10 @@ import urllib.request
 import numpy as np
 import orjson
 
+from centerline.bench import add_out_flag, emit
 from centerline.ports import free_port
+from centerline.synth import native_response
 from router_proxy.audit import audit_body
-
-
-def native_response(tokens: int, k: int, vocab_size: int, seed: int = 0) -> bytes:
-    """A valid native /generate response: each row is the top-``k`` of a random softmax, the sampled token its head."""
-    rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((tokens, vocab_size)) * 3
-    logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
-    top = np.argsort(-logp, axis=1)[:, :k]
-    rows = [[[float(logp[i, v]), int(v), None] for v in top[i]] for i in range(tokens)]
-    sampled = [[rows[i][0][0], rows[i][0][1], None] for i in range(tokens)]
-    meta = {
-        "id": "bench",
-        "finish_reason": {"type": "length", "length": tokens},
-        "prompt_tokens": 3,
-        "completion_tokens": tokens,
-        "cached_tokens": 0,
-        "weight_version": "default",
-        "output_token_logprobs": sampled,
-        "output_top_logprobs": rows,
-    }
-    return orjson.dumps({"text": "x" * tokens, "output_ids": [s[1] for s in sampled], "meta_info": meta})
-
 
 # ---------------------------------------------------------------------------- the trivial upstream
 
@@ -342,10 +321,11 @@ def bench_proxy(argv: list[str]) -> int:
         help="response lengths (K=128) of the audit-cost table, comma-separated",
     )
     parser.add_argument("--audit-only", action="store_true", help="only the audit-cost table: no processes, no load")
+    add_out_flag(parser, "proxy")
     args = parser.parse_args(argv)
     audit = {"audit": [audit_cost(args.repeats, int(n)) for n in args.audit_tokens.split(",") if n]}
     if args.audit_only:
-        print(json.dumps(audit, indent=None if args.json else 2))
+        emit(audit, args.out, indent=None if args.json else 2)
         return 0
     vocab = 64
     result: dict = {
@@ -371,7 +351,7 @@ def bench_proxy(argv: list[str]) -> int:
                     [
                         sys.executable,
                         "-m",
-                        "centerline.bench_proxy",
+                        "centerline.bench.proxy",
                         "upstream",
                         args.upstream,
                         str(up_port),
@@ -423,11 +403,11 @@ def bench_proxy(argv: list[str]) -> int:
     result["throughput_ratio_c32"] = statistics.median(result["throughput_ratio_c32_rounds"])
     result["added_p50_ms_c1"] = statistics.median(result["added_p50_ms_c1_rounds"])
     result.update(audit)
-    print(json.dumps(result, indent=None if args.json else 2))
+    emit(result, args.out, indent=None if args.json else 2)
     return 0
 
 
-if __name__ == "__main__":  # the upstream process: python -m centerline.bench_proxy upstream KIND PORT BODY_FILE VOCAB
+if __name__ == "__main__":  # the upstream process: python -m centerline.bench.proxy upstream KIND PORT BODY_FILE VOCAB
     if sys.argv[1:2] == ["upstream"]:
         serve = serve_fixed if sys.argv[2] == "raw" else serve_aiohttp
         serve(int(sys.argv[3]), open(sys.argv[4], "rb").read(), int(sys.argv[5]))

@@ -30,66 +30,72 @@ import time
 
 import torch
 
-from trainer_service.loss import reinforce_loss, score_centering_loss
+from centerline.bench import add_out_flag, emit
+from trainer_service.loss import LossSettings, TokenRows, reinforce_loss, score_centering_loss
 
 
-def make_inputs(tokens: int, vocab: int, k: int, seed: int = 0) -> dict:
-    """Trainer logits, and a sampler distribution close to it with its top-K as candidates."""
+def make_inputs(tokens: int, vocab: int, k: int, mode: str = "selected", temperature: float = 1.0, seed: int = 0):
+    """Trainer logits [N, V], and the rows of a sampler distribution close to them with its top-K as candidates
+    (in ``support`` mode the top-K renormalised, a full support per row)."""
     g = torch.Generator().manual_seed(seed)
     logits = 2.0 * torch.randn(tokens, vocab, generator=g)
     lq = torch.log_softmax(logits + 0.5 * torch.randn(tokens, vocab, generator=g), 1)
     cand_logprobs, cand_ids = lq.topk(k, dim=1)
     del lq
+    if mode == "support":
+        cand_logprobs = torch.log_softmax(cand_logprobs, 1)
     pick = torch.randint(0, k, (tokens,), generator=g)
     pick[::7] = 0  # keep some variety in the sampled position without leaving the head
-    return {
-        "logits": logits.requires_grad_(),
-        "response_ids": cand_ids.gather(1, pick[:, None]).squeeze(1),
-        "sampled_logprobs": cand_logprobs.gather(1, pick[:, None]).squeeze(1),
-        "cand_ids": cand_ids.to(torch.int32),
-        "cand_logprobs": cand_logprobs,
-        "advantages": torch.randn(tokens, generator=g),
-        "loss_mask": torch.ones(tokens, dtype=torch.bool),
-    }
+    rows = TokenRows(
+        response_ids=cand_ids.gather(1, pick[:, None]).squeeze(1),
+        sampled_logprobs=cand_logprobs.gather(1, pick[:, None]).squeeze(1),
+        cand_ids=cand_ids.to(torch.int32),
+        cand_logprobs=cand_logprobs,
+        advantages=torch.randn(tokens, generator=g),
+        loss_mask=torch.ones(tokens, dtype=torch.bool),
+        mode=mode,
+        temperature=temperature,
+    )
+    return logits.requires_grad_(), rows
 
 
-def autograd_reinforce(logits, response_ids, advantages, loss_mask, temperature=1.0, **_):
+def autograd_reinforce(logits, rows: TokenRows, settings: LossSettings):
     """REINFORCE the obvious way, for reference only: materialises log_softmax [N, V]."""
-    logp = torch.log_softmax(logits / temperature, dim=1).gather(1, response_ids[:, None]).squeeze(1)
-    return (-(advantages * logp)[loss_mask]).sum() / loss_mask.sum(), {}
+    logp = torch.log_softmax(logits / rows.temperature, dim=1).gather(1, rows.response_ids[:, None]).squeeze(1)
+    return (-(rows.advantages * logp)[rows.loss_mask]).sum() / rows.loss_mask.sum(), {}
 
 
-def _forward_backward(fn, inputs, kwargs):
-    inputs["logits"].grad = None
-    loss, _ = fn(**inputs, **kwargs)
+def _forward_backward(fn, logits, rows, settings):
+    logits.grad = None
+    loss, _ = fn(logits, rows, settings)
     loss.backward()
-    inputs["logits"].grad = None
+    logits.grad = None
 
 
-def median_ms(runs: dict, inputs, repeats: int) -> dict:
-    """Median milliseconds per forward+backward for each ``name: (fn, kwargs)``.
+def median_ms(runs: dict, logits, rows: TokenRows, repeats: int) -> dict:
+    """Median milliseconds per forward+backward for each ``name: (fn, settings)``.
 
     The candidates are timed in alternation, so a load change on a shared machine hits
     all of them alike rather than skewing their ratio."""
     times = {name: [] for name in runs}
-    for fn, kwargs in runs.values():
-        _forward_backward(fn, inputs, kwargs)  # warm up
+    for fn, settings in runs.values():
+        _forward_backward(fn, logits, rows, settings)  # warm up
     for _ in range(repeats):
-        for name, (fn, kwargs) in runs.items():
+        for name, (fn, settings) in runs.items():
             start = time.perf_counter()
-            _forward_backward(fn, inputs, kwargs)
+            _forward_backward(fn, logits, rows, settings)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def peak_mb(fn, inputs, kwargs) -> float:
+def peak_mb(fn, logits, rows: TokenRows, settings: LossSettings) -> float:
     """Peak bytes allocated by torch on the CPU during one forward+backward, in MiB."""
-    inputs["logits"].grad = None
+    logits.grad = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss, _ = fn(**inputs, **kwargs)
+        loss, _ = fn(logits, rows, settings)
         loss.backward()
         del loss
-        inputs["logits"].grad = None  # freed while profiling, so the allocator's running total returns to its start
+        logits.grad = None  # freed while profiling, so the allocator's running total returns to its start
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -119,18 +125,12 @@ def bench_loss(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-autograd-reference", action="store_true", help="skip the naive autograd REINFORCE")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    add_out_flag(parser, "loss")
     args = parser.parse_args(argv)
 
-    inputs = make_inputs(args.tokens, args.vocab, args.k)
-    if args.mode == "support":  # a full support per row: renormalise the head
-        inputs["cand_logprobs"] = torch.log_softmax(inputs["cand_logprobs"], 1)
-        inputs["sampled_logprobs"] = (
-            inputs["cand_logprobs"]
-            .gather(1, (inputs["cand_ids"] == inputs["response_ids"][:, None]).int().argmax(1, keepdim=True))
-            .squeeze(1)
-        )
-    common = {"temperature": args.temperature, "chunk_size": args.chunk_size}
-    sc_kwargs = {"mode": args.mode, "is_mode": args.is_mode, **common}
+    logits, rows = make_inputs(args.tokens, args.vocab, args.k, args.mode, args.temperature)
+    reinforce = LossSettings(loss="reinforce", chunk_size=args.chunk_size)
+    sc = LossSettings(is_mode=args.is_mode, chunk_size=args.chunk_size)
     figures = {
         "tokens": args.tokens,
         "vocab": args.vocab,
@@ -140,19 +140,18 @@ def bench_loss(argv: list[str]) -> int:
         "threads": torch.get_num_threads(),
     }
     ms = median_ms(
-        {"reinforce": (reinforce_loss, common), "sc": (score_centering_loss, sc_kwargs)}, inputs, args.repeats
+        {"reinforce": (reinforce_loss, reinforce), "sc": (score_centering_loss, sc)}, logits, rows, args.repeats
     )
     figures["reinforce_ms"], figures["sc_ms"] = ms["reinforce"], ms["sc"]
     figures["time_ratio"] = figures["sc_ms"] / figures["reinforce_ms"]
-    figures["reinforce_peak_mb"] = peak_mb(reinforce_loss, inputs, common)
-    figures["sc_peak_mb"] = peak_mb(score_centering_loss, inputs, sc_kwargs)
+    figures["reinforce_peak_mb"] = peak_mb(reinforce_loss, logits, rows, reinforce)
+    figures["sc_peak_mb"] = peak_mb(score_centering_loss, logits, rows, sc)
     figures["extra_peak_mb"] = figures["sc_peak_mb"] - figures["reinforce_peak_mb"]
-    figures["logits_mb"] = inputs["logits"].numel() * 4 / 2**20
+    figures["logits_mb"] = logits.numel() * 4 / 2**20
     if not args.no_autograd_reference:
-        ref = {"temperature": args.temperature}
         figures["autograd_reinforce_ms"] = median_ms(
-            {"ref": (autograd_reinforce, ref)}, inputs, max(1, args.repeats // 2)
+            {"ref": (autograd_reinforce, reinforce)}, logits, rows, max(1, args.repeats // 2)
         )["ref"]
-        figures["autograd_reinforce_peak_mb"] = peak_mb(autograd_reinforce, inputs, ref)
-    print(json.dumps(figures))
+        figures["autograd_reinforce_peak_mb"] = peak_mb(autograd_reinforce, logits, rows, reinforce)
+    emit(figures, args.out)
     return 0

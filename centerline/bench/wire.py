@@ -11,13 +11,13 @@ same run: memcpy of the same bytes (wire) and the naive nested-list msgpack layo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import msgpack
 import numpy as np
 
+from centerline.bench import add_out_flag, emit
 from centerline.synth import make_batch
 from shared.contract import check_batch
 from shared.wire import decode_batch, encode_batch
@@ -34,8 +34,8 @@ def _median_seconds(fn, *, repeats: int, inner: int = 1) -> float:
     return statistics.median(times)
 
 
-def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=doc)
+def _parser(target: str, doc: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"centerline bench {target}", description=doc)
     parser.add_argument("--tokens", type=int, default=4096, help="response tokens N in the batch")
     parser.add_argument("--k", type=int, default=128, help="candidates per token K")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
@@ -45,6 +45,7 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
         "--sizes", default="256,16384", help="extra token counts to report (bench wire), comma-separated; '' for none"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    add_out_flag(parser, target)
     return parser
 
 
@@ -90,20 +91,20 @@ def wire_figures(batch, repeats: int) -> dict:
 
 def bench_wire(argv: list[str]) -> int:
     """Encode+decode throughput of wire format v1 against memcpy and nested-list msgpack."""
-    args = _parser("centerline bench wire", bench_wire.__doc__).parse_args(argv)
+    args = _parser("wire", bench_wire.__doc__).parse_args(argv)
     result = {"bench": "wire", **wire_figures(_batch(args), args.repeats)}
     sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
     result["sizes"] = [
         wire_figures(make_batch(samples=4, tokens_per_sample=n // 4, k=args.k, vocab_size=args.vocab), args.repeats)
         for n in sizes
     ]
-    print(json.dumps(result))
+    emit(result, args.out)
     return 0
 
 
 def bench_contract(argv: list[str]) -> int:
     """Cost of the full completeness contract on one batch (selected and support mode)."""
-    args = _parser("centerline bench contract", bench_contract.__doc__).parse_args(argv)
+    args = _parser("contract", bench_contract.__doc__).parse_args(argv)
     batch = _batch(args)
     seconds = _median_seconds(
         lambda: check_batch(batch, vocab_size=args.vocab, current_version=0, max_staleness=1, seen=()),
@@ -129,5 +130,5 @@ def bench_contract(argv: list[str]) -> int:
         "mb_per_s": batch.nbytes() / 2**20 / seconds,
         "support_ms_per_batch": support_s * 1e3,
     }
-    print(json.dumps(result))
+    emit(result, args.out)
     return 0

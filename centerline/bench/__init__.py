@@ -1,0 +1,93 @@
+"""`centerline bench <target>`: every benchmark, each in its module here.
+
+A target prints one JSON object (``--json``: on one line) and writes the same object to
+``--out`` (default ``runs/bench/<target>.json``) with two entries beside it: ``command``, the
+command line, and ``machine``: host name, CPU model, CPUs usable and when it was measured
+(UTC). README's benchmark tables are generated from the figure files committed in
+``docs/bench/`` (``scripts/gen_bench_docs.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from centerline.cli import dispatch
+
+# bench target -> (module:function, one-line help); each prints one JSON object with --json.
+BENCHES: dict[str, tuple[str, str]] = {
+    "wire": ("centerline.bench.wire:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
+    "contract": ("centerline.bench.wire:bench_contract", "completeness-contract check cost per batch"),
+    "proxy": (
+        "centerline.bench.proxy:bench_proxy",
+        "proxy req/s and added latency vs direct, audit cost vs orjson parse",
+    ),
+    "loss": ("centerline.bench.loss:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
+    "pipeline": (
+        "centerline.bench.pipeline:bench_pipeline",
+        "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle",
+    ),
+    "sessions": (
+        "centerline.bench.sessions:bench_sessions",
+        "multi-turn session turns vs single requests of the same token counts, prefix-cache share by router policy",
+    ),
+}
+
+
+def _writable(value: str) -> Path:
+    """``--out``, checked before the bench runs (some take minutes): its folder exists or can be made, and is
+    writable."""
+    path = Path(value)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{value}: cannot make its folder ({exc.strerror}); pick a writable path"
+        ) from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{value}: not a writable file path; pick a writable path")
+    return path
+
+
+def add_out_flag(parser: argparse.ArgumentParser, target: str) -> None:
+    parser.add_argument(
+        "--out",
+        type=_writable,
+        default=f"runs/bench/{target}.json",
+        help="file the figures are written to, with the machine they were measured on (default: %(default)s)",
+    )
+
+
+def machine() -> dict:
+    """Where and when the figures were measured."""
+    model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_model": model,
+        "nproc": len(os.sched_getaffinity(0)),
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def emit(result: dict, out: Path, *, indent: int | None = None) -> None:
+    """Print ``result`` as one JSON object and write it to ``out`` with the command that measured it
+    and ``machine()``."""
+    print(json.dumps(result, indent=indent))
+    command = shlex.join(["centerline", *sys.argv[1:]])
+    out.write_text(json.dumps({**result, "command": command, "machine": machine()}, indent=2) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    return dispatch(BENCHES, "centerline bench", argv)

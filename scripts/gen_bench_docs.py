@@ -1,0 +1,322 @@
+"""Write README's benchmark figures from the figure files in docs/bench/, or check they are current.
+
+python scripts/gen_bench_docs.py          # rewrite the generated parts of README.md
+python scripts/gen_bench_docs.py --check  # exit 1 naming each stale part (run by make test)
+
+Each part of README.md between ``<!-- bench:NAME begin ... -->`` and ``<!-- bench:NAME end -->`` is
+rendered from ``docs/bench/NAME.json``: what ``centerline bench <target> --out FILE`` wrote (its
+figures, ``command`` and ``machine``). A file whose ``machine`` holds a ``note`` was measured on
+another machine and transcribed by hand; its part says so. To refresh a part, run the bench with
+``--out docs/bench/NAME.json``, then this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FIGURES = ROOT / "docs" / "bench"
+PART = re.compile(r"<!-- bench:(?P<name>[\w-]+) begin[^>]*-->\n(?P<body>.*?)<!-- bench:(?P=name) end -->", re.S)
+
+
+def sig(x: float) -> str:
+    """Three significant figures, thousands separated: 0.0661, 5.70, 36.5, 597, 1,212."""
+    if x == 0:
+        return "0"
+    for bound, digits in ((100, 0), (10, 1), (1, 2), (0.1, 3)):
+        if abs(x) >= bound:
+            return f"{x:,.{digits}f}"
+    return f"{x:.3g}"
+
+
+def mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def provenance(fig: dict) -> list[str]:
+    """Where the figures come from: this kind of machine, or another one (a note)."""
+    machine, command = fig["machine"], f"`{fig['command']}`"
+    if "note" in machine:
+        note = machine["note"]
+        return ["", f"{note[:1].upper()}{note[1:]} ({command}); not regenerated here."]
+    return [
+        "",
+        f"Measured by {command} on {machine['cpu_model']} ({machine['nproc']} CPUs, host `{machine['hostname']}`), "
+        f"{machine['measured_at']}.",
+    ]
+
+
+def wire(fig: dict) -> list[str]:
+    rows = [
+        [
+            f"{s['tokens']:,}",
+            str(s["k"]),
+            mb(s["message_bytes"]),
+            f"{sig(s['encode_decode_gbps'])} GB/s ({sig(s['encode_decode_ms'])} ms)",
+            f"{sig(s['memcpy_gbps'])} GB/s",
+            f"{sig(s['ratio_to_memcpy'])}x",
+            f"{sig(s['nested_list_msgpack_gbps'])} GB/s",
+        ]
+        for s in sorted([fig, *fig["sizes"]], key=lambda s: s["tokens"])
+    ]
+    header = ["tokens", "K", "message", "encode+decode", "memcpy, fresh buffer", "ratio", "nested-list msgpack"]
+    return table(header, rows)
+
+
+def contract(fig: dict) -> list[str]:
+    header = ["tokens", "K", "batch", "selected mode", "rows/s", "MB/s", "support mode"]
+    row = [
+        f"{fig['tokens']:,}",
+        str(fig["k"]),
+        f"{sig(fig['batch_mb'])} MiB",
+        f"{sig(fig['ms_per_batch'])} ms",
+        f"{fig['rows_per_s']:,.0f}",
+        f"{fig['mb_per_s']:,.0f}",
+        f"{sig(fig['support_ms_per_batch'])} ms",
+    ]
+    return table(header, [row])
+
+
+def loss(fig: dict) -> list[str]:
+    header = ["N x V, K", "mode", "REINFORCE", "score centering", "peak: REINFORCE / score centering (extra)"]
+    row = [
+        f"{fig['tokens']:,} x {fig['vocab']:,}, {fig['k']}",
+        f"{fig['mode']}, IS {fig['is_mode']}",
+        f"{sig(fig['reinforce_ms'])} ms",
+        f"{sig(fig['sc_ms'])} ms ({sig(fig['time_ratio'])}x)",
+        f"{sig(fig['reinforce_peak_mb'])} / {sig(fig['sc_peak_mb'])} MiB ({sig(fig['extra_peak_mb'])} MiB)",
+    ]
+    lines = table(header, [row])
+    if "autograd_reinforce_ms" in fig:
+        lines += [
+            "",
+            f"The logits are {sig(fig['logits_mb'])} MiB; REINFORCE the obvious autograd way takes "
+            f"{sig(fig['autograd_reinforce_ms'])} ms and peaks at {sig(fig['autograd_reinforce_peak_mb'])} MiB "
+            f"({fig['threads']} torch threads).",
+        ]
+    return lines
+
+
+SCANNERS = {"c": "C"}  # candidate_scan.SCANNER's names as the README writes them
+
+
+def proxy(fig: dict) -> list[str]:
+    header = [
+        "tokens",
+        "body",
+        "parse",
+        f"audit, {SCANNERS.get(fig['audit'][0]['scanner'], fig['audit'][0]['scanner'])} scanner",
+        "audit, numpy scanner",
+        "proxy + worker before",
+        "after",
+    ]
+    rows = [
+        [
+            f"{r['tokens']:,}",
+            mb(r["body_bytes"]),
+            f"{sig(r['parse_ms'])} ms ({sig(r['parse_mb_per_s'])} MB/s)",
+            f"{sig(r['after_audit_ms'])} ms, {sig(r['after_audit_to_parse_ratio'])}x parse "
+            f"({sig(r['after_audit_mb_per_s'])} MB/s)",
+            f"{sig(r['numpy_scanner_audit_ms'])} ms, {sig(r['numpy_scanner_audit_to_parse_ratio'])}x",
+            f"{sig(r['before_cpu_ms_per_response'])} ms",
+            f"{sig(r['after_cpu_ms_per_response'])} ms ({sig(r['cpu_after_to_before'])}x; worker "
+            f"{sig(r['after_worker_ms'])} ms)",
+        ]
+        for r in fig["audit"]
+    ]
+    return table(header, rows)
+
+
+def pipeline(fig: dict) -> list[str]:
+    header = [
+        "mode",
+        "samples/s (vs alone)",
+        "weights_s mean (max)",
+        "engine duty cycle",
+        "trainer duty cycle",
+        "gather s/step",
+        "staleness per trained token: mean, max, share > 1",
+    ]
+    rows = [
+        [
+            mode,
+            f"{m['pipeline_samples_per_s']:.2f} ({m['samples_per_s_ratio']:.3f}x)",
+            f"{m['weights_s_mean']:.3f} ({m['weights_s_max']:.3f})",
+            f"{m['duty_cycle']:.3f}",
+            f"{m['trainer_duty_cycle']:.3f}",
+            f"{m['pipeline_gather_s_mean']:.3f}",
+            f"{m['token_staleness_mean']:.3g}, {m['token_staleness_max']}, {m['token_stale_share'] * 100:.2g} %",
+        ]
+        for mode, m in fig["modes"].items()
+    ]
+    return [
+        f"{fig['train_seconds']:g} s of training per mode, {fig['workers']} workers, {fig['trainer_ranks']} trainer "
+        f"ranks, {fig['prompts_per_step']} prompts x {fig['rollout_n']} samples a step, K = "
+        f"{fig['rollout_top_logprobs_num']}; SGLang alone at the same concurrency, in the same run: "
+        f"{fig['sglang_alone_samples_per_s']:.2f} samples/s.",
+        "",
+        *table(header, rows),
+    ]
+
+
+def pipeline_before_in_flight(fig: dict) -> list[str]:
+    modes = fig["modes"]
+    on, dr = modes["on-policy"], modes["drain"]
+    alone = f"{fig['sglang_alone_samples_per_s']:.1f} samples/s at {fig['concurrent_requests']} requests"
+
+    def row(name, cell):
+        return [name, cell(on), cell(dr)]
+
+    rows = [
+        row(f"steps in {fig['train_seconds']:g} s", lambda m: str(m["steps_done"])),
+        row(
+            "trained samples/s (tokens/s)",
+            lambda m: (
+                f"{m['pipeline_samples_per_s']:.1f} ({m['pipeline_tokens_per_s']:,.0f})"
+                + ("" if m is on else f", {m['pipeline_samples_per_s'] / on['pipeline_samples_per_s']:.2f}x")
+            ),
+        ),
+        row(f"vs SGLang alone ({alone})", lambda m: f"{m['samples_per_s_ratio']:.2f}x"),
+        row(
+            "step: waiting for batches / the rest",
+            lambda m: (
+                f"{m['pipeline_gather_s_mean']:.3f} s / {m['pipeline_step_s_mean'] - m['pipeline_gather_s_mean']:.3f} s"
+            ),
+        ),
+        row(
+            "step: training / checkpoint / weights into SGLang",
+            lambda m: f"{m['pipeline_train_s_mean']:.3f} / {m['checkpoint_s_mean']:.3f} / {m['weights_s_mean']:.3f} s",
+        ),
+        row(
+            "SGLang duty cycle (share of time it had work)",
+            lambda m: (
+                f"{m['duty_cycle']:.3f}" + ("" if m is on else f" (SGLang alone: {fig['sglang_alone_duty_cycle']:.3f})")
+            ),
+        ),
+        row("trainer duty cycle (share of step time not waiting)", lambda m: f"{m['trainer_duty_cycle']:.3f}"),
+        row("held-out accuracy before -> after", lambda m: f"{m['accuracy_before']:.3f} -> {m['accuracy_after']:.3f}"),
+        row("staleness max", lambda m: str(m["staleness_max"])),
+    ]
+    lines = table(["", "on-policy", "async, draining updates"], rows)
+    one = fig.get("one_forward_per_sample")
+    if one:
+        lines += [
+            "",
+            "With one forward per sample (before `--micro-batch-tokens`), the same bench measured a step's part "
+            f"after the wait at {one['on-policy']['step_after_wait_s']:.2f} s on-policy and "
+            f"{one['drain']['step_after_wait_s']:.2f} s async: {one['on-policy']['pipeline_samples_per_s']:.1f} and "
+            f"{one['drain']['pipeline_samples_per_s']:.1f} samples/s, SGLang duty cycles "
+            f"{one['on-policy']['duty_cycle']:.3f} and {one['drain']['duty_cycle']:.3f}.",
+        ]
+    return lines
+
+
+def sessions(fig: dict) -> list[str]:
+    policies, single = fig["policies"], fig["single"]
+    names = {"manual": "manual (affinity, default)"}
+
+    def row(name, cell, single_cell=""):
+        return [name, *(cell(p) for p in policies.values()), single_cell]
+
+    rows = [
+        row("turn / request, mean", lambda p: f"{p['turn_ms_mean']:.1f} ms", f"{single['request_ms_mean']:.1f} ms"),
+        row(
+            "later turns (2+), mean",
+            lambda p: f"{p['later_turn_ms_mean']:.1f} ms" if "later_turn_ms_mean" in p else "",
+        ),
+        row("overhead per turn vs single", lambda p: f"{p['overhead_ms_per_turn']:.1f} ms"),
+        row(
+            "sampled tokens/s (ratio to single)",
+            lambda p: f"{p['tokens_per_s']:.1f} ({p['tokens_per_s_ratio']:.2f}x)",
+            f"{single['tokens_per_s']:.1f}",
+        ),
+        row(
+            "prefix cache, turns 2+: of the prompt / of the history",
+            lambda p: f"{p['cache_share_later_turns']:.2f} / {p['history_cache_share_later_turns']:.3g}",
+            str(single["cached_tokens"]),
+        ),
+        row(
+            "requests per engine",
+            lambda p: " / ".join(map(str, p["requests_per_engine"])),
+            " / ".join(map(str, single["requests_per_engine"])),
+        ),
+    ]
+    header = ["", *(names.get(name, name) for name in policies), "single requests"]
+    return [
+        f"{fig['engines']} engines, {fig['sessions']} sessions x {fig['turns']} turns "
+        f"({fig['user_tokens']}-letter user messages, `max_tokens` {fig['max_tokens']}, "
+        f"{fig['concurrency']} sessions at a time, K = {fig['k']}):",
+        "",
+        *table(header, rows),
+    ]
+
+
+RENDER = {
+    "wire": wire,
+    "contract": contract,
+    "loss": loss,
+    "proxy": proxy,
+    "pipeline": pipeline,
+    "pipeline-before-in-flight": pipeline_before_in_flight,
+    "sessions": sessions,
+}
+
+
+def render_part(name: str) -> str:
+    fig = json.loads((FIGURES / f"{name}.json").read_text())
+    return "\n".join([*RENDER[name](fig), *provenance(fig)]) + "\n"
+
+
+def render(readme: str) -> tuple[str, list[str]]:
+    """README with every part regenerated, and the names of the parts that changed."""
+    found = [m["name"] for m in PART.finditer(readme)]
+    missing = sorted(set(RENDER) - set(found))
+    unknown = sorted(set(found) - set(RENDER))
+    if missing or unknown:
+        raise SystemExit(
+            f"README.md: bench parts missing {missing}, unknown {unknown}; expected one "
+            f"'<!-- bench:NAME begin -->' ... '<!-- bench:NAME end -->' for each of {sorted(RENDER)}"
+        )
+    stale = []
+
+    def replace(m: re.Match) -> str:
+        body = render_part(m["name"])
+        if body != m["body"]:
+            stale.append(m["name"])
+        return m[0][: m.start("body") - m.start()] + body + m[0][m.end("body") - m.start() :]
+
+    return PART.sub(replace, readme), stale
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is stale; write nothing")
+    parser.add_argument("--readme", type=Path, default=README, help="the file holding the parts (default: %(default)s)")
+    args = parser.parse_args()
+    text, stale = render(args.readme.read_text())
+    if args.check:
+        for name in stale:
+            print(
+                f"{args.readme.name}: the benchmark part {name!r} differs from docs/bench/{name}.json; "
+                "run python scripts/gen_bench_docs.py",
+                file=sys.stderr,
+            )
+        if not stale:
+            print(f"{args.readme.name}: the benchmark parts are current")
+        return 1 if stale else 0
+    args.readme.write_text(text)
+    print(f"wrote {args.readme.name} ({len(stale)} benchmark parts changed: {', '.join(stale) or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""README's benchmark figures are generated from the figure files in docs/bench/ (scripts/gen_bench_docs.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = [sys.executable, "scripts/gen_bench_docs.py"]
+
+
+def gen(*argv):
+    return subprocess.run([*SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_readme_benchmark_figures_are_generated_from_the_figure_files():
+    run = gen("--check")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "README.md: the benchmark parts are current\n"
+    readme = (ROOT / "README.md").read_text()
+    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
+        assert f"<!-- bench:{path.stem} begin" in readme and f"<!-- bench:{path.stem} end -->" in readme
+
+
+def test_figures_from_another_machine_are_marked_as_such():
+    readme = (ROOT / "README.md").read_text()
+    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
+        machine = json.loads(path.read_text())["machine"]
+        part = readme.split(f"<!-- bench:{path.stem} begin")[1].split(f"<!-- bench:{path.stem} end -->")[0]
+        if "note" in machine:
+            assert machine["note"].startswith("measured on another machine")
+            assert machine["note"][1:] in part and "not regenerated here" in part
+        else:
+            assert f"on {machine['cpu_model']} ({machine['nproc']} CPUs, host `{machine['hostname']}`)" in part
+
+
+def test_check_names_the_stale_part_and_writing_brings_it_back(tmp_path):
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    before, rest = text.split("<!-- bench:proxy begin", 1)
+    head, tail = rest.split("-->\n", 1)
+    readme.write_text(before + "<!-- bench:proxy begin" + head + "-->\n| an edited figure |\n" + tail)
+    run = gen("--check", "--readme", str(readme))
+    assert run.returncode == 1
+    assert run.stderr == (
+        "README.md: the benchmark part 'proxy' differs from docs/bench/proxy.json; "
+        "run python scripts/gen_bench_docs.py\n"
+    )
+    written = gen("--readme", str(readme))
+    assert written.returncode == 0, written.stderr
+    assert written.stdout == "wrote README.md (1 benchmark parts changed: proxy)\n"
+    assert readme.read_text() == text
+
+
+def test_a_missing_part_is_named(tmp_path):
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    start = text.index("<!-- bench:loss begin")
+    end = text.index("<!-- bench:loss end -->") + len("<!-- bench:loss end -->")
+    readme.write_text(text[:start] + text[end:])
+    run = gen("--check", "--readme", str(readme))
+    assert run.returncode == 1
+    assert "bench parts missing ['loss'], unknown []" in run.stderr
