@@ -200,7 +200,8 @@ def summarise(run: dict, run_dir: Path, wall_s: float | None) -> dict:
     """``run`` (a ``grid`` entry) with what its ``metrics.jsonl`` and ``eval.jsonl`` say."""
     steps = load_steps(run_dir)
     trained = [s for s in steps if "loss" in s]
-    evals = [s["eval_accuracy"] for s in steps if "eval_accuracy" in s]
+    # the held-out figure: exact-match accuracy, or a run of sessions' mean reward
+    evals = [s.get("eval_accuracy", s.get("eval_reward")) for s in steps if {"eval_accuracy", "eval_reward"} & set(s)]
     rewards = [s["reward_mean"] for s in trained]
     tail = max(1, len(rewards) // 4)
     return {

@@ -168,6 +168,21 @@ def pipeline(fig: dict) -> list[str]:
     ]
 
 
+def pipeline_sessions(fig: dict) -> list[str]:
+    """``pipeline`` of a run of sessions (``--task chain``): SGLang alone then got the sessions'
+    first turns as single requests, which is no ceiling for sessions; it is named, not compared."""
+    table_lines = pipeline(fig)[2:]
+    return [
+        f"Task `{fig['task']}` (sessions of 2-4 turns), {fig['train_seconds']:g} s of training per mode, "
+        f"{fig['workers']} workers, {fig['prompts_per_step']} prompts x {fig['rollout_n']} sessions a step, K = "
+        f"{fig['rollout_top_logprobs_num']}. The ratio to SGLang alone is to single first-turn requests "
+        f"({fig['sglang_alone_samples_per_s']:.1f} samples/s), not a ceiling for sessions: read the modes "
+        "against each other.",
+        "",
+        *table_lines,
+    ]
+
+
 def pipeline_before_in_flight(fig: dict) -> list[str]:
     modes = fig["modes"]
     on, dr = modes["on-policy"], modes["drain"]
@@ -266,6 +281,7 @@ RENDER = {
     "loss": loss,
     "proxy": proxy,
     "pipeline": pipeline,
+    "pipeline-sessions": pipeline_sessions,
     "pipeline-before-in-flight": pipeline_before_in_flight,
     "sessions": sessions,
 }

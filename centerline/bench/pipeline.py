@@ -1,7 +1,8 @@
 """`centerline bench pipeline [--json]`: weight updates that drain the engine and updates in
 flight side by side (and on-policy, when asked), each with its samples/s and tokens/s, the time
 per weight update, the share of wall time SGLang had work, staleness per trained token and the
-held-out accuracy it reached in the same training time; beside SGLang alone at the same concurrency.
+held-out accuracy (a run of sessions: held-out reward) it reached in the same training time;
+beside SGLang alone at the same concurrency.
 
 Phase 1, the pipeline, once per ``--modes`` entry (default ``drain,in-flight``): each is a
 ``centerline up`` run with a ``max_inflight_steps`` and the trainer's ``weight_update``
@@ -261,8 +262,9 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
         "steps_done": last,
         "steps_wall_s": round(sum(s["step_s"] for s in steps), 3),  # the trainer's own clock, all steps
         "staleness_max": max(s["staleness_max"] for s in steps),
-        "accuracy_before": evals[0]["eval_accuracy"],
-        "accuracy_after": evals[-1]["eval_accuracy"] if evals[-1]["step"] == last else None,
+        # the held-out figure up records: exact-match accuracy, or a run of sessions' mean reward
+        "accuracy_before": evals[0][heldout_key(evals[0])],
+        "accuracy_after": evals[-1][heldout_key(evals[-1])] if evals[-1]["step"] == last else None,
         "pipeline_window_s": round(end - start, 3),
         "pipeline_steps": len(window),
         "samples_total": sum(s["samples"] for s in steps),
@@ -283,6 +285,12 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     }
     progress("pipeline", mode=mode, **figures)
     return figures, ran, model
+
+
+def heldout_key(record: dict) -> str:
+    """The held-out figure of an ``eval.jsonl`` record: ``eval_accuracy`` (exact match), or
+    ``eval_reward`` for a run of sessions (the environment's reward)."""
+    return "eval_accuracy" if "eval_accuracy" in record else "eval_reward"
 
 
 def token_staleness(steps: list[dict]) -> dict:

@@ -10,7 +10,14 @@ import orjson
 import pytest
 
 from centerline import launcher
-from centerline.bench.pipeline import concurrent_requests, duty_cycle, mode_spec, request_bodies, token_staleness
+from centerline.bench.pipeline import (
+    concurrent_requests,
+    duty_cycle,
+    heldout_key,
+    mode_spec,
+    request_bodies,
+    token_staleness,
+)
 from shared.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -296,3 +303,8 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert 0 <= r["sglang_alone_duty_cycle"] <= 1
     assert 0 < r["sglang_alone_duty_cycle_window_s"] <= r["sglang_alone_window_s"]
     assert 0 < r["sglang_alone_duty_cycle_error_bound"] < 1
+
+
+def test_the_held_out_figure_is_the_accuracy_or_for_sessions_the_reward():
+    assert heldout_key({"step": 0, "eval_accuracy": 0.2}) == "eval_accuracy"
+    assert heldout_key({"step": 0, "eval_reward": 0.66}) == "eval_reward"

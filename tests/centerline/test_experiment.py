@@ -258,3 +258,12 @@ def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_
         for i, name in enumerate(names, 1)
     ]
     assert orjson.loads((out / "summary.json").read_bytes()) == summary
+
+
+def test_a_run_of_sessions_is_summarised_by_its_held_out_reward(tmp_path):
+    step = {"staleness_mean": 1.0, "staleness_max": 1, "reward_mean": 0.5, "train_rollout_kl": 0.01, "loss": 0.1}
+    (tmp_path / "metrics.jsonl").write_text("".join(orjson.dumps({"step": s, **step}).decode() + "\n" for s in (1, 2)))
+    evals = [{"step": 0, "eval_reward": 0.66}, {"step": 2, "eval_reward": 0.71}]
+    (tmp_path / "eval.jsonl").write_text("".join(orjson.dumps(e).decode() + "\n" for e in evals))
+    summary = experiment.summarise({"name": "chain"}, tmp_path, None)
+    assert (summary["accuracy_before"], summary["accuracy_after"]) == (0.66, 0.71)
