@@ -120,6 +120,7 @@ class Worker:
             filter_subject=names.PROMPTS_SUBJECT,
             ack_wait=self.settings.ack_wait,
             max_deliver=self.settings.max_deliver,
+            shared=True,
         )
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout, sock_connect=10)

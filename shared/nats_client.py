@@ -208,11 +208,15 @@ async def pull_consumer(
     ack_wait: float = 30.0,
     max_deliver: int = -1,
     max_ack_pending: int = 1000,
+    shared: bool = False,
 ) -> PullConsumer:
     """Create (or update to these settings) the durable pull consumer ``durable`` on ``stream`` and bind it.
 
     Unacked messages are redelivered ``ack_wait`` seconds after delivery, at most
-    ``max_deliver`` deliveries in all (-1 = no limit).
+    ``max_deliver`` deliveries in all (-1 = no limit). ``shared``: several processes bind this
+    consumer, each setting its own ack_wait (the last one started decides for all); a warning
+    says when this one changes it (reading the consumer's info first, which the process must
+    be allowed to).
     """
     config = ConsumerConfig(
         durable_name=durable,
@@ -222,10 +226,12 @@ async def pull_consumer(
         max_ack_pending=max_ack_pending,
         filter_subject=filter_subject,
     )
-    try:
-        before = (await js.consumer_info(stream, durable)).config.ack_wait
-    except NotFoundError:
-        before = None
+    before = None
+    if shared:  # several processes bind it (the workers'): say when this one changes what the others set
+        try:
+            before = (await js.consumer_info(stream, durable)).config.ack_wait
+        except NotFoundError:
+            pass
     if before is not None and abs(before - ack_wait) > 1e-6:
         log.warning(
             "consumer %s on %s had ack_wait %gs; this process sets %gs for every process bound to it "

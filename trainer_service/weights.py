@@ -279,11 +279,17 @@ class WeightPublisher:
             return None
         return info.get("weight_version") if isinstance(info, dict) else None
 
-    async def close(self) -> None:
-        """Close the engines' HTTP session, once the last event is announced (or failed to be)."""
+    async def close(self, grace: float = 5.0) -> None:
+        """Close the engines' HTTP session, once the last event is announced, failed to be, or
+        ``grace`` seconds passed (NATS down while stopping: a stop must not wait out the publish's
+        retries; the next start announces the version it loads)."""
         try:
             if self.announcing is not None:
-                await self.announcing
+                done, _ = await asyncio.wait({self.announcing}, timeout=grace)
+                if not done:
+                    self.announcing.cancel()
+                    await asyncio.wait({self.announcing}, timeout=1.0)
+                    log.warning("the last weights version was not announced within %gs of stopping (NATS down?)", grace)
         finally:
             await self.session.close()
 

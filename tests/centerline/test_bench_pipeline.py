@@ -23,7 +23,7 @@ from shared.config import Config
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each mode trains for TRAIN_S seconds (up --train-seconds), fewer than STEPS steps take.
-STEPS, TRAIN_S, WARMUP, PROMPTS, N, MAX_NEW, ALONE_S = 1000, 15.0, 1, 2, 2, 8, 5.0
+STEPS, TRAIN_S, WARMUP, PROMPTS, N, MAX_NEW, ALONE_S = 1000, 8.0, 1, 2, 2, 8, 5.0
 PIPELINE_KEYS = {
     "max_inflight_steps",
     "weight_update",

@@ -27,7 +27,7 @@ from tests.reliability.partition import PartitionableCluster
 from tests.reliability.topology import Topology, leftovers, run_accounting
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
-STEPS = 80
+STEPS = 40
 # Each step takes at least this long on rank 0 (a failpoint's sleep in the step's thread, as a real
 # model's forward and backward would), so both faults land while the run goes on (checked below):
 # toy steps under the asynchronous default are otherwise faster than an election and three restarts.

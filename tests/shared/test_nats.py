@@ -251,10 +251,10 @@ def test_a_process_binding_the_consumer_with_another_ack_wait_sets_it_for_all_an
     all, so one bound earlier reads it back (``PullConsumer.ack_wait``) to pace its heartbeats."""
 
     async def body(nc, js):
-        first = await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=60.0)
+        first = await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=60.0, shared=True)
         assert await first.ack_wait() == 60.0
         with caplog.at_level("WARNING", logger="centerline.nats"):
-            await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=3.0)
+            await pull_consumer(js, names.PROMPTS_STREAM, names.WORKERS_CONSUMER, ack_wait=3.0, shared=True)
         return await first.ack_wait()
 
     assert run(body, nats_server) == 3.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 
 import orjson
 import pytest
@@ -52,3 +53,25 @@ def test_events_follow_one_another_and_a_pruned_version_is_skipped_with_a_warnin
     assert (last["version"], last["path"]) == (3, str(version_dir(root, 3).resolve()))
     assert last["sha256"] == hashlib.sha256(bytes([3]) * 1000).hexdigest()
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["weights version 4 is loaded but not announced"]
+
+
+def test_closing_with_nats_gone_waits_for_the_last_event_only_the_grace(tmp_path, caplog):
+    root = tmp_path / "weights"
+    version_dir(root, 1).mkdir(parents=True)
+    (version_dir(root, 1) / "model.safetensors").write_bytes(b"w")
+
+    async def scenario():
+        nc = await connect(nats.url, max_reconnect_attempts=-1)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        publisher = WeightPublisher(js, [])
+        nats.kill()  # gone before the event goes out: its publish would retry for 30 s
+        await publisher.publish(1, version_dir(root, 1))
+        started = time.monotonic()
+        await publisher.close(grace=0.5)
+        return time.monotonic() - started, publisher.announcing.cancelled()
+
+    with EmbeddedNats(tmp_path / "nats") as nats, caplog.at_level(logging.WARNING, "centerline.trainer.weights"):
+        took, cancelled = asyncio.run(scenario())
+    assert cancelled and took < 5, took
+    assert "the last weights version was not announced within 0.5s of stopping (NATS down?)" in caplog.messages
