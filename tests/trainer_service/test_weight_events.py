@@ -5,6 +5,7 @@ before, and every one sent by the time the publisher is closed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -61,15 +62,21 @@ def test_closing_with_nats_gone_waits_for_the_last_event_only_the_grace(tmp_path
     (version_dir(root, 1) / "model.safetensors").write_bytes(b"w")
 
     async def scenario():
-        nc = await connect(nats.url, max_reconnect_attempts=-1)
-        js = nc.jetstream()
-        await ensure_streams(js)
-        publisher = WeightPublisher(js, [])
-        nats.kill()  # gone before the event goes out: its publish would retry for 30 s
-        await publisher.publish(1, version_dir(root, 1))
-        started = time.monotonic()
-        await publisher.close(grace=0.5)
-        return time.monotonic() - started, publisher.announcing.cancelled()
+        nc = await connect(nats.url)
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js)
+            publisher = WeightPublisher(js, [])
+            nats.kill()  # gone before the event goes out: its publish would retry for 30 s
+            await publisher.publish(1, version_dir(root, 1))
+            started = time.monotonic()
+            await publisher.close(grace=0.5)
+            return time.monotonic() - started, publisher.announcing.cancelled()
+        finally:
+            # ends the client's reconnecting, which an unclosed client keeps up forever; nats-py
+            # re-raises the reset of the connection it was retrying
+            with contextlib.suppress(ConnectionResetError):
+                await nc.close()
 
     with EmbeddedNats(tmp_path / "nats") as nats, caplog.at_level(logging.WARNING, "centerline.trainer.weights"):
         took, cancelled = asyncio.run(scenario())
