@@ -1545,7 +1545,7 @@ def test_compose_cluster_nodes_form_a_jetstream_cluster_on_loopback(tmp_path):
             if all(http_get(f"http://127.0.0.1:{ports[n]['http']}/healthz")[0] == 200 for n in COMPOSE_CLUSTER_NODES):
                 break
             assert all(p.poll() is None for p in procs), [(tmp_path / f"{n}.log").read_text() for n in launches]
-            time.sleep(0.5)
+            time.sleep(0.5)  # polling interval, not synchronisation
         else:
             pytest.fail(
                 "no JetStream meta leader: " + " | ".join((tmp_path / f"{n}.log").read_text() for n in launches)
