@@ -1480,14 +1480,14 @@ def test_compose_cluster_override_changes_only_nats_and_its_clients(files):
 
 
 def free_ports(n: int) -> list[int]:
-    import socket
+    """n distinct ports drawn below the ephemeral range: a port bind(0) gave can be taken by a
+    node's outgoing route connection before the node meant to listen on it binds it."""
+    from centerline.ports import free_port
 
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
     return ports
 
 
@@ -1514,7 +1514,8 @@ def test_compose_cluster_nodes_form_a_jetstream_cluster_on_loopback(tmp_path):
     services = project("compose-nats-cluster")["services"]
     volumes = credentials_volumes(services, tmp_path / "init")
     values = cluster_conf_values()
-    ports = {name: dict(zip(("client", "http", "cluster"), free_ports(3), strict=True)) for name in services}
+    drawn = iter(free_ports(3 * len(services)))
+    ports = {name: {kind: next(drawn) for kind in ("client", "http", "cluster")} for name in services}
     launches = {name: compose_node_launch(services[name], volumes, tmp_path / name) for name in COMPOSE_CLUSTER_NODES}
     procs = []
     try:
@@ -1544,7 +1545,8 @@ def test_compose_cluster_nodes_form_a_jetstream_cluster_on_loopback(tmp_path):
         while time.monotonic() < deadline:
             if all(http_get(f"http://127.0.0.1:{ports[n]['http']}/healthz")[0] == 200 for n in COMPOSE_CLUSTER_NODES):
                 break
-            assert all(p.poll() is None for p in procs), [(tmp_path / f"{n}.log").read_text() for n in launches]
+            if any(p.poll() is not None for p in procs):
+                pytest.fail("a node exited: " + " | ".join((tmp_path / f"{n}.log").read_text() for n in launches))
             time.sleep(0.5)  # polling interval, not synchronisation
         else:
             pytest.fail(
