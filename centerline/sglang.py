@@ -94,14 +94,20 @@ def server_env(base: Mapping[str, str], device: str) -> dict[str, str]:
 # without the header (a single-turn task: one request of n samples) goes to a healthy engine at
 # random, so those still spread over the engines.
 ROUTER_POLICY = "manual"
+# An engine that stops answering (a crash, a restart) opens smg's circuit for it after 10 failed
+# requests; smg lets a request through again only after --cb-timeout-duration-secs, 60 s by
+# default, so an engine back after 15 s sat unused for 45 s more. Five seconds bounds that wait
+# at one failed request per engine every 5 s while it is down (docs/sglang.md).
+ROUTER_CIRCUIT_RETRY_S = 5
 
 
 def router_argv(
     worker_urls: list[str], host: str, port: int, metrics_port: int, policy: str = ROUTER_POLICY
 ) -> list[str]:
     """The real SGLang router (``smg``, from the sglang-router wheel) in front of ``worker_urls``,
-    routing by ``policy`` (session affinity unless told otherwise), with its own settings otherwise;
-    Prometheus on ``metrics_port`` (its default 29000 would collide between routers on one machine)."""
+    routing by ``policy`` (session affinity unless told otherwise), retrying an engine's open circuit
+    after ``ROUTER_CIRCUIT_RETRY_S``, with its own settings otherwise; Prometheus on
+    ``metrics_port`` (its default 29000 would collide between routers on one machine)."""
     smg = Path(sys.executable).parent / "smg"
     return [
         str(smg) if smg.exists() else "smg",
@@ -110,6 +116,8 @@ def router_argv(
         *worker_urls,
         "--policy",
         policy,
+        "--cb-timeout-duration-secs",
+        str(ROUTER_CIRCUIT_RETRY_S),
         "--host",
         host,
         "--port",

@@ -1,9 +1,11 @@
-"""Two real SGLang servers behind the router, both killed mid-run (each one's whole process
-group, SIGKILL, as crashed machines): `centerline up` starts them again and they serve their
-initial weights. No step can finish meanwhile, so no regular weight update comes: the trainer's
-watch finds each server behind and sends it the latest version, and the run goes on, with
-nothing sampled by old weights trained as current. The test stops the run with SIGTERM once both
-servers caught up and a few more steps are done.
+"""The real SGLang server behind the router killed mid-run (its whole process group, SIGKILL, as
+a crashed machine): `centerline up` starts it again and it serves its initial weights. No step
+can finish meanwhile, so no regular weight update comes: the trainer's watch finds the server
+behind and sends it the latest version, and the run goes on, with nothing sampled by old weights
+trained as current. The test stops the run with SIGTERM once the server caught up and a few more
+steps are done. (One engine: each start of one costs ~20 s of both cores here; the trainer's
+watch treats every engine alike, and tests/trainer_service/test_weight_sync.py checks that it
+leaves a current one alone.)
 """
 
 import os
@@ -40,7 +42,7 @@ def process_group_serving(port: int) -> int:
 
 def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights(tmp_path, toy_models):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "centerline", "up", "--engines", "2", "--task", "copy", "--steps", "1000"]
+    argv = [sys.executable, "-m", "centerline", "up", "--engines", "1", "--task", "copy", "--steps", "1000"]
     argv += ["--workers", "2", "--trainer-ranks", "1", "--prompts-per-step", "3", "--rollout-n", "2"]
     argv += ["--eval-prompts", "8", "--eval-every", "100000", "--model-dir", str(toy_models)]
     argv += ["--run-dir", str(run_dir)]
@@ -48,7 +50,7 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         up_log = lambda: (tmp_path / "up.log").read_text()  # noqa: E731
-        urls = wait_until(lambda: re.search(r"SGLang (\S+) (\S+) behind the router", up_log()), 600, "SGLang up", proc)
+        urls = wait_until(lambda: re.search(r"SGLang (\S+) behind the router", up_log()), 600, "SGLang up", proc)
         wait_until(lambda: len(metrics_lines(run_dir)) >= 3, 600, "3 steps", proc)
         for url in urls.groups():
             os.killpg(process_group_serving(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
@@ -64,7 +66,7 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
             ]
             return [int(m.group(1)) for m in found] if all(found) else None
 
-        versions = wait_until(caught_up, 600, "both restarted servers caught up", proc)
+        versions = wait_until(caught_up, 600, "the restarted server caught up", proc)
         wait_until(lambda: len(metrics_lines(run_dir)) >= killed_at + 3, 600, "3 more steps", proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130
@@ -74,8 +76,7 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
             proc.wait()
         out.close()
 
-    for name in ("sglang-0", "sglang-1"):
-        assert f"{name} (exit status -9, restart 1) died: started again" in up_log()
+    assert "sglang-0 (exit status -9, restart 1) died: started again" in up_log()
     records = metrics_lines(run_dir)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # the run never stopped
     # No step needed them while they were down: up to max_inflight_steps (2, the default) steps

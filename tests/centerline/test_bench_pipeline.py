@@ -232,6 +232,8 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         "1",
         "--alone-seconds",
         str(ALONE_S),
+        "--modes",
+        "in-flight",  # one mode: each costs a whole `up` run (~45 s here); mode_spec's test covers the others
         "--",
         "--rollout-n",
         str(N),
@@ -244,7 +246,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert _processes_mentioning(str(tmp_path)) == []  # up's services and the SGLang-alone server are all stopped
     phases = [json.loads(line)["phase"] for line in run.stderr.splitlines() if line.startswith('{"bench": "pipeline"')]
-    assert phases == ["up", "startup", "pipeline"] * 2 + ["sglang_alone_ready", "sglang_alone"]
+    assert phases == ["up", "startup", "pipeline", "sglang_alone_ready", "sglang_alone"]
 
     r = json.loads(run.stdout)
     assert set(r) == SETTING_KEYS | ALONE_KEYS
@@ -254,48 +256,45 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert r["train_seconds"] == TRAIN_S
     assert r["concurrent_requests"] == 1 * 8  # one worker, eight tasks in flight (the worker's default)
     assert r["model"] == str(tmp_path / "models" / "sft-copy-seed0")
-    assert list(r["modes"]) == ["drain", "in-flight"]
-    for mode, weight_update in (("drain", "drain"), ("in-flight", "in_place")):
-        m = r["modes"][mode]
-        inflight = 2
-        assert set(m) == PIPELINE_KEYS, mode
-        assert m["max_inflight_steps"] == inflight and WARMUP < m["steps_done"] < STEPS, mode
-        assert m["weight_update"] == weight_update
-        run_dir = tmp_path / "run" / mode
-        steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
-        assert [s["step"] for s in steps] == list(range(1, m["steps_done"] + 1))
-        # the time limit ends training: the last step began before it, and up evaluated after it
-        assert sum(s["step_s"] for s in steps[:-1]) < TRAIN_S
-        assert m["steps_wall_s"] == round(sum(s["step_s"] for s in steps), 3)
-        assert f"--train-seconds {TRAIN_S:g} have passed" in (run_dir / "logs" / "trainer.log").read_text()
-        evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
-        assert [e["step"] for e in evals] == [0, m["steps_done"]]
-        # draining, a batch meets weights at most one version later than its oldest token's (the trainer
-        # waits for the update, so no response spans one); in flight, a response's first tokens may be
-        # sampled before an update and trained two versions later, which max_staleness (2) still admits
-        assert 0 <= m["staleness_max"] <= (inflight - 1 if mode == "drain" else 2), mode
-        assert 0 <= m["token_staleness_mean"] <= m["token_staleness_max"] <= m["staleness_max"], mode
-        assert (m["token_stale_share"] > 0) == (m["token_staleness_max"] > 1), mode
-        window = steps[WARMUP:]
-        assert m["weights_s_mean"] == round(sum(s["weights_s"] for s in window) / len(window), 4)
-        assert m["weights_s_max"] == round(max(s["weights_s"] for s in window), 4)
-        run_config = (run_dir / "config.toml").read_text()
-        assert f'weight_update = "{weight_update}"' in run_config, mode
-        assert 0 <= m["accuracy_before"] <= 1 and 0 <= m["accuracy_after"] <= 1
-        # Every step trains prompts x n samples; the window leaves out the warm-up steps.
-        done = m["steps_done"]
-        assert m["samples_total"] == done * PROMPTS * N
-        assert (m["pipeline_steps"], m["pipeline_samples"]) == (done - WARMUP, (done - WARMUP) * PROMPTS * N)
-        assert m["pipeline_samples"] <= m["pipeline_tokens"] <= MAX_NEW * m["pipeline_samples"]
-        assert m["pipeline_samples_per_s"] == pytest.approx(m["pipeline_samples"] / m["pipeline_window_s"], rel=1e-3)
-        assert m["pipeline_tokens_per_s"] == pytest.approx(m["pipeline_tokens"] / m["pipeline_window_s"], rel=1e-3)
-        assert m["samples_per_s_ratio"] == round(m["pipeline_samples_per_s"] / r["sglang_alone_samples_per_s"], 4)
-        assert m["tokens_per_s_ratio"] == round(m["pipeline_tokens_per_s"] / r["sglang_alone_tokens_per_s"], 4)
-        assert 0 <= m["duty_cycle"] <= 1
-        assert 0 < m["duty_cycle_window_s"] <= m["pipeline_window_s"]
-        assert 0 < m["duty_cycle_error_bound"] < 1
-        busy = 1 - sum(s["gather_s"] for s in steps[WARMUP:]) / sum(s["step_s"] for s in steps[WARMUP:])
-        assert m["trainer_duty_cycle"] == round(busy, 4)
+    assert list(r["modes"]) == ["in-flight"]
+    m = r["modes"]["in-flight"]
+    assert set(m) == PIPELINE_KEYS
+    assert m["max_inflight_steps"] == 2 and WARMUP < m["steps_done"] < STEPS
+    assert m["weight_update"] == "in_place"
+    run_dir = tmp_path / "run" / "in-flight"
+    steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, m["steps_done"] + 1))
+    # the time limit ends training: the last step began before it, and up evaluated after it
+    assert sum(s["step_s"] for s in steps[:-1]) < TRAIN_S
+    assert m["steps_wall_s"] == round(sum(s["step_s"] for s in steps), 3)
+    assert f"--train-seconds {TRAIN_S:g} have passed" in (run_dir / "logs" / "trainer.log").read_text()
+    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
+    assert [e["step"] for e in evals] == [0, m["steps_done"]]
+    # in flight, a response's first tokens may be sampled before an update and trained two versions
+    # later, which max_staleness (2) still admits
+    assert 0 <= m["staleness_max"] <= 2
+    assert 0 <= m["token_staleness_mean"] <= m["token_staleness_max"] <= m["staleness_max"]
+    assert (m["token_stale_share"] > 0) == (m["token_staleness_max"] > 1)
+    window = steps[WARMUP:]
+    assert m["weights_s_mean"] == round(sum(s["weights_s"] for s in window) / len(window), 4)
+    assert m["weights_s_max"] == round(max(s["weights_s"] for s in window), 4)
+    run_config = (run_dir / "config.toml").read_text()
+    assert 'weight_update = "in_place"' in run_config
+    assert 0 <= m["accuracy_before"] <= 1 and 0 <= m["accuracy_after"] <= 1
+    # Every step trains prompts x n samples; the window leaves out the warm-up steps.
+    done = m["steps_done"]
+    assert m["samples_total"] == done * PROMPTS * N
+    assert (m["pipeline_steps"], m["pipeline_samples"]) == (done - WARMUP, (done - WARMUP) * PROMPTS * N)
+    assert m["pipeline_samples"] <= m["pipeline_tokens"] <= MAX_NEW * m["pipeline_samples"]
+    assert m["pipeline_samples_per_s"] == pytest.approx(m["pipeline_samples"] / m["pipeline_window_s"], rel=1e-3)
+    assert m["pipeline_tokens_per_s"] == pytest.approx(m["pipeline_tokens"] / m["pipeline_window_s"], rel=1e-3)
+    assert m["samples_per_s_ratio"] == round(m["pipeline_samples_per_s"] / r["sglang_alone_samples_per_s"], 4)
+    assert m["tokens_per_s_ratio"] == round(m["pipeline_tokens_per_s"] / r["sglang_alone_tokens_per_s"], 4)
+    assert 0 <= m["duty_cycle"] <= 1
+    assert 0 < m["duty_cycle_window_s"] <= m["pipeline_window_s"]
+    assert 0 < m["duty_cycle_error_bound"] < 1
+    busy = 1 - sum(s["gather_s"] for s in steps[WARMUP:]) / sum(s["step_s"] for s in steps[WARMUP:])
+    assert m["trainer_duty_cycle"] == round(busy, 4)
     # SGLang alone: n samples per request.
     assert r["sglang_alone_samples"] == N * r["sglang_alone_requests"] > 0
     assert r["sglang_alone_samples"] <= r["sglang_alone_tokens"] <= MAX_NEW * r["sglang_alone_samples"]
