@@ -97,6 +97,21 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def keyed_sglang(model_dir, tmp_path_factory):
+    """A second SGLang server of ``model_dir`` for the tests that need one unlike the shared one:
+    it holds an admin key (``tests.processes.ADMIN_KEY``: tests/sglang/test_admin_key.py) and
+    counts its requests (``--enable-metrics``: tests/centerline/test_bench_sessions.py). One start
+    serves both (each costs ~25 s here); neither depends on the weights it serves."""
+    from shared import admin_key
+    from tests.processes import ADMIN_KEY, SGLangProcess
+
+    log = tmp_path_factory.mktemp("keyed-sglang") / "sglang.log"
+    server = SGLangProcess(model_dir, log, "--enable-metrics", env={admin_key.KEY_ENV: ADMIN_KEY})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def sglang_server(model_dir, tmp_path_factory):
     """The one SGLang server of the test session (real sglang, CPU), started on first use.
     Tests take it through ``sglang``, which hands it over serving ``model_dir``."""

@@ -19,6 +19,7 @@ from centerline.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+ADMIN_KEY = "k3y-under-test"  # the admin key of the session's second SGLang server (tests/conftest.py)
 
 
 def http(method: str, url: str, body=None, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, object]:

@@ -1,7 +1,7 @@
 """`centerline bench sessions`: sessions through the session endpoint, then single requests of the
 same token counts, one JSON object. Tiny sizes on two engines (``--engine-urls``): the session's
-shared SGLang server and one with ``--enable-metrics``, whose request count shows the routing,
-behind a real router (``--policy manual``) and proxy the bench starts."""
+shared SGLang server and the session's second one, with ``--enable-metrics``, whose request
+count shows the routing, behind a real router (``--policy manual``) and proxy the bench starts."""
 
 import json
 import subprocess
@@ -33,13 +33,9 @@ FIGURES = {
 
 
 @pytest.fixture
-def counting_server(model_dir, tmp_path):
-    """A second SGLang server of the shared model, counting its requests (sglang:num_requests_total)."""
-    from tests.processes import SGLangProcess
-
-    server = SGLangProcess(model_dir, tmp_path / "sglang.log", "--enable-metrics")
-    yield server
-    server.stop()
+def counting_server(keyed_sglang):
+    """The session's second SGLang server, counting its requests (sglang:num_requests_total)."""
+    return keyed_sglang
 
 
 @pytest.mark.integration

@@ -1,7 +1,8 @@
 """The engines' admin key. `centerline sglang` passes CENTERLINE_ENGINE_ADMIN_API_KEY to SGLang
 as --admin-api-key; SGLang then answers its admin endpoints 401 without ``Authorization:
 Bearer <key>`` and serves everything else without it; the trainer's weight publisher is the
-client that holds the key. Needs a server of its own (the shared one has no key)."""
+client that holds the key. Needs a server unlike the shared one, which has no key: the
+session's second server (tests/conftest.py: keyed_sglang)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,16 @@ import urllib.request
 import pytest
 
 from shared import admin_key
-from tests.processes import Process, SGLangProcess, free_port, http, wait_until
+from tests.processes import ADMIN_KEY, Process, free_port, http, wait_until
 from trainer_service.weights import WeightPublisher
 
 pytestmark = pytest.mark.integration
-KEY = "k3y-under-test"
+KEY = ADMIN_KEY
 
 
-@pytest.fixture(scope="module")
-def keyed(model_dir, tmp_path_factory):
-    server = SGLangProcess(model_dir, tmp_path_factory.mktemp("keyed") / "sglang.log", env={admin_key.KEY_ENV: KEY})
-    yield server
-    server.stop()
+@pytest.fixture
+def keyed(keyed_sglang):
+    return keyed_sglang
 
 
 def call(method: str, url: str, body: bytes | None = None, authorization: str | None = None) -> tuple[int, bytes]:
