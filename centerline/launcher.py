@@ -79,6 +79,7 @@ from pathlib import Path
 import orjson
 
 from centerline import run_spec, sglang
+from centerline.dataset import CHAT_TASKS, examples
 from centerline.heldout import SessionEvaluator
 from centerline.nats_server import EmbeddedNats, NatsCluster
 from centerline.ports import free_port
@@ -99,7 +100,7 @@ from shared import config as shared_config
 from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.streams import StreamLimits, provision
 from shared.task import PromptTask
-from shared.toy_tasks import CHAT_TASKS, REWARDS, examples
+from shared.toy_tasks import REWARDS
 
 PYTHON = sys.executable
 # Shared settings whose default differs for this job (chosen so that the default run learns;

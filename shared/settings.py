@@ -254,7 +254,7 @@ class UpSettings(Section):
     )
     task: str = Field(
         "upper",
-        description="Toy task (shared/toy_tasks.py: upper, copy, reverse, add; chain, multi-turn, runs as sessions "
+        description="Toy task (centerline/dataset.py: upper, copy, reverse, add; chain, multi-turn, runs as sessions "
         "of the environment chain), when --dataset is unset.",
     )
     sft_steps: int = Field(
