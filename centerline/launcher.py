@@ -116,7 +116,7 @@ def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mappi
     (none for a service that does not use NATS), so no process holds another's password; and
     without ``CENTERLINE_*`` settings variables, which would beat the run spec's file (the spec
     composed them already: a user's variable reaches every service through it)."""
-    settings = shared_config.setting_variables()
+    settings = run_spec.setting_variables()
     env = {k: v for k, v in base.items() if not nats_auth.is_secret_variable(k) and k not in settings}
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if nats_user is not None:

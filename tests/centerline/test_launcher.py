@@ -9,8 +9,9 @@ from pathlib import Path
 from centerline import launcher
 from centerline.launcher import service_env
 from shared import nats_auth
-from shared.config import add_arguments, parse_args, write_run_config
+from shared.config import add_arguments, parse_args
 from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
+from trainer_service.service import write_run_config
 
 PASSWORDS = {"admin": "pa", "trainer": "pt", "worker": "pw", "proxy": "pp"}
 # What a launcher's own environment may hold: somebody else's credentials, among ordinary variables.
