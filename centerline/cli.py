@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("centerline.nats_command:main", "run the embedded NATS server with JetStream"),
     "nats-credentials": (
-        "shared.nats_auth:main",
+        "centerline.nats_users:main",
         "write random NATS passwords for compose or Kubernetes (keeps existing ones)",
     ),
     "init-model": ("centerline.model_init:main", "write the default small byte-level model as an HF directory"),

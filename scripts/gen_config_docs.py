@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from centerline import nats_users
 from shared import admin_key, nats_auth
 from shared.config import ENV_PREFIX, Config, env_name, flag
 from shared.settings import SECTIONS
@@ -61,7 +62,7 @@ def render() -> str:
         "",
         "| variable | meaning |",
         "|---|---|",
-        f"| `{nats_auth.USER_ENV}` | the user to log in as: {', '.join(nats_auth.USERS)}; unset = no credentials |",
+        f"| `{nats_auth.USER_ENV}` | the user to log in as: {', '.join(nats_users.USERS)}; unset = no credentials |",
         f"| `{nats_auth.PASSWORD_ENV}` | its password |",
         f"| `{nats_auth.PASSWORD_FILE_ENV}` | a file holding its password (a mounted secret), instead of the above |",
         "",

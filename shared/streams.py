@@ -140,7 +140,7 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
 
 # nats-server drops a request the user's permissions refuse (the client logs a "Permissions Violation").
 _REFUSED = (
-    "this NATS user is probably not allowed to manage streams (shared/nats_auth.py). The trainer, "
+    "this NATS user is probably not allowed to manage streams (centerline/nats_users.py). The trainer, "
     "`centerline up` and the admin user create them: start the trainer first, or fix the setting as admin"
 )
 
