@@ -154,7 +154,7 @@ class Stack:
         env = {
             k: v
             for k, v in service_env(os.environ, nats_user, self.nats_passwords).items()
-            if k not in admin_key.VARIABLES
+            if k not in sglang.ADMIN_KEY_VARIABLES
         }
         if engine_key is not None:
             env[admin_key.KEY_ENV] = engine_key
@@ -626,7 +626,7 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     spec.write(config_file)  # once, every table: no service writes it again
     argv = service_argv(spec, config_file)
 
-    engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
+    engine_key = sglang.new_admin_key()  # weight updates and cache flushes: the trainer's alone
     start_serving(spec, stack, at, argv["proxy"], engine_key)
     log(
         f"SGLang {' '.join(at.engines)} behind the router {at.router}, proxy {at.proxy} "
