@@ -81,7 +81,7 @@ import orjson
 from centerline import nats_users, run_spec, sglang
 from centerline.dataset import CHAT_TASKS, examples
 from centerline.heldout import SessionEvaluator
-from centerline.nats_server import EmbeddedNats, NatsCluster
+from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
 from centerline.user_task import (
@@ -98,7 +98,7 @@ from router_proxy.rewrite import NEUTRAL
 from shared import admin_key
 from shared import config as shared_config
 from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
-from shared.streams import StreamLimits, provision
+from shared.streams import StreamLimits
 from shared.task import PromptTask
 from shared.toy_tasks import REWARDS
 

@@ -8,7 +8,9 @@ Readiness is polled, never slept for. With ``passwords`` the server has the user
 ``NatsCluster`` runs several of them as one JetStream cluster on loopback (routes between
 every pair, one store per node), the size at which streams can have replicas.
 
-Not here: the streams (``shared/streams.py``), the client (``shared/nats_client.py``), the
+``provision`` creates or reconciles the streams on a server, in one connection.
+
+Not here: the streams' settings (``shared/streams.py``), the client (``shared/nats_client.py``), the
 ``centerline nats`` command (``centerline/nats_command.py``).
 """
 
@@ -28,7 +30,10 @@ from pathlib import Path
 
 from centerline import nats_users
 from centerline.ports import free_port
-from shared import names
+from shared import nats_client, streams
+
+# The embedded server's max_payload (docs/design.md section 3); nats-server refuses more than 64 MiB.
+DEFAULT_MAX_PAYLOAD = 8 << 20
 
 
 def server_binary() -> str:
@@ -48,6 +53,16 @@ def server_binary() -> str:
     return found
 
 
+async def provision(url: str, limits: streams.StreamLimits | None = None, **credentials) -> dict[str, str]:
+    """``ensure_streams`` on the server at ``url`` in one connection (as ``credentials``, e.g. the
+    admin's), with ``limits`` (the default ``StreamLimits()`` when None)."""
+    nc = await nats_client.connect(url, name="centerline-nats", **credentials)
+    try:
+        return await streams.ensure_streams(nc.jetstream(), streams.StreamLimits() if limits is None else limits)
+    finally:
+        await nc.close()
+
+
 class EmbeddedNats:
     """A ``nats-server`` child process with JetStream, its files under ``data_dir``.
 
@@ -64,7 +79,7 @@ class EmbeddedNats:
         *,
         port: int | None = None,
         host: str = "127.0.0.1",
-        max_payload: int = names.DEFAULT_MAX_PAYLOAD,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
         http_port: int | None = None,
         binary: str | None = None,
         passwords: typing.Mapping[str, str] | None = None,
@@ -220,7 +235,7 @@ class NatsCluster:
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
-        max_payload: int = names.DEFAULT_MAX_PAYLOAD,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
         passwords: typing.Mapping[str, str] | None = None,
         binary: str | None = None,
     ):

@@ -21,13 +21,13 @@ import pytest
 from nats.js.api import StreamConfig
 
 from centerline import nats_users
-from centerline.nats_server import EmbeddedNats
+from centerline.nats_server import EmbeddedNats, provision
 from centerline.synth import make_batch
 from rollout_worker.publish import publish_batch
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
 from shared.nats_client import connect, pull_consumer
-from shared.streams import StreamConfigError, ensure_streams, provision, stream_configs
+from shared.streams import StreamConfigError, ensure_streams, stream_configs
 
 STREAMS = {c.name for c in stream_configs()}
 
