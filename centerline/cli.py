@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("centerline.nats_command:main", "run the embedded NATS server with JetStream"),
     "nats-credentials": (
-        "shared.nats_auth:main",
+        "centerline.nats_users:main",
         "write random NATS passwords for compose or Kubernetes (keeps existing ones)",
     ),
     "init-model": ("centerline.model_init:main", "write the default small byte-level model as an HF directory"),
@@ -37,7 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
     "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),
-    "dataset": ("shared.toy_tasks:main", "write a deterministic JSONL dataset of a toy task (prompt, answer, reward)"),
+    "dataset": (
+        "centerline.dataset:main",
+        "write a deterministic JSONL dataset of a toy task (prompt, answer, reward)",
+    ),
     "trainer": (
         "trainer_service.service:main",
         "drive prompts, gate batches, train with score centering, publish weights",

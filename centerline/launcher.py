@@ -31,7 +31,7 @@ names no environment of its own, ``n`` sessions of it. The held-out figure is th
 reward of one session per held-out row, played through the proxy as the workers play them
 (``centerline/heldout.py``).
 
-NATS runs with shared/nats_auth.py's users, passwords made for this run: the launcher
+NATS runs with centerline/nats_users.py's users, passwords made for this run: the launcher
 creates the streams as ``admin``, and each service gets only its own user and password, in its
 environment (``service_env``), never in ``config.toml``. Likewise the engines' admin key
 (``shared/admin_key.py``): a new one per run, in the environment of the SGLang servers and
@@ -78,9 +78,10 @@ from pathlib import Path
 
 import orjson
 
-from centerline import run_spec, sglang
+from centerline import nats_users, run_spec, sglang
+from centerline.dataset import CHAT_TASKS, examples
 from centerline.heldout import SessionEvaluator
-from centerline.nats_server import EmbeddedNats, NatsCluster
+from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
 from centerline.user_task import (
@@ -94,12 +95,12 @@ from centerline.user_task import (
 )
 from rollout_worker.worker import Rejected, Transient
 from router_proxy.rewrite import NEUTRAL
-from shared import admin_key, nats_auth
+from shared import admin_key
 from shared import config as shared_config
 from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
-from shared.streams import StreamLimits, provision
+from shared.streams import StreamLimits
 from shared.task import PromptTask
-from shared.toy_tasks import CHAT_TASKS, REWARDS, examples
+from shared.toy_tasks import REWARDS
 
 PYTHON = sys.executable
 # Shared settings whose default differs for this job (chosen so that the default run learns;
@@ -115,11 +116,11 @@ def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mappi
     (none for a service that does not use NATS), so no process holds another's password; and
     without ``CENTERLINE_*`` settings variables, which would beat the run spec's file (the spec
     composed them already: a user's variable reaches every service through it)."""
-    settings = shared_config.setting_variables()
-    env = {k: v for k, v in base.items() if not nats_auth.is_secret_variable(k) and k not in settings}
+    settings = run_spec.setting_variables()
+    env = {k: v for k, v in base.items() if not nats_users.is_secret_variable(k) and k not in settings}
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if nats_user is not None:
-        env |= nats_auth.client_env(nats_user, passwords[nats_user])
+        env |= nats_users.client_env(nats_user, passwords[nats_user])
     return env
 
 
@@ -153,7 +154,7 @@ class Stack:
         env = {
             k: v
             for k, v in service_env(os.environ, nats_user, self.nats_passwords).items()
-            if k not in admin_key.VARIABLES
+            if k not in sglang.ADMIN_KEY_VARIABLES
         }
         if engine_key is not None:
             env[admin_key.KEY_ENV] = engine_key
@@ -479,7 +480,7 @@ def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
     Raises ``RuntimeError`` when a service fails, ``Stopped`` when ``stopping`` gets an entry."""
     run_dir = spec.up.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    passwords = nats_auth.new_passwords()
+    passwords = nats_users.new_passwords()
     stack = Stack(run_dir / "logs", passwords)
     if spec.up.nats_nodes > 1:
         nats = NatsCluster(run_dir / "nats", spec.up.nats_nodes, passwords=passwords)
@@ -625,7 +626,7 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     spec.write(config_file)  # once, every table: no service writes it again
     argv = service_argv(spec, config_file)
 
-    engine_key = admin_key.new_key()  # weight updates and cache flushes: the trainer's alone
+    engine_key = sglang.new_admin_key()  # weight updates and cache flushes: the trainer's alone
     start_serving(spec, stack, at, argv["proxy"], engine_key)
     log(
         f"SGLang {' '.join(at.engines)} behind the router {at.router}, proxy {at.proxy} "

@@ -103,15 +103,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sft", action="store_true", help="warm-start on a toy task before writing (centerline/sft.py)"
     )
-    parser.add_argument("--task", default=None, help="toy task of the warm start (shared/toy_tasks.py)")
+    parser.add_argument("--task", default=None, help="toy task of the warm start (centerline/dataset.py)")
     parser.add_argument("--sft-steps", type=int, default=0, help="AdamW steps; 0 = the task's default")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
     parser.add_argument("--eval", action="store_true", help="after --sft, print held-out exact match at temperature 1")
     args = parser.parse_args(argv)
     sft = None
     if args.sft:
+        from centerline.dataset import TASKS
         from centerline.sft import SftSettings, resolved
-        from shared.toy_tasks import TASKS
 
         if args.task not in TASKS:
             parser.error(f"--sft needs --task, one of {sorted(TASKS)}")

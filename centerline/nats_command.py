@@ -15,9 +15,8 @@ import json
 import signal
 import sys
 
-from centerline.nats_server import EmbeddedNats, NatsCluster
-from shared import names
-from shared.streams import StreamLimits, provision
+from centerline.nats_server import DEFAULT_MAX_PAYLOAD, EmbeddedNats, NatsCluster, provision
+from shared.streams import StreamLimits
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +26,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4222, help="client port; 0 = any free port")
     parser.add_argument("--http-port", type=int, default=None, help="monitoring port (/healthz, /varz)")
-    parser.add_argument("--max-payload", type=int, default=names.DEFAULT_MAX_PAYLOAD, help="bytes per message")
+    parser.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="bytes per message")
     parser.add_argument(
         "--cluster", type=int, default=1, help="JetStream nodes: 1 = one server; N = a cluster on loopback"
     )

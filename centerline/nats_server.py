@@ -3,12 +3,14 @@
 ``EmbeddedNats`` runs it on a loopback port with JetStream file storage and
 ``sync_interval: always``, so a publish that was acked is on disk and survives SIGKILL.
 Readiness is polled, never slept for. With ``passwords`` the server has the users of
-``shared/nats_auth.py``; without, anyone may connect, as ``admin``.
+``centerline/nats_users.py``; without, anyone may connect, as ``admin``.
 
 ``NatsCluster`` runs several of them as one JetStream cluster on loopback (routes between
 every pair, one store per node), the size at which streams can have replicas.
 
-Not here: the streams (``shared/streams.py``), the client (``shared/nats_client.py``), the
+``provision`` creates or reconciles the streams on a server, in one connection.
+
+Not here: the streams' settings (``shared/streams.py``), the client (``shared/nats_client.py``), the
 ``centerline nats`` command (``centerline/nats_command.py``).
 """
 
@@ -26,8 +28,12 @@ import typing
 import urllib.request
 from pathlib import Path
 
+from centerline import nats_users
 from centerline.ports import free_port
-from shared import names, nats_auth
+from shared import nats_client, streams
+
+# The embedded server's max_payload (docs/design.md section 3); nats-server refuses more than 64 MiB.
+DEFAULT_MAX_PAYLOAD = 8 << 20
 
 
 def server_binary() -> str:
@@ -47,13 +53,23 @@ def server_binary() -> str:
     return found
 
 
+async def provision(url: str, limits: streams.StreamLimits | None = None, **credentials) -> dict[str, str]:
+    """``ensure_streams`` on the server at ``url`` in one connection (as ``credentials``, e.g. the
+    admin's), with ``limits`` (the default ``StreamLimits()`` when None)."""
+    nc = await nats_client.connect(url, name="centerline-nats", **credentials)
+    try:
+        return await streams.ensure_streams(nc.jetstream(), streams.StreamLimits() if limits is None else limits)
+    finally:
+        await nc.close()
+
+
 class EmbeddedNats:
     """A ``nats-server`` child process with JetStream, its files under ``data_dir``.
 
     ``data_dir`` holds ``nats.conf``, ``nats-server.log`` and the JetStream store
     (``jetstream/``). The port is chosen once (free at first start) and kept, so ``stop`` and
     ``start`` again is a restart of the same deployment at the same URL. With ``passwords``
-    (``nats_auth.new_passwords()``) every connection logs in as one of ``shared/nats_auth.py``'s
+    (``nats_users.new_passwords()``) every connection logs in as one of ``centerline/nats_users.py``'s
     users; without, anyone may connect, as ``admin``.
     """
 
@@ -63,7 +79,7 @@ class EmbeddedNats:
         *,
         port: int | None = None,
         host: str = "127.0.0.1",
-        max_payload: int = names.DEFAULT_MAX_PAYLOAD,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
         http_port: int | None = None,
         binary: str | None = None,
         passwords: typing.Mapping[str, str] | None = None,
@@ -84,12 +100,12 @@ class EmbeddedNats:
         self.max_payload = max_payload
         self.http_port = http_port  # monitoring (/healthz, /varz), off when None
         self.binary = binary or server_binary()
-        # {user: password} of shared/nats_auth.py's users. None: a connection without credentials
+        # {user: password} of centerline/nats_users.py's users. None: a connection without credentials
         # is admin (no_auth_user) in the same account, so either way the JetStream store is the
         # same and a run's store can be served again without its passwords. The config file only
         # names the password variables: the values reach the server in its environment.
         self.passwords = dict(passwords) if passwords is not None else None
-        self._server_passwords = self.passwords or nats_auth.new_passwords()
+        self._server_passwords = self.passwords or nats_users.new_passwords()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -126,7 +142,7 @@ class EmbeddedNats:
             if self.passwords is None
             else ""
         )
-        return "\n".join(lines) + "\n" + nats_auth.accounts_config() + no_auth
+        return "\n".join(lines) + "\n" + nats_users.accounts_config() + no_auth
 
     def credentials(self, user: str) -> dict[str, str]:
         """``connect`` keyword arguments that log in as ``user`` (without ``passwords`` given, the
@@ -146,7 +162,7 @@ class EmbeddedNats:
         config.write_text(self.config_text())
         with open(self.data_dir / "nats-server.log", "ab") as log:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server in order.
-            env = {**os.environ, **nats_auth.server_env(self._server_passwords)}
+            env = {**os.environ, **nats_users.server_env(self._server_passwords)}
             self.proc = subprocess.Popen(
                 [self.binary, "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
@@ -219,7 +235,7 @@ class NatsCluster:
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
-        max_payload: int = names.DEFAULT_MAX_PAYLOAD,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
         passwords: typing.Mapping[str, str] | None = None,
         binary: str | None = None,
     ):

@@ -47,7 +47,21 @@ from centerline.record import Message, RecordFileError, print_summary, quiet, re
 from shared import config as shared_config
 from shared import logs
 from shared.nats_auth import CredentialsError
-from shared.settings import TRAINER_REPLAY_FIELDS, ReplaySettings, TrainerSettings
+from shared.settings import ReplaySettings, TrainerSettings
+
+# The trainer settings `centerline replay --train` has flags for: those of a step, of its checkpoints and of
+# its metrics. It takes every setting from the run's [trainer] table; a flag overrides one of these.
+TRAINER_REPLAY_FIELDS = (
+    "strategy",
+    "max_grad_norm",
+    "threads",
+    "weight_sync_interval",
+    "micro_batch_tokens",
+    "keep_checkpoints",
+    "tensorboard",
+    "wandb",
+    "wandb_project",
+)
 
 log = logging.getLogger("centerline.replay")
 

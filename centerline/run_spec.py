@@ -37,6 +37,14 @@ from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, U
 M = typing.TypeVar("M", bound=BaseModel)
 
 
+def setting_variables() -> frozenset[str]:
+    """Every ``CENTERLINE_*`` variable that sets a setting, shared or a command's (not the
+    credentials' and keys' variables, which are no settings)."""
+    names = {env_name(name) for name in Config.model_fields}
+    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in cls.model_fields}
+    return frozenset(names)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """The shared settings and each started command's section, by its table name."""

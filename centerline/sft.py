@@ -1,6 +1,6 @@
 """A short supervised warm start of the default model on a toy task (`centerline init-model --sft`).
 
-Teacher forcing on generated train-split examples (``shared/toy_tasks.py``): the loss covers
+Teacher forcing on generated train-split examples (``centerline/dataset.py``): the loss covers
 the answer bytes and the closing ``<|endoftext|>``, not the prompt. A multi-turn task (``chain``)
 is taught in the chat form its sessions take: each example is the whole conversation as the chat
 template renders it (``centerline/tokenizer.py``, ChatML), the loss on every assistant reply and
@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from centerline.dataset import CHAT_TASKS, examples
 from centerline.tokenizer import EOS, IM_END, IM_START, PAD, SPECIALS
-from shared.toy_tasks import CHAT_TASKS, chain_turns, examples
+from shared.toy_tasks import chain_turns
 
 EOS_ID = 256 + SPECIALS.index(EOS)
 PAD_ID = 256 + SPECIALS.index(PAD)

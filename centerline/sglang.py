@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import time
 import urllib.error
@@ -45,6 +46,8 @@ from pathlib import Path
 
 from shared import admin_key
 
+# The engines' admin key's variables: only the engine and the trainer may hold them.
+ADMIN_KEY_VARIABLES = (admin_key.KEY_ENV, admin_key.KEY_FILE_ENV)
 STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
 # Measured on 2 cores (docs/sglang.md): without these, a 15 GB KV cache is allocated in 33 s,
 # the idle scheduler busy-polls most of a core, and fp16 log-probs are off by about 1e-3.
@@ -76,10 +79,15 @@ def server_argv(
     return argv + list(extra)
 
 
+def new_admin_key() -> str:
+    """A random engine admin key (256 bits, URL-safe text), one per `centerline up` run."""
+    return secrets.token_urlsafe(32)
+
+
 def server_env(base: Mapping[str, str], device: str) -> dict[str, str]:
     """The server's environment: ``base`` without the project's secrets (the admin key goes on
     the command line SGLang reads), plus the recipe's variables."""
-    env = {k: v for k, v in base.items() if k not in admin_key.VARIABLES}
+    env = {k: v for k, v in base.items() if k not in ADMIN_KEY_VARIABLES}
     env |= {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"

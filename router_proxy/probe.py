@@ -28,7 +28,7 @@ import orjson
 from router_proxy.audit import audit_body
 from router_proxy.rewrite import HARMLESS_DEFAULTS, STATED, Contract, rewrite_body
 from router_proxy.sglang_response import response_metas
-from router_proxy.upstream import UpstreamPool
+from router_proxy.upstream import UpstreamPool, upstream_key_from_env
 from shared import admin_key
 from shared.config import ConfigError, add_arguments, resolve_section
 from shared.contract import ContractViolation, k_above_vocab
@@ -349,7 +349,7 @@ def main(argv: list[str]) -> int:
     top_k = settings.top_k if settings.top_k is not None else (settings.k if settings.mode == "support" else -1)
     contract = Contract(settings.k, settings.temperature, settings.top_p, top_k, settings.mode, settings.endpoint)
     try:
-        api_key = admin_key.upstream_key_from_env()
+        api_key = upstream_key_from_env()
         report = asyncio.run(_probe_once(settings.upstream, contract, settings.vocab_size, settings.timeout, api_key))
     except admin_key.AdminKeyError as exc:
         parser.error(str(exc))

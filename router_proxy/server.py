@@ -18,7 +18,7 @@
   ``Authorization`` header is never forwarded (the trainer alone holds the engines' admin key
   and calls each engine directly). An upstream started with ``--api-key`` gets the proxy's own
   key instead, from ``CENTERLINE_UPSTREAM_API_KEY`` or ``CENTERLINE_UPSTREAM_API_KEY_FILE``
-  (``shared/admin_key.py``), on every request.
+  (``upstream.py``), on every request.
 
 The HTTP on both sides is lean on purpose (``front.py`` serves, ``upstream.py`` pools
 keep-alive connections to the upstream): FastAPI/uvicorn and aiohttp cost more CPU per request
@@ -45,7 +45,7 @@ from router_proxy.events import AuditPublisher, ProxyMetrics
 from router_proxy.front import Front, Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
-from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
+from router_proxy.upstream import UpstreamPool, UpstreamTooLarge, upstream_key_from_env
 from shared import admin_key, logs, response_arrays
 from shared.config import ENV_PREFIX, Config, add_arguments, load_toml, parse_args
 from shared.contract import ContractViolation, k_above_vocab
@@ -432,7 +432,7 @@ def main(argv: list[str]) -> int:
     logs.setup("proxy")
     nats_url = cfg.nats_url if _nats_configured(args) else None
     try:
-        api_key = admin_key.upstream_key_from_env()
+        api_key = upstream_key_from_env()
     except admin_key.AdminKeyError as exc:
         print(f"centerline proxy: {exc}", file=sys.stderr)
         return 2

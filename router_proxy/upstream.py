@@ -16,6 +16,12 @@ read the request. Any other failure raises ``UpstreamError``. An answer larger t
 ``max_response_bytes`` (head and body as received) raises ``UpstreamTooLarge`` as soon as it
 crosses the bound, so a hostile upstream cannot make the proxy buffer more than that; bytes
 nobody asked for (after a complete answer, on an idle connection) close the connection.
+
+The upstream API key (``upstream_key_from_env``): an SGLang router or server started with
+``--api-key`` answers 401 to every request without it, so the proxy and ``centerline probe``
+send their own, from ``CENTERLINE_UPSTREAM_API_KEY`` or the file
+``CENTERLINE_UPSTREAM_API_KEY_FILE`` names (read as the engines' admin key is,
+``shared/admin_key.py``), and never forward a client's.
 """
 
 from __future__ import annotations
@@ -23,13 +29,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+import typing
 import urllib.parse
 
 import httptools
 
+from shared import admin_key
 from shared.settings import MAX_UPSTREAM_RESPONSE_BYTES
 
+UPSTREAM_KEY_ENV = "CENTERLINE_UPSTREAM_API_KEY"
+UPSTREAM_KEY_FILE_ENV = "CENTERLINE_UPSTREAM_API_KEY_FILE"
+
 CLOSE_DELIMITED = -1
+
+
+def upstream_key_from_env(env: typing.Mapping[str, str] | None = None) -> str | None:
+    """The API key the proxy and the probe send to their upstream (an SGLang router or server
+    started with ``--api-key``): ``CENTERLINE_UPSTREAM_API_KEY`` or the file
+    ``CENTERLINE_UPSTREAM_API_KEY_FILE`` names. The proxy's own, never a client's."""
+    key = admin_key.key_from_env(env, variable=UPSTREAM_KEY_ENV, file_variable=UPSTREAM_KEY_FILE_ENV)
+    if key is not None and not all(33 <= ord(c) < 127 for c in key):  # it goes into an HTTP header line as it is
+        raise admin_key.AdminKeyError(
+            f"{UPSTREAM_KEY_ENV}: the key holds whitespace, control or non-ASCII characters; use printable ASCII"
+        )
+    return key
 
 
 class UpstreamError(OSError):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from centerline import nats_users
+from router_proxy import upstream
 from shared import admin_key, nats_auth
 from shared.config import ENV_PREFIX, Config, env_name, flag
 from shared.settings import SECTIONS
@@ -61,7 +63,7 @@ def render() -> str:
         "",
         "| variable | meaning |",
         "|---|---|",
-        f"| `{nats_auth.USER_ENV}` | the user to log in as: {', '.join(nats_auth.USERS)}; unset = no credentials |",
+        f"| `{nats_auth.USER_ENV}` | the user to log in as: {', '.join(nats_users.USERS)}; unset = no credentials |",
         f"| `{nats_auth.PASSWORD_ENV}` | its password |",
         f"| `{nats_auth.PASSWORD_FILE_ENV}` | a file holding its password (a mounted secret), instead of the above |",
         "",
@@ -78,9 +80,9 @@ def render() -> str:
         f"| `{admin_key.KEY_ENV}` | the admin key: `centerline sglang` gives it to SGLang as `--admin-api-key`, the "
         "trainer sends it; unset = none |",
         f"| `{admin_key.KEY_FILE_ENV}` | a file holding the admin key (a mounted secret), instead of the above |",
-        f"| `{admin_key.UPSTREAM_KEY_ENV}` | the upstream's `--api-key`, sent by the proxy and the probe; unset = none "
+        f"| `{upstream.UPSTREAM_KEY_ENV}` | the upstream's `--api-key`, sent by the proxy and the probe; unset = none "
         "|",
-        f"| `{admin_key.UPSTREAM_KEY_FILE_ENV}` | a file holding the upstream key, instead of the above |",
+        f"| `{upstream.UPSTREAM_KEY_FILE_ENV}` | a file holding the upstream key, instead of the above |",
     ]
     return "\n".join(lines) + "\n"
 

@@ -373,29 +373,6 @@ def _toml_value(value) -> str:
     return repr(value)
 
 
-def write_run_config(path: Path, args: argparse.Namespace, cfg: Config, *sections: Section) -> None:
-    """Write the run's ``config.toml`` (atomically: other services may be reading it): the
-    resolved settings, and the other commands' tables of the file this command read. A file
-    that says exactly that already is left alone: the run spec `centerline up` wrote, which
-    this command was started with, is written once."""
-    read = load_toml(vars(args)["config"]) if "config" in vars(args) else {}
-    tables = {name: values for name, values in read.items() if name in SECTIONS}
-    text = to_toml(cfg, *sections, tables=tables)
-    if path.exists() and tomllib.loads(path.read_text()) == tomllib.loads(text):
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def setting_variables() -> frozenset[str]:
-    """Every ``CENTERLINE_*`` variable that sets a setting, shared or a command's (not the
-    credentials' and keys' variables, which are no settings)."""
-    names = {env_name(name) for name in Config.model_fields}
-    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in cls.model_fields}
-    return frozenset(names)
-
-
 def _base_type(annotation) -> type:
     """The flag's type: ``str`` for a Literal, ``list`` for a list, X for ``X | None``."""
     origin = typing.get_origin(annotation)

@@ -31,6 +31,3 @@ TRAINER_CONSUMER = "trainer"
 
 # JetStream deduplicates on this header within the stream's duplicate window; its value is the batch_id.
 MSG_ID_HEADER = "Nats-Msg-Id"
-
-# The embedded server's max_payload (docs/design.md section 3); nats-server refuses more than 64 MiB.
-DEFAULT_MAX_PAYLOAD = 8 << 20

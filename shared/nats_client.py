@@ -1,7 +1,7 @@
 """The NATS client side of centerline: connecting, publishing with PubAck, pull consumers.
 
-- ``connect`` logs in as ``CENTERLINE_NATS_USER`` (``shared/nats_auth.py``: users and their
-  permissions) and reconnects forever, so a server restart does not end a service.
+- ``connect`` logs in as ``CENTERLINE_NATS_USER`` (``shared/nats_auth.py``; the users and their
+  permissions: ``centerline/nats_users.py``) and reconnects forever, so a server restart does not end a service.
 - ``publish_acked`` publishes one message with its ``Nats-Msg-Id`` (JetStream drops a re-publish
   inside the duplicate window), repeated until JetStream confirms it; a worker publishes its
   batches through it, split by sample where needed (``rollout_worker/publish.py``).

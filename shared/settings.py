@@ -111,21 +111,6 @@ class TrainerSettings(Section):
         return [_max_deliver_check(self.max_deliver)]
 
 
-# The trainer settings `centerline replay --train` has flags for: those of a step, of its checkpoints and of
-# its metrics. It takes every setting from the run's [trainer] table; a flag overrides one of these.
-TRAINER_REPLAY_FIELDS = (
-    "strategy",
-    "max_grad_norm",
-    "threads",
-    "weight_sync_interval",
-    "micro_batch_tokens",
-    "keep_checkpoints",
-    "tensorboard",
-    "wandb",
-    "wandb_project",
-)
-
-
 class WorkerSettings(Section):
     """``centerline worker``: a rollout worker (rollout_worker/main.py)."""
 
@@ -254,7 +239,7 @@ class UpSettings(Section):
     )
     task: str = Field(
         "upper",
-        description="Toy task (shared/toy_tasks.py: upper, copy, reverse, add; chain, multi-turn, runs as sessions "
+        description="Toy task (centerline/dataset.py: upper, copy, reverse, add; chain, multi-turn, runs as sessions "
         "of the environment chain), when --dataset is unset.",
     )
     sft_steps: int = Field(

@@ -1,8 +1,8 @@
 """The JetStream streams of docs/design.md section 3: their settings and their creation.
 
 ``ensure_streams`` creates every stream, or reconciles an existing one with centerline's
-settings; on a deployment with the same settings it changes nothing. ``provision`` does it
-in one connection of its own.
+settings; on a deployment with the same settings it changes nothing (``centerline/nats_server.py``'s
+``provision`` does it in one connection of its own).
 
 Not here: the stream and subject names (``shared/names.py``), the server
 (``centerline/nats_server.py``), publishing and consuming (``shared/nats_client.py``).
@@ -18,7 +18,6 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import APIError, NotFoundError
 
 from shared import names
-from shared.nats_client import connect
 
 
 class StreamConfigError(RuntimeError):
@@ -140,7 +139,7 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
 
 # nats-server drops a request the user's permissions refuse (the client logs a "Permissions Violation").
 _REFUSED = (
-    "this NATS user is probably not allowed to manage streams (shared/nats_auth.py). The trainer, "
+    "this NATS user is probably not allowed to manage streams (centerline/nats_users.py). The trainer, "
     "`centerline up` and the admin user create them: start the trainer first, or fix the setting as admin"
 )
 
@@ -166,12 +165,3 @@ def _diff_message(stream: str, diffs: dict) -> str:
     show = lambda v: repr(getattr(v, "value", v))  # noqa: E731  (enums by their JetStream spelling)
     parts = ", ".join(f"{f} is {show(have)}, centerline wants {show(want)}" for f, (have, want) in diffs.items())
     return f"stream {stream}: {parts}"
-
-
-async def provision(url: str, limits: StreamLimits = StreamLimits(), **credentials) -> dict[str, str]:
-    """``ensure_streams`` on the server at ``url`` in one connection (as ``credentials``, e.g. the admin's)."""
-    nc = await connect(url, name="centerline-nats", **credentials)
-    try:
-        return await ensure_streams(nc.jetstream(), limits)
-    finally:
-        await nc.close()

@@ -4,6 +4,8 @@
 The import graph is read with ``ast`` from every module of the four packages; tests, scripts and
 fuzz harnesses are not users. A shared module imported by another shared module counts for that
 module's users too (``shared/wire.py`` is used by the proxy through ``shared/response_arrays.py``).
+The same holds name by name: every public function, class and constant of ``shared/`` has two
+users, directly or through another name of ``shared/``, but for the few ``ONE_USER_NAMES`` says why.
 """
 
 from __future__ import annotations
@@ -105,5 +107,92 @@ def test_shared_imports_no_service():
 def test_every_shared_module_has_two_users():
     single = {
         module: sorted(packages) for module, packages in shared_users(import_graph()).items() if len(packages) < 2
+    }
+    assert single == {}
+
+
+# Public names of shared/ that one package uses, on purpose (module, name): why.
+ONE_USER_NAMES = {
+    ("contract", "RULES"): "the contract's rule names, which audit events and dead letters carry; the proxy extends it",
+    (
+        "response_arrays",
+        "encode",
+    ): "the proxy's half of the binary answer; the worker decodes it (one format, one file)",
+    ("config", "main"): "`centerline config` prints the resolution as every command sees it (config's own _build)",
+}
+
+
+def top_level_names(tree: ast.Module) -> dict[str, ast.stmt]:
+    """The functions, classes and assigned names at a module's top level."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        found[name.id] = node
+    return found
+
+
+def shared_names_used(node: ast.AST, aliases: dict[str, str] | None = None) -> set[tuple[str, str]]:
+    """``(module, name)`` of ``shared/`` that ``node`` imports or reads as ``module.name``; ``aliases``, the
+    shared modules' local names around ``node``, takes those imported in it."""
+    used, aliases = set(), {} if aliases is None else aliases
+    for item in ast.walk(node):
+        if isinstance(item, ast.ImportFrom) and (item.module or "").startswith("shared."):
+            used |= {(item.module.split(".")[1], alias.name) for alias in item.names}
+        elif isinstance(item, ast.ImportFrom) and item.module == "shared":
+            aliases |= {alias.asname or alias.name: alias.name for alias in item.names}
+        elif isinstance(item, ast.Import):
+            aliases |= {
+                alias.asname or alias.name: alias.name.split(".")[1]
+                for alias in item.names
+                if alias.name.startswith("shared.")
+            }
+    for item in ast.walk(node):
+        if isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id in aliases:
+            used.add((aliases[item.value.id], item.attr))
+        elif isinstance(item, ast.Constant) and isinstance(item.value, str) and item.value.startswith("shared."):
+            module, _, name = item.value.removeprefix("shared.").partition(":")  # a "module:function" target
+            used.add((module, name))
+    return used
+
+
+def test_every_public_name_of_shared_has_two_users():
+    """A function, class or constant of ``shared/`` is used by two of the packages (tests, scripts and
+    fuzz harnesses are none), directly or through another name of ``shared/`` that is."""
+    defs, refers = {}, {}
+    for path in sorted((REPO / "shared").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = top_level_names(tree)
+        aliases: dict[str, str] = {}
+        imported = shared_names_used(tree, aliases)
+        for name, node in names.items():
+            read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            defs[(path.stem, name)] = node
+            refers[(path.stem, name)] = (
+                {(path.stem, n) for n in read & names.keys() - {name}}
+                | {key for key in imported if key[1] in read}
+                | shared_names_used(node, dict(aliases))
+            )
+    users = {key: set() for key in defs}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            for key in shared_names_used(ast.parse(path.read_text())) & users.keys():
+                users[key].add(package)
+    changed = True
+    while changed:  # a name's users include those of every name of shared/ that reads it
+        changed = False
+        for key, read in refers.items():
+            for other in read & users.keys():
+                if not users[key] <= users[other]:
+                    users[other] |= users[key]
+                    changed = True
+    single = {
+        f"{module}.{name}": sorted(users[(module, name)])
+        for module, name in defs
+        if not name.startswith("_") and len(users[(module, name)]) < 2 and (module, name) not in ONE_USER_NAMES
     }
     assert single == {}

@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import time
+import tomllib
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +40,7 @@ from pathlib import Path
 from shared import config as shared_config
 from shared import logs
 from shared.contract import k_above_vocab
-from shared.settings import TrainerSettings
+from shared.settings import SECTIONS, Section, TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
 
@@ -226,6 +227,21 @@ def run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def write_run_config(path: Path, args: argparse.Namespace, cfg: shared_config.Config, *sections: Section) -> None:
+    """Write the run's ``config.toml`` (atomically: other services may be reading it): the
+    resolved settings, and the other commands' tables of the file this command read. A file
+    that says exactly that already is left alone: the run spec `centerline up` wrote, which
+    this command was started with, is written once."""
+    read = shared_config.load_toml(vars(args)["config"]) if "config" in vars(args) else {}
+    tables = {name: values for name, values in read.items() if name in SECTIONS}
+    text = shared_config.to_toml(cfg, *sections, tables=tables)
+    if path.exists() and tomllib.loads(path.read_text()) == tomllib.loads(text):
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     args, cfg, settings = parse(argv)
     logs.setup("trainer")
@@ -244,7 +260,7 @@ def main(argv: list[str]) -> int:
         main_rank = is_main()
         if main_rank:
             settings.run_dir.mkdir(parents=True, exist_ok=True)
-            shared_config.write_run_config(settings.run_dir / "config.toml", args, cfg, settings)
+            write_run_config(settings.run_dir / "config.toml", args, cfg, settings)
             checkpoint.remove_partial(settings.run_dir / "checkpoints")
         resume = agree(checkpoint.latest(settings.run_dir / "checkpoints") if main_rank else None)
         policy = Policy(settings, cfg, resume)

@@ -95,7 +95,7 @@ from centerline.bench import add_out_flag, emit
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
-from shared.config import Config, ConfigError, setting_variables
+from shared.config import Config, ConfigError
 
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
 MODES = {"on-policy": (1, "in_place"), "drain": (2, "drain"), "in-flight": (2, "in_place")}
@@ -206,7 +206,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     spec.write(spec_file)
     argv = [PYTHON, "-m", "centerline", "up", "--config", str(spec_file)]
     # the spec resolved the settings variables already; left in, they would beat its file
-    env = {k: v for k, v in os.environ.items() if k not in setting_variables()}
+    env = {k: v for k, v in os.environ.items() if k not in run_spec.setting_variables()}
     log = run_dir / "up.log"
     started = time.monotonic()
     with open(log, "wb") as out:

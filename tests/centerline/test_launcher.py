@@ -6,11 +6,11 @@ import sys
 import tomllib
 from pathlib import Path
 
-from centerline import launcher
+from centerline import launcher, nats_users
 from centerline.launcher import service_env
-from shared import nats_auth
-from shared.config import add_arguments, parse_args, write_run_config
+from shared.config import add_arguments, parse_args
 from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
+from trainer_service.service import write_run_config
 
 PASSWORDS = {"admin": "pa", "trainer": "pt", "worker": "pw", "proxy": "pp"}
 # What a launcher's own environment may hold: somebody else's credentials, among ordinary variables.
@@ -21,7 +21,7 @@ BASE = {
     "CENTERLINE_NATS_USER": "admin",
     "CENTERLINE_NATS_PASSWORD": "x",
     "CENTERLINE_NATS_PASSWORD_FILE": "/f",
-    **nats_auth.server_env({u: "x" for u in nats_auth.USERS}),
+    **nats_users.server_env({u: "x" for u in nats_users.USERS}),
 }
 
 

@@ -20,7 +20,7 @@
   router's workers and the trainer's --engine-urls are every SGLang server (never the router),
   and the official image's tag is pyproject.toml's sglang pin;
 - the dashboard's metric names are the ones the services export;
-- NATS runs centerline's users and permissions (shared/nats_auth.py) everywhere, and each
+- NATS runs centerline's users and permissions (centerline/nats_users.py) everywhere, and each
   service logs in as its own user with only its own password: in compose, the files the
   credentials init writes land in per-user volumes that only their service mounts;
 - the three-node NATS cluster option (deploy/nats/nats-cluster.conf, deploy/compose-nats-cluster.yml,
@@ -689,12 +689,13 @@ def nats_configs() -> dict[str, str]:
 
 @pytest.mark.parametrize("where", ["compose", "k8s"])
 def test_nats_server_accepts_the_config(where, tmp_path):
+    from centerline import nats_users
     from centerline.nats_server import server_binary
-    from shared import nats_auth
 
     path = tmp_path / "nats.conf"
     path.write_text(nats_configs()[where])
-    env = {"PATH": "/usr/bin:/bin", **nats_auth.server_env(nats_auth.new_passwords())}  # what the Secret / nats.env set
+    passwords = nats_users.server_env(nats_users.new_passwords())  # what the Secret / nats.env set
+    env = {"PATH": "/usr/bin:/bin", **passwords}
     out = subprocess.run([server_binary(), "-c", str(path), "-t"], capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     missing = subprocess.run(
@@ -705,10 +706,10 @@ def test_nats_server_accepts_the_config(where, tmp_path):
 
 @pytest.mark.parametrize("where", ["compose", "k8s"])
 def test_nats_config_carries_centerlines_users_unchanged(where):
-    from shared.nats_auth import accounts_config
+    from centerline.nats_users import accounts_config
 
     assert nats_configs()[where].endswith("\n" + accounts_config()), (
-        "re-render the block with shared.nats_auth.accounts_config()"
+        "re-render the block with centerline.nats_users.accounts_config()"
     )
     assert "no_auth_user" not in nats_configs()[where]
 
@@ -724,7 +725,7 @@ def nats_nodes(services: dict) -> list[str]:
 def credentials_volumes(services: dict, tmp_path: Path) -> dict[str, dict[str, str]]:
     """Run nats_credentials' command as its mounts lay it out: {volume: {path in it: content}}.
     Each file lands in the innermost volume mounted over its path, as Docker nests mounts."""
-    from shared.nats_auth import write_credentials
+    from centerline.nats_users import write_credentials
 
     init = services["nats_credentials"]
     assert init["command"] == ["centerline", "nats-credentials", "/credentials"]
@@ -753,13 +754,16 @@ def visible_files(svc: dict, volumes: dict[str, dict[str, str]]) -> dict[str, st
 
 @pytest.mark.parametrize("files", COMPOSE_FILES)
 def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password(files, tmp_path):
+    from centerline import nats_users
     from shared import nats_auth
 
     services = project(files, ("observability",))["services"]
     volumes = credentials_volumes(services, tmp_path)
     server_env = dict(line.split("=", 1) for line in volumes["nats-credentials"]["nats.env"].splitlines())
-    assert server_env == nats_auth.server_env({u: server_env[nats_auth.password_variable(u)] for u in nats_auth.USERS})
-    passwords = {user: server_env[nats_auth.password_variable(user)] for user in nats_auth.USERS}
+    assert server_env == nats_users.server_env(
+        {u: server_env[nats_auth.password_variable(u)] for u in nats_users.USERS}
+    )
+    passwords = {user: server_env[nats_auth.password_variable(user)] for user in nats_users.USERS}
     seen = {
         name: {user for user, pw in passwords.items() for text in visible_files(svc, volumes).values() if pw in text}
         for name, svc in services.items()
@@ -767,7 +771,7 @@ def test_compose_services_log_in_as_their_own_nats_user_with_only_their_password
     nodes = nats_nodes(services)  # `nats`; with the cluster override also `nats_1` and `nats_2`
     assert nodes == (["nats", "nats_1", "nats_2"] if "nats-cluster" in files else ["nats"])
     assert seen == {
-        name: set(nats_auth.USERS) if name in (*nodes, "nats_credentials") else {COMPOSE_NATS_USERS.get(name)} - {None}
+        name: set(nats_users.USERS) if name in (*nodes, "nats_credentials") else {COMPOSE_NATS_USERS.get(name)} - {None}
         for name in services
     }
     for name, user in COMPOSE_NATS_USERS.items():
@@ -1652,6 +1656,7 @@ def k8s_expand(value: str, env: dict[str, str]) -> str:
 
 
 def test_k8s_nats_cluster_runs_three_nodes_routed_by_pod_name(tmp_path):
+    from centerline import nats_users
     from shared import nats_auth
 
     docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_overlay(K8S_CLUSTER)}
@@ -1690,7 +1695,7 @@ def test_k8s_nats_cluster_runs_three_nodes_routed_by_pod_name(tmp_path):
         "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
     }
     assert container["envFrom"] == [{"secretRef": {"name": "nats-credentials"}}]
-    passwords = nats_auth.server_env(nats_auth.new_passwords())  # the Secret's keys (nats.env)
+    passwords = nats_users.server_env(nats_users.new_passwords())  # the Secret's keys (nats.env)
     (tmp_path / "etc").mkdir()
     for key, text in config.items():
         (tmp_path / "etc" / key).write_text(text)

@@ -28,12 +28,12 @@ from pathlib import Path
 import orjson
 from nats.js.errors import NotFoundError
 
+from centerline.dataset import examples
 from centerline.nats_server import EmbeddedNats, NatsCluster
 from centerline.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats_client import connect
 from shared.streams import StreamLimits, ensure_streams
-from shared.toy_tasks import examples
 from shared.wire import decode_batch
 from tests.processes import SGLangProcess, stored_messages
 from tests.rollout_worker.test_worker_stack import CONFIG, WorkerProcess

@@ -8,9 +8,9 @@ import re
 import orjson
 import pytest
 
+from centerline.dataset import TASKS, examples, is_heldout
+from centerline.dataset import main as dataset_main
 from shared.task import PromptTask
-from shared.toy_tasks import TASKS, examples, is_heldout
-from shared.toy_tasks import main as dataset_main
 
 
 def solve(prompt: str) -> str:

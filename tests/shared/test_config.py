@@ -17,9 +17,9 @@ from shared.config import (
     resolve,
     resolve_section,
     to_toml,
-    write_run_config,
 )
 from shared.settings import SECTIONS, ProxySettings, TrainerSettings
+from trainer_service.service import write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

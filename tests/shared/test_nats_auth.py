@@ -1,4 +1,4 @@
-"""NATS users and permissions (shared/nats_auth.py) against a real nats-server: each service's
+"""NATS users and permissions (centerline/nats_users.py) against a real nats-server: each service's
 user can do its job and nothing else; refused credentials fail at once with the fix named.
 
 nats-server drops a publish the user's permissions refuse and reports it to the client
@@ -20,13 +20,14 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from centerline.nats_server import EmbeddedNats
+from centerline import nats_users
+from centerline.nats_server import EmbeddedNats, provision
 from centerline.synth import make_batch
 from rollout_worker.publish import publish_batch
 from shared import names, nats_auth
 from shared.nats_auth import CredentialsError
 from shared.nats_client import connect, pull_consumer
-from shared.streams import StreamConfigError, ensure_streams, provision, stream_configs
+from shared.streams import StreamConfigError, ensure_streams, stream_configs
 
 STREAMS = {c.name for c in stream_configs()}
 
@@ -38,7 +39,7 @@ def violation(action: str, subject: str) -> str:
 @pytest.fixture
 def secure(tmp_path):
     """An embedded nats-server with centerline's users, the streams created as admin."""
-    server = EmbeddedNats(tmp_path / "nats", passwords=nats_auth.new_passwords()).start()
+    server = EmbeddedNats(tmp_path / "nats", passwords=nats_users.new_passwords()).start()
     asyncio.run(provision(server.url, **server.credentials("admin")))
     yield server
     server.stop()
@@ -132,7 +133,7 @@ def test_a_worker_cannot_create_or_delete_a_stream(secure):
 
 @pytest.mark.integration
 def test_a_worker_on_a_server_without_streams_is_told_who_creates_them(tmp_path):
-    with EmbeddedNats(tmp_path / "nats", passwords=nats_auth.new_passwords()) as server:
+    with EmbeddedNats(tmp_path / "nats", passwords=nats_users.new_passwords()) as server:
 
         async def body():
             async with Session(server, "worker") as worker:
@@ -229,7 +230,7 @@ def test_the_proxy_publishes_audit_events_and_nothing_else(secure):
 
 @pytest.mark.integration
 def test_the_trainer_creates_the_streams_drives_tasks_consumes_batches_and_publishes_weights(tmp_path):
-    with EmbeddedNats(tmp_path / "nats", passwords=nats_auth.new_passwords()) as server:
+    with EmbeddedNats(tmp_path / "nats", passwords=nats_users.new_passwords()) as server:
 
         async def body():
             async with Session(server, "trainer") as trainer:
@@ -309,7 +310,7 @@ def test_connect_logs_in_with_the_user_and_password_file_of_the_environment(secu
 @pytest.mark.integration
 def test_the_server_config_file_holds_no_password(secure):
     text = (secure.data_dir / "nats.conf").read_text()
-    assert nats_auth.accounts_config() in text and "no_auth_user" not in text
+    assert nats_users.accounts_config() in text and "no_auth_user" not in text
     assert [p for p in secure.passwords.values() if p in text] == []
 
 
@@ -318,7 +319,7 @@ def test_a_store_made_without_passwords_is_served_again_with_them(tmp_path, monk
     monkeypatch.delenv(nats_auth.USER_ENV, raising=False)
     with EmbeddedNats(tmp_path / "nats") as open_server:  # no passwords: everyone is admin
         asyncio.run(provision(open_server.url))
-    with EmbeddedNats(tmp_path / "nats", passwords=nats_auth.new_passwords()) as server:
+    with EmbeddedNats(tmp_path / "nats", passwords=nats_users.new_passwords()) as server:
         assert set(asyncio.run(provision(server.url, **server.credentials("admin"))).values()) == {"unchanged"}
 
 
@@ -345,15 +346,15 @@ def test_a_password_without_a_user_is_refused_before_connecting():
 
 
 def test_every_user_has_permissions_and_a_password_variable_in_the_config():
-    assert set(nats_auth.permissions()) == set(nats_auth.USERS) == {"admin", "trainer", "worker", "proxy"}
-    text = nats_auth.accounts_config()
+    assert set(nats_users.permissions()) == set(nats_users.USERS) == {"admin", "trainer", "worker", "proxy"}
+    text = nats_users.accounts_config()
     assert [v for v in re.findall(r"password: \$(\w+)", text)] == [
-        nats_auth.password_variable(u) for u in nats_auth.USERS
+        nats_auth.password_variable(u) for u in nats_users.USERS
     ]
 
 
 def test_only_the_trainer_and_admin_may_manage_streams_and_only_admin_delete():
-    perms = nats_auth.permissions()
+    perms = nats_users.permissions()
     managing = {u for u, p in perms.items() if {">", "$JS.API.STREAM.CREATE.*"} & set(p["publish"])}
     assert managing == {"admin", "trainer"}
     assert [u for u, p in perms.items() if any("DELETE" in s or "PURGE" in s or s == ">" for s in p["publish"])] == [
@@ -363,7 +364,7 @@ def test_only_the_trainer_and_admin_may_manage_streams_and_only_admin_delete():
 
 
 def test_new_passwords_are_distinct_and_of_the_form_nats_server_reads_back_unchanged():
-    passwords = [nats_auth.new_password() for _ in range(200)]
+    passwords = [nats_users.new_password() for _ in range(200)]
     assert len(set(passwords)) == 200
     assert all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{32}", p) for p in passwords)
 
@@ -413,16 +414,16 @@ def test_redact_hides_a_password_in_a_url():
 
 def test_credentials_directory_gives_each_user_a_private_password_and_keeps_it(tmp_path):
     out = tmp_path / "creds"
-    assert nats_auth.write_credentials(out) == {"created": list(nats_auth.USERS), "kept": []}
-    first = {u: (out / u / "password").read_text() for u in nats_auth.USERS}
-    assert nats_auth.write_credentials(out) == {"created": [], "kept": list(nats_auth.USERS)}
-    assert {u: (out / u / "password").read_text() for u in nats_auth.USERS} == first
+    assert nats_users.write_credentials(out) == {"created": list(nats_users.USERS), "kept": []}
+    first = {u: (out / u / "password").read_text() for u in nats_users.USERS}
+    assert nats_users.write_credentials(out) == {"created": [], "kept": list(nats_users.USERS)}
+    assert {u: (out / u / "password").read_text() for u in nats_users.USERS} == first
     env = dict(line.split("=", 1) for line in (out / "nats.env").read_text().splitlines())
-    assert env == nats_auth.server_env(first)
+    assert env == nats_users.server_env(first)
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(os.stat(p).st_mode) for p in [out, *out.rglob("*")]}
     assert modes == {
         ".": 0o700,
         "nats.env": 0o600,
-        **{u: 0o700 for u in nats_auth.USERS},
-        **{f"{u}/password": 0o600 for u in nats_auth.USERS},
+        **{u: 0o700 for u in nats_users.USERS},
+        **{f"{u}/password": 0o600 for u in nats_users.USERS},
     }
