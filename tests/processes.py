@@ -117,11 +117,11 @@ class SGLangProcess(Process):
             raise RuntimeError(f"SGLang failed to start:\n{self.log()[-6000:]}") from None
 
     def stop(self) -> None:
-        """SIGTERM to the server, which stops its scheduler and detokenizer itself (signalled
-        too, they look like a crash to it, and it waits 5 s for crash diagnostics); SIGKILL
-        to the whole process group after 15 s, and to anything of it left behind."""
+        """SIGTERM to the server's process group, as `centerline up` stops it: the scheduler
+        exits and the server follows within a second (alone, it drains and checks every 5 s;
+        docs/sglang.md); SIGKILL to the whole group after 15 s, and to anything of it left behind."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
