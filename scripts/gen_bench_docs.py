@@ -8,6 +8,10 @@ rendered from ``docs/bench/NAME.json``: what ``centerline bench <target> --out F
 figures, ``command`` and ``machine``). A file whose ``machine`` holds a ``note`` was measured on
 another machine and transcribed by hand; its part says so. To refresh a part, run the bench with
 ``--out docs/bench/NAME.json``, then this script.
+
+A figure quoted in prose, in README.md or docs/*.md, is one value of such a file:
+``<!-- fig NAME PATH [FORMAT] -->0.70<!-- /fig -->``, PATH its keys (and list indices) joined by
+dots, FORMAT a Python format spec (``.2f``, ``.2%``; default: three significant figures).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FIGURES = ROOT / "docs" / "bench"
+DOCS = ROOT / "docs"
+FIG = re.compile(r"<!-- fig (?P<name>[\w-]+) (?P<path>[\w.-]+)(?: (?P<fmt>\S+))? -->(?P<text>[^<]*)<!-- /fig -->")
 PART = re.compile(r"<!-- bench:(?P<name>[\w-]+) begin[^>]*-->\n(?P<body>.*?)<!-- bench:(?P=name) end -->", re.S)
 
 
@@ -313,24 +319,67 @@ def render(readme: str) -> tuple[str, list[str]]:
     return PART.sub(replace, readme), stale
 
 
+def figure(name: str, path: str, fmt: str | None) -> str:
+    """One value of ``docs/bench/NAME.json``, written as the prose quotes it."""
+    value = json.loads((FIGURES / f"{name}.json").read_text())
+    for key in path.split("."):
+        try:
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        except (KeyError, IndexError, ValueError):
+            raise SystemExit(f"<!-- fig {name} {path} -->: docs/bench/{name}.json has no {key!r} there") from None
+    if fmt:
+        return format(value, fmt)
+    return str(value) if isinstance(value, int) else sig(value)
+
+
+def render_figures(text: str) -> tuple[str, list[str]]:
+    """``text`` with every quoted figure rewritten, and the figures that changed."""
+    stale = []
+
+    def replace(m: re.Match) -> str:
+        value = figure(m["name"], m["path"], m["fmt"])
+        if value != m["text"]:
+            stale.append(f"{m['name']} {m['path']}")
+        return m[0].replace(f"-->{m['text']}<!--", f"-->{value}<!--", 1)
+
+    return FIG.sub(replace, text), stale
+
+
+def stale_lines(path: Path, parts: list[str], figures: list[str]) -> list[str]:
+    """What ``--check`` says of one file's stale parts and figures."""
+    fix = "run python scripts/gen_bench_docs.py"
+    return [
+        *(f"{path.name}: the benchmark part {n!r} differs from docs/bench/{n}.json; {fix}" for n in parts),
+        *(f"{path.name}: the figure '{f}' differs from docs/bench/{f.split()[0]}.json; {fix}" for f in figures),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is stale; write nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a part or figure is stale; write nothing")
     parser.add_argument("--readme", type=Path, default=README, help="the file holding the parts (default: %(default)s)")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="whose *.md may quote figures (default: %(default)s)")
     args = parser.parse_args()
-    text, stale = render(args.readme.read_text())
+    text, parts = render(args.readme.read_text())
+    text, figures = render_figures(text)
+    files = {args.readme: (text, parts, figures)}  # path: (its text rewritten, stale parts, stale figures)
+    for doc in sorted(args.docs.glob("*.md")):
+        if FIG.search(original := doc.read_text()):
+            rewritten, quoted = render_figures(original)
+            files[doc] = (rewritten, [], quoted)
     if args.check:
-        for name in stale:
-            print(
-                f"{args.readme.name}: the benchmark part {name!r} differs from docs/bench/{name}.json; "
-                "run python scripts/gen_bench_docs.py",
-                file=sys.stderr,
-            )
-        if not stale:
-            print(f"{args.readme.name}: the benchmark parts are current")
-        return 1 if stale else 0
-    args.readme.write_text(text)
-    print(f"wrote {args.readme.name} ({len(stale)} benchmark parts changed: {', '.join(stale) or 'none'})")
+        stale = [line for path, (_, p, f) in files.items() for line in stale_lines(path, p, f)]
+        if stale:
+            print("\n".join(stale), file=sys.stderr)
+            return 1
+        quoted = sum(len(FIG.findall(text)) for text, _, _ in files.values())
+        where = ", ".join(path.name for path in files)
+        print(f"{args.readme.name}: the benchmark parts are current; the {quoted} figures quoted in {where} too")
+        return 0
+    for path, (text, p, f) in files.items():
+        path.write_text(text)
+        if path == args.readme or f:
+            print(f"wrote {path.name} ({len(p)} benchmark parts changed: {', '.join(p) or 'none'}; {len(f)} figures)")
     return 0
 
 

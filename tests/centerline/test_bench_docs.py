@@ -16,7 +16,9 @@ def gen(*argv):
 def test_readme_benchmark_figures_are_generated_from_the_figure_files():
     run = gen("--check")
     assert run.returncode == 0, run.stderr
-    assert run.stdout == "README.md: the benchmark parts are current\n"
+    assert run.stdout == (
+        "README.md: the benchmark parts are current; the 12 figures quoted in README.md, design.md, sglang.md too\n"
+    )
     readme = (ROOT / "README.md").read_text()
     for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
         assert f"<!-- bench:{path.stem} begin" in readme and f"<!-- bench:{path.stem} end -->" in readme
@@ -40,15 +42,17 @@ def test_check_names_the_stale_part_and_writing_brings_it_back(tmp_path):
     before, rest = text.split("<!-- bench:proxy begin", 1)
     head, tail = rest.split("-->\n", 1)
     readme.write_text(before + "<!-- bench:proxy begin" + head + "-->\n| an edited figure |\n" + tail)
-    run = gen("--check", "--readme", str(readme))
+    (tmp_path / "docs").mkdir()
+    here = ("--readme", str(readme), "--docs", str(tmp_path / "docs"))
+    run = gen("--check", *here)
     assert run.returncode == 1
     assert run.stderr == (
         "README.md: the benchmark part 'proxy' differs from docs/bench/proxy.json; "
         "run python scripts/gen_bench_docs.py\n"
     )
-    written = gen("--readme", str(readme))
+    written = gen(*here)
     assert written.returncode == 0, written.stderr
-    assert written.stdout == "wrote README.md (1 benchmark parts changed: proxy)\n"
+    assert written.stdout == "wrote README.md (1 benchmark parts changed: proxy; 0 figures)\n"
     assert readme.read_text() == text
 
 
@@ -61,3 +65,43 @@ def test_a_missing_part_is_named(tmp_path):
     run = gen("--check", "--readme", str(readme))
     assert run.returncode == 1
     assert "bench parts missing ['loss'], unknown []" in run.stderr
+
+
+def test_a_figure_quoted_in_prose_is_checked_and_rewritten_from_its_file(tmp_path):
+    readme, docs = tmp_path / "README.md", tmp_path / "docs"
+    readme.write_text((ROOT / "README.md").read_text())
+    docs.mkdir()
+    figures = json.loads((ROOT / "docs" / "bench" / "sessions.json").read_text())
+    requests = figures["single"]["requests"]
+    quoted = (
+        "<!-- fig sessions single.requests -->{}<!-- /fig --> single requests, a share of "
+        "<!-- fig sessions policies.manual.cache_share_later_turns .1% -->{}<!-- /fig -->\n"
+    )
+    (docs / "notes.md").write_text(quoted.format(requests + 1, "1%"))
+    (docs / "plain.md").write_text("no figures here\n")
+    run = gen("--check", "--readme", str(readme), "--docs", str(docs))
+    assert run.returncode == 1
+    fix = "run python scripts/gen_bench_docs.py"
+    assert run.stderr == (
+        f"notes.md: the figure 'sessions single.requests' differs from docs/bench/sessions.json; {fix}\n"
+        "notes.md: the figure 'sessions policies.manual.cache_share_later_turns' differs from "
+        f"docs/bench/sessions.json; {fix}\n"
+    )
+    written = gen("--readme", str(readme), "--docs", str(docs))
+    assert written.returncode == 0, written.stderr
+    share = figures["policies"]["manual"]["cache_share_later_turns"]
+    assert (docs / "notes.md").read_text() == quoted.format(requests, f"{share:.1%}")
+    assert (docs / "plain.md").read_text() == "no figures here\n"
+    assert gen("--check", "--readme", str(readme), "--docs", str(docs)).returncode == 0
+
+
+def test_a_figure_naming_a_key_its_file_lacks_is_named(tmp_path):
+    readme, docs = tmp_path / "README.md", tmp_path / "docs"
+    readme.write_text((ROOT / "README.md").read_text())
+    docs.mkdir()
+    (docs / "notes.md").write_text("<!-- fig sessions policies.nope.tokens_per_s -->1<!-- /fig -->\n")
+    run = gen("--check", "--readme", str(readme), "--docs", str(docs))
+    assert run.returncode == 1
+    assert (
+        run.stderr == "<!-- fig sessions policies.nope.tokens_per_s -->: docs/bench/sessions.json has no 'nope' there\n"
+    )
