@@ -326,6 +326,13 @@ def parse(argv: list[str]) -> RunSpec:
     them), and the services' tables (``run_spec.compose``). A bad setting exits 2 naming it."""
     parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
     shared_config.add_arguments(parser, UpSettings)
+    shared_config.add_arguments(
+        parser,
+        TrainerSettings,
+        only=run_spec.UP_TRAINER_FLAGS,
+        shared=False,
+        title="the trainer's settings up takes as flags (the others: --config FILE's [trainer] table)",
+    )
     args = parser.parse_args(argv)
     try:
         spec = run_spec.compose(args, defaults=UP_DEFAULTS)

@@ -89,6 +89,10 @@ def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Sectio
         raise invalid_setting(exc, section) from None
 
 
+# The trainer settings `centerline up` takes as flags too (the rest: its [trainer] table).
+UP_TRAINER_FLAGS = ("weight_update",)
+
+
 def compose(
     args: argparse.Namespace,
     env: typing.Mapping[str, str] | None = None,
@@ -96,8 +100,8 @@ def compose(
 ) -> RunSpec:
     """The spec of `centerline up`'s flags ``args`` (``--config FILE`` among them) and ``env``
     (``os.environ`` when None). ``defaults``: shared settings' defaults of this job, which every
-    source overrides (the file too). The services' tables take no flags here: `up`'s flags are its
-    own (``--steps`` is ``up.steps``, which the launcher gives the trainer)."""
+    source overrides (the file too). The services' tables take no flags here but ``UP_TRAINER_FLAGS``:
+    `up`'s flags are its own (``--steps`` is ``up.steps``, which the launcher gives the trainer)."""
     env = os.environ if env is None else env
     read = load_toml(args.config) if "config" in vars(args) else {}
     cfg = resolve(args, env)
@@ -107,7 +111,8 @@ def compose(
     cfg = validate(_rebuilt(cfg, unset))
     spec = {UpSettings.name: resolve_section(UpSettings, args, env, cfg)}
     for section in (TrainerSettings, WorkerSettings, ProxySettings):
-        spec[section.name] = resolve_section(section, args, env, cfg, only=())
+        flags = UP_TRAINER_FLAGS if section is TrainerSettings else ()
+        spec[section.name] = resolve_section(section, args, env, cfg, only=flags)
     tables = {name: values for name, values in read.items() if name in SECTIONS and name not in spec}
     return RunSpec(cfg=cfg, tables=tables, **spec)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from centerline import nats_users
+from centerline import nats_users, run_spec
 from router_proxy import upstream
 from shared import admin_key, nats_auth
 from shared.config import ENV_PREFIX, Config, env_name, flag
@@ -53,6 +53,13 @@ def render() -> str:
             "",
             *table(cls, lambda name, cls=cls: f"`{flag(name)}`"),
         ]
+        if cls.name == "up":
+            taken = ", ".join(f"`{flag(name)}`" for name in run_spec.UP_TRAINER_FLAGS)
+            lines += [
+                "",
+                f"`centerline up` takes the trainer's {taken} too (see `centerline trainer`); the trainer's",
+                "other settings come from the `[trainer]` table of `--config FILE` or their variables.",
+            ]
     lines += [
         "",
         "## NATS credentials",

@@ -6,8 +6,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from centerline import launcher, nats_users
 from centerline.launcher import service_env
+from centerline.run_spec import load
 from shared.config import add_arguments, parse_args
 from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
@@ -157,3 +160,21 @@ def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_sour
     assert rate("--task", "chain", "--config", str(config)) == 2e-4
     monkeypatch.setenv("CENTERLINE_LEARNING_RATE", "5e-5")
     assert rate("--task", "chain") == 5e-5
+
+
+def test_up_takes_the_trainers_weight_update_as_a_flag_above_its_table_and_writes_it_for_the_trainer(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("CENTERLINE_TRAINER_WEIGHT_UPDATE", raising=False)
+    update = lambda *argv: launcher.parse(list(argv)).trainer.weight_update  # noqa: E731
+    assert update() == "in_place"
+    config = tmp_path / "run.toml"
+    config.write_text('[trainer]\nweight_update = "retract"\n')
+    assert update("--config", str(config)) == "retract"
+    assert update("--config", str(config), "--weight-update", "drain") == "drain"
+    spec = launcher.parse(["--weight-update", "drain"])
+    spec.write(tmp_path / "config.toml")
+    assert load(tmp_path / "config.toml").trainer.weight_update == "drain"  # what the trainer reads
+    with pytest.raises(SystemExit) as exc:
+        launcher.parse(["--weight-update", "pause"])
+    assert exc.value.code == 2
