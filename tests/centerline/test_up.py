@@ -108,6 +108,8 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
         "-m",
         "centerline",
         "up",
+        "--engines",
+        "2",  # `make run`'s topology: two SGLang servers behind the router
         "--task",
         "copy",
         "--steps",
@@ -137,6 +139,7 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
         # SGLang and its router get none. The services are the launcher's descendants, each in a
         # session of its own that its children share (SGLang's scheduler names no path of the run).
         services = descendants(launcher.pid)
+        assert sum("sglang.launch_server" in _cmdline(pid) for pid in services) == 2  # one per engine
         users = _nats_users([launcher.pid, *services])
         assert users == {
             "up": {None},
