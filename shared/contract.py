@@ -23,6 +23,9 @@ LOGPROB_TOL = 1e-5
 
 RULES = {
     "shape": "shapes, dtypes, offsets or header fields disagree with wire format v2",
+    "empty_prompt": "a sample's prompt has no token, so no position predicts its first response token",
+    "empty_response": "a sample has no response token: nothing to train, and no logits for the forward to keep",
+    "bad_prompt_token": "a prompt token id is outside [0, vocab)",
     "bad_token": "a sampled token id is outside [0, vocab)",
     "bad_candidate": "a candidate id is outside [-1, vocab)",
     "padding": "an empty slot (id -1) carries a log-prob other than -inf",
@@ -46,7 +49,8 @@ class ContractViolation(ValueError):
     """A batch or response that breaks the contract.
 
     ``rule`` is a stable short name (a key of ``RULES``); ``sample`` and ``row`` locate the
-    defect (sample index in the batch, token position within that sample's response);
+    defect (sample index in the batch, token position within that sample's response, or within
+    its prompt for ``bad_prompt_token``);
     ``expected`` and ``found`` are the values compared, where there are any.
     """
 
@@ -94,6 +98,7 @@ def check_batch(
     rule 8; the worker and the proxy leave them out.
     """
     check_shapes(batch)
+    check_model_inputs(batch, vocab_size)
     if seen is not None and batch.batch_id in seen:
         raise ContractViolation(
             "duplicate_batch",
@@ -178,6 +183,51 @@ def check_shapes(batch: Batch) -> None:
             fail(f"{name} must rise monotonically from 0 to {total}, found {offsets[:8].tolist()}...{offsets[-1]}")
     if np.any(batch.loss_mask > 1):
         fail("loss_mask holds values other than 0 and 1")
+
+
+def check_model_inputs(batch: Batch, vocab_size: int) -> None:
+    """Rules ``empty_prompt``, ``empty_response`` and ``bad_prompt_token``: what the trainer's forward
+    feeds the model besides the rows (docs/design.md section 5). Each sample needs a prompt token
+    to predict its first response token from and a response token to train; every prompt id
+    indexes the embedding. Checked after ``check_shapes``, so both offsets are monotone."""
+    for rule, offsets, what, fix in (
+        (
+            "empty_prompt",
+            batch.prompt_offsets,
+            "an empty prompt: no position predicts its first response token",
+            "a task's prompt must render to at least one token; check the worker's tokenizer and chat template",
+        ),
+        (
+            "empty_response",
+            batch.offsets,
+            "no response token: nothing to train, and a micro-batch of such samples has no logits",
+            "a sample holds at least the one token SGLang sampled; sample the group again rather than pack it",
+        ),
+    ):
+        empty = np.diff(offsets) == 0
+        if empty.any():
+            i = int(np.argmax(empty))
+            raise ContractViolation(
+                rule,
+                f"sample {i} ({batch.sample_ids[i]!r}) has {what} ({rule}); {fix}",
+                sample=i,
+                expected=1,
+                found=0,
+            )
+    bad = (batch.prompt_ids < 0) | (batch.prompt_ids >= vocab_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        sample = int(np.searchsorted(batch.prompt_offsets, i, side="right") - 1)
+        row, found = i - int(batch.prompt_offsets[sample]), int(batch.prompt_ids[i])
+        raise ContractViolation(
+            "bad_prompt_token",
+            f"sample {sample} ({batch.sample_ids[sample]!r}) prompt position {row} has token id {found}, outside "
+            f"[0, {vocab_size}) (bad_prompt_token): it was tokenized for another vocabulary than the trainer's "
+            "model; run workers and trainer with the same model and tokenizer",
+            sample=sample,
+            row=row,
+            found=found,
+        )
 
 
 def check_token_versions(batch: Batch) -> None:

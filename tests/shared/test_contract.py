@@ -1,6 +1,8 @@
 """The completeness contract: each rule, violated alone, is reported by name with its sample and row."""
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -282,6 +284,59 @@ def test_ids_outside_the_vocabulary_are_rejected(name, index, value, rule):
     assert (err.rule, err.sample, err.row, err.found) == (rule, i // 8, i % 8, value)
 
 
+@pytest.mark.parametrize("value", [VOCAB, -1, 2**31 - 1])
+def test_a_prompt_id_outside_the_vocabulary_is_bad_prompt_token_with_sample_position_value_and_fix(value):
+    err = violation(edit(selected(), "prompt_ids", 2 * 3 + 1, value))  # sample 2's second prompt token
+    assert (err.rule, err.sample, err.row, err.found) == ("bad_prompt_token", 2, 1, value)
+    assert str(err) == (
+        f"sample 2 ('batch-0:s2') prompt position 1 has token id {value}, outside [0, 64) (bad_prompt_token): it "
+        "was tokenized for another vocabulary than the trainer's model; run workers and trainer with the same "
+        "model and tokenizer"
+    )
+
+
+def test_the_last_prompt_id_of_the_vocabulary_passes():
+    check_batch(edit(selected(), "prompt_ids", 11, VOCAB - 1), vocab_size=VOCAB)
+
+
+PER_TOKEN = ("response_ids", "sampled_logprobs", "loss_mask", "token_versions", "cand_ids", "cand_logprobs")
+
+
+def without_tokens(batch, sample: int, part: str):
+    """``batch`` with every token of sample ``sample``'s ``part`` ("prompt" or "response") removed."""
+    offsets, names = ("prompt_offsets", ["prompt_ids"]) if part == "prompt" else ("offsets", PER_TOKEN)
+    bounds = getattr(batch, offsets)
+    keep = np.r_[0 : bounds[sample], bounds[sample + 1] : bounds[-1]]
+    lengths = np.diff(bounds)
+    lengths[sample] = 0
+    return replace(
+        batch,
+        **{name: np.array(getattr(batch, name)[keep]) for name in names},
+        **{offsets: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)},
+    )
+
+
+def test_a_sample_with_an_empty_prompt_is_empty_prompt_naming_it_and_the_fix():
+    err = violation(without_tokens(selected(), 1, "prompt"))
+    assert (err.rule, err.sample, err.row, err.expected, err.found) == ("empty_prompt", 1, None, 1, 0)
+    assert str(err) == (
+        "sample 1 ('batch-0:s1') has an empty prompt: no position predicts its first response token (empty_prompt); "
+        "a task's prompt must render to at least one token; check the worker's tokenizer and chat template"
+    )
+
+
+def test_a_sample_with_no_response_token_is_empty_response_naming_it_and_the_fix():
+    batch = without_tokens(selected(), 3, "response")
+    assert batch.offsets.tolist() == [0, 8, 16, 24, 24]
+    err = violation(batch)
+    assert (err.rule, err.sample, err.row, err.expected, err.found) == ("empty_response", 3, None, 1, 0)
+    assert str(err) == (
+        "sample 3 ('batch-0:s3') has no response token: nothing to train, and a micro-batch of such samples has no "
+        "logits (empty_response); a sample holds at least the one token SGLang sampled; sample the group again "
+        "rather than pack it"
+    )
+
+
 def test_stale_batch_is_rejected_with_the_age():
     err = violation(selected(weight_version=3), current_version=6, max_staleness=2)
     assert (err.rule, err.expected, err.found) == ("stale", 2, 3)
@@ -335,19 +390,12 @@ def test_shape_defects_are_rule_shape(change, message):
     assert message in str(err)
 
 
-def test_every_rule_is_documented():
-    assert set(RULES) >= {
-        "shape",
-        "short_row",
-        "non_finite",
-        "duplicate_candidate",
-        "support_mass",
-        "sampled_mismatch",
-        "stale",
-        "duplicate_batch",
-        "row_on_untrained_token",
-        "token_version",
-    }
+def test_every_rule_is_named_in_the_design_documents_rules_list():
+    design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    section = design[design.index("## 5. The completeness contract") : design.index("## 6. ")]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    assert set(RULES) - named == set()
+    assert {"bad_prompt_token", "empty_prompt", "empty_response"} <= set(RULES)
 
 
 @settings(max_examples=60, deadline=None)
