@@ -49,6 +49,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "centerline.record:main",
         "save NATS messages (a live subject or a stream's sequence range) to a record file",
     ),
+    "teacher-force": (
+        "centerline.teacher_force:main",
+        "check a finished run's tokens against the weights their labels name, by teacher forcing",
+    ),
     "replay": (
         "centerline.replay:main",
         "replay a record file into NATS, into offline trainer steps, or as JSON lines",

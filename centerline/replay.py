@@ -326,5 +326,6 @@ def replay_steps(
         )
         groups.commit(state.step)  # the ledger now equals step.after's; other attempts' pending parts are gone
         gate, counts = metrics.gate(counts), Counter()
-        metrics.step(step_record(step, gate, {"step_s": time.perf_counter() - t0}, replay_of=str(file)))
+        timings = {"step_s": time.perf_counter() - t0}
+        metrics.step(step_record(step, gate, timings, weight_update=trainer.weight_update, replay_of=str(file)))
         state = step.after

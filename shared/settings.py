@@ -69,12 +69,14 @@ class TrainerSettings(Section):
     )
     prompts_per_step: int = Field(8, ge=1, description="Prompt groups per step.")
     weight_sync_interval: int = Field(1, ge=1, description="Publish weights every this many steps.")
-    weight_update: Literal["in_place", "retract", "drain"] = Field(
-        "in_place",
-        description="How an engine takes a new weight version (docs/design.md section 8). in_place: pause it "
-        "with the requests kept in their batch, load, continue them on the KV cache built so far (no flush); "
-        "retract: pause with the requests sent back to the queue, load, flush the cache, recompute them under the "
-        "new weights; drain: load without pausing, so SGLang first finishes every request in flight.",
+    weight_update: Literal["retract", "in_place", "drain"] = Field(
+        "retract",
+        description="How an engine takes a new weight version (docs/design.md section 8). retract: pause with "
+        "the requests sent back to the queue, load, flush the prefix cache, recompute them under the new weights "
+        "(every token is sampled by the version its label names); drain: load without pausing, so SGLang first "
+        "finishes every request in flight, then flushes; in_place: pause with the requests kept in their batch, "
+        "load, continue them on the KV cache built so far (no flush: tokens labelled with a new version may rest "
+        "on KV of older ones, token_kv_unverified_share counts them).",
     )
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked batch is redelivered.")
     step_timeout: float = Field(300.0, description="Close a step short after this many seconds.")

@@ -91,11 +91,12 @@ def commit_step(
     return Step(state, after, held, metrics, weights)
 
 
-def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
+def step_record(step: Step, gate: dict, timings: dict, *, weight_update: str, **extra) -> dict:
     """The step's line of ``metrics.jsonl``: ``step`` counts completed steps, like ``--steps``
     (the first step logs step 1); staleness is per sample, in versions behind the trainer, of the
     sample's oldest trained token (the one the gate judges); the samples' turns and tokens
-    (``sample_shape``); and staleness per trained token (``token_staleness``)."""
+    (``sample_shape``); staleness per trained token (``token_staleness``); and the share of trained
+    tokens whose label the weight update cannot vouch for (``kv_unverified``)."""
     staleness = [step.before.version - version for h in step.held for version in sample_versions(h.batch)]
     return {
         "step": step.after.step,
@@ -104,6 +105,7 @@ def step_record(step: Step, gate: dict, timings: dict, **extra) -> dict:
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
         **token_staleness([h.batch for h in step.held], step.before.version),
+        "token_kv_unverified_share": kv_unverified([h.batch for h in step.held], weight_update),
         **sample_shape([h.batch for h in step.held]),
         **gate,
         **timings,
@@ -141,6 +143,19 @@ def sample_versions(batch) -> list[int]:
         trained = batch.token_versions[part][batch.loss_mask[part].astype(bool)]
         out.append(int(trained.min()) if trained.size else batch.weight_version)
     return out
+
+
+def kv_unverified(batches, weight_update: str) -> float:
+    """The share of trained tokens that may rest on KV computed under older weights than their label
+    (docs/design.md section 8): 0 by construction under ``retract`` and ``drain``, which flush the
+    prefix cache with every load and recompute (or finish) the requests in flight; under ``in_place``
+    every token labelled with a version an update loaded (above 0), an upper bound: the prefix cache
+    and the requests in flight keep KV of older versions under the new label."""
+    if weight_update != "in_place":
+        return 0.0
+    trained = [batch.token_versions[batch.loss_mask.astype(bool)] for batch in batches]
+    total = sum(t.size for t in trained)
+    return sum(int((t > 0).sum()) for t in trained) / total if total else 0.0
 
 
 def token_staleness(batches, version: int) -> dict:

@@ -36,6 +36,7 @@ GAUGES = (
     "token_staleness_mean",
     "token_staleness_max",
     "token_stale_share",
+    "token_kv_unverified_share",
     *METRICS,  # the loss's, named once in step.py
     "step_s",
 )
@@ -96,6 +97,11 @@ class Metrics:
             "tasks published again as a new attempt because their batch was stale",
             registry=self.registry,
         )
+        self.resample_failed = Counter(
+            "centerline_trainer_gate_resample_failed",
+            "stale batches nak'ed because their task could not be published again (they come back)",
+            registry=self.registry,
+        )
         self.weight_failures = Gauge(
             "centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry
         )
@@ -117,6 +123,7 @@ class Metrics:
         self.accepted.inc(counts.get("accepted", 0))
         self.duplicate.inc(counts.get("duplicate", 0))
         self.resampled.inc(counts.get("resampled", 0))
+        self.resample_failed.inc(counts.get("resample_failed", 0))
         for rule, n in rejected.items():
             self.rejected.labels(rule).inc(n)
         for rule, n in dropped.items():
@@ -127,6 +134,7 @@ class Metrics:
             "gate_duplicate": counts.get("duplicate", 0),
             "gate_dropped": dropped,
             "gate_resampled": counts.get("resampled", 0),
+            "gate_resample_failed": counts.get("resample_failed", 0),
         }
 
     def recover(self, state: dict) -> None:

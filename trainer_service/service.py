@@ -144,7 +144,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         if step.weights is not None and not stopping.is_set():
             await engines.publish(step.after.version, step.weights)
         timings = {"gather_s": t1 - t0, "weights_s": time.perf_counter() - t2, "step_s": time.perf_counter() - t0}
-        record = step_record(step, metrics.gate(gate.take_counts()), timings)
+        record = step_record(step, metrics.gate(gate.take_counts()), timings, weight_update=settings.weight_update)
         metrics.weight_failures.set(engines.failures)
         metrics.weight_catch_ups.set(engines.catch_ups)
         metrics.step(record)

@@ -11,14 +11,16 @@ endpoints), with the engines' admin key as ``Authorization: Bearer`` when one is
 of the safetensors files in name order). How an engine takes the version is the trainer's
 ``weight_update`` setting (docs/design.md section 8, weight updates in flight):
 
-- ``in_place`` (the default): ``POST /pause_generation {mode: in_place}`` (the requests in flight
-  stay in their batch), ``POST /update_weights_from_disk {model_path, weight_version: str(v),
-  flush_cache: false}`` (a paused engine loads at once; a flush would be refused while requests
-  are in the batch and fail the call), ``POST /continue_generation``: the requests go on under
-  the new weights, and SGLang's ``meta_info.weight_versions`` says which tokens each version sampled.
-- ``retract``: the same with ``mode: retract`` and the flush: the requests go back to the queue
-  and are recomputed under the new weights.
-- ``drain``: the update alone; SGLang finishes the generations in flight before it loads.
+- ``retract`` (the default): ``POST /pause_generation {mode: retract}`` (the requests in flight go
+  back to the queue), ``POST /update_weights_from_disk {model_path, weight_version: str(v),
+  flush_cache: true}`` (a paused engine loads at once and empties its prefix cache),
+  ``POST /continue_generation``: the requests are recomputed under the new weights, so every token
+  is sampled by the version its label names, and SGLang's ``meta_info.weight_versions`` says which
+  tokens each version sampled.
+- ``in_place``: the same with ``mode: in_place`` and no flush (SGLang refuses one while requests
+  are in the batch, and the refusal fails the call): the requests go on on the KV cache built under
+  the old weights, and the prefix cache keeps it, under the new label (docs/design.md section 8).
+- ``drain``: the update alone; SGLang finishes the generations in flight, loads and flushes.
 
 The continue is sent whatever happened after the pause; a trainer killed between the two leaves
 the engine to ``centerline sglang``'s watchdog, which continues an engine paused longer than its
@@ -54,7 +56,7 @@ from trainer_service.model import save_model
 
 log = logging.getLogger("centerline.trainer.weights")
 KEEP = 3  # versions kept on disk: an engine may still be loading the previous one
-WEIGHT_UPDATES = ("in_place", "retract", "drain")  # TrainerSettings.weight_update
+WEIGHT_UPDATES = ("retract", "in_place", "drain")  # TrainerSettings.weight_update
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
@@ -109,7 +111,7 @@ class WeightPublisher:
         timeout: float = 300.0,
         settle: float = 600.0,
         admin_api_key: str | None = None,
-        mode: str = "in_place",
+        mode: str = "retract",
     ):
         """``timeout``: seconds per update call; ``settle``: how long an engine whose call timed out
         or broke off may take to report the version anyway (draining, it waits for its generations
@@ -185,14 +187,15 @@ class WeightPublisher:
             return await self._update(url, version, path)
 
     async def _update(self, url: str, version: int, path: Path) -> bool:
+        # The flush empties the prefix cache, so no KV of the old weights stands under the new label
+        # (docs/design.md section 8). In place, the requests keep their KV, and SGLang refuses a flush
+        # with requests in the batch (the refusal fails the call); retracted or drained, none is.
+        body = {"model_path": str(path), "weight_version": str(version), "flush_cache": self.mode != "in_place"}
         if self.mode == "drain":
-            return await self._load(url, version, {"model_path": str(path), "weight_version": str(version)})
+            return await self._load(url, version, body)
         paused = await self._control(url, "/pause_generation", {"mode": self.mode}, version)
         try:
             faults.hit("trainer.weights_paused", version)
-            # in place, the requests keep their KV cache, so nothing may be flushed (SGLang refuses a
-            # flush with requests in the batch and fails the call); retracted, the cache goes with them
-            body = {"model_path": str(path), "weight_version": str(version), "flush_cache": self.mode == "retract"}
             return await self._load(url, version, body)
         finally:
             if paused:

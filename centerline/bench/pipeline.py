@@ -98,7 +98,12 @@ from centerline.run_spec import RunSpec
 from shared.config import Config, ConfigError
 
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
-MODES = {"on-policy": (1, "in_place"), "drain": (2, "drain"), "in-flight": (2, "in_place")}
+MODES = {
+    "on-policy": (1, "retract"),
+    "drain": (2, "drain"),
+    "in-flight": (2, "retract"),
+    "in-place": (2, "in_place"),
+}
 IDLE = "sglang:scheduler_idle_seconds_total"
 CPU = "sglang:scheduler_process_cpu_seconds_total"  # grows at every flush of IDLE
 

@@ -144,9 +144,9 @@ def test_each_mode_is_a_variant_of_the_spec_after_dashdash_and_reports_the_worke
     variants = {mode: mode_spec(base, args, mode, tmp_path / mode) for mode in ("drain", "in-flight")}
     assert {m: (v.cfg.max_inflight_steps, v.trainer.weight_update) for m, v in variants.items()} == {
         "drain": (2, "drain"),
-        "in-flight": (2, "in_place"),
+        "in-flight": (2, "retract"),
     }
-    assert spec.trainer.weight_update == "in_place"
+    assert spec.trainer.weight_update == "retract"
 
 
 def test_staleness_per_token_is_weighted_by_each_steps_trained_tokens():
@@ -260,7 +260,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     m = r["modes"]["in-flight"]
     assert set(m) == PIPELINE_KEYS
     assert m["max_inflight_steps"] == 2 and WARMUP < m["steps_done"] < STEPS
-    assert m["weight_update"] == "in_place"
+    assert m["weight_update"] == "retract"
     run_dir = tmp_path / "run" / "in-flight"
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, m["steps_done"] + 1))
@@ -279,7 +279,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert m["weights_s_mean"] == round(sum(s["weights_s"] for s in window) / len(window), 4)
     assert m["weights_s_max"] == round(max(s["weights_s"] for s in window), 4)
     run_config = (run_dir / "config.toml").read_text()
-    assert 'weight_update = "in_place"' in run_config
+    assert 'weight_update = "retract"' in run_config
     assert 0 <= m["accuracy_before"] <= 1 and 0 <= m["accuracy_after"] <= 1
     # Every step trains prompts x n samples; the window leaves out the warm-up steps.
     done = m["steps_done"]

@@ -167,10 +167,10 @@ def test_up_takes_the_trainers_weight_update_as_a_flag_above_its_table_and_write
 ):
     monkeypatch.delenv("CENTERLINE_TRAINER_WEIGHT_UPDATE", raising=False)
     update = lambda *argv: launcher.parse(list(argv)).trainer.weight_update  # noqa: E731
-    assert update() == "in_place"
+    assert update() == "retract"
     config = tmp_path / "run.toml"
-    config.write_text('[trainer]\nweight_update = "retract"\n')
-    assert update("--config", str(config)) == "retract"
+    config.write_text('[trainer]\nweight_update = "in_place"\n')
+    assert update("--config", str(config)) == "in_place"
     assert update("--config", str(config), "--weight-update", "drain") == "drain"
     spec = launcher.parse(["--weight-update", "drain"])
     spec.write(tmp_path / "config.toml")

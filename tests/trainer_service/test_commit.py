@@ -56,7 +56,7 @@ def test_a_step_record_has_the_metrics_staleness_gate_counts_and_batch_ids():
     before = TrainerState(step=0, version=2, run_id="r")
     step = commit_step(policy, before, [held("a", 1, 2), held("b", 2, 1)], weight_sync_interval=2, next_task_step=1)
     assert step.weights is None and step.after.version == 2
-    record = step_record(step, {"gate_accepted": 2}, {"step_s": 4.0}, replay_of="f")
+    record = step_record(step, {"gate_accepted": 2}, {"step_s": 4.0}, weight_update="retract", replay_of="f")
     assert record == {
         "step": 1,
         "version": 2,
@@ -68,6 +68,7 @@ def test_a_step_record_has_the_metrics_staleness_gate_counts_and_batch_ids():
         "token_staleness_mean": 0.5,  # 6 trained tokens 0 behind, 6 one behind
         "token_staleness_max": 1,
         "token_stale_share": 0.0,
+        "token_kv_unverified_share": 0.0,  # retract: every label true by construction
         "turns_mean": 1.0,  # plain responses: one run of sampled tokens each
         "sampled_tokens": 12,
         "injected_tokens": 0,
@@ -108,3 +109,25 @@ def test_a_step_record_counts_the_sessions_turns_sampled_and_injected_tokens_and
         "injected_tokens": 3,
         "finish": {"session_budget": 1, "stop": 1},
     }
+
+
+def test_tokens_labelled_with_a_version_an_in_place_update_loaded_are_counted_as_unverified():
+    from dataclasses import replace
+
+    import numpy as np
+
+    from trainer_service.commit import kv_unverified
+
+    batch = make_batch(samples=2, tokens_per_sample=4, k=4, vocab_size=32)
+    # versions 0 0 1 1 | 2 2 2 0, the second sample's first token untrained
+    session = replace(
+        batch,
+        token_versions=np.array([0, 0, 1, 1, 2, 2, 2, 0], np.int32),
+        loss_mask=np.array([1, 1, 1, 1, 0, 1, 1, 1], np.uint8),
+        weight_version=2,
+    )
+    # in place, a token of a version an update loaded may rest on KV of an older one: 4 of the 7 trained
+    assert kv_unverified([session], "in_place") == 4 / 7
+    # retract and drain flush the prefix cache with each load and recompute or finish what is in flight
+    assert kv_unverified([session], "retract") == kv_unverified([session], "drain") == 0.0
+    assert kv_unverified([], "in_place") == 0.0
