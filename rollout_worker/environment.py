@@ -13,9 +13,13 @@ The environment returns the session's reward; the group's sessions become one ba
 each, with GRPO advantages over the group.
 
 Failures: an engine or proxy failure in any turn fails the task as transient (it is sampled
-again, whole, with new sessions); a request the proxy refuses, an environment that raises or
-returns no finite reward, a session with no turn, a batch that breaks the contract fail it for
-good. A session is trained whole or not at all.
+again, whole, with new sessions); a request the proxy refuses, a turn the endpoint refuses for
+good (a template that fails or does not extend the session, an invalid request, an unsupported
+setting: ``rollout_worker/chat_request.py``) or any exception inside a turn, an environment that
+raises or returns no finite reward, a session with no turn, a batch that breaks the contract fail
+it for good (whatever the environment made of the answer). A history the session did not have and
+a turn past the session's budget are refused and logged only: the environment may go on or
+finish. A session is trained whole or not at all.
 
 Left out: streaming, ``n`` above 1 per request, tool-call parsing (tools go to the chat template;
 replies are text), sampling settings of the environment's own (the run's are used, others refused).
@@ -36,6 +40,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from rollout_worker.chat_request import parse_request
 from rollout_worker.packing import pack_trajectories
 from rollout_worker.request import generate_body
 from rollout_worker.rewards import group_advantages
@@ -91,19 +96,18 @@ async def proxy_generate(http: aiohttp.ClientSession, proxy_url: str, body: dict
         raise Transient(f"unusable response from the proxy: {exc}") from None
 
 
-# Request fields the endpoint refuses unless they say what the run does anyway.
-NEUTRAL = {"min_p": 0, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "n": 1}
-
-
 class SessionEndpoint:
     """The OpenAI-compatible chat endpoint of one task's sessions, on loopback:
-    ``POST /sessions/<id>/v1/chat/completions``. A turn's failure is kept on the endpoint
-    (``failures``) as well as answered, so the task fails whatever the environment does with it."""
+    ``POST /sessions/<id>/v1/chat/completions``. Every failure of a turn is answered as a named JSON
+    error in OpenAI's shape; one that leaves the session untrainable (an engine's, a fatal refusal,
+    any exception) is also kept (``failures``), so the task fails whatever the environment does
+    with the answer. ``session_history`` and ``context_length_exceeded`` are answered and logged
+    only: the session holds its complete turns, and the environment may go on or finish."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.sessions: dict[str, Session] = {}
-        self.failures: list[Exception] = []  # Transient / Rejected of any turn
+        self.failures: list[Exception] = []  # Transient / Rejected of any turn, in the order they came
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -131,35 +135,33 @@ class SessionEndpoint:
         if session is None:
             return _error(404, f"no session {request.match_info['sid']!r} on this worker", "session_not_found")
         try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            return _error(400, f"the body is not JSON: {exc}", "invalid_json")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return _error(400, "the body must be an object with a messages list", "invalid_request")
-        refused = self.refused(body)
-        if refused:
-            return _error(400, refused, "unsupported_setting")
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            return _error(400, f"max_tokens: is {limit!r}, expected a positive integer", "invalid_request")
-        max_new = min(limit or self.cfg.rollout_max_new_tokens, self.cfg.rollout_max_new_tokens)
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
-        try:
-            reply = await session.turn(body["messages"], max_new_tokens=max_new, stop=stop, tools=body.get("tools"))
+            asked = parse_request(await request.read(), self.cfg)
+            reply = await session.turn(
+                asked.messages,
+                max_new_tokens=asked.max_new_tokens,
+                stop=asked.stop,
+                tools=asked.tools,
+                variables=asked.variables,
+            )
         except SessionError as exc:
-            return _error(400, str(exc), exc.code)
+            return self._refuse(session, exc)
         except Transient as exc:
             self.failures.append(exc)
             return _error(503, f"the engine failed this turn, the task will be sampled again: {exc}", "engine_failed")
         except Rejected as exc:
             self.failures.append(exc)
             return _error(400, str(exc), "engine_refused")
+        # any other failure inside a turn: answered in OpenAI's shape, never aiohttp's bare 500
+        except Exception as exc:  # noqa: BLE001
+            reason = f"session {session.id}: the turn failed: {type(exc).__name__}: {exc}"
+            self.failures.append(Rejected(f"{reason} (internal_error)"))
+            log.error("a session's turn failed; the task will be rejected", extra={"fields": {"reason": reason}})
+            return _error(500, f"{reason}; the task will be rejected", "internal_error")
         answer = {
             "id": f"chatcmpl-{session.id}-{session.turns}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": body.get("model") or "default",
+            "model": asked.model,
             "choices": [
                 {
                     "index": 0,
@@ -179,30 +181,33 @@ class SessionEndpoint:
             answer["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
-    def refused(self, body: dict) -> str | None:
-        """Why the endpoint refuses a request's own settings, or None: the run's sampling is the
-        one trained on, and a session answers one reply at a time."""
-        if body.get("stream"):
-            return "stream: a session's turn is answered whole; send stream=false"
-        for name, want in (("temperature", self.cfg.rollout_temperature), ("top_p", self.cfg.rollout_top_p)):
-            value = body.get(name)
-            if value is not None and not math.isclose(value, want, rel_tol=1e-9):
-                return f"{name}: is {value}, the run samples at {want} (--rollout-{name.replace('_', '-')})"
-        for name, neutral in NEUTRAL.items():
-            if body.get(name) not in (None, neutral):
-                return f"{name}: is {body[name]!r}; a session samples one reply with the run's settings ({neutral})"
-        if body.get("logit_bias"):
-            return "logit_bias: changes the sampled distribution the candidates describe"
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-            return 'response_format: structured output is constrained decoding; only {"type": "text"} is allowed'
-        return None
+    def _refuse(self, session: Session, exc: SessionError) -> web.Response:
+        """A refused turn, answered 400 with its code; a fatal one is kept: the session can no longer
+        be trained whole, and a retry renders the same template (docs/design.md section 12)."""
+        fields = {"session": session.id, "turns": session.turns, "code": exc.code, "reason": str(exc)}
+        if exc.fatal:
+            self.failures.append(Rejected(f"session {session.id} refused a turn ({exc.code}): {exc}"))
+            log.error("a session's turn was refused; the task will be rejected", extra={"fields": fields})
+            return _error(400, f"{exc}; the task will be rejected", exc.code)
+        log.info("a session's turn was refused; the environment may go on", extra={"fields": fields})
+        return _error(400, str(exc), exc.code)
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "code": code, "param": None}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def finite_reward(result) -> float | None:
+    """An environment's return value as a reward: a real number, numpy's included (a scalar or a
+    0-d array), that is finite; None for anything else."""
+    if isinstance(result, np.ndarray) and result.ndim == 0:
+        result = result[()]
+    if isinstance(result, (bool, np.bool_)) or not isinstance(result, (int, float, np.integer, np.floating)):
+        return None
+    value = float(result)
+    return value if math.isfinite(value) else None
 
 
 async def play(
@@ -259,7 +264,7 @@ async def play(
         results = await asyncio.gather(*(run(s) for s in sessions), return_exceptions=True)
     finally:
         await endpoint.close()
-    if endpoint.failures:  # the engine's failure first, whatever the environment made of it
+    if endpoint.failures:  # a kept failure first (an engine's, a fatal refusal), whatever the environment made of it
         raise endpoint.failures[0]
     played = []
     for session, result in zip(sessions, results):
@@ -267,7 +272,8 @@ async def play(
             if isinstance(result, asyncio.CancelledError):
                 raise result
             raise Rejected(f"environment {task.environment!r} failed in session {session.id}: {result!r}") from None
-        if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
+        reward = finite_reward(result)
+        if reward is None:
             raise Rejected(f"environment {task.environment!r} returned {result!r}, expected a finite reward (a float)")
         if not session.turns:
             raise Rejected(f"environment {task.environment!r} returned without a turn in session {session.id}")
@@ -279,7 +285,7 @@ async def play(
                 "tokens": len(session.ids),
             }
             log.info("session ended at its token budget after its last complete turn", extra={"fields": fields})
-        played.append((session, float(result)))
+        played.append((session, reward))
     return played
 
 

@@ -11,9 +11,15 @@ Each turn gets the whole conversation, as chat clients send it:
     messages -> its prefix must be the session's history (the messages rendered so far and the
     replies the session returned): else SessionHistoryError
     -> the template renders the whole conversation; its text must extend the text of the tokens
-    held: else SessionTemplateError; only the new suffix is tokenized, nothing is re-tokenized
+    held: else SessionTemplateError; only the new suffix is tokenized, nothing is re-tokenized, and
+    the tokens held plus the suffix's must decode to the whole rendering (checked in context: a
+    tokenizer that puts a dummy prefix space before each piece it encodes fails here)
     -> native /generate with input_ids = tokens held + the suffix's (the caller's ``generate``)
-    -> the sampled ids appended; the reply is their decoded text less the end-of-turn token
+    -> the sampled ids appended; the reply is their text, decoded in context, less the end-of-turn token
+
+The text held is always what the ids held decode to. A refusal is ``fatal`` (the task cannot be
+trained: SessionTemplateError, SessionRequestError, UnsupportedSettingError) or recoverable (the
+environment may go on or finish: SessionHistoryError, SessionBudgetError).
 
 Budgets, each with its own finish: a turn samples at most ``max_new_tokens`` (finish "length");
 a turn that could take the session past ``budget`` tokens is not run (SessionBudgetError,
@@ -36,27 +42,44 @@ Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays
 
 
 class SessionError(ValueError):
-    """A turn the session refuses; ``code`` names the family for the chat endpoint's error."""
+    """A turn the session refuses; ``code`` names the family for the chat endpoint's error, ``fatal``
+    says whether the session can still be trained whole (docs/design.md section 12)."""
 
     code = "session_error"
+    fatal = True
 
 
 class SessionHistoryError(SessionError):
     """The messages do not extend the session's history (a past message edited, reordered or dropped)."""
 
     code = "session_history"
+    fatal = False  # nothing was added to the session: it holds its complete turns
 
 
 class SessionTemplateError(SessionError):
-    """The chat template's rendering does not extend the tokens the session holds."""
+    """The chat template fails to render the conversation, or its rendering does not extend the tokens
+    the session holds; the same template renders the same on every attempt."""
 
     code = "session_template"
+
+
+class SessionRequestError(SessionError):
+    """A request that is not a chat-completions request (a field of the wrong type, a message without a role)."""
+
+    code = "invalid_request"
+
+
+class UnsupportedSettingError(SessionError):
+    """A request setting the endpoint does not honour: the run's sampling is the one trained on."""
+
+    code = "unsupported_setting"
 
 
 class SessionBudgetError(SessionError):
     """The turn could take the session past its token budget; the session has ended."""
 
     code = "context_length_exceeded"  # OpenAI's code, which chat clients already handle
+    fatal = False  # the session ends after its last complete turn, which is trained
 
 
 @dataclass(frozen=True)
@@ -82,9 +105,16 @@ class ChatTemplate:
         )
         self.closing = shown.split(mark)[-1] if mark in shown else ""
 
-    def render(self, messages: list[dict], tools: list | None = None) -> str:
-        kwargs = {"tools": tools} if tools else {}
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    def render(self, messages: list[dict], tools: list | None = None, variables: dict | None = None) -> str:
+        """The conversation rendered with a generation prompt; ``variables`` go to the template as
+        they are (a request's ``chat_template_kwargs``)."""
+        kwargs = {**(variables or {}), **({"tools": tools} if tools else {})}
+        try:
+            return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        except Exception as exc:  # the template is the model's code: any failure of it is the template's
+            raise SessionTemplateError(
+                f"the chat template cannot render the conversation: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -97,13 +127,15 @@ def message_key(message) -> dict:
     """A message as the history compares it: its fields without nulls, text parts joined (what
     an OpenAI client sends back of a reply: ``refusal: null`` and the like are no difference)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise SessionHistoryError(f"a message must be an object with a role, found {str(message)[:200]}")
+        raise SessionRequestError(f"messages: a message must be an object with a role, found {str(message)[:200]}")
     out = {name: value for name, value in message.items() if value is not None}
     content = out.get("content")
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-            raise SessionHistoryError(f"message content parts other than text are not supported: {str(content)[:200]}")
+            raise UnsupportedSettingError(
+                f"messages: content parts other than text are not supported, found {str(content)[:200]}; send text"
+            )
         out["content"] = "".join(texts)
     return out
 
@@ -126,7 +158,7 @@ class Session:
         self.id, self.template, self.generate, self.k, self.budget = session_id, template, generate, k, budget
         self.between_turns = between_turns
         self.messages: list[dict] = []  # the history: messages rendered so far and the replies returned
-        self.text = ""  # the template text the tokens held stand for
+        self.text = ""  # what the tokens held decode to: the template text they stand for
         self.prompt_len = 0  # the first turn's prompt tokens
         self.turn_prompt_tokens: list[int] = []  # per turn: its /generate's input tokens
         self.turn_cached_tokens: list[int | None] = []  # per turn: of those, served from SGLang's prefix cache
@@ -142,19 +174,26 @@ class Session:
         self._lock = asyncio.Lock()  # one turn at a time: a concurrent one fails the history check
 
     async def turn(
-        self, messages: list, *, max_new_tokens: int, stop: list[str] | None = None, tools: list | None = None
+        self,
+        messages: list,
+        *,
+        max_new_tokens: int,
+        stop: list[str] | None = None,
+        tools: list | None = None,
+        variables: dict | None = None,
     ) -> Reply:
+        """One turn; ``tools`` and ``variables`` (``chat_template_kwargs``) go to the chat template."""
         async with self._lock:
-            return await self._turn(messages, max_new_tokens, stop, tools)
+            return await self._turn(messages, max_new_tokens, stop, tools, variables)
 
-    async def _turn(self, messages, max_new_tokens, stop, tools) -> Reply:
+    async def _turn(self, messages, max_new_tokens, stop, tools, variables) -> Reply:
         if self.turns and self.between_turns is not None:
             self.between_turns(self.turns + 1)
         if self.finish is not None:
             raise SessionBudgetError(f"session {self.id} has ended ({self.finish}); it takes no more turns")
         given = [message_key(m) for m in messages]
         self.check_history(given)
-        text = self.template.render(given, tools)
+        text = self.template.render(given, tools, variables)
         new_ids = self.extend(text)
         if len(self.ids) + len(new_ids) + max_new_tokens > self.budget:
             self.finish = "session_budget"
@@ -165,7 +204,14 @@ class Session:
             )
         found = await self.generate(self.ids + new_ids, max_new_tokens, stop)
         sample = _one_sample(found)
-        sampled = self.template.decode(sample.response_ids)
+        # in context: a piece's leading space (sentencepiece's) shows only after the tokens before it
+        held = self.template.decode(self.ids + new_ids + sample.response_ids.tolist())
+        if not held.startswith(text):
+            raise SessionTemplateError(
+                f"session {self.id}: the sampled ids change how the conversation before them decodes "
+                f"({held[max(0, len(text) - 40) : len(text) + 20]!r}); the tokenizer's decoding is not prefix-stable"
+            )
+        sampled = held[len(text) :]
         content = self.reply_text(sample, sampled)
         prompt_tokens = len(self.ids) + len(new_ids)
         self.turn_prompt_tokens.append(prompt_tokens)
@@ -174,7 +220,7 @@ class Session:
             self.prompt_len = len(new_ids)
         self._append_rendered(new_ids)
         self._append_sampled(sample)
-        self.text = text + sampled
+        self.text = held
         self.messages = [*given, {"role": "assistant", "content": content}]
         self.turns += 1
         self.last_finish = sample.finish_reason or "stop"
@@ -217,10 +263,14 @@ class Session:
             )
         suffix = text[len(self.text) :]
         ids = self.template.encode(suffix)
-        if self.template.decode(ids) != suffix:
+        held = self.template.decode(self.ids + ids)  # in context, where a dummy prefix space shows
+        if held != text:
+            at = next((i for i, (a, b) in enumerate(zip(held, text)) if a != b), min(len(held), len(text)))
             raise SessionTemplateError(
-                f"session {self.id}: the new messages' rendering {suffix[:80]!r} does not survive tokenization: its "
-                f"ids decode to {self.template.decode(ids)[:80]!r}"
+                f"session {self.id}: the new messages' rendering {suffix[:80]!r} does not survive tokenization: the "
+                f"session's tokens and its ids decode from character {at} to {held[at : at + 60]!r}, the template "
+                f"wrote {text[at : at + 60]!r} (a tokenizer that adds a prefix space to each text it encodes, "
+                "sentencepiece's dummy prefix as in Llama's, cannot extend a session token by token)"
             )
         return ids
 

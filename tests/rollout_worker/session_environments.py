@@ -73,3 +73,27 @@ async def three_turns_with_a_fault(client: openai.AsyncOpenAI, task) -> float:
             for fault in AFTER_FIRST_TURN:
                 fault()
     return 1.0
+
+
+CAUGHT: list[tuple[int, str | None]] = []  # (status, code) of each error ``swallows_a_refusal`` caught
+
+
+async def swallows_a_refusal(client: openai.AsyncOpenAI, task) -> float:
+    """Two turns; an error answered for the second is caught and the session finished with a reward
+    anyway (as an environment that handles ``context_length_exceeded`` would)."""
+    messages = [{"role": "user", "content": task.prompt}]
+    reply = await client.chat.completions.create(model="default", messages=messages, max_tokens=4)
+    messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "And then?"}]
+    try:
+        await client.chat.completions.create(model="default", messages=messages, max_tokens=4)
+    except openai.APIStatusError as exc:
+        CAUGHT.append((exc.status_code, exc.code))
+    return 1.0
+
+
+RETURNS: list = []  # what ``returns_given`` returns: a test sets it
+
+
+async def returns_given(client: openai.AsyncOpenAI, task):
+    await one_turn(client, task)
+    return RETURNS[0]

@@ -22,7 +22,7 @@ from rollout_worker.session import (
     SessionHistoryError,
     SessionTemplateError,
 )
-from rollout_worker.worker import Transient
+from rollout_worker.worker import Rejected, Transient
 from shared.config import Config
 from shared.contract import check_batch
 from shared.response_arrays import ResponseArrays
@@ -183,9 +183,9 @@ def test_a_template_that_rewrites_a_past_turn_is_refused_by_name(template):
     class Forgetful(ChatTemplate):
         """Drops past assistant content, as reasoning templates drop past thinking."""
 
-        def render(self, messages, tools=None):
+        def render(self, messages, tools=None, variables=None):
             shown = [m if m["role"] != "assistant" else {**m, "content": ""} for m in messages]
-            return super().render(shown, tools)
+            return super().render(shown, tools, variables)
 
     s = session(Forgetful(template.tok), Engine([(text_ids("hi") + [IM_END], "stop")]))
     reply = turn(s, [{"role": "user", "content": "a"}])
@@ -567,3 +567,230 @@ def test_a_workers_sessions_pass_the_failpoint_between_turns(template, monkeypat
     outcome = process(template, monkeypatch, "chain", engine, n=2, prompt="3+4 +5 +2", answer="7 2 4")
     assert outcome.batches[0].num_samples == 2
     assert sorted(hits) == [("worker.between_turns", 2)] * 2 + [("worker.between_turns", 3)] * 2
+
+
+# ---------------------------------------------------------------------------- refusals, fatal and recoverable
+
+
+def dummy_prefix_template() -> ChatTemplate:
+    """A sentencepiece-style (Llama) tokenizer: byte-fallback pieces and a dummy prefix space ("▁",
+    id 256) before the first piece of each text it encodes, which its decoder strips at the start;
+    the same ChatML template and specials (<|endoftext|> 257, <|im_start|> 258, <|im_end|> 259)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from centerline.tokenizer import CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIALS
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581": 256}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(list(SPECIALS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+    return ChatTemplate(fast)
+
+
+def test_a_tokenizer_with_a_dummy_prefix_space_is_refused_in_context_and_replies_decode_in_context():
+    """The new messages' ids decode alone to their text (the leading "▁" is stripped at the start),
+    but after the session's tokens they read " \\n<|im_start|>...": the session refuses the turn rather
+    than train on a space the template never wrote. A reply that starts with "▁" reads " hi" in context."""
+    sp = dummy_prefix_template()
+    engine = Engine([([256, 104, 105, 259], "stop"), ([120], "stop")])  # "▁hi<|im_end|>"
+    s = session(sp, engine)
+    reply = turn(s, [{"role": "user", "content": "a"}])
+    assert reply.content == " hi" and s.text == sp.decode(s.ids)
+    again = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply.content}]
+    suffix = sp.render([*again, {"role": "user", "content": "b"}])[len(s.text) :]
+    assert sp.decode(sp.encode(suffix)) == suffix  # what the check on the suffix alone accepts
+    with pytest.raises(SessionTemplateError, match=r"does not survive tokenization: .* to ' \\n<\|im_start\|>user"):
+        turn(s, [*again, {"role": "user", "content": "b"}])
+    assert len(engine.inputs) == 1  # nothing sent
+
+
+def endpoint_request(template, engine, cfg: Config | None = None, budget: int = 1024, **kwargs):
+    """``(endpoint, error or completion)`` of one request with ``kwargs`` through a session's endpoint."""
+
+    async def go():
+        endpoint, _, client = await serve(template, engine, cfg, budget)
+        try:
+            try:
+                return endpoint, await client.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": "a"}], **kwargs
+                )
+            except openai.APIStatusError as err:
+                return endpoint, err
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, message",
+    [
+        ({"seed": 7}, "unsupported_setting", "seed: is 7; the run samples with the engine's own randomness"),
+        ({"logprobs": True}, "unsupported_setting", "logprobs: is True; the endpoint answers no log-probs"),
+        ({"top_logprobs": 5}, "unsupported_setting", "top_logprobs: is 5; the endpoint answers no log-probs"),
+        ({"tool_choice": "required"}, "unsupported_setting", "tool_choice: is required; the endpoint neither forces"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "add"}}},
+            "unsupported_setting",
+            "tool_choice: is {'type': 'function'",
+        ),
+        ({"parallel_tool_calls": False}, "unsupported_setting", "parallel_tool_calls: is False; the endpoint neither"),
+        ({"stream": True}, "unsupported_setting", "stream: is True; a session's turn is answered whole"),
+        ({"response_format": {"type": "json_object"}}, "unsupported_setting", "response_format: is {'type': 'json_o"),
+        ({"reasoning_effort": "low"}, "unsupported_setting", "reasoning_effort: is low; a template that reads it"),
+        ({"logit_bias": {"5": 1}}, "unsupported_setting", "logit_bias: is {'5': 1}; it changes the distribution"),
+        ({"frequency_penalty": 0.5}, "unsupported_setting", "frequency_penalty: is 0.5; it changes the distribution"),
+        ({"n": 2}, "unsupported_setting", "n: is 2; a session's turn is one reply"),
+        ({"top_p": 0.5}, "unsupported_setting", "top_p: is 0.5, the run samples at 1.0 (--rollout-top-p)"),
+        ({"extra_body": {"top_k": 5}}, "unsupported_setting", "top_k: is 5, the run samples at -1 (--rollout-top-k)"),
+        ({"extra_body": {"min_tokens": 2}}, "unsupported_setting", "min_tokens: is 2; it changes the distribution"),
+        ({"extra_body": {"regex": "a+"}}, "unsupported_setting", "regex: not a chat-completions field this endpoint"),
+        (
+            {"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}},
+            "unsupported_setting",
+            "chat_template_kwargs: ['add_generation_prompt'] are arguments the endpoint sets itself",
+        ),
+        ({"max_tokens": 0}, "invalid_request", "max_tokens: is 0, expected a positive integer"),
+        ({"extra_body": {"temperature": "hot"}}, "invalid_request", "temperature: is 'hot', expected a number"),
+        ({"extra_body": {"stop": 5}}, "invalid_request", "stop: is 5, expected a string or a list of strings"),
+        ({"extra_body": {"messages": [1]}}, "invalid_request", "messages: a message must be an object with a role"),
+        (
+            {"extra_body": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}},
+            "unsupported_setting",
+            "messages: content parts other than text are not supported",
+        ),
+    ],
+)
+def test_a_request_the_endpoint_does_not_honour_is_refused_by_name_and_kept_to_fail_the_task(
+    template, kwargs, code, message
+):
+    engine = Engine([])
+    endpoint, err = endpoint_request(template, engine, **kwargs)
+    assert (err.status_code, err.code) == (400, code)
+    assert err.body["message"].startswith(message) and err.body["message"].endswith("; the task will be rejected")
+    assert engine.inputs == []  # nothing sampled
+    (kept,) = endpoint.failures
+    assert (
+        isinstance(kept, Rejected)
+        and str(kept)
+        == f"session s1 refused a turn ({code}): " + err.body["message"][: -len("; the task will be rejected")]
+    )
+
+
+def test_neutral_and_run_settings_are_accepted_and_chat_template_kwargs_reach_the_template(tmp_path):
+    """What a harness sends by default (OpenAI's neutral values, the run's own sampling, who calls)
+    takes the turn as if unset; ``chat_template_kwargs`` are the template's variables."""
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = "{% if persona %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}" + tok.chat_template
+    engine = Engine([(text_ids("hi") + [IM_END], "stop")])
+    neutral = dict(
+        temperature=1.0,
+        top_p=1.0,
+        n=1,
+        logprobs=False,
+        top_logprobs=0,
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        stream=False,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        response_format={"type": "text"},
+        store=False,
+        service_tier="auto",
+        modalities=["text"],
+        user="harness-1",
+        metadata={"run": "r"},
+        prompt_cache_key="k",
+        safety_identifier="u",
+    )
+    extra = {"top_k": -1, "min_tokens": 0, "repetition_penalty": 1.0, "chat_template_kwargs": {"persona": "terse"}}
+    endpoint, reply = endpoint_request(ChatTemplate(tok), engine, extra_body=extra, **neutral)
+    assert reply.choices[0].message.content == "hi" and endpoint.failures == []
+    assert engine.inputs[0][0][:15] == [257, *text_ids("system\nterse"), IM_END, *text_ids("\n")]
+
+
+def test_any_exception_inside_a_turn_is_answered_as_a_named_json_error_and_kept_to_fail_the_task(template):
+    endpoint, err = endpoint_request(template, Engine([], fail=RuntimeError("the stand-in broke")))
+    assert (type(err), err.status_code, err.code) == (openai.InternalServerError, 500, "internal_error")
+    reason = "session s1: the turn failed: RuntimeError: the stand-in broke"
+    assert err.body["message"] == reason + "; the task will be rejected"
+    assert [str(f) for f in endpoint.failures] == [reason + " (internal_error)"]
+    assert isinstance(endpoint.failures[0], Rejected)
+
+
+def test_a_history_and_a_budget_refusal_are_logged_and_leave_the_session_trainable(template, caplog):
+    """The environment may catch these and go on or finish: nothing is kept to fail the task."""
+
+    async def go():
+        engine = Engine([(text_ids("hi") + [IM_END], "stop")])
+        first = [{"role": "user", "content": "a"}]
+        budget = len(template.encode(template.render(first))) + 3 + 30
+        endpoint, s, client = await serve(template, engine, budget=budget)
+        codes = []
+        try:
+            reply = await client.chat.completions.create(model="default", messages=first)
+            for messages in (
+                [{"role": "user", "content": "edited"}, reply.choices[0].message.model_dump()],
+                [*first, reply.choices[0].message.model_dump(), {"role": "user", "content": "b"}],
+            ):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(model="default", messages=messages)
+                codes.append(err.value.code)
+            return endpoint, s, codes
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    with caplog.at_level("INFO", logger="centerline.worker"):
+        endpoint, s, codes = asyncio.run(go())
+    assert codes == ["session_history", "context_length_exceeded"] and endpoint.failures == []
+    logged = [(r.getMessage(), r.fields["code"]) for r in caplog.records if r.name == "centerline.worker"]
+    assert logged == [
+        ("a session's turn was refused; the environment may go on", "session_history"),
+        ("a session's turn was refused; the environment may go on", "context_length_exceeded"),
+    ]
+    assert s.trajectory().loss_mask.sum() == 3  # the complete turn
+
+
+@pytest.mark.parametrize(
+    "value, reward",
+    [
+        (np.float32(0.25), 0.25),
+        (np.float64(0.5), 0.5),
+        (np.array(0.75), 0.75),
+        (np.array(2, np.int64), 2.0),
+        (np.int64(3), 3.0),
+    ],
+)
+def test_a_numpy_reward_is_taken_as_a_float(template, monkeypatch, value, reward):
+    from tests.rollout_worker import session_environments
+
+    monkeypatch.setattr(session_environments, "RETURNS", [value])
+    engine = Engine([(text_ids("hi") + [IM_END], "stop")] * 2)
+    outcome = process(template, monkeypatch, "returns_given", engine)
+    assert outcome.rewards.tolist() == [reward, reward]
+
+
+@pytest.mark.parametrize("value", [np.array([0.25]), np.float32("nan"), np.float64("inf"), np.bool_(True), "0.5", None])
+def test_a_reward_that_is_not_one_finite_number_rejects_the_task_by_name(template, monkeypatch, value):
+    from tests.rollout_worker import session_environments
+
+    monkeypatch.setattr(session_environments, "RETURNS", [value])
+    engine = Engine([(text_ids("hi") + [IM_END], "stop")] * 2)
+    with pytest.raises(Rejected, match=r"returned .*, expected a finite reward \(a float\)$"):
+        process(template, monkeypatch, "returns_given", engine)

@@ -14,10 +14,11 @@ import aiohttp
 import numpy as np
 import pytest
 
+from centerline.tokenizer import CHAT_TEMPLATE
 from rollout_worker import environment
 from rollout_worker.main import load_tokenizer
 from rollout_worker.session import message_key
-from rollout_worker.worker import Transient, Worker
+from rollout_worker.worker import Rejected, Transient, Worker
 from shared.config import Config
 from shared.contract import check_batch
 from shared.settings import WorkerSettings
@@ -51,11 +52,24 @@ def proxy(tmp_path_factory, sglang_server, sglang_router, model_dir):
         proxy.stop()
 
 
-def run_task(proxy_url: str, model_dir, env: str, monkeypatch, *, vocab: int = VOCAB, n: int = 2, attempt: int = 1):
-    """``(outcome, turns, hf)``: the worker's ``process`` of one task naming ``env``; ``turns`` maps
-    each routing key to the audited answers of its turns, as the proxy returned them."""
+def run_task(
+    proxy_url: str,
+    model_dir,
+    env: str,
+    monkeypatch,
+    *,
+    vocab: int = VOCAB,
+    n: int = 2,
+    attempt: int = 1,
+    chat_template: str | None = None,
+):
+    """``(outcome, turns, hf)``: the worker's ``process`` of one task naming ``env`` (the model's
+    tokenizer, with ``chat_template`` in place of its own if given); ``turns`` maps each routing key
+    to the audited answers of its turns, as the proxy returned them."""
     cfg = Config(proxy_url=proxy_url, rollout_top_logprobs_num=K, rollout_max_new_tokens=8, rollout_n=n)
     tokenizer, hf = load_tokenizer(str(model_dir))
+    if chat_template is not None:
+        hf.chat_template = chat_template
     worker = Worker(cfg, WorkerSettings(worker_id="test", vocab_size=vocab), tokenizer)
     turns: dict[str, list] = {}
     real = environment.proxy_generate
@@ -231,3 +245,55 @@ def test_an_engine_killed_mid_session_fails_the_task_as_transient_and_the_retry_
     monkeypatch.setattr(session_environments, "AFTER_FIRST_TURN", [])
     outcome, turns, _ = run_task(proxy.url, model_dir, env, monkeypatch, attempt=2)
     check_retried_whole(outcome, turns, lost)
+
+
+# ChatML that shows past replies as a placeholder, as reasoning templates drop past thinking: turn 2's
+# rendering no longer extends the tokens the session holds
+FORGETFUL = CHAT_TEMPLATE.replace(
+    "message['content']", "(message['content'] if message['role'] != 'assistant' else '(a reply)')"
+)
+# ChatML that raises on a conversation past its first reply (as a template's raise_exception does)
+ONE_TURN = "{% if messages | length > 2 %}{{ raise_exception('this template takes one turn') }}{% endif %}"
+
+
+def reject_swallowed(proxy_url: str, model_dir, monkeypatch, chat_template: str) -> tuple[Rejected, list]:
+    """``(the task's rejection, the batches packed)`` of a task whose environment catches the error
+    answered for its sessions' second turn and returns a reward anyway."""
+    session_environments.CAUGHT.clear()
+    real, packed = environment.pack_trajectories, []
+
+    def packing(*args, **kwargs):
+        packed.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(environment, "pack_trajectories", packing)
+    env = "tests.rollout_worker.session_environments:swallows_a_refusal"
+    with pytest.raises(Rejected) as rejected:
+        run_task(proxy_url, model_dir, env, monkeypatch, chat_template=chat_template)
+    assert session_environments.CAUGHT == [(400, "session_template")] * 2  # each session's turn 2, caught
+    return rejected.value, packed
+
+
+def test_a_session_template_refusal_the_environment_swallows_rejects_the_task_with_no_batch_packed(
+    proxy, model_dir, monkeypatch
+):
+    """docs/design.md section 12: a session cut short at turn 1 is never trained as if whole."""
+    rejected, packed = reject_swallowed(proxy.url, model_dir, monkeypatch, FORGETFUL)
+    assert re.fullmatch(
+        r"session \w+ refused a turn \(session_template\): session \w+: the chat template renders the history "
+        r"differently from the tokens the session holds, from character \d+: .*",
+        str(rejected),
+    ), str(rejected)
+    assert rejected.batch is None and packed == []
+
+
+def test_a_template_that_raises_inside_a_turn_rejects_the_task_by_name_with_no_batch_packed(
+    proxy, model_dir, monkeypatch
+):
+    rejected, packed = reject_swallowed(proxy.url, model_dir, monkeypatch, ONE_TURN + CHAT_TEMPLATE)
+    assert re.fullmatch(
+        r"session \w+ refused a turn \(session_template\): the chat template cannot render the conversation: "
+        r"TemplateError: this template takes one turn",
+        str(rejected),
+    ), str(rejected)
+    assert rejected.batch is None and packed == []

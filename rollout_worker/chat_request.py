@@ -1,0 +1,185 @@
+"""A session turn's request: which OpenAI chat-completions fields the endpoint honours, accepts or
+refuses (docs/design.md section 12).
+
+The run's sampling is the one trained on, and a session answers one text reply at a time, so every
+field of OpenAI's chat-completions request is one of:
+
+- honoured: ``messages``, ``model`` (echoed), ``max_tokens`` / ``max_completion_tokens`` (capped by
+  the run's), ``stop``, ``tools`` and ``chat_template_kwargs`` (both go to the chat template);
+- a setting the run fixes (``temperature``, ``top_p``, ``top_k``): accepted at the run's value;
+- accepted at its neutral value only (``NEUTRAL``), refused by name at any other;
+- no effect on what is sampled (``NO_EFFECT``: who calls, what to cache): accepted as it is.
+
+Any other field is refused by name: nothing a request says is silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import orjson
+
+from rollout_worker.session import SessionRequestError, UnsupportedSettingError
+from shared.config import Config
+
+_DISTRIBUTION = "it changes the distribution the run samples and trains on"
+_TOOLS = "the endpoint neither forces nor parses tool calls (tools go to the chat template; replies are text)"
+_TEXT = "the session's replies are text sampled by the run's model"
+
+# field: (its accepted values besides unset, why any other is refused)
+NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "a session's turn is one reply"),
+    "frequency_penalty": ((0,), _DISTRIBUTION),
+    "presence_penalty": ((0,), _DISTRIBUTION),
+    "repetition_penalty": ((1,), _DISTRIBUTION),
+    "min_p": ((0,), _DISTRIBUTION),
+    "min_tokens": ((0,), _DISTRIBUTION),
+    "ignore_eos": ((False,), _DISTRIBUTION),
+    "logit_bias": (({},), _DISTRIBUTION),
+    "response_format": (({"type": "text"},), "structured output is constrained decoding, " + _DISTRIBUTION),
+    "seed": ((), "the run samples with the engine's own randomness"),
+    "logprobs": ((False,), "the endpoint answers no log-probs (the trainer gets the sampled ones with each token)"),
+    "top_logprobs": ((0,), "the endpoint answers no log-probs (the trainer gets the top-K rows with each token)"),
+    "stream": ((False,), "a session's turn is answered whole"),
+    "stream_options": ((), "a session's turn is answered whole"),
+    "tool_choice": (("auto", "none"), _TOOLS),
+    "function_call": (("auto", "none"), _TOOLS),
+    "parallel_tool_calls": ((True,), _TOOLS),
+    "functions": (([],), "send tools, which go to the chat template"),
+    "reasoning_effort": ((), 'a template that reads it takes it as chat_template_kwargs {"reasoning_effort": ...}'),
+    "verbosity": ((), _TEXT),
+    "modalities": ((["text"],), _TEXT),
+    "audio": ((), _TEXT),
+    "prediction": ((), _TEXT),
+    "web_search_options": ((), _TEXT),
+    "store": ((False,), "the endpoint stores nothing"),
+    "service_tier": (("auto", "default"), "the endpoint has one tier"),
+}
+NO_EFFECT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"})
+HONOURED = frozenset(
+    {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "tools", "chat_template_kwargs"}
+)
+RUN_SETTINGS = frozenset({"temperature", "top_p", "top_k"})
+# apply_chat_template's own arguments, which the endpoint sets: not variables a request may pass
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """What a session's turn takes of a chat-completions request."""
+
+    messages: list
+    model: str
+    max_new_tokens: int  # min(the request's limit, --rollout-max-new-tokens)
+    stop: list[str] | None
+    tools: list | None
+    variables: dict  # chat_template_kwargs
+
+
+def parse_request(raw: bytes, cfg: Config) -> TurnRequest:
+    """The turn ``raw`` asks for; ``SessionRequestError`` for a request that is not one,
+    ``UnsupportedSettingError`` for a setting the endpoint does not honour, each naming the field."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SessionRequestError(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise SessionRequestError("the body must be an object with a non-empty messages list")
+    refuse_settings(body, cfg)
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
+    if limit is not None and not (_is_int(limit) and limit >= 1):
+        raise SessionRequestError(f"max_tokens: is {limit!r}, expected a positive integer")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise SessionRequestError(f"stop: is {stop!r}, expected a string or a list of strings")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise SessionRequestError(f"tools: is {str(tools)[:200]}, expected a list of tool objects")
+    variables = body.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise SessionRequestError(f"chat_template_kwargs: is {variables!r}, expected an object")
+    taken = sorted(_TEMPLATE_ARGUMENTS & variables.keys())
+    if taken:
+        raise UnsupportedSettingError(
+            f"chat_template_kwargs: {taken} are arguments the endpoint sets itself; pass only the template's "
+            "own variables (tools as the request's tools)"
+        )
+    model = body.get("model")
+    return TurnRequest(
+        messages=body["messages"],
+        model=model if isinstance(model, str) and model else "default",
+        max_new_tokens=min(limit or cfg.rollout_max_new_tokens, cfg.rollout_max_new_tokens),
+        stop=stop,
+        tools=tools,
+        variables=variables,
+    )
+
+
+def refuse_settings(body: dict, cfg: Config) -> None:
+    """Raise ``UnsupportedSettingError`` (``SessionRequestError`` for a value of the wrong type) for
+    the first field of ``body`` the endpoint does not honour at the value it has."""
+    for name, value in body.items():
+        if value is None or name in HONOURED or name in NO_EFFECT:
+            continue
+        if name in RUN_SETTINGS:
+            _check_run_setting(name, value, cfg)
+        elif name in NEUTRAL:
+            accepted, why = NEUTRAL[name]
+            if not any(_same(value, a) for a in accepted):
+                allowed = " or ".join(repr(a) for a in accepted) if accepted else "nothing"
+                raise UnsupportedSettingError(
+                    f"{name}: is {str(value)[:200]}; {why} (send {allowed}, or leave it unset)"
+                )
+        else:
+            raise UnsupportedSettingError(
+                f"{name}: not a chat-completions field this endpoint honours; leave it out "
+                "(docs/design.md section 12 lists the fields a session takes)"
+            )
+
+
+def _check_run_setting(name: str, value, cfg: Config) -> None:
+    if name == "top_k":
+        if not _is_int(value):
+            raise SessionRequestError(f"top_k: is {value!r}, expected an integer")
+        want = cfg.rollout_top_k
+        if (-1 if value in (0, -1) else value) != want:  # 0 and -1 both mean no top-k
+            raise UnsupportedSettingError(
+                f"top_k: is {value}, the run samples at {want} (--rollout-top-k); {_DISTRIBUTION}"
+            )
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SessionRequestError(f"{name}: is {value!r}, expected a number")
+    want = cfg.rollout_temperature if name == "temperature" else cfg.rollout_top_p
+    if not math.isclose(value, want, rel_tol=1e-9):
+        flag = "--rollout-" + name.replace("_", "-")
+        raise UnsupportedSettingError(f"{name}: is {value}, the run samples at {want} ({flag}); {_DISTRIBUTION}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _same(value, accepted) -> bool:
+    """``value == accepted``, where True is not 1 and 1.0 is."""
+    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
