@@ -9,19 +9,29 @@ Phase 1, the pipeline, once per ``--modes`` entry (default ``drain,in-flight``):
 (docs/design.md section 8): ``drain`` is the asynchronous default pipeline (``2``: the engine
 samples the next step while the trainer trains, so a batch is at most one weight version stale
 and score centering corrects for it) with updates that wait for the generations in flight;
-``in-flight`` the same with ``weight_update = in_place``, the default (pause, load, continue:
-the generations go on, a response may span an update); ``on-policy`` is
-``--max-inflight-steps 1`` (the engine samples a step's batches, then waits while the trainer
-trains on them). Each run is its own process, every service real, SGLang started
-with ``--enable-metrics``, and trains for ``--train-seconds`` (``up --train-seconds``: the
-trainer starts no step after that), then ``up`` evaluates ``--eval-prompts`` held-out prompts,
-as it did before training. The measured window runs from the end of step ``--warmup-steps`` to
-the end of the last step, as this process sees lines appear in ``metrics.jsonl`` (polled every
-``--poll`` s), so start-up, the first batches and the evaluations are outside it. Samples and
-tokens are the trainer's own counts for the steps in the window (``samples``,
-``trained_tokens``; every generated token is trained); ``weights_s`` the trainer's time per
-step to load the new version into the engine and announce it; staleness per trained token the
-steps' ``token_staleness_*``, weighted by their trained tokens.
+``in-flight`` the same with ``weight_update = retract``, the default (pause, load, flush the
+prefix cache, recompute the requests in flight: the generations go on, a response may span an
+update); ``in-place`` the same with ``weight_update = in_place`` (no flush, no recompute: tokens
+may rest on KV of older weights than their label); ``on-policy`` is ``--max-inflight-steps 1``
+(the engine samples a step's batches, then waits while the trainer trains on them).
+
+``--teacher-force`` then checks each mode's labels (``centerline/teacher_force.py``): one fresh
+SGLang server of the model, without a prefix cache, loads every weight version still on disk and
+forces the tokens labelled with it; ``label_mismatch_share`` is the share of those tokens whose
+recorded log-prob is more than 1e-3 from the forced one (``label_checked_tokens`` of them), beside
+``token_kv_unverified_share``, the trainer's own bound, and ``wrong_label_share``, the same tokens
+under the neighbouring version (what the check can tell apart).
+
+Each run is its own process, every service real, SGLang started with ``--enable-metrics``, and
+trains for ``--train-seconds`` (``up --train-seconds``: the trainer starts no step after that),
+then ``up`` evaluates ``--eval-prompts`` held-out prompts, as it did before training. The
+measured window runs from the end of step ``--warmup-steps`` to the end of the last step, as
+this process sees lines appear in ``metrics.jsonl`` (polled every ``--poll`` s), so start-up,
+the first batches and the evaluations are outside it. Samples and tokens are the trainer's own
+counts for the steps in the window (``samples``, ``trained_tokens``; every generated token is
+trained); ``weights_s`` the trainer's time per step to load the new version into the engine and
+announce it; staleness per trained token the steps' ``token_staleness_*``, weighted by their
+trained tokens.
 
 Phase 2, SGLang alone: after ``up`` has stopped, a fresh ``centerline sglang`` of the same model
 (weights of step 0, the same recipe and flags) gets the requests the workers send, as the proxy
@@ -273,6 +283,8 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
         "pipeline_window_s": round(end - start, 3),
         "pipeline_steps": len(window),
         "samples_total": sum(s["samples"] for s in steps),
+        # tasks published again after a stale batch, per task a step trains (docs/design.md section 10)
+        "republished_share": round(sum(s["gate_resampled"] for s in steps) / (last * ran.up.prompts_per_step), 4),
         "pipeline_samples": samples,
         "pipeline_tokens": tokens,
         "pipeline_samples_per_s": round(samples / (end - start), 3),
@@ -292,6 +304,27 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     return figures, ran, model
 
 
+def label_truth(mode_dir: Path, model: str, logs: Path) -> dict:
+    """A mode's run teacher-forced on a fresh engine (``centerline/teacher_force.py``)."""
+    from centerline import teacher_force
+
+    engine, server = teacher_force.start_engine(Path(model), logs / "sglang-teacher-force.log")
+    try:
+        report = teacher_force.check_run(mode_dir, engine)
+    except teacher_force.TeacherForceError as exc:
+        raise RuntimeError(f"teacher forcing {mode_dir}: {exc}") from None
+    finally:
+        teacher_force.stop_engine(server)
+    figures = {
+        "label_checked_tokens": report["total"]["tokens"],
+        "label_mismatch_share": report["total"]["share"],
+        "label_mismatch_max": round(report["total"].get("max", 0.0), 6),
+        "wrong_label_share": report["wrong_label"]["total"]["share"],
+    }
+    progress("teacher_force", run_dir=str(mode_dir), **figures)
+    return figures
+
+
 def heldout_key(record: dict) -> str:
     """The held-out figure of an ``eval.jsonl`` record: ``eval_accuracy`` (exact match), or
     ``eval_reward`` for a run of sessions (the environment's reward)."""
@@ -305,6 +338,9 @@ def token_staleness(steps: list[dict]) -> dict:
         "token_staleness_mean": round(sum(s["token_staleness_mean"] * s["trained_tokens"] for s in steps) / tokens, 4),
         "token_staleness_max": max(s["token_staleness_max"] for s in steps),
         "token_stale_share": round(sum(s["token_stale_share"] * s["trained_tokens"] for s in steps) / tokens, 4),
+        "token_kv_unverified_share": round(
+            sum(s["token_kv_unverified_share"] * s["trained_tokens"] for s in steps) / tokens, 4
+        ),
     }
 
 
@@ -428,7 +464,13 @@ def bench_pipeline(argv: list[str]) -> int:
         "--modes",
         default="drain,in-flight",
         help="runs, in this order, comma-separated: drain (asynchronous, weight_update drain), in-flight "
-        "(asynchronous, weight_update in_place: the defaults), on-policy (--max-inflight-steps 1)",
+        "(asynchronous, weight_update retract: the defaults), in-place (asynchronous, weight_update in_place), "
+        "on-policy (--max-inflight-steps 1)",
+    )
+    parser.add_argument(
+        "--teacher-force",
+        action="store_true",
+        help="then check every mode's token labels by teacher forcing (centerline teacher-force)",
     )
     parser.add_argument("--steps", type=int, default=1000, help="trainer steps, at most (--train-seconds ends runs)")
     parser.add_argument(
@@ -489,6 +531,9 @@ def bench_pipeline(argv: list[str]) -> int:
             results[mode], spec, model = run_pipeline(args, mode_spec(base, args, mode, run_dir / mode), mode)
         seconds = args.alone_seconds or results[modes[-1]]["pipeline_window_s"]
         alone = run_alone(args, spec, model, run_dir / modes[-1] / "train.jsonl", run_dir, seconds)
+        if args.teacher_force:
+            for mode in modes:
+                results[mode].update(label_truth(run_dir / mode, model, run_dir / "logs"))
     except ConfigError as exc:  # a bench flag up refuses (--workers 0...)
         print(f"centerline bench pipeline: {exc}", file=sys.stderr)
         return 2

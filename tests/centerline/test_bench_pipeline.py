@@ -32,6 +32,8 @@ PIPELINE_KEYS = {
     "token_staleness_mean",
     "token_staleness_max",
     "token_stale_share",
+    "token_kv_unverified_share",
+    "republished_share",
     "steps_done",
     "steps_wall_s",
     "staleness_max",
@@ -151,13 +153,26 @@ def test_each_mode_is_a_variant_of_the_spec_after_dashdash_and_reports_the_worke
 
 def test_staleness_per_token_is_weighted_by_each_steps_trained_tokens():
     steps = [
-        {"trained_tokens": 30, "token_staleness_mean": 1.0, "token_staleness_max": 1, "token_stale_share": 0.0},
-        {"trained_tokens": 10, "token_staleness_mean": 0.2, "token_staleness_max": 2, "token_stale_share": 0.4},
+        {
+            "trained_tokens": 30,
+            "token_staleness_mean": 1.0,
+            "token_staleness_max": 1,
+            "token_stale_share": 0.0,
+            "token_kv_unverified_share": 1.0,
+        },
+        {
+            "trained_tokens": 10,
+            "token_staleness_mean": 0.2,
+            "token_staleness_max": 2,
+            "token_stale_share": 0.4,
+            "token_kv_unverified_share": 0.2,
+        },
     ]
     assert token_staleness(steps) == {
         "token_staleness_mean": 0.8,
         "token_staleness_max": 2,
         "token_stale_share": 0.1,
+        "token_kv_unverified_share": 0.8,
     }
 
 

@@ -86,14 +86,14 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert len(steps) == STEPS
     assert max(s["version"] for s in steps) == STEPS  # weights moved every step, in flight
-    # the weight update vouches for every label, by construction
-    assert [s["token_kv_unverified_share"] for s in steps] == [0.0] * STEPS
 
     report = teacher_force.check_run(run_dir, sglang.url)
     total = report["total"]
     assert total["tokens"] >= 100, report  # versions 0 and the last ones: a few hundred sampled tokens
-    assert total["beyond"] == 0 and total["max"] < 1e-4, report
     assert len(report["versions"]) >= 2, report  # the initial weights and at least one trained version
-    # a wrong label is seen: at this learning rate a step moves most tokens' log-probs by more than 1e-4
+    # a wrong label is seen: at this learning rate a step moves many tokens' log-probs by more than 1e-3
     wrong = report["wrong_label"]["total"]
     assert wrong["tokens"] == total["tokens"] and wrong["share"] > 0.1, report
+    assert total["beyond"] == 0 and total["max"] < 1e-4, report
+    # and the weight update vouches for every label, by construction
+    assert [s["token_kv_unverified_share"] for s in steps] == [0.0] * STEPS
