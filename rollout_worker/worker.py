@@ -184,12 +184,13 @@ class Worker:
         started = time.perf_counter()
         try:
             task = PromptTask.from_bytes(msg.data)
+            attempt = task.attempt(msg.metadata.num_delivered)  # numbers its publication reserved
         except TaskError as exc:
             await self._term(msg, None, f"invalid task: {exc}")
             return
         beat = asyncio.create_task(self._heartbeat(msg))
         try:
-            outcome = await self.process(task, attempt=task.attempts_before + msg.metadata.num_delivered)
+            outcome = await self.process(task, attempt=attempt)
             for batch in outcome.batches:
                 # a fault test kills the worker here: some parts of the attempt stored, the others not
                 between = functools.partial(faults.hit, "worker.between_parts", batch.attempt)

@@ -3,6 +3,11 @@
 JSON (orjson) rather than msgpack: tasks are small, and people read them in `nats` tools
 and in recorded segments. ``task_id`` is also the task's ``Nats-Msg-Id``, so the trainer
 re-publishing a task after a crash is deduplicated by JetStream.
+
+One sampling, one attempt number (docs/design.md section 10): each publication of a task
+reserves its own ``ATTEMPT_BLOCK`` attempt numbers, from ``attempts_before + 1``; a worker's
+attempt is ``attempts_before`` plus the message's delivery. The trainer chooses
+``attempts_before`` so that no two publications share one (``trainer_service/tasks.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import orjson
+
+ATTEMPT_BLOCK = 1000  # attempt numbers one publication reserves: its deliveries 1 to 999
 
 
 class TaskError(ValueError):
@@ -29,9 +36,19 @@ class PromptTask:
     # "module:function": an environment that drives n multi-turn sessions and returns each one's reward
     # (rollout_worker/environment.py); "" samples the prompt n times and scores each with ``reward``
     environment: str = ""
-    # attempts of this task sampled before this message (the trainer publishes a task again after its
-    # batch was stale: trainer_service/tasks.py); a worker's attempt is this plus the message's delivery
+    # the attempt numbers this publication reserved start after this one (trainer_service/tasks.py); a worker's
+    # attempt is this plus the message's delivery (``attempt``)
     attempts_before: int = 0
+
+    def attempt(self, delivery: int) -> int:
+        """The attempt number of this message's ``delivery`` (1 the first); ``TaskError`` past the
+        deliveries its publication reserved, which would take the next publication's numbers."""
+        if not 1 <= delivery < ATTEMPT_BLOCK:
+            raise TaskError(
+                f"delivery {delivery} of task {self.task_id!r} is past the {ATTEMPT_BLOCK - 1} its publication "
+                "reserved attempt numbers for (docs/design.md section 10); the task is given up, as by --max-deliver"
+            )
+        return self.attempts_before + delivery
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(asdict(self))

@@ -60,7 +60,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
     from trainer_service.gate import Gate
     from trainer_service.metrics import Metrics
-    from trainer_service.tasks import TaskPublisher, load_dataset
+    from trainer_service.tasks import AttemptBlocks, TaskPublisher, load_dataset
 
     saved = checkpoint.load_state(resume) if resume else None
     try:
@@ -80,6 +80,8 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         seed=cfg.seed,
         prompts_per_step=settings.prompts_per_step,
         n=cfg.rollout_n,
+        # a run directory of an older release: its trainers sampled in block 0
+        blocks=AttemptBlocks(settings.run_dir / "attempt_blocks", first=1 if saved else 0),
         next_step=state.next_task_step,
     )
     gate = Gate(

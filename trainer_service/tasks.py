@@ -9,16 +9,22 @@ tasks of a step are a pure function of ``(dataset, seed, step)``: after a restar
 trainer re-publishes the same tasks with the same ``task_id`` (= ``Nats-Msg-Id``), which
 JetStream drops inside the PROMPTS duplicate window.
 
+One sampling, one attempt number (docs/design.md section 10): each start of the trainer takes a
+new block of attempt numbers for the tasks it publishes (``AttemptBlocks``, kept in the run
+directory), so tasks published again after a restart, past the duplicate window, are sampled
+under numbers no earlier copy uses; each publication of a task again takes one more.
+
 The publisher never runs more than ``max_inflight_steps`` steps ahead of training
 (``publish_until``), which bounds how stale a batch can be when it reaches a step. A task
-whose batch the gate dropped as stale is published again (``resample``) as a new attempt:
-the same task, ``attempts_before`` its stale attempt, under ``Nats-Msg-Id``
-``f"{task_id}/after-{attempt}"`` (docs/design.md section 10).
+whose batch the gate dropped as stale is published again (``resample``) in a block of its own,
+one more time published again than the stale attempt's (``times_republished``),
+under ``Nats-Msg-Id`` ``f"{task_id}/after-{attempt}"``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,9 +33,10 @@ import orjson
 
 from shared import names
 from shared.nats_client import publish_acked
-from shared.task import PromptTask
+from shared.task import ATTEMPT_BLOCK, PromptTask
 
 REQUIRED = ("prompt", "answer", "reward")
+REPUBLISH_LEVELS = 10  # times a task may be published again that an attempt number can say (0 to 9)
 log = logging.getLogger("centerline.trainer.tasks")
 
 
@@ -77,15 +84,60 @@ def load_dataset(path: str | Path) -> list[Example]:
     return examples
 
 
+def attempts_base(block: int, republished: int) -> int:
+    """``attempts_before`` of a publication in ``block`` of a task published again ``republished`` times
+    before (below ``REPUBLISH_LEVELS``: ``--max-republishes`` is at most 9). Attempt 21001 reads: block 2,
+    published again once, delivery 1."""
+    return (block * REPUBLISH_LEVELS + republished) * ATTEMPT_BLOCK
+
+
+def times_republished(attempt: int) -> int:
+    """How many times the task of ``attempt`` had been published again before the publication that sampled it."""
+    return (attempt - 1) // ATTEMPT_BLOCK % REPUBLISH_LEVELS
+
+
+class AttemptBlocks:
+    """The run's blocks of attempt numbers (``attempts_base``), each handed out once:
+    the next free one is written to ``path`` (in the run directory) before a block is used, so no
+    crash hands one out twice. ``first``: the block a run directory without the file starts at."""
+
+    def __init__(self, path: Path, first: int = 0):
+        self.path = path
+        self.next = int(path.read_text()) if path.exists() else first
+
+    def take(self) -> int:
+        block, self.next = self.next, self.next + 1
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as fh:
+            fh.write(f"{self.next}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        return block
+
+
 class TaskPublisher:
-    """Turns steps into prompt tasks and publishes them; ``next_step`` is the data cursor saved in checkpoints."""
+    """Turns steps into prompt tasks and publishes them; ``next_step`` is the data cursor saved in
+    checkpoints. Takes a block of ``blocks`` for the tasks of this process, and one per task
+    published again."""
 
     def __init__(
-        self, examples: list[Example], *, run_id: str, seed: int, prompts_per_step: int, n: int, next_step: int = 0
+        self,
+        examples: list[Example],
+        *,
+        run_id: str,
+        seed: int,
+        prompts_per_step: int,
+        n: int,
+        blocks: AttemptBlocks,
+        next_step: int = 0,
     ):
         self.examples, self.run_id, self.seed = examples, run_id, seed
         self.prompts_per_step, self.n, self.next_step = prompts_per_step, n, next_step
         self._orders: dict[int, np.ndarray] = {}
+        self.blocks = blocks
+        self.attempts_before = attempts_base(blocks.take(), 0)
+        self._again: set[str] = set()  # Nats-Msg-Ids of the tasks this process stored again
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -110,6 +162,7 @@ class TaskPublisher:
                     step=step,
                     meta=ex.meta,
                     environment=ex.environment,
+                    attempts_before=self.attempts_before,
                 )
             )
         return out
@@ -149,22 +202,34 @@ class TaskPublisher:
         return self.tasks(int(step))[int(index)]
 
     async def resample(self, js, batch) -> bool:
-        """Publish the task of ``batch`` (dropped as stale) again, its attempts numbered after
-        ``batch.attempt``; False, with a warning, for a task this run did not publish. The gate's
-        redelivery of the same stale part publishes the same id, which JetStream drops."""
+        """Publish the task of ``batch`` (dropped as stale) again, in a new block; whether it was
+        stored now. False, with a warning, for a task this run did not publish; False for one this
+        process stored already (its stale part came back) or JetStream holds already (stored before a
+        crash: the Nats-Msg-Id is the same). Raises ``PublishError`` when JetStream does not confirm it."""
         task = self.task(batch.task_id)
         if task is None:
             log.warning(
                 "stale batch %s: its task %r is not one of this run's; not sampled again", batch.batch_id, batch.task_id
             )
             return False
-        again = replace(task, attempts_before=batch.attempt)
-        await publish_acked(
+        msg_id = f"{task.task_id}/after-{batch.attempt}"
+        if msg_id in self._again:
+            return False
+        base = attempts_base(self.blocks.take(), times_republished(batch.attempt) + 1)
+        ack = await publish_acked(
             js,
             names.PROMPTS_SUBJECT,
-            again.to_bytes(),
-            {names.MSG_ID_HEADER: f"{task.task_id}/after-{batch.attempt}"},
+            replace(task, attempts_before=base).to_bytes(),
+            {names.MSG_ID_HEADER: msg_id},
             what=f"task {task.task_id!r} again",
         )
-        log.info("task %s published again after its attempt %d was stale", task.task_id, batch.attempt)
+        self._again.add(msg_id)
+        if ack.duplicate:
+            return False
+        log.info(
+            "task %s published again after its attempt %d was stale: attempts %d on",
+            task.task_id,
+            batch.attempt,
+            base + 1,
+        )
         return True

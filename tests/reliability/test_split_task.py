@@ -82,7 +82,8 @@ def test_a_part_held_back_past_max_staleness_is_dropped_as_stale_and_its_task_sa
     (the failpoint blocks its event loop, so no in-progress ack goes out), with its task kept by a
     60 s ack wait (both workers set it: the last to bind the consumer decides): the second part
     reaches the gate more than ``--max-staleness`` versions old and is dead-lettered as stale, the
-    trainer publishes the task again, the other worker samples it as attempt 2, which is trained;
+    trainer publishes the task again, the other worker samples it as attempt 11001 (block 1, published
+    again once, delivery 1: docs/design.md section 10), which is trained;
     attempt 1's first part, pending, is dropped then."""
     topology = split_topology
     slow = topology.add_worker(
@@ -104,12 +105,12 @@ def test_a_part_held_back_past_max_staleness_is_dropped_as_stale_and_its_task_sa
 
     assert "failpoint worker.between_parts at step 1: sleep:15" in slow.log()
     # Attempt 1's second part meets the gate 15 s late, many versions stale: dead-lettered as such,
-    # its task published again and sampled as attempt 2 (the ack wait keeps the consumer from
-    # redelivering it meanwhile); attempt 1's first part, pending, is dropped once attempt 2 is trained.
+    # its task published again and sampled as attempt 11001 (the ack wait keeps the consumer from
+    # redelivering it meanwhile); attempt 1's first part, pending, is dropped once attempt 11001 is trained.
     assert figures.dropped == {"stale": 1, "duplicate_attempt": 1}, figures.dropped
     assert resampled == 1
     [task] = [t for t, attempts in run["attempts"].items() if attempts != {1}]
-    assert run["attempts"][task] == {2} and run["state"]["ledger"][task]["attempt"] == 2
+    assert run["attempts"][task] == {11001} and run["state"]["ledger"][task]["attempt"] == 11001
     assert (figures.lost, figures.duplicated, figures.dead_lettered, figures.groups_twice) == (0, 0, 0, 0)
     assert run["ledger_matches_stream"] and set(run["trained"]) == run["expected"]
     assert all(n == 1 for n in run["trained"].values())

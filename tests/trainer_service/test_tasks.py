@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import replace
 from types import SimpleNamespace
 
 import orjson
 import pytest
+from nats.js.api import PubAck
 
 from shared import names
-from shared.task import PromptTask
-from trainer_service.tasks import DatasetError, TaskPublisher, load_dataset
+from shared.task import ATTEMPT_BLOCK, PromptTask, TaskError
+from trainer_service.tasks import (
+    AttemptBlocks,
+    DatasetError,
+    TaskPublisher,
+    attempts_base,
+    load_dataset,
+    times_republished,
+)
 
 
 class Recorder:
+    """Stands in for JetStream: keeps what is published, answers as its duplicate window would."""
+
     def __init__(self):
         self.sent = []
 
     async def publish(self, subject, data, headers=None, timeout=None):
-        self.sent.append((subject, PromptTask.from_bytes(data), headers))
+        duplicate = any(h == headers for _, _, h in self.sent) or None
+        if not duplicate:
+            self.sent.append((subject, PromptTask.from_bytes(data), headers))
+        return PubAck(stream=names.PROMPTS_STREAM, seq=len(self.sent), duplicate=duplicate)
 
 
 @pytest.fixture
@@ -34,7 +48,11 @@ def dataset(tmp_path):
 
 
 def publisher(dataset, seed=0, next_step=0) -> TaskPublisher:
-    return TaskPublisher(load_dataset(dataset), run_id="r1", seed=seed, prompts_per_step=3, n=4, next_step=next_step)
+    """A trainer's publisher; each one made for the same dataset is a later start of the same run."""
+    blocks = AttemptBlocks(dataset.with_name("attempt_blocks"))
+    return TaskPublisher(
+        load_dataset(dataset), run_id="r1", seed=seed, prompts_per_step=3, n=4, blocks=blocks, next_step=next_step
+    )
 
 
 def test_extra_keys_go_to_meta_and_ids_name_run_step_index(dataset):
@@ -74,7 +92,8 @@ def test_a_line_naming_an_environment_makes_its_tasks_sessions(tmp_path):
     with pytest.raises(DatasetError, match=r"d.jsonl:2: field 'environment' is 3, expected 'module:function'"):
         load_dataset(path)
     path.write_bytes(orjson.dumps(row) + b"\n")
-    (task,) = TaskPublisher(load_dataset(path), run_id="r", seed=0, prompts_per_step=1, n=2).tasks(0)
+    blocks = AttemptBlocks(tmp_path / "attempt_blocks")
+    (task,) = TaskPublisher(load_dataset(path), run_id="r", seed=0, prompts_per_step=1, n=2, blocks=blocks).tasks(0)
     assert (task.environment, task.meta) == ("envs:chat", {"level": 2})
     assert PromptTask.from_bytes(task.to_bytes()) == task
 
@@ -88,14 +107,47 @@ def test_a_line_without_a_required_field_names_file_and_line(tmp_path):
         load_dataset(path)
 
 
-def test_a_stale_batch_has_its_task_published_again_numbered_after_its_attempt(dataset):
+def test_a_stale_batch_has_its_task_published_again_in_a_block_of_its_own_once(dataset):
     pub, js = publisher(dataset), Recorder()
     stale = SimpleNamespace(batch_id="r1/4/2#3", task_id="r1/4/2", attempt=3)
     assert asyncio.run(pub.resample(js, stale)) is True
     [(subject, task, headers)] = js.sent
     assert subject == names.PROMPTS_SUBJECT and headers == {names.MSG_ID_HEADER: "r1/4/2/after-3"}
-    assert task == replace(pub.tasks(4)[2], attempts_before=3)
+    # block 1 (block 0 is this start's), published again once: attempts 11001 on
+    assert task == replace(pub.tasks(4)[2], attempts_before=11000) and task.attempt(1) == 11001
+    assert times_republished(task.attempt(1)) == 1
     assert pub.next_step == 0  # the data cursor does not move
+    # the stale part again (its ack was lost): not published twice, no block taken
+    assert asyncio.run(pub.resample(js, stale)) is False and len(js.sent) == 1
+    # a later start finds it stored already (the crash came before the stale part's ack): not counted again
+    assert asyncio.run(publisher(dataset).resample(js, stale)) is False and len(js.sent) == 1
+
+
+def test_every_publication_of_a_task_samples_under_attempt_numbers_of_its_own(dataset):
+    """Two starts of one run (the second before any checkpoint, past the duplicate window) and a
+    task of each published again: no two of them share an attempt number, whatever their deliveries."""
+    first, js = publisher(dataset), Recorder()
+    asyncio.run(first.publish_next(js))
+    stale = SimpleNamespace(batch_id="r1/0/1", task_id="r1/0/1", attempt=1)
+    asyncio.run(first.resample(js, stale))
+    second = publisher(dataset)  # restarted: the same tasks, the next block
+    js_again = Recorder()  # past the duplicate window
+    asyncio.run(second.publish_next(js_again))
+    again = SimpleNamespace(batch_id="r1/0/1#11001", task_id="r1/0/1", attempt=11001)
+    asyncio.run(second.resample(js_again, again))
+    copies = [t for _, t, _ in js.sent + js_again.sent if t.task_id == "r1/0/1"]
+    assert [t.attempts_before for t in copies] == [0, 11000, 20000, 32000]
+    numbers = [{t.attempt(d) for d in range(1, ATTEMPT_BLOCK)} for t in copies]
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(numbers, 2))
+    assert [times_republished(t.attempt(1)) for t in copies] == [0, 1, 0, 2]
+    assert AttemptBlocks(dataset.with_name("attempt_blocks")).next == 4
+
+
+def test_a_delivery_past_the_numbers_its_publication_reserved_is_refused():
+    task = PromptTask("r/0/0", "r/0/0", "p", "a", "exact", n=2, step=0, attempts_before=attempts_base(3, 1))
+    assert (task.attempt(1), task.attempt(ATTEMPT_BLOCK - 1)) == (31001, 31999)
+    with pytest.raises(TaskError, match=r"delivery 1000 of task 'r/0/0' is past the 999 its publication reserved"):
+        task.attempt(ATTEMPT_BLOCK)
 
 
 @pytest.mark.parametrize("task_id", ["r2/4/2", "r1/4/3", "r1/4", "r1/x/0", "batch/r1/4/2"])
