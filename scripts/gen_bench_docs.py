@@ -151,16 +151,18 @@ def pipeline(fig: dict) -> list[str]:
         "trainer duty cycle",
         "gather s/step",
         "staleness per trained token: mean, max, share > 1",
+        "labels untrue: teacher-forced (tokens)",
     ]
     rows = [
         [
-            mode,
+            f"{mode} (`{m['weight_update']}`)",
             f"{m['pipeline_samples_per_s']:.2f} ({m['samples_per_s_ratio']:.3f}x)",
             f"{m['weights_s_mean']:.3f} ({m['weights_s_max']:.3f})",
             f"{m['duty_cycle']:.3f}",
             f"{m['trainer_duty_cycle']:.3f}",
             f"{m['pipeline_gather_s_mean']:.3f}",
             f"{m['token_staleness_mean']:.3g}, {m['token_staleness_max']}, {m['token_stale_share'] * 100:.2g} %",
+            labels(m),
         ]
         for mode, m in fig["modes"].items()
     ]
@@ -172,6 +174,14 @@ def pipeline(fig: dict) -> list[str]:
         "",
         *table(header, rows),
     ]
+
+
+def labels(m: dict) -> str:
+    """The share of a mode's teacher-forced tokens whose recorded log-prob is not their label's
+    (``bench pipeline --teacher-force``), or that it was not checked."""
+    if "label_mismatch_share" not in m:
+        return "not checked"
+    return f"{m['label_mismatch_share'] * 100:.3g} % ({m['label_checked_tokens']:,})"
 
 
 def pipeline_sessions(fig: dict) -> list[str]:
