@@ -17,7 +17,8 @@ again, whole, with new sessions); a request the proxy refuses, a turn the endpoi
 good (a template that fails or does not extend the session, an invalid request, an unsupported
 setting: ``rollout_worker/chat_request.py``) or any exception inside a turn, an environment that
 raises or returns no finite reward, a session with no turn, a batch that breaks the contract fail
-it for good (whatever the environment made of the answer). A history the session did not have and
+it for good (whatever the environment made of the answer), and so do sessions not all back
+within the worker's ``environment_timeout`` (cancelled). A history the session did not have and
 a turn past the session's budget are refused and logged only: the environment may go on or
 finish. A session is trained whole or not at all.
 
@@ -218,12 +219,15 @@ async def play(
     n: int,
     timeout: float,
     between_turns: Callable[[int], None] | None = None,
+    deadline: float | None = None,
 ) -> list[tuple[Session, float]]:
     """``n`` sessions of the task's environment at once, each on its own base URL of a loopback
     endpoint, rendered with ``tokenizer``'s chat template (an HF tokenizer) and turned through the
     proxy at ``cfg.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected``
-    as ``Worker.process`` does. The worker trains on them (``sample_sessions``, which passes its
-    failpoint as ``between_turns``: see ``Session``); ``centerline up``'s held-out evaluation scores them."""
+    as ``Worker.process`` does, ``Rejected`` too when the sessions are not all back within
+    ``deadline`` seconds (they are cancelled). The worker trains on them (``sample_sessions``, which
+    passes its failpoint as ``between_turns``: see ``Session``); ``centerline up``'s held-out
+    evaluation scores them."""
     import openai
 
     try:
@@ -251,17 +255,30 @@ async def play(
             between_turns=between_turns,
         )
 
+    returned = []
+
     async def run(session: Session) -> float:
         client = openai.AsyncOpenAI(base_url=endpoint.open(session), api_key="unused", max_retries=0, timeout=timeout)
         try:
-            return await environment(client, task)
+            reward = await environment(client, task)
+            returned.append(session)
+            return reward
         finally:
             await client.close()
 
     sessions = [new_session() for _ in range(n)]
     await endpoint.start()
     try:
-        results = await asyncio.gather(*(run(s) for s in sessions), return_exceptions=True)
+        # a hung environment would hold the task, and its worker slot, for good (docs/design.md section 12)
+        async with asyncio.timeout(deadline):
+            results = await asyncio.gather(*(run(s) for s in sessions), return_exceptions=True)
+    except TimeoutError:
+        raise Rejected(
+            f"environment {task.environment!r}: {n - len(returned)} of {n} sessions had not returned within "
+            f"--environment-timeout {deadline:g} s, and were cancelled; nothing of the task is published. Make it "
+            "return each session's reward, or raise --environment-timeout (unset, it is --request-timeout x "
+            "ceil(--rollout-session-max-tokens / --rollout-max-new-tokens))"
+        ) from None
     finally:
         await endpoint.close()
     if endpoint.failures:  # a kept failure first (an engine's, a fatal refusal), whatever the environment made of it
@@ -295,7 +312,8 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
     cfg, settings = worker.cfg, worker.settings
     # a fault test kills the worker here, between two turns of a session (@step: the turn arriving)
     between = functools.partial(faults.hit, "worker.between_turns")
-    played = await play(cfg, worker.session, worker.tok.chat, task, task.n, settings.request_timeout, between)
+    deadline = settings.environment_deadline(cfg)
+    played = await play(cfg, worker.session, worker.tok.chat, task, task.n, settings.request_timeout, between, deadline)
     rewards = np.asarray([reward for _, reward in played], np.float64)
     batch = pack_trajectories(
         task,

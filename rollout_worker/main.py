@@ -45,7 +45,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.tasks = Counter(
             "centerline_worker_tasks",
-            "Tasks finished, by outcome (ok, nak, rejected, ack_lost)",
+            "Tasks finished, by outcome (ok, nak, rejected, error: an unexpected exception, ack_lost)",
             ["outcome"],
             registry=self.registry,
         )

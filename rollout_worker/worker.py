@@ -18,9 +18,15 @@ Failures, and what happens to the task:
 - the task's own ack lost (NATS restarting): logged; the task comes back, is sampled again as
   the next attempt, and the trainer drops that attempt's batch as ``duplicate_attempt``;
 - deterministic (a task that does not parse, a request the proxy refuses with 400, a reward
-  function that fails, a packed batch that breaks the contract): TERM, after logging the
-  reason and, for a contract failure, publishing the batch to ``rollouts.dlq`` with the
-  reason in headers. Redelivering these would fail the same way forever and block the queue.
+  function that fails, a packed batch that breaks the contract, an environment past
+  ``environment_timeout``): TERM, after logging the reason and publishing to ``rollouts.dlq``,
+  with the reason in headers, the batch that breaks the contract (the task instead where the
+  batch exceeds ``max_payload``), else the task. Redelivering these would fail the same way
+  forever and block the queue;
+- anything else raised while the task runs (a defect: a template that cannot render, a K
+  mismatch): the same, the exception's type and message the reason, counted as ``error``.
+  If the dead letter cannot be stored (NATS unreachable), the task is NAKed instead, so it comes
+  back and is dead-lettered then.
 """
 
 from __future__ import annotations
@@ -32,11 +38,12 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import nats.errors
 import numpy as np
 import orjson
 
 from rollout_worker.packing import pack_group, samples_from_arrays
-from rollout_worker.publish import PayloadTooLargeError, publish_batch
+from rollout_worker.publish import HEADER_ROOM, PayloadTooLargeError, publish_batch
 from rollout_worker.request import chat_training_body, training_body
 from rollout_worker.rewards import RewardError, group_advantages, score
 from shared import faults, names, response_arrays
@@ -205,7 +212,7 @@ class Worker:
             await msg.nak(delay=self.retry_delay(msg))
             self._count("nak")
             return
-        except (PublishError, PayloadTooLargeError) as exc:
+        except (PublishError, PayloadTooLargeError, nats.errors.Error) as exc:
             log.warning(
                 "publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}}
             )
@@ -214,6 +221,11 @@ class Worker:
             return
         except Rejected as exc:
             await self._term(msg, task, str(exc), exc.batch)
+            return
+        # a defect meets every delivery alike: looping to max_deliver would only hide it (docs/design.md section 12)
+        except Exception as exc:  # noqa: BLE001
+            reason = f"unexpected {type(exc).__name__} in the worker: {exc}"
+            await self._term(msg, task, reason, outcome="error", exc_info=exc)
             return
         finally:
             beat.cancel()
@@ -263,22 +275,39 @@ class Worker:
             await asyncio.sleep(min(self.settings.ack_wait, on_server or self.settings.ack_wait) / 2)
             await msg.in_progress()
 
-    async def _term(self, msg, task: PromptTask | None, reason: str, batch=None) -> None:
+    async def _term(
+        self, msg, task: PromptTask | None, reason: str, batch=None, outcome: str = "rejected", exc_info=None
+    ) -> None:
+        """Dead-letter and TERM: the batch that breaks the contract, else the task as delivered (one
+        that does not parse, a request SGLang refuses, a hung environment, a defect), the reason in headers."""
+        kind, data = "task", bytes(msg.data)
+        if batch is not None:
+            encoded = encode_batch(batch)
+            if len(encoded) <= self.nc.max_payload - HEADER_ROOM:
+                kind, data = "batch", encoded
+            else:  # one message cannot hold it; the task, sampled again, makes it again
+                reason += f" (the batch, {len(encoded)} bytes, exceeds max_payload: its task is dead-lettered instead)"
         task_id = task.task_id if task else None
-        log.error("task rejected", extra={"fields": {"task_id": task_id, "reason": reason}})
-        if batch is not None or task is not None:
-            # a batch that breaks the contract, else the task itself (a request SGLang refuses), with the reason
-            data = encode_batch(batch) if batch is not None else msg.data
-            if len(data) <= self.nc.max_payload - 4096:
-                headers = {
-                    "Centerline-Reason": reason[:1000],
-                    "Centerline-Producer": self.settings.worker_id,
-                    "Centerline-Stage": "worker",
-                    "Centerline-Kind": "batch" if batch is not None else "task",
-                }
-                await self.js.publish(names.DLQ_SUBJECT, data, headers=headers)
+        log.error("task rejected", extra={"fields": {"task_id": task_id, "reason": reason}}, exc_info=exc_info)
+        headers = {
+            "Centerline-Reason": reason[:1000],
+            "Centerline-Producer": self.settings.worker_id,
+            "Centerline-Stage": "worker",
+            "Centerline-Kind": kind,
+        }
+        try:
+            await self.js.publish(names.DLQ_SUBJECT, data, headers=headers)
+        # however the publish fails, a TERM now would drop the task unrecorded
+        except Exception as exc:  # noqa: BLE001
+            log.warning(
+                "dead letter not stored; the task comes back to be rejected again",
+                extra={"fields": {"task_id": task_id, "reason": repr(exc)}},
+            )
+            await msg.nak(delay=self.retry_delay(msg))
+            self._count("nak")
+            return
         await msg.term()
-        self._count("rejected")
+        self._count(outcome)
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -15,6 +15,7 @@ file and its mode ``--to``/``--jsonl``/``--train``), and secrets (docs/config.md
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -145,12 +146,27 @@ class WorkerSettings(Section):
         "with the generation prompt (the chat endpoint always has SGLang render it); off: the prompt's own tokens.",
     )
     shutdown_grace: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish the tasks in flight.")
-    request_timeout: float = Field(600.0, gt=0, description="Seconds per proxy request.")
+    request_timeout: float = Field(600.0, gt=0, description="Seconds per proxy request (a session's turn too).")
+    environment_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a task's environment may take for its n sessions together; past it they are "
+        "cancelled, nothing is published and the task is dead-lettered. Unset: request_timeout x "
+        "ceil(rollout_session_max_tokens / rollout_max_new_tokens), a session of its whole token budget in "
+        "turns of the longest reply, each taking the turn timeout.",
+    )
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port; unset: off.")
     metrics_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
         return [_max_deliver_check(self.max_deliver)]
+
+    def environment_deadline(self, cfg) -> float:
+        """``environment_timeout``, or where unset its default from the turn timeout and the session
+        token budget of the shared ``cfg`` (docs/design.md section 12)."""
+        if self.environment_timeout is not None:
+            return self.environment_timeout
+        return self.request_timeout * math.ceil(cfg.rollout_session_max_tokens / cfg.rollout_max_new_tokens)
 
 
 class ProxySettings(Section):

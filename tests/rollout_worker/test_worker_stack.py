@@ -9,6 +9,7 @@ advantages from the rewards. Synchronisation is by polling with deadlines, never
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,9 @@ import numpy as np
 import pytest
 
 from centerline.nats_server import EmbeddedNats
+from centerline.ports import free_port
 from shared import names
-from shared.contract import check_batch
+from shared.contract import ContractViolation, check_batch
 from shared.nats_client import connect
 from shared.streams import ensure_streams
 from shared.task import PromptTask
@@ -183,6 +185,29 @@ async def _consumer_info(url: str):
         await nc.close()
 
 
+def _task_done(worker: WorkerProcess, task_id: str) -> bool:
+    """Whether ``worker`` logged ``task done`` for ``task_id`` (after the batch is stored and the task acked)."""
+    return any('"task done"' in line and f'"task_id": "{task_id}"' in line for line in worker.log().splitlines())
+
+
+def _wait_drained(url: str):
+    """The workers' consumer once nothing is pending or unacked: a worker acks or TERMs a task after
+    publishing its batch or its dead letter, so a test that has seen those waits for this."""
+    return processes.wait_until(
+        lambda: (lambda i: i if (i.num_pending, i.num_ack_pending) == (0, 0) else None)(
+            asyncio.run(_consumer_info(url))
+        ),
+        30,
+        "no task pending or unacked",
+    )
+
+
+def _dead_letters(url: str, data: bytes | None = None) -> list:
+    """The DLQ's entries (those whose bytes are ``data``, if given)."""
+    stored = asyncio.run(processes.stored_messages(url, names.DLQ_STREAM))
+    return [m for m in stored if data is None or m.data == data]
+
+
 def _check_group(batch, task: PromptTask) -> None:
     check_batch(batch, vocab_size=VOCAB)
     assert batch.num_samples == task.n and batch.k == K and batch.mode == "selected"
@@ -237,7 +262,8 @@ def test_a_task_naming_an_environment_is_published_as_one_batch_of_its_sessions(
     mask = batch.loss_mask.astype(bool)
     assert 6 <= mask.sum() <= 2 * 3 * 8 and (~mask).sum() > 0  # three turns of at most 8 tokens, template between
     assert (batch.cand_ids[~mask] == -1).all() and (batch.cand_ids[mask] >= 0).all()
-    assert '"task done"' in worker.log() and f'"task_id": "{task.task_id}"' in worker.log()
+    # the worker logs the task done after the batch is stored and the task acked: wait for the line
+    processes.wait_until(lambda: _task_done(worker, task.task_id), 30, f"task done {task.task_id}", worker.proc)
 
 
 def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, workers):
@@ -259,9 +285,9 @@ def test_a_task_of_a_killed_worker_is_redelivered_and_published_once(stack, work
     assert [b.batch_id for b in batches][-1:] == [f"{task.task_id}#2"] and batches[-1].attempt == 2
     assert [b.batch_id for b in batches[:-1]] in ([], [task.task_id])
     _check_group(batches[-1], task)
-    info = asyncio.run(_consumer_info(stack.nats))
-    assert info.num_ack_pending == 0 and info.num_pending == 0
-    assert f'"task_id": "{task.task_id}"' in rescuer.log() and '"task done"' in rescuer.log()
+    # the rescuer acks the task after publishing its batch, and logs it after the ack
+    _wait_drained(stack.nats)
+    processes.wait_until(lambda: _task_done(rescuer, task.task_id), 30, f"task done {task.task_id}", rescuer.proc)
 
 
 def test_a_task_sglang_refuses_is_dead_lettered_at_once_with_sglangs_message(stack, workers):
@@ -281,16 +307,145 @@ def test_a_task_sglang_refuses_is_dead_lettered_at_once_with_sglangs_message(sta
     worker.wait_ready()
     asyncio.run(_publish_tasks(stack.nats, [task]))
 
-    def dead_lettered():
-        return [
-            m for m in asyncio.run(processes.stored_messages(stack.nats, names.DLQ_STREAM)) if m.data == task.to_bytes()
-        ]
-
-    (entry,) = processes.wait_until(dead_lettered, 60, "the task in the DLQ")
+    (entry,) = processes.wait_until(lambda: _dead_letters(stack.nats, task.to_bytes()), 60, "the task in the DLQ")
     assert entry.headers["Centerline-Kind"] == "task" and entry.headers["Centerline-Producer"] == "w-refused"
     assert (
         "400" in entry.headers["Centerline-Reason"] and "context length" in entry.headers["Centerline-Reason"].lower()
     )
-    info = asyncio.run(_consumer_info(stack.nats))
-    assert (info.num_ack_pending, info.num_pending, info.num_redelivered) == (0, 0, 0)
+    assert _wait_drained(stack.nats).num_redelivered == 0  # TERMed once its dead letter is stored
     assert worker.log().count(f'"task_id": "{task.task_id}"') == 1  # one delivery, one rejection
+
+
+def test_an_environment_that_never_returns_is_dead_lettered_at_its_deadline_and_frees_its_slot(stack, workers):
+    """Sessions that never return are cancelled at the worker's deadline, here its default from
+    the turn timeout and the budget (3 s x ceil(48 / 16) turns = 9 s): nothing is published, the
+    task is dead-lettered with the reason, and the worker's one slot takes the next task."""
+    run = f"h{uuid.uuid4().hex[:6]}"
+    env = "tests.rollout_worker.fault_environments:hangs_after_a_turn"
+    hung = PromptTask(f"{run}/0/0", f"{run}/g0", "Hi", "", "exact", 2, 0, environment=env)
+    (after,) = _tasks(run, 1, n=2)
+    after = PromptTask(f"{run}/0/1", f"{run}/g1", after.prompt, after.answer, "exact", 2, 0)
+    flags = ("--concurrency", "1", "--request-timeout", "3", "--rollout-max-new-tokens", "16")
+    worker = workers(*flags, "--rollout-session-max-tokens", "48", "--worker-id", "w-hang")
+    worker.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, [hung, after]))
+    batches = asyncio.run(_collect(stack.nats, run, 1, deadline_s=90, settle_s=1.0))
+    assert [b.batch_id for b in batches] == [after.task_id]  # nothing of the hung task
+    (entry,) = processes.wait_until(lambda: _dead_letters(stack.nats, hung.to_bytes()), 10, "the hung task's DLQ entry")
+    assert (entry.headers["Centerline-Kind"], entry.headers["Centerline-Producer"]) == ("task", "w-hang")
+    assert entry.headers["Centerline-Reason"] == (
+        f"environment {env!r}: 2 of 2 sessions had not returned within --environment-timeout 9 s, and were "
+        "cancelled; nothing of the task is published. Make it return each session's reward, or raise "
+        "--environment-timeout (unset, it is --request-timeout x ceil(--rollout-session-max-tokens / "
+        "--rollout-max-new-tokens))"
+    )
+    assert _wait_drained(stack.nats).num_redelivered == 0
+
+
+def _unrenderable_tokenizer(model_dir: Path, out: Path) -> Path:
+    """The model's tokenizer with a chat template that raises on a prompt holding "unrenderable"."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    fails = (
+        "{% if 'unrenderable' in messages[0]['content'] %}"
+        "{{ raise_exception('cannot render ' + messages[0]['content']) }}{% endif %}"
+    )
+    tok.chat_template = fails + tok.chat_template
+    tok.save_pretrained(str(out))
+    return out
+
+
+def _task_outcomes(metrics_url: str) -> dict[str, float]:
+    """``centerline_worker_tasks_total`` by outcome, from the worker's /metrics."""
+    _, text = processes.http("GET", metrics_url, timeout=5)
+    found = re.findall(r'^centerline_worker_tasks_total\{outcome="(\w+)"\} (\S+)$', text, re.M)
+    return {outcome: float(value) for outcome, value in found}
+
+
+def test_an_unexpected_exception_in_a_task_is_dead_lettered_at_once_with_its_type_and_message(stack, workers, tmp_path):
+    """A chat template that cannot render the task's prompt raises jinja2's TemplateError, which is
+    no failure family of the worker's: the task is TERMed on its first delivery and dead-lettered
+    with the exception's type and message, counted as ``error``; the next task is sampled as usual."""
+    run = f"u{uuid.uuid4().hex[:6]}"
+    broken = PromptTask(f"{run}/0/0", f"{run}/g0", "copy (unrenderable)=", "x", "exact", 2, 0)
+    (after,) = _tasks(run, 1, n=2)
+    after = PromptTask(f"{run}/0/1", f"{run}/g1", after.prompt, after.answer, "exact", 2, 0)
+    port = free_port()
+    tokenizer = _unrenderable_tokenizer(stack.model, tmp_path / "tokenizer")
+    flags = ("--tokenizer", str(tokenizer), "--chat-template", "--metrics-port", str(port), "--concurrency", "1")
+    worker = workers(*flags, "--rollout-max-new-tokens", "8", "--worker-id", "w-defect")
+    worker.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, [broken, after]))
+    batches = asyncio.run(_collect(stack.nats, run, 1, deadline_s=60, settle_s=1.0))
+    assert [b.batch_id for b in batches] == [after.task_id]
+    check_batch(batches[0], vocab_size=VOCAB)
+    (entry,) = processes.wait_until(lambda: _dead_letters(stack.nats, broken.to_bytes()), 10, "the task's DLQ entry")
+    assert (entry.headers["Centerline-Kind"], entry.headers["Centerline-Producer"]) == ("task", "w-defect")
+    assert (
+        entry.headers["Centerline-Reason"] == f"unexpected TemplateError in the worker: cannot render {broken.prompt}"
+    )
+    assert _wait_drained(stack.nats).num_redelivered == 0  # TERMed on its first delivery, never looped
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    want = {"error": 1.0, "ok": 1.0}  # counted once the task is done, after its ack: wait for it
+    assert processes.wait_until(lambda: _task_outcomes(metrics) == want, 30, f"task outcomes {want}", worker.proc)
+
+
+def test_a_batch_that_breaks_the_workers_contract_check_is_dead_lettered_whole(stack, workers):
+    """The worker checks its own batch against the contract before publishing: with a vocabulary
+    smaller than the ids SGLang samples (--vocab-size 100 against the model's 260) the batch breaks
+    it; it goes to the DLQ whole with the contract's rule and message, nothing to ROLLOUTS."""
+    run = f"c{uuid.uuid4().hex[:6]}"
+    task = PromptTask(f"{run}/0/0", f"{run}/g0", "ABC=", "ABC", "exact", 2, 0)  # prompt ids below 100
+    worker = workers("--rollout-max-new-tokens", "8", "--vocab-size", "100", "--worker-id", "w-contract")
+    worker.wait_ready()
+    asyncio.run(_publish_tasks(stack.nats, [task]))
+
+    def dead_lettered():
+        return [m for m in _dead_letters(stack.nats) if m.headers.get("Centerline-Producer") == "w-contract"]
+
+    (entry,) = processes.wait_until(dead_lettered, 60, "the batch in the DLQ")
+    assert entry.headers["Centerline-Kind"] == "batch"
+    batch = decode_batch(bytes(entry.data))
+    assert (batch.batch_id, batch.task_id, batch.num_samples, batch.producer) == (
+        task.task_id,
+        task.task_id,
+        2,
+        "w-contract",
+    )
+    check_batch(batch, vocab_size=VOCAB)  # whole and sound for the model's vocabulary
+    with pytest.raises(ContractViolation) as broken:
+        check_batch(batch, vocab_size=100)
+    reason = f"batch {task.task_id!r} breaks the contract ({broken.value.rule}): {broken.value}"
+    assert entry.headers["Centerline-Reason"] == reason
+    assert _wait_drained(stack.nats).num_redelivered == 0
+    assert asyncio.run(_collect(stack.nats, run, 1, deadline_s=2)) == []
+
+
+def test_a_contract_breaking_batch_above_max_payload_dead_letters_its_task(stack, tmp_path):
+    """A batch too large for one message (a server with max_payload 8 KiB) cannot go to the DLQ
+    whole: its task does, the reason naming the batch's size, so the rejection is never lost."""
+    server = EmbeddedNats(tmp_path / "nats", max_payload=8192).start()
+    worker = None
+    try:
+        asyncio.run(_ensure(server.url))
+        small = type("Stack", (), {"nats": server.url, "proxy": stack.proxy, "model": stack.model})
+        flags = ("--rollout-max-new-tokens", "32", "--vocab-size", "100", "--worker-id", "w-large")
+        worker = WorkerProcess(small, tmp_path / "worker.log", *flags)
+        worker.wait_ready()
+        task = PromptTask("large/0/0", "large/g0", "ABC=", "ABC", "exact", 4, 0)
+        asyncio.run(_publish_tasks(server.url, [task]))
+        (entry,) = processes.wait_until(lambda: _dead_letters(server.url), 60, "the task in the DLQ", worker.proc)
+        assert (entry.headers["Centerline-Kind"], bytes(entry.data)) == ("task", task.to_bytes())
+        reason = entry.headers["Centerline-Reason"]
+        assert re.fullmatch(
+            rf"batch '{task.task_id}' breaks the contract \(\w+\): .+ \(the batch, (\d+) bytes, "
+            r"exceeds max_payload: its task is dead-lettered instead\)",
+            reason,
+        ), reason
+        assert int(re.search(r"the batch, (\d+) bytes", reason)[1]) > 8192 - 4096
+        assert _wait_drained(server.url).num_redelivered == 0
+    finally:
+        if worker is not None:
+            worker.stop()
+        server.stop()
