@@ -31,7 +31,8 @@ POINTS = {
     "trainer.after_acks": "rank 0, the step's batches are acked, the new weights not yet published",
     "trainer.weights_paused": "rank 0, an engine paused for the weight update (in_place or retract), not yet "
     "loaded or continued (@step: the version)",
-    "trainer.rejected": "rank 0, a rejected batch is in the DLQ, not yet acked",
+    "trainer.stale": "rank 0, a batch found stale, its task not yet published again, nothing dead-lettered or acked",
+    "trainer.rejected": "rank 0, a rejected batch is in the DLQ (a stale one's task published again), not yet acked",
     # a rollout worker (rollout_worker/worker.py); @step: the task's attempt
     "worker.between_parts": "a worker, one part of an attempt's split batch stored, the next not yet published",
     # a rollout worker's session (rollout_worker/environment.py sample_sessions); @step: the turn arriving (2, 3, ...)

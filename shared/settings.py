@@ -109,6 +109,13 @@ class TrainerSettings(Section):
         "on it and reports it in the ADVISORIES stream; -1: no limit.",
     )
     keep_checkpoints: int = Field(2, ge=0, description="Complete checkpoints kept, newest first (0 keeps all).")
+    max_republishes: int = Field(
+        3,
+        ge=0,
+        le=9,
+        description="Times one task is published again after its batch arrived stale (docs/design.md section 10); "
+        "a stale batch of a task published again this many times is dead-lettered as republish_cap.",
+    )
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
         return [_max_deliver_check(self.max_deliver)]

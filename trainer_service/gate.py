@@ -15,8 +15,11 @@ trained on.
 - A rejected part is published to ``rollouts.dlq`` as the same bytes, with ``rule``,
   ``reason`` and ``batch_id`` headers, then acked: it never blocks the stream.
   The DLQ message id is ``dlq/<stream sequence>``, so a redelivered reject is stored once.
-  A part rejected as ``stale`` has its task published again as a new attempt
-  (``resample``): its prompt is one the dataset meant to train.
+  A part rejected as ``stale`` has its task published again (``resample``) *before* it is
+  dead-lettered and acked: its prompt is one the dataset meant to train, and a crash or a failed
+  publish in between leaves the part unacked (a failed publish naks it), to come back and be
+  published again. A task published again ``max_republishes`` times is not published again: its
+  stale part is dead-lettered as ``republish_cap``.
 - An accepted part is *held* (unacked): *pending* while its attempt is incomplete, then in
   the step once the attempt is whole, until the step that trains it, the checkpoint and the
   ledger holding it are durable (``commit``). While held, ``keep_alive`` tells the server
@@ -29,6 +32,11 @@ trained on.
   or held whole for the step, is dropped (acked, not trained, not dead-lettered) and counted
   and logged as ``dropped:duplicate_attempt``; so are the pending parts of other attempts once
   a task is committed.
+- One attempt, one split (``split_conflict``, dead-lettered): a new part of an attempt held whole,
+  and a part of a split attempt (``parts`` > 1) whose samples are already held for it, or that
+  would make it hold more than ``rollout_n`` samples, or complete its parts short of them. Two
+  samplings never share an attempt number (``tasks.py``); should they, one group is
+  trained from one of them, never from both.
 - An attempt still incomplete ``EXPIRE_ACK_WAITS * ack_wait`` seconds after its first part
   arrived (its worker died between two publishes and no other attempt completed: the task
   was given up, or its redelivery failed) is dead-lettered part by part as
@@ -44,13 +52,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import nats.errors
 import numpy as np
 
 from shared import faults, names
 from shared.contract import ContractViolation, check_batch
-from shared.nats_client import publish_acked
+from shared.nats_client import PublishError, publish_acked
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
 from trainer_service.ledger import Groups, Held
+from trainer_service.tasks import times_republished
 
 log = logging.getLogger("centerline.trainer.gate")
 REASON_MAX = 1024  # header bytes kept of a rejection reason
@@ -58,6 +68,7 @@ REASON_MAX = 1024  # header bytes kept of a rejection reason
 # most); one whose worker died is superseded by the task's redelivery within the workers' ack_wait.
 EXPIRE_ACK_WAITS = 2
 DUPLICATE_ATTEMPT, INCOMPLETE_GROUP = "duplicate_attempt", "incomplete_group"
+SPLIT_CONFLICT, REPUBLISH_CAP = "split_conflict", "republish_cap"
 
 
 HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
@@ -97,7 +108,8 @@ def admission(
     subject, which has none, and counts as that message); of another attempt it is DROP
     (``duplicate_attempt``), as is a part of another attempt of a task held whole for the step.
     A held or pending batch id with the same sequence is a redelivery of the held message
-    (IGNORE). Any other repeat of a batch id is the contract's ``duplicate_batch`` (REJECT).
+    (IGNORE). Any other repeat of a batch id is the contract's ``duplicate_batch`` (REJECT); a
+    part that does not fit its attempt's held parts is ``split_conflict`` (REJECT, ``conflict``).
     Whatever the batch's age: the ledger is asked before the contract.
     """
     try:
@@ -117,23 +129,52 @@ def admission(
     if whole is not None and whole != attempt:
         reason = f"{bid!r} is of attempt {attempt}; attempt {whole} of task {task!r} is held whole for this step"
         return Admission(DROP, bid, batch, DUPLICATE_ATTEMPT, reason)
-    same = groups.parts(task, attempt).get(bid)
+    held = groups.parts(task, attempt)
+    same = held.get(bid)
     if same is not None:
         if same.seq == seq != 0:
             return Admission(IGNORE, bid, batch)
         return Admission(REJECT, bid, batch, "duplicate_batch", _repeat(bid, same.seq, seq, task))
+    if whole == attempt:
+        reason = (
+            f"{bid!r} is a part of attempt {attempt} of task {task!r}, held whole for this step as {sorted(held)}: "
+            "two samplings carried one attempt number"
+        )
+        return Admission(REJECT, bid, batch, SPLIT_CONFLICT, reason)
     try:
         check(batch, version, settings=settings)
     except ContractViolation as exc:
         return Admission(REJECT, bid, batch, exc.rule, str(exc))
-    known = next(iter(groups.parts(task, attempt).values()), None)
+    known = next(iter(held.values()), None)
     if known is not None and known.batch.parts != batch.parts:
         reason = (
             f"{bid!r} says attempt {attempt} of task {task!r} has {batch.parts} parts, its part "
             f"{known.batch.batch_id!r} says {known.batch.parts}; one attempt's parts come from one split"
         )
         return Admission(REJECT, bid, batch, "shape", reason)
+    if batch.parts > 1 and (reason := conflict(batch, list(held.values()), settings.cfg.rollout_n)):
+        return Admission(REJECT, bid, batch, SPLIT_CONFLICT, reason)
     return Admission(HOLD, bid, batch)
+
+
+def conflict(batch: Batch, held: list[Held], n: int) -> str:
+    """Why part ``batch`` cannot join the parts ``held`` of its attempt as one split of one group
+    of ``n`` samples, or ""; the first part of a sampling to arrive decides which split is held."""
+    where = f"{batch.batch_id!r} (attempt {batch.attempt} of task {batch.task_id!r}, {batch.num_samples} samples)"
+    others = f"its parts {[h.batch.batch_id for h in held]}"
+    ids = {s for h in held for s in h.batch.sample_ids}
+    twice = sorted(ids.intersection(batch.sample_ids))
+    if twice:
+        return f"{where} carries samples {twice} already held from {others}: two splits of the attempt"
+    total = len(ids) + batch.num_samples
+    if total > n:
+        return f"{where} would make {others} hold {total} samples, above --rollout-n {n}: two splits of the attempt"
+    if len(held) + 1 == batch.parts and total < n:
+        return (
+            f"{where} would complete the {batch.parts} parts of the attempt with {total} of its --rollout-n {n} "
+            f"samples, with {others}: two splits of the attempt"
+        )
+    return ""
 
 
 def _repeat(bid: str, first: int | None, seq: int, task: str) -> str:
@@ -181,15 +222,26 @@ class Gate:
     """The NATS side of admission: pulls batches, holds, drops, dead-letters and acks them."""
 
     def __init__(
-        self, js, consumer, *, vocab_size: int, cfg, ledger: dict[str, dict], ack_wait: float = 30.0, resample=None
+        self,
+        js,
+        consumer,
+        *,
+        vocab_size: int,
+        cfg,
+        ledger: dict[str, dict],
+        ack_wait: float = 30.0,
+        resample=None,
+        max_republishes: int = 0,
     ):
         """``resample(batch)``: awaited for a part rejected as stale, publishes its task again
-        (``trainer_service.tasks.TaskPublisher.resample``); None publishes nothing."""
+        (``trainer_service.tasks.TaskPublisher.resample``), True if it did; None publishes nothing.
+        ``max_republishes``: how many times one task is published again at most (the trainer's)."""
         self.js, self.consumer, self.cfg, self.resample = js, consumer, cfg, resample
+        self.max_republishes = max_republishes
         self.settings = GateSettings(vocab_size, cfg)
         self.groups = Groups(ledger)
         self.expire_after = EXPIRE_ACK_WAITS * ack_wait
-        # "accepted", "duplicate", "dropped:<rule>", "rejected:<rule>", "resampled" since take_counts
+        # "accepted", "duplicate", "dropped:<rule>", "rejected:<rule>", "resampled", "resample_failed" since take_counts
         self.counts: Counter = Counter()
 
     @property
@@ -250,18 +302,48 @@ class Gate:
                 log.info("redelivered batch %s (seq %d) was already trained; acked", verdict.batch_id, seq)
         elif verdict.action == DROP:
             await self.drop(msg, verdict.batch_id, verdict.rule, verdict.reason)
+        elif verdict.action == REJECT and verdict.rule == "stale":
+            await self.stale(msg, seq, verdict.batch, verdict.reason)
         elif verdict.action == REJECT:
             await self.reject(msg, seq, verdict.rule, verdict.reason, verdict.batch_id)
-            if verdict.rule == "stale" and self.resample is not None:
-                await self.resample_task(verdict.batch)
         # IGNORE: a redelivery of a message held right now; the held copy gets acked
 
-    async def resample_task(self, batch: Batch) -> None:
-        """Publish the task of a stale part again, unless another attempt of it is trained or held whole."""
-        if batch.task_id in self.groups.ledger or batch.task_id in self.groups.whole:
-            return
-        if await self.resample(batch):
-            self.counts["resampled"] += 1
+    async def stale(self, msg, seq: int, batch: Batch, reason: str) -> None:
+        """Publish the task of a stale part again, then dead-letter and ack the part (docs/design.md
+        section 10): unless another attempt of the task is trained or held whole, or the task was
+        published again ``max_republishes`` times (then the part's rule is ``republish_cap``). A
+        publish that fails naks the part: it comes back, and its task is published then."""
+        rule, task = "stale", batch.task_id
+        if self.resample is not None and task not in self.groups.ledger and task not in self.groups.whole:
+            times = times_republished(batch.attempt)
+            if times >= self.max_republishes:
+                rule = REPUBLISH_CAP
+                reason += (
+                    f"; task {task!r} was published again {times} times already (--max-republishes "
+                    f"{self.max_republishes}): it is not published again"
+                )
+            else:
+                faults.hit("trainer.stale")
+                try:
+                    if await self.resample(batch):
+                        self.counts["resampled"] += 1
+                # the part stays unacked either way: it comes back and its task is published then
+                except (PublishError, nats.errors.Error) as exc:
+                    log.warning(
+                        "task %s not published again (%s); its stale part %s is nak'ed", task, exc, batch.batch_id
+                    )
+                    self.counts["resample_failed"] += 1
+                    await self.give_back(msg)
+                    return
+        await self.reject(msg, seq, rule, reason, batch.batch_id)
+
+    async def give_back(self, msg) -> None:
+        """Nak ``msg``: it is redelivered now rather than after ack_wait."""
+        try:
+            await self.consumer.nak(msg)
+        # unacked messages come back after ack_wait anyway
+        except Exception:  # noqa: BLE001
+            pass
 
     async def drop(self, msg, batch_id: str, rule: str, reason: str) -> None:
         """Ack a part that is not to be trained and is no defect (another attempt of a task trained)."""
@@ -330,11 +412,7 @@ class Gate:
     async def release(self) -> None:
         """Abandon the current step: ask for redelivery of every held and pending part, ack none."""
         for h in self.groups.release():
-            try:
-                await self.consumer.nak(h.msg)
-            # unacked messages come back after ack_wait anyway
-            except Exception:  # noqa: BLE001
-                pass
+            await self.give_back(h.msg)
 
     async def keep_alive(self, interval: float) -> None:
         """Restart the ack_wait clock of every held and pending part every ``interval`` seconds."""

@@ -92,6 +92,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         ledger=dict(state.ledger),
         ack_wait=settings.ack_wait,
         resample=lambda batch: tasks.resample(js, batch),  # a stale batch's task is sampled again
+        max_republishes=settings.max_republishes,
     )
     engines = weights.WeightPublisher(js, cfg.engine_urls, mode=settings.weight_update)
     metrics = Metrics(settings)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from centerline.synth import make_batch
+from rollout_worker.packing import batch_id_of
 from rollout_worker.publish import select_samples
 from shared import names
 from shared.config import Config
@@ -28,6 +30,7 @@ from trainer_service.gate import (
     concat_batches,
 )
 from trainer_service.ledger import Groups, Held
+from trainer_service.tasks import attempts_base
 
 VOCAB, K = 64, 8
 CFG = Config(rollout_top_logprobs_num=K, rollout_n=4, max_staleness=1)
@@ -356,7 +359,7 @@ def test_a_stale_part_has_its_task_published_again_unless_another_attempt_is_hel
         resampled.append((b.task_id, b.attempt))
         return True
 
-    g, rec = gate(resample=resample)
+    g, rec = gate(resample=resample, max_republishes=3)
     stale = replace(batch("U", version=1), task_id="U")
     admit(g, Msg(encode_batch(stale), seq=1))
     assert resampled == [("U", 1)] and [h["rule"] for _, _, h in rec.published] == ["stale"]
@@ -400,3 +403,88 @@ def test_release_naks_held_and_pending_parts_and_keep_alive_covers_both():
     asyncio.run(asyncio.wait_for(run(), 10))
     assert marked[:2] == [whole, part] and rec.naked == [whole, part]
     assert g.held == {} and g.groups.pending == {} and rec.acked == []
+
+
+# ---------------------------------------------------------------- one attempt, one split
+
+
+def sampling(attempt: int, cuts: tuple[int, ...], task="T", seed=0) -> list[bytes]:
+    """One sampling of attempt ``attempt`` of ``task``: 4 samples named as the worker names them
+    (``f"{task}/{i}"``), split after the samples ``cuts`` as rollout_worker.publish.split_batch does."""
+    whole = replace(
+        batch(batch_id_of(task, attempt), seed=seed),
+        task_id=task,
+        attempt=attempt,
+        sample_ids=[f"{task}/{i}" for i in range(4)],
+    )
+    bounds = list(zip((0, *cuts), (*cuts, 4)))
+    return [
+        encode_batch(
+            replace(select_samples(whole, slice(a, b)), batch_id=f"{whole.batch_id}/{a}-{b}", parts=len(bounds))
+        )
+        for a, b in bounds
+    ]
+
+
+# Two samplings that carry one attempt number (a stale task published again while its first message
+# was redelivered, before attempt numbers were reserved per publication), split at different samples.
+COPIES = {"A": sampling(1, (2,)), "B": sampling(1, (1,), seed=1)}
+
+
+def samples_held(g: Gate, task: str) -> int:
+    return sum(h.batch.num_samples for h in g.groups.every_part() if h.batch.task_id == task)
+
+
+@pytest.mark.parametrize(
+    "order",
+    list(itertools.permutations([(copy, i) for copy in COPIES for i in range(2)])),
+    ids=lambda order: "-".join(f"{copy}{i}" for copy, i in order),
+)
+def test_two_samplings_of_one_attempt_split_differently_train_one_group_in_every_order(order):
+    g, rec = gate()
+    for seq, (copy, i) in enumerate(order, 1):
+        admit(g, Msg(COPIES[copy][i], seq=seq))
+        assert samples_held(g, "T") <= CFG.rollout_n
+    winner = order[0][0]  # the sampling whose part came first
+    seqs = {(copy, i): seq for seq, (copy, i) in enumerate(order, 1)}
+    ids = {copy: [decode_batch(data).batch_id for data in parts] for copy, parts in COPIES.items()}
+    assert sorted(g.held) == ids[winner] and g.held_samples == 4 and g.groups.pending == {}
+    losers = [ids[copy][i] for copy, i in order if copy != winner]
+    assert [(h["batch_id"], h["rule"]) for _, _, h in rec.published] == [(bid, "split_conflict") for bid in losers]
+    assert len(rec.acked) == 2  # the dead letters, acked
+    asyncio.run(g.commit(step=0))
+    assert g.ledger == {"T": {"attempt": 1, "step": 0, "parts": {ids[winner][i]: seqs[(winner, i)] for i in range(2)}}}
+    assert g.take_counts() == {"accepted": 2, "rejected:split_conflict": 2}
+
+
+def test_a_split_part_that_would_complete_its_attempt_short_of_n_samples_is_a_split_conflict():
+    first, _ = sampling(1, (2,))
+    _, late = sampling(1, (3,), seed=1)  # samples 3 to 4 of another split: with 0 to 2, 3 of 4 samples in 2 parts
+    groups = Groups({})
+    groups.hold(Held(None, decode_batch(first), 1), now=0.0)
+    verdict = admission(late, 2, 3, groups=groups, settings=SETTINGS)
+    assert (verdict.action, verdict.rule) == (REJECT, "split_conflict")
+    assert verdict.reason == (
+        "'T/3-4' (attempt 1 of task 'T', 1 samples) would complete the 2 parts of the attempt with 3 of its "
+        "--rollout-n 4 samples, with its parts ['T/0-2']: two splits of the attempt"
+    )
+
+
+def test_a_stale_part_of_a_task_published_again_max_republishes_times_is_dead_lettered_as_republish_cap():
+    resampled = []
+
+    async def resample(b):
+        resampled.append(b.attempt)
+        return True
+
+    g, rec = gate(resample=resample, max_republishes=2)
+    below = attempts_base(7, 1) + 1  # published again once: once more
+    at = attempts_base(8, 2) + 3  # published again twice: not again
+    for seq, attempt in enumerate((below, at), 1):
+        admit(g, Msg(encode_batch(replace(batch(f"T#{attempt}", version=1), task_id="T", attempt=attempt)), seq=seq))
+    assert resampled == [below] == [71001]
+    assert [h["rule"] for _, _, h in rec.published] == ["stale", "republish_cap"]
+    assert rec.published[1][2]["reason"].endswith(
+        "task 'T' was published again 2 times already (--max-republishes 2): it is not published again"
+    )
+    assert len(rec.acked) == 2 and g.take_counts() == {"rejected:stale": 1, "resampled": 1, "rejected:republish_cap": 1}
