@@ -653,8 +653,9 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     if trainer.returncode != 0:
         raise RuntimeError(f"trainer exited with status {trainer.returncode}; see {run_dir / 'logs' / 'trainer.log'}")
     from centerline.report import write_report
+    from centerline.run_figures import write_run_figures
 
-    log(f"report: {write_report(run_dir)}")
+    log(f"report: {write_report(run_dir)}; figures: {write_run_figures(run_dir)}")
 
 
 def start_nats(nats: EmbeddedNats | NatsCluster, replicas_setting: int, nodes: int) -> int:

@@ -1,0 +1,85 @@
+"""A finished run's headline figures, as data: ``RUN_DIR/figures.json``, written by ``centerline
+up`` at the end of a run (beside ``report.html``), with the command that ran it, the commit and
+the machine. README's prose about a run quotes such a file (``docs/bench/<name>.json``, checked by
+``scripts/gen_bench_docs.py --check``), never numbers typed by hand.
+
+Each figure is computed from ``metrics.jsonl`` and ``eval.jsonl`` as the report reads them:
+``heldout`` is every held-out evaluation (``{step, value}``: exact-match accuracy, or a run of
+sessions' mean reward); ``*_first`` and ``*_last`` are means over the first and last ``WINDOW``
+steps (fewer when the run is shorter).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from centerline.bench import machine
+
+WINDOW = 30  # steps averaged at each end of the run
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def run_figures(run_dir: Path) -> dict:
+    """The figures of the run in ``run_dir`` (``metrics.jsonl``, and ``eval.jsonl`` when present)."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not steps:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no steps")
+    evals = []
+    if (run_dir / "eval.jsonl").exists():
+        evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
+    window = min(WINDOW, len(steps))
+    first, last = steps[:window], steps[-window:]
+    kl = [s["train_rollout_kl"] for s in steps]
+    tokens = sum(s["trained_tokens"] for s in steps)
+    return {
+        "steps": steps[-1]["step"],
+        "samples": sum(s["samples"] for s in steps),
+        "steps_wall_s": round(sum(s["step_s"] for s in steps), 1),
+        "window_steps": window,
+        "reward_first": round(_mean([s["reward_mean"] for s in first]), 4),
+        "reward_last": round(_mean([s["reward_mean"] for s in last]), 4),
+        "heldout": [
+            {"step": e["step"], "value": round(e.get("eval_accuracy", e.get("eval_reward", 0.0)), 4)} for e in evals
+        ],
+        "train_rollout_kl_mean": float(f"{_mean(kl):.3g}"),
+        "train_rollout_kl_max": float(f"{max(kl):.3g}"),
+        "train_rollout_kl_first": float(f"{_mean([s['train_rollout_kl'] for s in first]):.3g}"),
+        "train_rollout_kl_last": float(f"{_mean([s['train_rollout_kl'] for s in last]):.3g}"),
+        "staleness_mean": round(_mean([s["staleness_mean"] for s in steps]), 3),
+        "staleness_max": max(s["staleness_max"] for s in steps),
+        "token_kv_unverified_share": round(
+            sum(s.get("token_kv_unverified_share", 0.0) * s["trained_tokens"] for s in steps) / tokens, 4
+        ),
+        "gather_s_mean": round(_mean([s["gather_s"] for s in steps]), 3),
+        "step_s_mean": round(_mean([s["step_s"] for s in steps]), 3),
+        "batches_accepted": sum(s["gate_accepted"] for s in steps),
+        "batches_rejected": sum(sum(s["gate_rejected"].values()) for s in steps),
+        "tasks_republished": sum(s.get("gate_resampled", 0) for s in steps),
+    }
+
+
+def commit() -> str | None:
+    """The checked-out commit of the code that ran, None outside a git work tree."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def write_run_figures(run_dir: Path, argv: list[str] | None = None) -> Path:
+    """``RUN_DIR/figures.json``: ``run_figures`` with the command (default: this process's), commit and machine."""
+    command = shlex.join(["centerline", *(sys.argv[1:] if argv is None else argv)])
+    out = run_dir / "figures.json"
+    doc = {**run_figures(run_dir), "command": command, "commit": commit(), "machine": machine()}
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out

@@ -1,0 +1,72 @@
+"""A run's headline figures as data (centerline/run_figures.py): what README's prose about a run quotes."""
+
+import json
+
+import pytest
+
+from centerline.run_figures import run_figures
+
+
+def step(n: int, **over) -> dict:
+    record = {
+        "step": n,
+        "samples": 4,
+        "trained_tokens": 10,
+        "step_s": 0.5,
+        "gather_s": 0.1,
+        "reward_mean": n / 10,
+        "train_rollout_kl": 0.001 * n,
+        "staleness_mean": 1.0,
+        "staleness_max": 1,
+        "token_kv_unverified_share": 0.0,
+        "gate_accepted": 2,
+        "gate_rejected": {},
+        "gate_resampled": 0,
+    }
+    return {**record, **over}
+
+
+def test_the_figures_of_a_run_are_its_metrics_summed_and_averaged_at_both_ends(tmp_path):
+    steps = [step(n) for n in range(1, 41)]
+    steps[5] = step(6, gate_rejected={"stale": 1}, gate_resampled=1, staleness_max=2, token_kv_unverified_share=0.5)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (tmp_path / "eval.jsonl").write_text('{"step": 0, "eval_accuracy": 0.125}\n{"step": 40, "eval_accuracy": 0.5}\n')
+    figures = run_figures(tmp_path)
+    assert figures == {
+        "steps": 40,
+        "samples": 160,
+        "steps_wall_s": 20.0,
+        "window_steps": 30,
+        "reward_first": pytest.approx(1.55),  # steps 1..30: mean 15.5 / 10
+        "reward_last": pytest.approx(2.55),  # steps 11..40
+        "heldout": [{"step": 0, "value": 0.125}, {"step": 40, "value": 0.5}],
+        "train_rollout_kl_mean": 0.0205,
+        "train_rollout_kl_max": 0.04,
+        "train_rollout_kl_first": 0.0155,
+        "train_rollout_kl_last": 0.0255,
+        "staleness_mean": 1.0,
+        "staleness_max": 2,
+        "token_kv_unverified_share": 0.0125,  # 5 of 400 trained tokens
+        "gather_s_mean": 0.1,
+        "step_s_mean": 0.5,
+        "batches_accepted": 80,
+        "batches_rejected": 1,
+        "tasks_republished": 1,
+    }
+
+
+def test_a_run_without_steps_has_no_figures(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no steps"):
+        run_figures(tmp_path)
+
+
+@pytest.mark.integration
+def test_up_writes_its_figures_with_the_command_commit_and_machine(up_run):
+    written = json.loads((up_run.run_dir / "figures.json").read_text())
+    assert {k: v for k, v in written.items() if k not in ("command", "commit", "machine")} == run_figures(
+        up_run.run_dir
+    )
+    assert written["command"].startswith("centerline up --task copy --steps 3 ")
+    assert written["steps"] == up_run.steps and len(written["commit"]) == 40
+    assert set(written["machine"]) == {"hostname", "cpu_model", "nproc", "measured_at"}
