@@ -59,9 +59,11 @@ def wait_until(check, deadline_s: float, what: str, proc: subprocess.Popen | Non
 
 
 def metrics_lines(run_dir: Path) -> list[dict]:
-    """The trainer's ``metrics.jsonl`` in ``run_dir``, one record per step so far ([] before the first)."""
+    """The trainer's ``metrics.jsonl`` in ``run_dir``, one record per step so far ([] before the first).
+    A last line without its newline is one being written (a reader can see part of an append): left out."""
     path = run_dir / "metrics.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+    data = path.read_bytes() if path.exists() else b""
+    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
 
 
 class Process:

@@ -122,4 +122,11 @@ def test_a_trainer_killed_between_pause_and_continue_leaves_the_engine_to_the_wa
     generation.join()
     assert answer["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": TOKENS}]
     assert sglang.weight_version() == "default"
-    assert "centerline sglang watchdog: " in sglang.log() and "sent /continue_generation, HTTP 200" in sglang.log()
+    # the watchdog logs its /continue_generation once answered, after the engine is ready again
+    wait_until(
+        lambda: (
+            "centerline sglang watchdog: " in sglang.log() and "sent /continue_generation, HTTP 200" in sglang.log()
+        ),
+        30,
+        "the watchdog's /continue_generation line",
+    )
