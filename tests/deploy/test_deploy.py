@@ -425,6 +425,9 @@ def docker_compose_1() -> str | None:
     return path if out.returncode == 0 and out.stdout.startswith("1.") else None
 
 
+# the compose tier installs docker-compose 1.x (deploy/docker/prepare.sh, begun at collection by
+# tests/compose/prebuild.py), so this runs in it: the fast tier starts no such set-up
+@pytest.mark.compose
 @pytest.mark.parametrize(
     "files,env",
     [
