@@ -7,7 +7,8 @@ out, if any), and writes
 ``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
 as ``RUN_DIR/plots/<name>.png``. A run on multi-turn sessions (any step with injected tokens)
 also gets the sessions' plot: turns per sample, and sampled and injected tokens per sample; the
-table counts the samples by finish reason. The resolved configuration (``RUN_DIR/config.toml``) is
+table counts the samples by finish reason, and the tool calls parsed and the replies whose calls did
+not parse. The resolved configuration (``RUN_DIR/config.toml``) is
 shown at the end when the run wrote one.
 
     centerline report runs/2026-11-29-2130
@@ -177,6 +178,9 @@ def summary(steps: list[dict], heldout: dict | None = None) -> list[tuple[str, s
             finish[reason] = finish.get(reason, 0) + n
     if finish:
         rows.append(("samples by finish reason", ", ".join(f"{k} {v}" for k, v in sorted(finish.items()))))
+    if any("tool_calls" in s for s in trained):  # sessions whose requests offered tools
+        calls, errors = (sum(s.get(key, 0) for s in trained) for key in ("tool_calls", "tool_call_parse_errors"))
+        rows.append(("tool calls parsed / replies whose calls did not parse", f"{calls} / {errors}"))
     rejected = sum(sum((s.get("gate_rejected") or {}).values()) for s in steps)
     rows.append(("batches accepted / rejected", f"{sum(int(s.get('gate_accepted', 0)) for s in steps)} / {rejected}"))
     rows.append(("weight version", f"{first.get('version', '?')} → {last.get('version', '?')}"))

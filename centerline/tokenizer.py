@@ -20,10 +20,23 @@ PAD = "<|pad|>"
 SPECIALS = (EOS, IM_START, IM_END, PAD)  # ids 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIALS)
 
-# ChatML; a generation prompt opens the assistant turn, which ends with <|im_end|>.
+# ChatML; a generation prompt opens the assistant turn, which ends with <|im_end|>. OpenAI tool
+# calling in the hermes format (Qwen2.5's): the tools in a system turn first, an assistant turn's
+# calls as <tool_call> blocks after its content, which may be null (docs/design.md section 12).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nCall a tool as <tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% if message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant' }}{% if message.content %}{{ '\\n' + message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -1,11 +1,13 @@
 """A session turn's request: which OpenAI chat-completions fields the endpoint honours, accepts or
 refuses (docs/design.md section 12).
 
-The run's sampling is the one trained on, and a session answers one text reply at a time, so every
+The run's sampling is the one trained on, and a session answers one sampled reply at a time, so every
 field of OpenAI's chat-completions request is one of:
 
 - honoured: ``messages``, ``model`` (echoed), ``max_tokens`` / ``max_completion_tokens`` (capped by
-  the run's), ``stop``, ``tools`` and ``chat_template_kwargs`` (both go to the chat template);
+  the run's), ``stop``, ``tools`` and ``chat_template_kwargs`` (both go to the chat template; the
+  reply is parsed for calls to the tools: ``rollout_worker/tool_calls.py``), ``tool_choice`` (``auto``,
+  ``none``: the reply is text, or one named function: only calls to it are parsed; nothing is forced);
 - a setting the run fixes (``temperature``, ``top_p``, ``top_k``): accepted at the run's value;
 - accepted at its neutral value only (``NEUTRAL``), refused by name at any other;
 - no effect on what is sampled (``NO_EFFECT``: who calls, what to cache): accepted as it is.
@@ -21,10 +23,11 @@ from dataclasses import dataclass
 import orjson
 
 from rollout_worker.session import SessionRequestError, UnsupportedSettingError
+from rollout_worker.tool_calls import offered_tools
 from shared.config import Config
 
 _DISTRIBUTION = "it changes the distribution the run samples and trains on"
-_TOOLS = "the endpoint neither forces nor parses tool calls (tools go to the chat template; replies are text)"
+_TOOLS = "the endpoint parses the calls the model samples and forces none (constrained decoding " + _DISTRIBUTION + ")"
 _TEXT = "the session's replies are text sampled by the run's model"
 
 # field: (its accepted values besides unset, why any other is refused)
@@ -43,10 +46,9 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "top_logprobs": ((0,), "the endpoint answers no log-probs (the trainer gets the top-K rows with each token)"),
     "stream": ((False,), "a session's turn is answered whole"),
     "stream_options": ((), "a session's turn is answered whole"),
-    "tool_choice": (("auto", "none"), _TOOLS),
     "function_call": (("auto", "none"), _TOOLS),
     "parallel_tool_calls": ((True,), _TOOLS),
-    "functions": (([],), "send tools, which go to the chat template"),
+    "functions": (([],), "send tools (OpenAI's current form), which go to the chat template and are parsed"),
     "reasoning_effort": ((), 'a template that reads it takes it as chat_template_kwargs {"reasoning_effort": ...}'),
     "verbosity": ((), _TEXT),
     "modalities": ((["text"],), _TEXT),
@@ -58,7 +60,7 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
 }
 NO_EFFECT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"})
 HONOURED = frozenset(
-    {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "tools", "chat_template_kwargs"}
+    {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "tools", "tool_choice", "chat_template_kwargs"}
 )
 RUN_SETTINGS = frozenset({"temperature", "top_p", "top_k"})
 # apply_chat_template's own arguments, which the endpoint sets: not variables a request may pass
@@ -91,7 +93,8 @@ class TurnRequest:
     model: str
     max_new_tokens: int  # min(the request's limit, --rollout-max-new-tokens)
     stop: list[str] | None
-    tools: list | None
+    tools: list | None  # as sent, for the chat template
+    call_tools: list | None  # SGLang's Tool of each function a call in the reply may name; None: parse no calls
     variables: dict  # chat_template_kwargs
 
 
@@ -116,6 +119,10 @@ def parse_request(raw: bytes, cfg: Config) -> TurnRequest:
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise SessionRequestError(f"tools: is {str(tools)[:200]}, expected a list of tool objects")
+    try:
+        call_tools = offered_tools(tools) if tools else None
+    except ValueError as exc:
+        raise SessionRequestError(f"tools: {exc}") from None
     variables = body.get("chat_template_kwargs") or {}
     if not isinstance(variables, dict):
         raise SessionRequestError(f"chat_template_kwargs: is {variables!r}, expected an object")
@@ -132,7 +139,31 @@ def parse_request(raw: bytes, cfg: Config) -> TurnRequest:
         max_new_tokens=min(limit or cfg.rollout_max_new_tokens, cfg.rollout_max_new_tokens),
         stop=stop,
         tools=tools,
+        call_tools=_called(body.get("tool_choice"), call_tools),
         variables=variables,
+    )
+
+
+def _called(choice, tools: list | None) -> list | None:
+    """The tools a reply's calls may name under ``tool_choice``: all (``auto``, unset), none (``none``),
+    or the one named function; ``required`` and anything else refused by name."""
+    if choice is None or choice == "auto":
+        return tools
+    if choice == "none":
+        return None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str):
+        named = [t for t in tools or [] if t.function.name == name]
+        if not named:
+            offered = ", ".join(t.function.name for t in tools or []) or "no tools"
+            raise SessionRequestError(
+                f"tool_choice: names the function {name!r}, not among the request's tools ({offered})"
+            )
+        return named
+    raise UnsupportedSettingError(
+        f"tool_choice: is {str(choice)[:200]}; {_TOOLS} (send auto, none or "
+        '{"type": "function", "function": {"name": ...}}, which parses calls to that function only)'
     )
 
 

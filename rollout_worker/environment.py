@@ -22,8 +22,12 @@ within the worker's ``environment_timeout`` (cancelled). A history the session d
 a turn past the session's budget are refused and logged only: the environment may go on or
 finish. A session is trained whole or not at all.
 
-Left out: streaming, ``n`` above 1 per request, tool-call parsing (tools go to the chat template;
-replies are text), sampling settings of the environment's own (the run's are used, others refused).
+Tool calls: a request's ``tools`` go to the chat template and the reply is parsed by SGLang's parsers
+(``rollout_worker/tool_calls.py``) into ``message.tool_calls`` (``finish_reason`` "tool_calls"); a
+call that does not parse is answered as text with the failure in ``choices[0].tool_call_error``.
+
+Left out: streaming, ``n`` above 1 per request, sampling settings of the environment's own (the
+run's are used, others refused).
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class SessionEndpoint:
                 stop=asked.stop,
                 tools=asked.tools,
                 variables=asked.variables,
+                call_tools=asked.call_tools,
             )
         except SessionError as exc:
             return self._refuse(session, exc)
@@ -166,7 +171,7 @@ class SessionEndpoint:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": reply.content},
+                    "message": reply.message(),
                     "finish_reason": reply.finish_reason,
                     "logprobs": None,
                 }
@@ -177,6 +182,8 @@ class SessionEndpoint:
                 "total_tokens": reply.prompt_tokens + reply.completion_tokens,
             },
         }
+        if reply.parsed.error is not None:  # a call that did not parse: the reply is text, the failure named
+            answer["choices"][0]["tool_call_error"] = reply.parsed.error.answer()
         cached = session.turn_cached_tokens[-1]
         if cached is not None:  # OpenAI's field: the prompt tokens served from SGLang's prefix cache
             answer["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -234,9 +241,7 @@ async def play(
         environment = load_environment(task.environment)
     except EnvironmentLoadError as exc:
         raise Rejected(str(exc)) from None
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise Rejected(f"task {task.task_id} names an environment, and the worker's tokenizer has no chat template")
-    template = ChatTemplate(tokenizer)
+    template = ChatTemplate.for_run(tokenizer, cfg)  # Rejected where there is no template
     endpoint = SessionEndpoint(cfg)
 
     def new_session() -> Session:

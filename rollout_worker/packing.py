@@ -77,6 +77,8 @@ class Trajectory:
     cand_ids: np.ndarray  # int32 [L, K], -1 = empty slot
     cand_logprobs: np.ndarray  # float32 [L, K], -inf = empty slot
     finish_reason: str = "stop"  # "stop" | "length" (a session: its last turn's) | "session_budget"
+    tool_calls: int | None = None  # a session's: the calls parsed from its replies; None: not a session
+    tool_call_parse_errors: int | None = None  # a session's: the replies whose call markup did not parse
 
     @classmethod
     def of_sample(cls, prompt_ids, s: Sample) -> Trajectory:
@@ -159,6 +161,8 @@ def pack_trajectories(
         sample_ids=[f"{task.task_id}/{i}" for i in range(len(trajectories))],
         group_ids=[task.group_id] * len(trajectories),
         finish_reasons=[t.finish_reason for t in trajectories],
+        tool_calls=_counts([t.tool_calls for t in trajectories]),
+        tool_call_parse_errors=_counts([t.tool_call_parse_errors for t in trajectories]),
         rewards=np.asarray(rewards, dtype=np.float32),
         advantages=np.asarray(advantages, dtype=np.float32),
         offsets=offsets,
@@ -171,6 +175,11 @@ def pack_trajectories(
         cand_ids=_cat([t.cand_ids for t in trajectories], np.int32, (0, k)),
         cand_logprobs=_cat([t.cand_logprobs for t in trajectories], np.float32, (0, k)),
     )
+
+
+def _counts(counts: list[int | None]) -> list[int]:
+    """One count per sample, or none where a sample records none (plain responses)."""
+    return [] if None in counts else list(counts)
 
 
 def _cat(arrays: list[np.ndarray], dtype, empty_shape: tuple) -> np.ndarray:

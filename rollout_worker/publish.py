@@ -51,6 +51,10 @@ def select_samples(batch: Batch, indices: slice | list[int] | np.ndarray) -> Bat
         sample_ids=[batch.sample_ids[i] for i in idx.tolist()],
         group_ids=[batch.group_ids[i] for i in idx.tolist()],
         finish_reasons=[batch.finish_reasons[i] for i in idx.tolist()] if batch.finish_reasons else [],
+        tool_calls=[batch.tool_calls[i] for i in idx.tolist()] if batch.tool_calls else [],
+        tool_call_parse_errors=[batch.tool_call_parse_errors[i] for i in idx.tolist()]
+        if batch.tool_call_parse_errors
+        else [],
         rewards=batch.rewards[idx],
         advantages=batch.advantages[idx],
         offsets=offsets,

@@ -15,7 +15,14 @@ Each turn gets the whole conversation, as chat clients send it:
     the tokens held plus the suffix's must decode to the whole rendering (checked in context: a
     tokenizer that puts a dummy prefix space before each piece it encodes fails here)
     -> native /generate with input_ids = tokens held + the suffix's (the caller's ``generate``)
-    -> the sampled ids appended; the reply is their text, decoded in context, less the end-of-turn token
+    -> the sampled ids appended; the reply is their text, decoded in context, less the end-of-turn token,
+    split into reasoning, content and tool calls by SGLang's parsers (``rollout_worker/tool_calls.py``)
+
+The history holds each reply as the endpoint answered it (``tool_calls``, ``reasoning_content``
+included, a null content left out), so an assistant message sent back as the ``openai`` client's
+``model_dump()`` gives it compares equal; the template renders it, and a template that renders a past
+call or think block differently from what was sampled fails the template check like any other
+rewriting of the past (docs/design.md section 12).
 
 The text held is always what the ids held decode to. A refusal is ``fatal`` (the task cannot be
 trained: SessionTemplateError, SessionRequestError, UnsupportedSettingError) or recoverable (the
@@ -29,13 +36,17 @@ a turn that could take the session past ``budget`` tokens is not run (SessionBud
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from rollout_worker.packing import Sample, Trajectory, samples_from_arrays
-from rollout_worker.worker import Transient
+from rollout_worker.tool_calls import ParsedReply, ReplyParser
+from rollout_worker.worker import Rejected, Transient
+from shared.config import Config
 from shared.response_arrays import ResponseArrays
 
 Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays]]
@@ -86,31 +97,64 @@ class SessionBudgetError(SessionError):
 class Reply:
     """One turn's answer, as the chat endpoint returns it."""
 
-    content: str
-    finish_reason: str  # "stop" | "length"
+    parsed: ParsedReply  # content, reasoning, tool calls, a call's parse failure
+    finish_reason: str  # "stop" | "length" | "tool_calls" (a call parsed)
     prompt_tokens: int  # the input of this turn's /generate
     completion_tokens: int
 
+    @property
+    def content(self) -> str | None:
+        return self.parsed.content
+
+    def message(self) -> dict:
+        """The answer's ``message``; what the session holds of it, nulls left out, is ``history_message``."""
+        out = {"role": "assistant", "content": self.parsed.content}
+        if self.parsed.reasoning is not None:
+            out["reasoning_content"] = self.parsed.reasoning
+        if self.parsed.tool_calls:
+            out["tool_calls"] = self.parsed.tool_calls
+        return out
+
+    def history_message(self) -> dict:
+        return {name: value for name, value in self.message().items() if value is not None}
+
 
 class ChatTemplate:
-    """The tokenizer's chat template and its text <-> ids, as a session uses them."""
+    """The chat template (the tokenizer's, or ``source`` in its place), its text <-> ids, and the
+    parsers of its replies (``parser``; none: replies are text), as a session uses them."""
 
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
+    def __init__(self, tokenizer, source: str | None = None, parser: ReplyParser | None = None):
+        self.tok, self.source = tokenizer, source
+        self.parser = parser or ReplyParser()
         self.specials = set(tokenizer.all_special_ids)
         # What the template writes right after an assistant message's content (ChatML: "<|im_end|>\n").
         mark = "\u2063centerline\u2063"
         shown = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}], tokenize=False
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}],
+            tokenize=False,
+            **self._source(),
         )
         self.closing = shown.split(mark)[-1] if mark in shown else ""
+
+    @classmethod
+    def for_run(cls, tokenizer, cfg: Config) -> ChatTemplate:
+        """The run's: ``--rollout-chat-template`` (a file) or the tokenizer's own, with the parsers
+        ``--rollout-tool-call-parser`` and ``--rollout-reasoning-parser`` name (``auto`` resolved from
+        the template, once per worker); ``Rejected`` naming the setting where there is none to use."""
+        return _for_run(
+            tokenizer, cfg.rollout_chat_template, cfg.rollout_tool_call_parser, cfg.rollout_reasoning_parser
+        )
+
+    def _source(self) -> dict:
+        return {"chat_template": self.source} if self.source is not None else {}
 
     def render(self, messages: list[dict], tools: list | None = None, variables: dict | None = None) -> str:
         """The conversation rendered with a generation prompt; ``variables`` go to the template as
         they are (a request's ``chat_template_kwargs``)."""
-        kwargs = {**(variables or {}), **({"tools": tools} if tools else {})}
+        kwargs = {**(variables or {}), **({"tools": tools} if tools else {}), **self._source()}
+        shown = [_for_template(m) for m in messages]
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+            return self.tok.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # the template is the model's code: any failure of it is the template's
             raise SessionTemplateError(
                 f"the chat template cannot render the conversation: {type(exc).__name__}: {exc}"
@@ -121,6 +165,44 @@ class ChatTemplate:
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _for_run(tokenizer, path: str | None, tool_setting: str, reasoning_setting: str) -> ChatTemplate:
+    if path is not None:
+        try:
+            source = open(path, encoding="utf-8").read()
+        except OSError as exc:
+            raise Rejected(
+                f"--rollout-chat-template: cannot read {path!r}: {exc}; give a Jinja template file"
+            ) from None
+    else:
+        source = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+        if not isinstance(source, str) or not source:
+            raise Rejected(
+                "the worker's tokenizer has no chat template (one template string) for a session; give one with "
+                "--rollout-chat-template FILE"
+            )
+    parser = ReplyParser(tool_setting, reasoning_setting, source, tokenizer)
+    return ChatTemplate(tokenizer, source if path is not None else None, parser)
+
+
+def _for_template(message: dict) -> dict:
+    """``message`` as the template gets it: each call's ``arguments``, a JSON string in OpenAI's shape,
+    as the object it encodes (what Hugging Face templates render: docs/design.md section 12)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    shown = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            decoded = json.loads(arguments) if isinstance(arguments, str) else None
+        except ValueError:
+            decoded = None
+        shown.append({**call, "function": {**function, "arguments": decoded}} if isinstance(decoded, dict) else call)
+    return {**message, "tool_calls": shown}
 
 
 def message_key(message) -> dict:
@@ -171,6 +253,8 @@ class Session:
         self.turns = 0
         self.finish: str | None = None  # "session_budget" once a turn was refused for the budget
         self.last_finish = "stop"  # the last complete turn's finish_reason
+        self.tool_calls = 0  # calls parsed from its replies
+        self.tool_call_parse_errors = 0  # replies whose call markup did not parse (answered as text)
         self._lock = asyncio.Lock()  # one turn at a time: a concurrent one fails the history check
 
     async def turn(
@@ -181,18 +265,23 @@ class Session:
         stop: list[str] | None = None,
         tools: list | None = None,
         variables: dict | None = None,
+        call_tools: list | None = None,
     ) -> Reply:
-        """One turn; ``tools`` and ``variables`` (``chat_template_kwargs``) go to the chat template."""
+        """One turn; ``tools`` and ``variables`` (``chat_template_kwargs``) go to the chat template, and
+        the reply is parsed for calls to ``call_tools`` (SGLang's ``Tool``; None: no calls parsed)."""
         async with self._lock:
-            return await self._turn(messages, max_new_tokens, stop, tools, variables)
+            return await self._turn(messages, max_new_tokens, stop, tools, variables, call_tools)
 
-    async def _turn(self, messages, max_new_tokens, stop, tools, variables) -> Reply:
+    async def _turn(self, messages, max_new_tokens, stop, tools, variables, call_tools) -> Reply:
         if self.turns and self.between_turns is not None:
             self.between_turns(self.turns + 1)
         if self.finish is not None:
             raise SessionBudgetError(f"session {self.id} has ended ({self.finish}); it takes no more turns")
         given = [message_key(m) for m in messages]
         self.check_history(given)
+        refused = self.template.parser.refusal(bool(call_tools))
+        if refused is not None:
+            raise UnsupportedSettingError(refused)
         text = self.template.render(given, tools, variables)
         new_ids = self.extend(text)
         if len(self.ids) + len(new_ids) + max_new_tokens > self.budget:
@@ -212,7 +301,8 @@ class Session:
                 f"({held[max(0, len(text) - 40) : len(text) + 20]!r}); the tokenizer's decoding is not prefix-stable"
             )
         sampled = held[len(text) :]
-        content = self.reply_text(sample, sampled)
+        finish = sample.finish_reason or "stop"
+        parsed = self.template.parser.parse(self.reply_text(sample, sampled), call_tools, finish)
         prompt_tokens = len(self.ids) + len(new_ids)
         self.turn_prompt_tokens.append(prompt_tokens)
         self.turn_cached_tokens.append(found.cached_tokens[0] if found.cached_tokens else None)
@@ -221,10 +311,13 @@ class Session:
         self._append_rendered(new_ids)
         self._append_sampled(sample)
         self.text = held
-        self.messages = [*given, {"role": "assistant", "content": content}]
         self.turns += 1
-        self.last_finish = sample.finish_reason or "stop"
-        return Reply(content, self.last_finish, prompt_tokens, len(sample.response_ids))
+        self.last_finish = finish
+        self.tool_calls += len(parsed.tool_calls)
+        self.tool_call_parse_errors += parsed.error is not None
+        reply = Reply(parsed, "tool_calls" if parsed.tool_calls else finish, prompt_tokens, len(sample.response_ids))
+        self.messages = [*given, reply.history_message()]
+        return reply
 
     def later_turns_cache(self) -> tuple[int, int] | None:
         """``(prompt tokens, of them served from the prefix cache)`` over turns 2 and later, whose
@@ -321,6 +414,8 @@ class Session:
             cand_ids=cat(self._cand_ids, np.int32),
             cand_logprobs=cat(self._cand_logprobs, np.float32),
             finish_reason=self.finish or self.last_finish,
+            tool_calls=self.tool_calls,
+            tool_call_parse_errors=self.tool_call_parse_errors,
         )
 
 

@@ -81,6 +81,24 @@ class Config(BaseModel):
         "could pass it is not run; the session ends after its last complete turn.",
     )
     rollout_n: int = Field(4, description="Samples per prompt group (GRPO group size).")
+    rollout_tool_call_parser: str = Field(
+        "auto",
+        description="SGLang's tool-call parser (sglang.srt.function_call: hermes, qwen25, llama3, mistral, "
+        "pythonic, deepseekv3, kimi_k2, glm45, gpt-oss, ...) that turns a session reply's sampled call markup "
+        "into message.tool_calls. auto: SGLang's detection from the chat template, else hermes for a template "
+        "that writes `<tool_call>`; none, or auto finding none: a request with tools is refused naming this flag.",
+    )
+    rollout_reasoning_parser: str = Field(
+        "none",
+        description="SGLang's reasoning parser (qwen3, deepseek-r1, gpt-oss, ...) that moves a session reply's "
+        "think block into reasoning_content; auto: SGLang's detection from the chat template; none: it stays "
+        "in content.",
+    )
+    rollout_chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file that sessions render with in place of the tokenizer's own "
+        "(deploy/chat_templates/smollm2-tools.jinja renders tools for SmolLM2). Unset: the tokenizer's.",
+    )
 
     # Loss (docs/design.md section 6).
     loss: Literal["score_centering", "reinforce", "tis"] = Field(
@@ -351,8 +369,8 @@ def load_toml(path: str) -> dict:
 
 def to_toml(cfg: Config, *sections: Section, tables: typing.Mapping[str, dict] | None = None) -> str:
     """The resolved configuration as TOML: shared keys, then a table per command's settings (unset
-    ones left out), then ``tables`` (other commands' tables, as read from a file) unchanged."""
-    lines = [f"{name} = {_toml_value(value)}" for name, value in cfg.model_dump().items()]
+    ones left out, shared ones too), then ``tables`` (other commands' tables, as read from a file) unchanged."""
+    lines = [f"{name} = {_toml_value(value)}" for name, value in cfg.model_dump().items() if value is not None]
     blocks = [(s.name, s.model_dump()) for s in sections]
     blocks += [
         (name, dict(values)) for name, values in (tables or {}).items() if name not in {s.name for s in sections}

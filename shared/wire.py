@@ -14,7 +14,9 @@ Encoding uses ``msgpack.packb``, which writes the same subset.
 
 v2 is v1 plus ``token_versions`` (the weight version that sampled each response token) and the
 batch's ``task_id``, ``attempt`` and ``parts``; ``finish_reasons`` (each sample's, a string) is
-optional: a batch without it (recorded before it existed) decodes with none. A v1 message is
+optional: a batch without it (recorded before it existed) decodes with none, and so are a session
+batch's ``tool_calls`` and ``tool_call_parse_errors`` (each sample's counts, written only when
+recorded: an older decoder keeps them as unknown keys). A v1 message is
 refused by name, as any other version is: every producer is this codebase, and a v1 batch
 cannot say which weights sampled a token of a response that spans an update.
 """
@@ -64,6 +66,8 @@ SCALAR_FIELDS = {
 LIST_FIELDS = ("sample_ids", "group_ids")
 # Optional lists of strings, one per sample; a message without one decodes to [].
 OPTIONAL_LIST_FIELDS = ("finish_reasons",)
+# Optional lists of non-negative ints, one per sample, written only when not empty.
+OPTIONAL_COUNT_FIELDS = ("tool_calls", "tool_call_parse_errors")
 
 
 class WireError(ValueError):
@@ -104,6 +108,10 @@ class Batch:
     # per sample, why its sampling ended: SGLang's "stop" | "length" (a session's: its last turn's),
     # or "session_budget" (a session ended by --rollout-session-max-tokens); [] = not recorded
     finish_reasons: list[str] = field(default_factory=list)
+    # per sample, a session's tool calls parsed from its replies, and its replies whose call markup
+    # did not parse (docs/design.md section 12); [] = not recorded (not a session)
+    tool_calls: list[int] = field(default_factory=list)
+    tool_call_parse_errors: list[int] = field(default_factory=list)
     v: int = WIRE_VERSION
     extra: dict = field(default_factory=dict)  # unknown top-level keys, kept for tooling
 
@@ -143,6 +151,9 @@ def encode_batch(batch: Batch) -> bytes:
     head["top_p"] = float(batch.top_p)
     for name in (*LIST_FIELDS, *OPTIONAL_LIST_FIELDS):
         head[name] = list(getattr(batch, name))
+    for name in OPTIONAL_COUNT_FIELDS:
+        if getattr(batch, name):
+            head[name] = [int(n) for n in getattr(batch, name)]
     return encode_map(head, {name: (getattr(batch, name), dtype) for name, dtype in ARRAY_FIELDS.items()})
 
 
@@ -258,13 +269,20 @@ def _batch_from_doc(doc: dict, limits: WireLimits) -> Batch:
         if type(value) is not list or not set(map(type, value)) <= {str}:
             raise WireError(f"field {name!r} must be a list of strings")
         values[name] = value
+    for name in OPTIONAL_COUNT_FIELDS:
+        value = doc.get(name, [])
+        if type(value) is not list or not all(type(n) is int and n >= 0 for n in value):
+            raise WireError(f"field {name!r} must be a list of non-negative ints")
+        if value and len(value) != len(values["sample_ids"]):
+            raise WireError(f"field {name!r} has {len(value)} counts for {len(values['sample_ids'])} sample_ids")
+        values[name] = value
     for name, dtype in ARRAY_FIELDS.items():
         values[name] = array_value(doc, name, dtype, limits)
     extra = {key: value for key, value in doc.items() if key not in _KNOWN_KEYS}
     return Batch(**values, extra=extra)
 
 
-_KNOWN_KEYS = {"v", *SCALAR_FIELDS, *LIST_FIELDS, *OPTIONAL_LIST_FIELDS, *ARRAY_FIELDS}
+_KNOWN_KEYS = {"v", *SCALAR_FIELDS, *LIST_FIELDS, *OPTIONAL_LIST_FIELDS, *OPTIONAL_COUNT_FIELDS, *ARRAY_FIELDS}
 
 
 def _require(doc: dict, name: str):

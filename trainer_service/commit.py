@@ -119,9 +119,14 @@ def sample_shape(batches) -> dict:
     sampled tokens: 1 for a plain response, a session's turns otherwise); ``sampled_tokens`` (loss
     mask 1) and ``injected_tokens`` (a session's template, user and tool tokens between turns,
     loss mask 0) of the responses; ``finish``, the samples by finish reason ("stop", "length",
-    "session_budget"; none for a batch that records none)."""
-    turns, sampled, injected, finish = [], 0, 0, {}
+    "session_budget"; none for a batch that records none); where the batches are sessions',
+    ``tool_calls`` parsed from their replies and ``tool_call_parse_errors``, the replies whose call
+    markup did not parse (docs/design.md section 12)."""
+    turns, sampled, injected, finish, tools = [], 0, 0, {}, {}
     for batch in batches:
+        for name in ("tool_calls", "tool_call_parse_errors"):
+            if getattr(batch, name):
+                tools[name] = tools.get(name, 0) + sum(getattr(batch, name))
         sampled += int(batch.loss_mask.sum())
         injected += int(batch.loss_mask.size - batch.loss_mask.sum())
         turns += sample_turns(batch)
@@ -132,6 +137,7 @@ def sample_shape(batches) -> dict:
         "sampled_tokens": sampled,
         "injected_tokens": injected,
         "finish": dict(sorted(finish.items())),
+        **tools,
     }
 
 

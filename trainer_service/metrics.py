@@ -37,6 +37,8 @@ GAUGES = (
     "token_staleness_max",
     "token_stale_share",
     "token_kv_unverified_share",
+    "tool_calls",  # a step of sessions: the calls parsed from their replies (docs/design.md section 12)
+    "tool_call_parse_errors",  # ... and the replies whose call markup did not parse
     *METRICS,  # the loss's, named once in step.py
     "step_s",
 )

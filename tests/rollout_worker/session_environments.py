@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 
 RECORDED: list[dict] = []  # one entry per session run: its final messages and what each turn answered
@@ -97,3 +99,41 @@ RETURNS: list = []  # what ``returns_given`` returns: a test sets it
 async def returns_given(client: openai.AsyncOpenAI, task):
     await one_turn(client, task)
     return RETURNS[0]
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+TOOL_TURNS: list[list] = []  # one entry per session run of ``calls_a_tool``: each answer, in order
+
+
+async def calls_a_tool(client: openai.AsyncOpenAI, task) -> float:
+    """An agent as the ``openai`` SDK's function calling is written: the add tool offered; each call the
+    model makes is run and its result sent back as a tool message, the assistant message with its
+    tool_calls as the client gives it (``model_dump()``), until a reply calls no tool (at most three
+    turns). The reward: 1 if the last reply names the sum of the last call, else 0."""
+    messages = [{"role": "user", "content": task.prompt}]
+    answers, total = [], None
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="default", messages=messages, tools=[ADD], max_tokens=48)
+        answers.append(reply)
+        message = reply.choices[0].message
+        messages.append(message.model_dump())
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            total = int(arguments.get("a", 0)) + int(arguments.get("b", 0))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(total)})
+    TOOL_TURNS.append(answers)
+    content = answers[-1].choices[0].message.content or ""
+    return float(total is not None and str(total) in content)
