@@ -9,6 +9,7 @@ stay with the trainer (docs/design.md section 10: acks only once the checkpoint 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from shared.wire import encode_batch
 from trainer_service.gate import concat_batches
 from trainer_service.ledger import Held, ledger_entries
 from trainer_service.policy import StepCommand
+
+log = logging.getLogger("centerline.trainer")
 
 LEDGER_OF = "tasks"  # state.json's "ledger_of": what its ledger is keyed by (before: batch ids, no such key)
 
@@ -88,6 +91,17 @@ def commit_step(
         ledger={**state.ledger, **ledger_entries(held, step)},
     )
     metrics, weights = policy.run(StepCommand(step, after.version, sync, encode_batch(batch)), after.to_dict())
+    if metrics.get("step_skipped_nonfinite"):
+        ids = [h.batch.batch_id for h in held]
+        log.error(
+            "step %d skipped: its loss (%s) or total gradient norm (%s) is not finite; the weights are unchanged "
+            "and its task groups are consumed untrained (docs/design.md section 6); batches %s",
+            after.step,
+            metrics["loss"],
+            metrics["grad_norm"],
+            ids,
+            extra={"fields": {"step": after.step, "batch_ids": ids}},
+        )
     return Step(state, after, held, metrics, weights)
 
 

@@ -28,6 +28,7 @@ GAUGES = (
     "version",
     "loss",
     "grad_norm",
+    "step_skipped_nonfinite",  # 1: the step's loss or gradient norm was not finite, the weights unchanged
     "trained_tokens",
     "samples",
     "reward_mean",

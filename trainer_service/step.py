@@ -8,7 +8,9 @@ responses right-padded so every response starts at the same position, and the lo
 positions that predict response tokens go to the loss. The loss is divided by the GLOBAL
 trained-token count (an all_reduce), so the summed gradient is the same as one process on the
 whole batch. DDP and FSDP2 average gradients over ranks; the backward pass multiplies by the
-world size to undo that. Gradients are synchronised on the last micro-batch only.
+world size to undo that. Gradients are synchronised on the last micro-batch only. A step whose
+loss or total gradient norm is not finite on any rank (advantages are user code: a huge finite
+one overflows them) changes nothing: every rank skips the optimizer step (docs/design.md section 6).
 
 Padding changes nothing but the order of float sums: left pads are masked out of attention
 and positions count from each sample's first token; right pads come after every response
@@ -24,6 +26,7 @@ the contract before a batch gets here).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -173,8 +176,10 @@ def train_step(
     """One optimizer step on the global ``batch``; returns metrics identical on every rank.
 
     Metrics: ``loss`` (global sum / global trained tokens), ``grad_norm`` (before clipping),
-    ``trained_tokens``, ``samples``, ``reward_mean`` and the loss's ``sc_*``/``train_rollout_*``
-    metrics as means over the global trained tokens.
+    ``step_skipped_nonfinite`` (1 when the loss or ``grad_norm`` is not finite on some rank: the
+    optimizer did not step, the weights and its state are as before; else 0), ``trained_tokens``,
+    ``samples``, ``reward_mean`` and the loss's ``sc_*``/``train_rollout_*`` metrics as means over
+    the global trained tokens.
     """
     rank, world = rank_and_world()
     device = next(model.parameters()).device
@@ -205,11 +210,14 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns a DTensor
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
+    skipped = nonfinite(float(sums[0]), float(grad_norm), device, world)
+    if not skipped:  # a non-finite step would write NaN weights, and every later step fail on them
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     out = {
         "loss": float(sums[0]),
         "grad_norm": float(grad_norm),
+        "step_skipped_nonfinite": int(skipped),
         "trained_tokens": global_count,
         "samples": batch.num_samples,
         "reward_mean": float(np.mean(batch.rewards)) if batch.num_samples else 0.0,
@@ -218,6 +226,15 @@ def train_step(
         if settings.loss == "score_centering" or not name.startswith("sc_") or name == "sc_importance_weight":
             out[name] = float(sums[1 + k]) / global_count if global_count else 0.0
     return out
+
+
+def nonfinite(loss: float, grad_norm: float, device, world: int) -> bool:
+    """True when the step's loss or total gradient norm is not finite on any rank: every rank
+    takes the same decision from one all-reduced flag (a rank that stepped alone would diverge)."""
+    flag = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0], device=device)
+    if world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def make_optimizer(model, name: str = "adamw", lr: float = 1e-5):
