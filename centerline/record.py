@@ -4,7 +4,8 @@ Two sources. ``--subject``: a live core-NATS subscription, until Ctrl-C/SIGTERM,
 messages or ``--timeout`` seconds. ``--stream``: a JetStream sequence range, read one
 message at a time with the stream's message-get API (no consumer, so nothing is acked or
 redelivered and the trainer's durable consumer is untouched; deleted sequences are
-skipped). ``--jsonl`` prints one summary line per message (``summary``) as well, or
+skipped; a ``--to-seq`` past the stream's last sequence stops there, and says so on
+stderr). ``--jsonl`` prints one summary line per message (``summary``) as well, or
 instead when no ``--out`` is given. Replay a file with ``centerline replay``.
 
     centerline record --stream ROLLOUTS --from-seq 1 --to-seq 40 --out seg.clrec --nats-url nats://127.0.0.1:4222
@@ -191,7 +192,8 @@ async def quiet(exc: Exception) -> None:
 
 
 async def record_stream(url: str, stream: str, first: int | None, last: int | None, sink) -> dict:
-    """Messages ``first..last`` (default: the whole stream) of ``stream``, by sequence."""
+    """Messages ``first..last`` (default: the whole stream) of ``stream``, by sequence, up to the
+    stream's last sequence when the recording starts; the summary names it (``stream_last_seq``)."""
     from nats.js.errors import NotFoundError
 
     from shared.nats_client import connect
@@ -204,7 +206,14 @@ async def record_stream(url: str, stream: str, first: int | None, last: int | No
         except NotFoundError:
             raise SystemExit(f"centerline record: stream {stream!r} not found at {url}") from None
         first = state.first_seq if first is None else first
-        last = state.last_seq if last is None else last
+        if last is not None and last > state.last_seq:  # asked one at a time, it would never end
+            print(
+                f"centerline record: --to-seq {last} is past the last sequence of stream {stream!r}, "
+                f"{state.last_seq}: recording up to {state.last_seq}",
+                file=sys.stderr,
+                flush=True,
+            )
+        last = state.last_seq if last is None else min(last, state.last_seq)
         missing = 0
         for seq in range(first, last + 1):
             try:
@@ -214,7 +223,13 @@ async def record_stream(url: str, stream: str, first: int | None, last: int | No
                 continue
             stamp = m.time.timestamp() if m.time is not None else 0.0
             sink(Message(m.subject, m.seq, stamp, dict(m.headers or {}), m.data or b""))
-        return {"stream": stream, "from_seq": first, "to_seq": last, "missing": missing}
+        return {
+            "stream": stream,
+            "from_seq": first,
+            "to_seq": last,
+            "stream_last_seq": state.last_seq,
+            "missing": missing,
+        }
     finally:
         await nc.close()
 

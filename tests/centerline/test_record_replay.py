@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from centerline.nats_server import EmbeddedNats
-from centerline.record import MAGIC, RecordFileError, read_record
+from centerline.record import MAGIC, Message, RecordFileError, read_record, record_stream
 from shared import names
 from shared.nats_client import connect
 from shared.streams import ensure_streams
@@ -267,6 +267,27 @@ def test_live_recording_stops_after_count_messages(tmp_path):
         (names.ROLLOUTS_SUBJECT, 0, {names.MSG_ID_HEADER: "id-0"}, b"m0"),
         (names.ROLLOUTS_SUBJECT, 0, {names.MSG_ID_HEADER: "id-1"}, b"m1"),
     ]
+
+
+def test_a_stream_recording_past_the_last_sequence_stops_there_and_says_so(tmp_path, capsys):
+    async def publish_then_record(url: str) -> tuple[dict, list[Message]]:
+        nc = await connect(url)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        for i in range(3):
+            await js.publish(names.ROLLOUTS_SUBJECT, b"m%d" % i, headers={names.MSG_ID_HEADER: f"id-{i}"})
+        await nc.close()
+        recorded = []
+        return await record_stream(url, names.ROLLOUTS_STREAM, 1, 1000, recorded.append), recorded
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        done, recorded = asyncio.run(publish_then_record(server.url))
+    # Sequences 4..1000 were never asked for: none is counted missing.
+    assert done == {"stream": "ROLLOUTS", "from_seq": 1, "to_seq": 3, "stream_last_seq": 3, "missing": 0}
+    assert [(m.seq, m.data) for m in recorded] == [(1, b"m0"), (2, b"m1"), (3, b"m2")]
+    assert capsys.readouterr().err == (
+        "centerline record: --to-seq 1000 is past the last sequence of stream 'ROLLOUTS', 3: recording up to 3\n"
+    )
 
 
 @pytest.mark.parametrize(
