@@ -26,13 +26,13 @@ VOCAB_SIZE = 256 + len(SPECIALS)
 CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\nCall a tool as <tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    '{{ \'\\n</tools>\\nCall a tool as <tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message.tool_calls %}"
     "{{ '<|im_start|>assistant' }}{% if message.content %}{{ '\\n' + message.content }}{% endif %}"
     "{% for call in message.tool_calls %}"
-    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    '{{ \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' '
     "+ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
     "{% endfor %}{{ '<|im_end|>\\n' }}"
     "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
