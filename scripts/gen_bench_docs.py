@@ -9,7 +9,8 @@ figures, ``command`` and ``machine``). A file whose ``machine`` holds a ``note``
 another machine and transcribed by hand; its part says so. To refresh a part, run the bench with
 ``--out docs/bench/NAME.json``, then this script.
 
-A figure quoted in prose, in README.md or docs/*.md, is one value of such a file:
+A figure quoted in prose, in README.md or docs/*.md, is one value of such a file, or of a run's
+``RUN_DIR/figures.json`` kept as ``docs/runs/NAME.json`` (``centerline/run_figures.py``):
 ``<!-- fig NAME PATH [FORMAT] -->0.70<!-- /fig -->``, PATH its keys (and list indices) joined by
 dots, FORMAT a Python format spec (``.2f``, ``.2%``; default: three significant figures).
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FIGURES = ROOT / "docs" / "bench"
+RUNS = ROOT / "docs" / "runs"  # a run's RUN_DIR/figures.json (centerline/run_figures.py), quoted by name too
 DOCS = ROOT / "docs"
 FIG = re.compile(r"<!-- fig (?P<name>[\w-]+) (?P<path>[\w.-]+)(?: (?P<fmt>\S+))? -->(?P<text>[^<]*)<!-- /fig -->")
 PART = re.compile(r"<!-- bench:(?P<name>[\w-]+) begin[^>]*-->\n(?P<body>.*?)<!-- bench:(?P=name) end -->", re.S)
@@ -329,14 +331,21 @@ def render(readme: str) -> tuple[str, list[str]]:
     return PART.sub(replace, readme), stale
 
 
+def figure_file(name: str) -> Path:
+    """``docs/bench/NAME.json`` (a bench's figures), else ``docs/runs/NAME.json`` (a run's)."""
+    bench = FIGURES / f"{name}.json"
+    return bench if bench.exists() or not (RUNS / f"{name}.json").exists() else RUNS / f"{name}.json"
+
+
 def figure(name: str, path: str, fmt: str | None) -> str:
-    """One value of ``docs/bench/NAME.json``, written as the prose quotes it."""
-    value = json.loads((FIGURES / f"{name}.json").read_text())
+    """One value of ``docs/bench/NAME.json`` or ``docs/runs/NAME.json``, written as the prose quotes it."""
+    file = figure_file(name)
+    value = json.loads(file.read_text())
     for key in path.split("."):
         try:
             value = value[int(key)] if isinstance(value, list) else value[key]
         except (KeyError, IndexError, ValueError):
-            raise SystemExit(f"<!-- fig {name} {path} -->: docs/bench/{name}.json has no {key!r} there") from None
+            raise SystemExit(f"<!-- fig {name} {path} -->: {file.relative_to(ROOT)} has no {key!r} there") from None
     if fmt:
         return format(value, fmt)
     return str(value) if isinstance(value, int) else sig(value)
@@ -360,7 +369,10 @@ def stale_lines(path: Path, parts: list[str], figures: list[str]) -> list[str]:
     fix = "run python scripts/gen_bench_docs.py"
     return [
         *(f"{path.name}: the benchmark part {n!r} differs from docs/bench/{n}.json; {fix}" for n in parts),
-        *(f"{path.name}: the figure '{f}' differs from docs/bench/{f.split()[0]}.json; {fix}" for f in figures),
+        *(
+            f"{path.name}: the figure '{f}' differs from {figure_file(f.split()[0]).relative_to(ROOT)}; {fix}"
+            for f in figures
+        ),
     ]
 
 
