@@ -9,31 +9,25 @@ it by that rule, once, and the good batch published after it is trained.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
 import orjson
 import pytest
-import torch
 
 from centerline.nats_server import EmbeddedNats
 from centerline.synth import make_batch
 from shared import names
 from shared.config import Config
-from shared.nats_client import connect, publish_acked, pull_consumer
+from shared.nats_client import connect, pull_consumer
 from shared.settings import TrainerSettings
-from shared.streams import ensure_streams
 from shared.wire import Batch, encode_batch
-from tests.processes import ENV, REPO, stored_messages
+from tests.processes import stored_messages
 from tests.trainer_service.conftest import VOCAB
-from trainer_service import checkpoint
+from tests.trainer_service.replayed import publish, replay_recorded
 from trainer_service.commit import TrainerState, commit_step
 from trainer_service.gate import Gate
-from trainer_service.model import load_model
 from trainer_service.policy import Policy
-from trainer_service.step import make_optimizer
 
 pytestmark = pytest.mark.integration
 
@@ -78,16 +72,6 @@ POISONS = [
 ]
 
 
-async def publish(url: str, *batches: Batch) -> None:
-    nc = await connect(url)
-    js = nc.jetstream()
-    await ensure_streams(js)
-    for b in batches:
-        headers = {names.MSG_ID_HEADER: b.batch_id}
-        await publish_acked(js, names.ROLLOUTS_SUBJECT, encode_batch(b), headers, what=b.batch_id)
-    await nc.close()
-
-
 @pytest.mark.parametrize(("kind", "rule"), POISONS)
 def test_a_batch_the_forward_cannot_take_is_dead_lettered_by_rule_and_the_next_good_batch_trains(
     tmp_path, tiny_model_dir, kind, rule
@@ -127,37 +111,7 @@ def test_a_batch_the_forward_cannot_take_is_dead_lettered_by_rule_and_the_next_g
 
 def test_replaying_a_recorded_poison_rejects_it_by_rule_and_trains_the_good_batch_after_it(tmp_path, tiny_model_dir):
     bad, good = poison("prompt id = vocab"), valid("good")
-    with EmbeddedNats(tmp_path / "nats") as server:
-        asyncio.run(publish(server.url, bad, good))
-        record = subprocess.run(
-            [sys.executable, "-m", "centerline", "record", "--stream", "ROLLOUTS", "--from-seq", "1"]
-            + ["--out", str(tmp_path / "seg.clrec"), "--nats-url", server.url],
-            cwd=REPO,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert record.returncode == 0, record.stderr
-    # The trainer's state before its first step, as a checkpoint the replay starts from.
-    model = load_model(tiny_model_dir)
-    torch.manual_seed(0)
-    start = checkpoint.save(
-        tmp_path / "run" / "checkpoints",
-        model,
-        make_optimizer(model, "adamw", CFG.learning_rate),
-        TrainerState(run_id="r").to_dict(),
-    )
-    replay = subprocess.run(
-        [sys.executable, "-m", "centerline", "replay", str(tmp_path / "seg.clrec"), "--train"]
-        + ["--checkpoint", str(start), "--run-dir", str(tmp_path / "replayed"), "--batches-per-step", "1"]
-        + ["--rollout-top-logprobs-num", str(K)],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    replay, _ = replay_recorded(tmp_path, tiny_model_dir, [bad, good], k=K, learning_rate=CFG.learning_rate)
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert "batch poison (seq 1) rejected (bad_prompt_token): sample 1 ('poison:s1') prompt position 2" in replay.stderr
     [line] = [orjson.loads(s) for s in (tmp_path / "replayed" / "metrics.jsonl").read_bytes().splitlines()]

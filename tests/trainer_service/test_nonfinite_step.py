@@ -8,10 +8,7 @@ in one process, and `centerline replay --train` over a recorded segment that hol
 
 from __future__ import annotations
 
-import asyncio
 import math
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -20,18 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from centerline.nats_server import EmbeddedNats
 from centerline.synth import make_batch
-from shared import names
 from shared.config import Config
 from shared.contract import check_batch
-from shared.nats_client import connect, publish_acked
-from shared.streams import ensure_streams
-from shared.wire import Batch, encode_batch
-from tests.processes import ENV, REPO
+from shared.wire import Batch
 from tests.trainer_service.conftest import VOCAB, global_batch
-from trainer_service import checkpoint
-from trainer_service.commit import TrainerState
+from tests.trainer_service.replayed import replay_recorded
 from trainer_service.model import load_model
 from trainer_service.step import LossSettings, make_optimizer, train_step
 
@@ -47,17 +38,6 @@ def huge(batch, advantage: float):
 
 def valid(batch_id: str) -> Batch:
     return make_batch(samples=SAMPLES, tokens_per_sample=5, k=K, vocab_size=VOCAB, batch_id=batch_id, prompt_len=4)
-
-
-async def publish(url: str, *batches: Batch) -> None:
-    nc = await connect(url)
-    js = nc.jetstream()
-    await ensure_streams(js)
-    for b in batches:
-        await publish_acked(
-            js, names.ROLLOUTS_SUBJECT, encode_batch(b), {names.MSG_ID_HEADER: b.batch_id}, what=b.batch_id
-        )
-    await nc.close()
 
 
 def parameters(model) -> dict[str, torch.Tensor]:
@@ -98,37 +78,7 @@ def test_a_nonfinite_step_leaves_the_weights_bit_identical_and_the_next_batch_tr
 @pytest.mark.integration
 def test_replaying_a_recorded_batch_of_huge_advantages_skips_its_step_and_trains_the_next(tmp_path, tiny_model_dir):
     bad, good = huge(valid("poison"), 3e38), valid("good")
-    with EmbeddedNats(tmp_path / "nats") as server:
-        asyncio.run(publish(server.url, bad, good))
-        record = subprocess.run(
-            [sys.executable, "-m", "centerline", "record", "--stream", "ROLLOUTS", "--from-seq", "1"]
-            + ["--out", str(tmp_path / "seg.clrec"), "--nats-url", server.url],
-            cwd=REPO,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert record.returncode == 0, record.stderr
-    # The trainer's state before its first step, as a checkpoint the replay starts from.
-    model = load_model(tiny_model_dir)
-    torch.manual_seed(0)
-    start = checkpoint.save(
-        tmp_path / "run" / "checkpoints",
-        model,
-        make_optimizer(model, "adamw", CFG.learning_rate),
-        TrainerState(run_id="r").to_dict(),
-    )
-    replay = subprocess.run(
-        [sys.executable, "-m", "centerline", "replay", str(tmp_path / "seg.clrec"), "--train"]
-        + ["--checkpoint", str(start), "--run-dir", str(tmp_path / "replayed"), "--batches-per-step", "1"]
-        + ["--rollout-top-logprobs-num", str(K)],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    replay, start = replay_recorded(tmp_path, tiny_model_dir, [bad, good], k=K, learning_rate=CFG.learning_rate)
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert "step 1 skipped: its loss (nan) or total gradient norm (nan) is not finite" in replay.stderr
     assert "batches ['poison']" in replay.stderr
