@@ -119,6 +119,9 @@ def main(argv: list[str]) -> int:
     settings = {"seed": args.seed, "sft": sft.to_dict() if sft else None}
     record = args.out / SETTINGS_FILE
     if record.exists() and (args.out / "model.safetensors").exists() and json.loads(record.read_text()) == settings:
+        # the weights are the settings'; the tokenizer files are this release's (a chat template
+        # that learned to render tools reaches a model made before it)
+        save_tokenizer(args.out)
         print(f"{args.out} already holds this model ({json.dumps(settings)}); nothing to do")
         return 0
     record.unlink(missing_ok=True)  # a half-written directory must not pass as cached

@@ -75,8 +75,13 @@ def test_init_model_sft_is_cached_by_its_settings(tmp_path, capsys):
     weights = (out / "model.safetensors").read_bytes()
     assert json.loads((out / SETTINGS_FILE).read_text())["sft"]["steps"] == 3
     capsys.readouterr()
+    # a model made by an older release: its weights are kept, its tokenizer files made anew
+    config = out / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("<tool_call>", "<old>"))
     assert init_main(flags) == 0
     assert "nothing to do" in capsys.readouterr().out
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert "<tool_call>" in config.read_text() and "<old>" not in config.read_text()
     assert init_main(["--out", str(out), "--sft", "--task", "copy", "--sft-steps", "4"]) == 0
     assert (out / "model.safetensors").read_bytes() != weights
     assert init_main(flags) == 0  # back to 3 steps: the same bytes as the first time (deterministic)
