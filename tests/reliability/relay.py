@@ -74,6 +74,7 @@ class Relay:
         self.armed: tuple[str, bytes, tuple[bytes, ...] | None] | None = None
         self.tripped = threading.Event()
         self.trip: Trip | None = None
+        self.withheld: list[tuple[bytes, bytes]] = []  # (op line, payload) a cut client sent, not forwarded
         self.sockets: set[socket.socket] = set()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -84,6 +85,19 @@ class Relay:
         with self.lock:
             self.armed, self.trip = (direction, prefix.encode(), payloads), None
             self.tripped.clear()
+            self.withheld.clear()
+
+    def withheld_subject(self, prefix: str, payloads: tuple[bytes, ...] | None = None) -> bool:
+        """Whether a cut client has sent (and the relay kept from the server) a frame whose subject
+        starts with ``prefix`` and, if ``payloads`` is given, that carries one of them: what the
+        client did after the cut, seen as it did it."""
+        with self.lock:
+            return any(
+                line.split()[1:2]
+                and line.split()[1].startswith(prefix.encode())
+                and (payloads is None or payload in payloads)
+                for line, payload in self.withheld
+            )
 
     def drop(self) -> None:
         """Reset every connection open now, as a network blip would; the clients reconnect."""
@@ -125,6 +139,9 @@ class Relay:
                     matched = self._match(direction, line, frame, conn)
                     if direction == "server" or not conn["cut"] or matched:
                         dst.sendall(frame)
+                    else:
+                        with self.lock:
+                            self.withheld.append((line, frame[len(line) + 2 : -2]))
         except OSError:
             pass
         finally:
