@@ -1,7 +1,14 @@
-"""A finished run's headline figures, as data: ``RUN_DIR/figures.json``, written by ``centerline
-up`` at the end of a run (beside ``report.html``), with the command that ran it, the commit and
-the machine. README's prose about a run quotes such a file (``docs/bench/<name>.json``, checked by
-``scripts/gen_bench_docs.py --check``), never numbers typed by hand.
+"""Figures as data, stamped by the code that measured them: a finished run's headline figures
+(``RUN_DIR/figures.json``, written by ``centerline up`` at the end of a run, beside
+``report.html``) and every bench's (``centerline bench <target> --out FILE``, through ``emit``).
+
+Each file holds its figures and its provenance: ``command`` (what ran), ``commit`` (the code's
+``git rev-parse HEAD``), ``machine`` (host, CPU model, CPUs, UTC time) and ``digest``, the sha256
+of all of that as canonical JSON (``digest``). The docs quote such files
+(``docs/bench/<name>.json``, ``docs/runs/<name>.json``), never numbers typed by hand, and
+``scripts/gen_bench_docs.py --check`` recomputes each digest, so a figure edited by hand fails
+the check naming the file and the command that regenerates it. The digest is no signature:
+it shows an edit, it does not stop one made on purpose.
 
 Each figure is computed from ``metrics.jsonl`` and ``eval.jsonl`` as the report reads them:
 ``heldout`` is every held-out evaluation (``{step, value}``: exact-match accuracy, or a run of
@@ -11,6 +18,7 @@ steps (fewer when the run is shorter).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
@@ -76,10 +84,31 @@ def commit() -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def digest(doc: dict) -> str:
+    """sha256 (hex) of ``doc`` without its ``digest`` key, as canonical JSON: keys sorted, no spaces."""
+    body = {key: value for key, value in doc.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def stamped(figures: dict, command: str) -> dict:
+    """``figures`` with their provenance: ``command``, ``commit``, ``machine``, then ``digest`` of it all."""
+    doc = {**figures, "command": command, "commit": commit(), "machine": machine()}
+    return {**doc, "digest": digest(doc)}
+
+
+def this_command(argv: list[str] | None = None) -> str:
+    """The ``centerline`` command line that is running (``argv``: its arguments, default this process's)."""
+    return shlex.join(["centerline", *(sys.argv[1:] if argv is None else argv)])
+
+
 def write_run_figures(run_dir: Path, argv: list[str] | None = None) -> Path:
-    """``RUN_DIR/figures.json``: ``run_figures`` with the command (default: this process's), commit and machine."""
-    command = shlex.join(["centerline", *(sys.argv[1:] if argv is None else argv)])
+    """``RUN_DIR/figures.json``: ``run_figures`` stamped with the command (default: this process's)."""
     out = run_dir / "figures.json"
-    doc = {**run_figures(run_dir), "command": command, "commit": commit(), "machine": machine()}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    out.write_text(json.dumps(stamped(run_figures(run_dir), this_command(argv)), indent=2) + "\n")
     return out
+
+
+def emit(result: dict, out: Path, *, indent: int | None = None) -> None:
+    """A bench's figures: print ``result`` as one JSON object, and write it stamped to ``out``."""
+    print(json.dumps(result, indent=indent))
+    out.write_text(json.dumps(stamped(result, this_command()), indent=2) + "\n")

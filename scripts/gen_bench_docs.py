@@ -1,23 +1,28 @@
-"""Write README's benchmark figures from the figure files in docs/bench/, or check they are current.
+"""Write the docs' benchmark figures from the figure files in docs/bench/ and docs/runs/, or check them.
 
-python scripts/gen_bench_docs.py          # rewrite the generated parts of README.md
-python scripts/gen_bench_docs.py --check  # exit 1 naming each stale part (run by make test)
+python scripts/gen_bench_docs.py          # rewrite the generated parts of README.md and docs/*.md
+python scripts/gen_bench_docs.py --check  # exit 1 naming each stale part or figure file (run by make test)
 
-Each part of README.md between ``<!-- bench:NAME begin ... -->`` and ``<!-- bench:NAME end -->`` is
-rendered from ``docs/bench/NAME.json``: what ``centerline bench <target> --out FILE`` wrote (its
-figures, ``command`` and ``machine``). A file whose ``machine`` holds a ``note`` was measured on
-another machine and transcribed by hand; its part says so. To refresh a part, run the bench with
-``--out docs/bench/NAME.json``, then this script.
+Each part between ``<!-- bench:NAME begin ... -->`` and ``<!-- bench:NAME end -->``, in README.md or
+any docs/*.md page (each NAME once), is rendered from ``docs/bench/NAME.json``: what ``centerline
+bench <target> --out FILE`` wrote (its figures, ``command``, ``commit``, ``machine``). A file whose
+``machine`` holds a ``note`` was measured on another machine and transcribed by hand; its part says
+so. To refresh a part, run the bench with ``--out docs/bench/NAME.json``, then this script.
 
 A figure quoted in prose, in README.md or docs/*.md, is one value of such a file, or of a run's
 ``RUN_DIR/figures.json`` kept as ``docs/runs/NAME.json`` (``centerline/run_figures.py``):
 ``<!-- fig NAME PATH [FORMAT] -->0.70<!-- /fig -->``, PATH its keys (and list indices) joined by
 dots, FORMAT a Python format spec (``.2f``, ``.2%``; default: three significant figures).
+
+``--check`` also recomputes each figure file's ``digest`` (``centerline/run_figures.py``): a file
+edited by hand fails, named with the command that regenerates it. Files written before digests
+are pinned by their bytes in ``LEGACY`` until they are regenerated.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -25,9 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FIGURES = ROOT / "docs" / "bench"
-RUNS = ROOT / "docs" / "runs"  # a run's RUN_DIR/figures.json (centerline/run_figures.py), quoted by name too
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs"  # its pages, and the figure files they quote: bench/NAME.json, runs/NAME.json
+sys.path.insert(0, str(ROOT))
+from centerline.run_figures import digest  # noqa: E402  (the writer's own digest, recomputed here)
+
 FIG = re.compile(r"<!-- fig (?P<name>[\w-]+) (?P<path>[\w.-]+)(?: (?P<fmt>\S+))? -->(?P<text>[^<]*)<!-- /fig -->")
 PART = re.compile(r"<!-- bench:(?P<name>[\w-]+) begin[^>]*-->\n(?P<body>.*?)<!-- bench:(?P=name) end -->", re.S)
 
@@ -56,9 +62,10 @@ def provenance(fig: dict) -> list[str]:
     if "note" in machine:
         note = machine["note"]
         return ["", f"{note[:1].upper()}{note[1:]} ({command}); not regenerated here."]
+    at = f" at commit `{fig['commit'][:12]}`" if fig.get("commit") else ""
     return [
         "",
-        f"Measured by {command} on {machine['cpu_model']} ({machine['nproc']} CPUs, host `{machine['hostname']}`), "
+        f"Measured by {command}{at} on {machine['cpu_model']} ({machine['nproc']} CPUs, host `{machine['hostname']}`), "
         f"{machine['measured_at']}.",
     ]
 
@@ -305,58 +312,111 @@ RENDER = {
 }
 
 
-def render_part(name: str) -> str:
-    fig = json.loads((FIGURES / f"{name}.json").read_text())
+LEGACY = {
+    # Files written before figure files carried a digest (centerline/run_figures.py), pinned by the
+    # sha256 of their bytes: any edit fails the check. Regenerate one with its own "command" and drop
+    # its line here.
+    "docs/bench/contract.json": "5d5bae0f9b26fe5eb587f959fdb2949800112da7db2dac8586f2657d0cc5d4ef",
+    "docs/bench/loss.json": "2b08ebb0775fc0b9ab3c6a67fd3e02590aba842a2cdc48577a94659a6e7525e3",
+    "docs/bench/pipeline-before-in-flight.json": "b65f1ffe2fd12b9fcbe4e7b30d8fdcd1dc7f921256fab16a8a3310f1b14406c1",
+    "docs/bench/pipeline-sessions.json": "5f10c82a7679cfa02dbb49b4c3d4b556e3bd1b43b0b50373da9004e58ba7e52e",
+    "docs/bench/pipeline.json": "af890e07d8f8e0b9474cc1ae57d6a44bf8aa73e00ec5b8494be600173f649108",
+    "docs/bench/proxy.json": "2fda14721905b92cfdd3a9f4536d3c0a9738c91a55d8c3e329b36dea65a5554b",
+    "docs/bench/sessions.json": "324a93e57dcf8099b3867680cbe4a8216f6113fddc3d25bd973e0fc7e38c9ec1",
+    "docs/bench/wire.json": "1c3dc7838079331c52068280f21cbbd8095737c57e920931c45f9aad9c386a12",
+    "docs/runs/make-run.json": "74c7a5e2eaa71ad6bafa11e2d59055485d2e395ab8e47b00db6eee3a0b2bea6d",
+}
+
+
+def rel(path: Path, docs: Path) -> str:
+    """``path`` as the docs name it: relative to the folder holding ``docs``."""
+    return path.relative_to(docs.parent).as_posix()
+
+
+def verify(path: Path, docs: Path) -> str | None:
+    """What is wrong with a figure file, None if nothing: its digest is what its writer computed
+    (``run_figures.digest``), or, for a file written before digests, its bytes are those pinned in ``LEGACY``."""
+    name, raw = rel(path, docs), path.read_bytes()
+    doc = json.loads(raw)
+    again = f"regenerate it with `{doc.get('command', '(no command recorded)')}`"
+    if "digest" in doc:
+        if name in LEGACY:
+            return f"{name}: carries its digest now; drop its line from LEGACY in scripts/gen_bench_docs.py"
+        if doc["digest"] != digest(doc):
+            return (
+                f"{name}: its figures are not what its writer wrote (digest {doc['digest'][:12]} recorded, "
+                f"{digest(doc)[:12]} computed): edited by hand? {again}"
+            )
+        missing = [key for key in ("command", "commit", "machine") if not doc.get(key)]
+        return f"{name}: no {', '.join(missing)} recorded; {again}" if missing else None
+    if name not in LEGACY:
+        return f"{name}: no digest, so not written by centerline/run_figures.py; {again}"
+    if hashlib.sha256(raw).hexdigest() != LEGACY[name]:
+        return f"{name}: edited since it was pinned in LEGACY (written before digests); {again}"
+    return None
+
+
+def figure_files(docs: Path) -> list[Path]:
+    return sorted([*(docs / "bench").glob("*.json"), *(docs / "runs").glob("*.json")])
+
+
+def render_part(name: str, docs: Path) -> str:
+    fig = json.loads((docs / "bench" / f"{name}.json").read_text())
     return "\n".join([*RENDER[name](fig), *provenance(fig)]) + "\n"
 
 
-def render(readme: str) -> tuple[str, list[str]]:
-    """README with every part regenerated, and the names of the parts that changed."""
-    found = [m["name"] for m in PART.finditer(readme)]
-    missing = sorted(set(RENDER) - set(found))
-    unknown = sorted(set(found) - set(RENDER))
-    if missing or unknown:
-        raise SystemExit(
-            f"README.md: bench parts missing {missing}, unknown {unknown}; expected one "
-            f"'<!-- bench:NAME begin -->' ... '<!-- bench:NAME end -->' for each of {sorted(RENDER)}"
-        )
+def render_parts(text: str, docs: Path) -> tuple[str, list[str]]:
+    """``text`` with every benchmark part regenerated, and the names of the parts that changed."""
     stale = []
 
     def replace(m: re.Match) -> str:
-        body = render_part(m["name"])
+        body = render_part(m["name"], docs)
         if body != m["body"]:
             stale.append(m["name"])
         return m[0][: m.start("body") - m.start()] + body + m[0][m.end("body") - m.start() :]
 
-    return PART.sub(replace, readme), stale
+    return PART.sub(replace, text), stale
 
 
-def figure_file(name: str) -> Path:
+def check_parts(texts: dict[Path, str]) -> None:
+    """Every part of ``RENDER`` once, in one of the pages, and no other."""
+    found = [m["name"] for text in texts.values() for m in PART.finditer(text)]
+    missing = sorted(set(RENDER) - set(found))
+    unknown = sorted(set(found) - set(RENDER))
+    twice = sorted({n for n in found if found.count(n) > 1})
+    if missing or unknown or twice:
+        raise SystemExit(
+            f"{', '.join(p.name for p in texts)}: bench parts missing {missing}, unknown {unknown}, twice {twice}; "
+            f"expected one '<!-- bench:NAME begin -->' ... '<!-- bench:NAME end -->' for each of {sorted(RENDER)}"
+        )
+
+
+def figure_file(name: str, docs: Path) -> Path:
     """``docs/bench/NAME.json`` (a bench's figures), else ``docs/runs/NAME.json`` (a run's)."""
-    bench = FIGURES / f"{name}.json"
-    return bench if bench.exists() or not (RUNS / f"{name}.json").exists() else RUNS / f"{name}.json"
+    bench, run = docs / "bench" / f"{name}.json", docs / "runs" / f"{name}.json"
+    return bench if bench.exists() or not run.exists() else run
 
 
-def figure(name: str, path: str, fmt: str | None) -> str:
+def figure(name: str, path: str, fmt: str | None, docs: Path) -> str:
     """One value of ``docs/bench/NAME.json`` or ``docs/runs/NAME.json``, written as the prose quotes it."""
-    file = figure_file(name)
+    file = figure_file(name, docs)
     value = json.loads(file.read_text())
     for key in path.split("."):
         try:
             value = value[int(key)] if isinstance(value, list) else value[key]
         except (KeyError, IndexError, ValueError):
-            raise SystemExit(f"<!-- fig {name} {path} -->: {file.relative_to(ROOT)} has no {key!r} there") from None
+            raise SystemExit(f"<!-- fig {name} {path} -->: {rel(file, docs)} has no {key!r} there") from None
     if fmt:
         return format(value, fmt)
     return str(value) if isinstance(value, int) else sig(value)
 
 
-def render_figures(text: str) -> tuple[str, list[str]]:
+def render_figures(text: str, docs: Path) -> tuple[str, list[str]]:
     """``text`` with every quoted figure rewritten, and the figures that changed."""
     stale = []
 
     def replace(m: re.Match) -> str:
-        value = figure(m["name"], m["path"], m["fmt"])
+        value = figure(m["name"], m["path"], m["fmt"], docs)
         if value != m["text"]:
             stale.append(f"{m['name']} {m['path']}")
         return m[0].replace(f"-->{m['text']}<!--", f"-->{value}<!--", 1)
@@ -364,13 +424,13 @@ def render_figures(text: str) -> tuple[str, list[str]]:
     return FIG.sub(replace, text), stale
 
 
-def stale_lines(path: Path, parts: list[str], figures: list[str]) -> list[str]:
-    """What ``--check`` says of one file's stale parts and figures."""
+def stale_lines(path: Path, parts: list[str], figures: list[str], docs: Path) -> list[str]:
+    """What ``--check`` says of one page's stale parts and figures."""
     fix = "run python scripts/gen_bench_docs.py"
     return [
         *(f"{path.name}: the benchmark part {n!r} differs from docs/bench/{n}.json; {fix}" for n in parts),
         *(
-            f"{path.name}: the figure '{f}' differs from {figure_file(f.split()[0]).relative_to(ROOT)}; {fix}"
+            f"{path.name}: the figure '{f}' differs from {rel(figure_file(f.split()[0], docs), docs)}; {fix}"
             for f in figures
         ),
     ]
@@ -379,28 +439,42 @@ def stale_lines(path: Path, parts: list[str], figures: list[str]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a part or figure is stale; write nothing")
-    parser.add_argument("--readme", type=Path, default=README, help="the file holding the parts (default: %(default)s)")
-    parser.add_argument("--docs", type=Path, default=DOCS, help="whose *.md may quote figures (default: %(default)s)")
+    parser.add_argument("--readme", type=Path, default=README, help="the front page (default: %(default)s)")
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=DOCS,
+        help="the pages (*.md) and their figure files, bench/ and runs/ (default: %(default)s)",
+    )
     args = parser.parse_args()
-    text, parts = render(args.readme.read_text())
-    text, figures = render_figures(text)
-    files = {args.readme: (text, parts, figures)}  # path: (its text rewritten, stale parts, stale figures)
-    for doc in sorted(args.docs.glob("*.md")):
-        if FIG.search(original := doc.read_text()):
-            rewritten, quoted = render_figures(original)
-            files[doc] = (rewritten, [], quoted)
+    docs = args.docs.resolve()
+    pages = [args.readme, *sorted(docs.glob("*.md"))]
+    texts = {page: page.read_text() for page in pages}
+    check_parts(texts)
+    files = {}  # page: (its text rewritten, stale parts, stale figures), for the pages with generated text
+    for page, original in texts.items():
+        if page == args.readme or PART.search(original) or FIG.search(original):
+            text, parts = render_parts(original, docs)
+            text, figures = render_figures(text, docs)
+            files[page] = (text, parts, figures)
     if args.check:
-        stale = [line for path, (_, p, f) in files.items() for line in stale_lines(path, p, f)]
+        stale = [line for path, (_, p, f) in files.items() for line in stale_lines(path, p, f, docs)]
+        checked = figure_files(docs)
+        stale += [problem for path in checked if (problem := verify(path, docs))]
         if stale:
             print("\n".join(stale), file=sys.stderr)
             return 1
         quoted = sum(len(FIG.findall(text)) for text, _, _ in files.values())
         where = ", ".join(path.name for path in files)
-        print(f"{args.readme.name}: the benchmark parts are current; the {quoted} figures quoted in {where} too")
+        pinned = sum(rel(path, docs) in LEGACY for path in checked)
+        print(
+            f"{args.readme.name}: the benchmark parts are current; the {quoted} figures quoted in {where} too; "
+            f"{len(checked)} figure files unedited: {len(checked) - pinned} by their digest, {pinned} pinned in LEGACY"
+        )
         return 0
     for path, (text, p, f) in files.items():
         path.write_text(text)
-        if path == args.readme or f:
+        if path == args.readme or p or f:
             print(f"wrote {path.name} ({len(p)} benchmark parts changed: {', '.join(p) or 'none'}; {len(f)} figures)")
     return 0
 

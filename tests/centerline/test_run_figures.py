@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from centerline.run_figures import run_figures
+from centerline.run_figures import commit, digest, emit, run_figures, stamped
 
 
 def step(n: int, **over) -> dict:
@@ -64,9 +64,29 @@ def test_a_run_without_steps_has_no_figures(tmp_path):
 @pytest.mark.integration
 def test_up_writes_its_figures_with_the_command_commit_and_machine(up_run):
     written = json.loads((up_run.run_dir / "figures.json").read_text())
-    assert {k: v for k, v in written.items() if k not in ("command", "commit", "machine")} == run_figures(
+    assert {k: v for k, v in written.items() if k not in ("command", "commit", "machine", "digest")} == run_figures(
         up_run.run_dir
     )
+    assert written["digest"] == digest(written)
     assert written["command"].startswith("centerline up --task copy --steps 3 ")
     assert written["steps"] == up_run.steps and len(written["commit"]) == 40
     assert set(written["machine"]) == {"hostname", "cpu_model", "nproc", "measured_at"}
+
+
+def test_stamped_figures_carry_their_provenance_and_a_digest_of_it_all():
+    doc = stamped({"tokens": 4096, "ms": 0.418}, "centerline bench wire --json")
+    assert list(doc) == ["tokens", "ms", "command", "commit", "machine", "digest"]
+    assert doc["command"] == "centerline bench wire --json" and doc["commit"] == commit() and len(doc["commit"]) == 40
+    assert set(doc["machine"]) == {"hostname", "cpu_model", "nproc", "measured_at"}
+    assert doc["digest"] == digest(doc) == digest({k: v for k, v in doc.items() if k != "digest"})
+    assert digest({**doc, "ms": 0.419}) != doc["digest"]
+    assert digest({**doc, "command": "centerline bench wire"}) != doc["digest"]
+
+
+def test_a_bench_prints_its_figures_and_writes_them_stamped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["centerline", "bench", "loss", "--out", str(tmp_path / "loss.json")])
+    emit({"reinforce_ms": 220.5}, tmp_path / "loss.json")
+    assert json.loads(capsys.readouterr().out) == {"reinforce_ms": 220.5}
+    written = json.loads((tmp_path / "loss.json").read_text())
+    assert written["reinforce_ms"] == 220.5 and written["digest"] == digest(written)
+    assert written["command"] == f"centerline bench loss --out {tmp_path / 'loss.json'}"
