@@ -30,6 +30,39 @@ def write(path, *rows) -> str:
     return str(path)
 
 
+# `centerline up` run with an audit hook (PEP 578) that records every process start and socket
+# it binds or connects: a start-up refusal must come before any of them.
+WATCHED_UP = """
+import json, runpy, sys
+started = []
+STARTS = {"subprocess.Popen", "os.posix_spawn", "os.exec", "os.fork", "os.system", "socket.bind", "socket.connect"}
+def watch(event, args):
+    if event in STARTS:
+        started.append(f"{event} {args!r:.200}")
+sys.addaudithook(watch)
+sys.argv = ["centerline", "up", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("centerline", run_name="__main__", alter_sys=True)
+finally:
+    print("STARTED " + json.dumps(started), file=sys.stderr)
+"""
+
+
+def up_watched(flags: list[str], cwd) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`centerline up FLAGS` in ``cwd``: the finished process and every start or socket it made."""
+    run = subprocess.run(
+        [sys.executable, "-c", WATCHED_UP, json.dumps(flags)],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    *_, last = run.stderr.splitlines() or [""]
+    assert last.startswith("STARTED "), run.stderr[-2000:]
+    return run, json.loads(last.removeprefix("STARTED "))
+
+
 def test_rows_keep_prompt_answer_meta_and_split_and_other_keys_join_meta(tmp_path):
     path = write(
         tmp_path / "d.jsonl",
@@ -133,28 +166,11 @@ def test_up_refuses_a_reward_that_is_neither_built_in_nor_module_function():
 
 def test_up_stops_at_a_bad_row_before_starting_anything(tmp_path):
     data = write(tmp_path / "d.jsonl", {"prompt": "p", "answer": "a"}, {"prompt": "p", "answer": 5})
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "centerline",
-            "up",
-            "--dataset",
-            data,
-            "--model",
-            str(tmp_path),
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run, started = up_watched(["--dataset", data, "--model", str(tmp_path), "--run-dir", str(tmp_path / "run")], REPO)
     assert run.returncode == 1
     assert f"centerline up: {data}:2: field 'answer' is 5, expected a string" in run.stderr
-    assert list((tmp_path / "run" / "logs").iterdir()) == []  # no service was started
+    assert started == []  # no process (NATS, SGLang, a service, init-model) and no port
+    assert list((tmp_path / "run" / "logs").iterdir()) == []  # no service log
 
 
 def test_the_chat_template_is_auto_on_for_a_user_model_and_off_for_the_toy(model_dir, tmp_path):
@@ -237,17 +253,11 @@ def test_an_environment_that_is_not_an_importable_async_function_is_refused_by_n
 
 def test_up_stops_at_an_environment_that_is_not_async_before_starting_anything(tmp_path):
     (tmp_path / "mymod.py").write_text(ENVIRONMENT_MODULE)
-    run = subprocess.run(
-        [sys.executable, "-m", "centerline", "up", "--environment", "mymod:plain", "--run-dir", str(tmp_path / "run")],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run, started = up_watched(["--environment", "mymod:plain", "--run-dir", str(tmp_path / "run")], tmp_path)
     assert run.returncode == 1
     assert "centerline up: --environment mymod:plain: environment 'mymod:plain' is not an async function" in run.stderr
-    assert list((tmp_path / "run" / "logs").iterdir()) == []  # no service was started
+    assert started == []  # no process and no port
+    assert list((tmp_path / "run" / "logs").iterdir()) == []  # no service log
 
 
 @pytest.mark.parametrize(
