@@ -100,8 +100,8 @@ def test_server_info_shows_the_admin_key_to_anyone(keyed):
 
 @pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
 def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
-    """Whoever reaches the proxy is a rollout client, not the trainer: no answer of the proxy may
-    carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
+    """Whoever reaches the proxy is a rollout client, not the trainer: the proxy answers 403 and no
+    answer of it may carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
     port = free_port()
     proxy = Process(
         [
@@ -128,6 +128,8 @@ def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
     finally:
         proxy.stop()
     assert KEY.encode() not in body, (status, body[:300])
+    message = f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"
+    assert (status, json.loads(body)) == (403, {"error": {"rule": "admin_forbidden", "message": message}})
 
 
 def test_weight_publisher_with_the_key_updates_the_server(keyed, other_model_dir):
