@@ -84,6 +84,7 @@ def test_more_replicas_than_nodes_is_a_clear_error(tmp_path):
         assert "lower nats_stream_replicas to the cluster size" in message
 
 
+@pytest.mark.slow  # a row of the README's fault table: `-m slow` selects it
 def test_acked_messages_survive_the_sigkill_of_the_stream_leader(tmp_path):
     with NatsCluster(tmp_path, 3) as cluster:
 
@@ -138,6 +139,7 @@ def test_a_publish_no_stream_answers_is_repeated_then_refused(tmp_path):
     )
 
 
+@pytest.mark.slow  # a row of the README's fault table: `-m slow` selects it
 def test_a_consumer_fetches_through_the_loss_of_its_leader_and_nothing_is_delivered_twice(tmp_path):
     """Every message acked exactly once although the node leading the stream and the consumer
     is SIGKILLed halfway: fetches during the election return nothing instead of raising."""
