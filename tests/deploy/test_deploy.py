@@ -1611,16 +1611,24 @@ def overlay_changes(name: str) -> list[dict]:
 
 
 def kustomize_build(path: Path) -> list[str] | None:
-    if shutil.which("kustomize"):
-        return [shutil.which("kustomize"), "build", str(path)]
-    return [shutil.which("kubectl"), "kustomize", str(path)] if shutil.which("kubectl") else None
+    """`kubectl kustomize PATH` with the kubectl `make test` installs beside the interpreter
+    (the Makefile's $(KUBECTL)), else one on PATH; else `kustomize build PATH`."""
+    beside = Path(sys.executable).parent / "kubectl"
+    kubectl = str(beside) if beside.exists() else shutil.which("kubectl")
+    if kubectl:
+        return [kubectl, "kustomize", str(path)]
+    return [shutil.which("kustomize"), "build", str(path)] if shutil.which("kustomize") else None
 
 
 @pytest.mark.parametrize("name", ["k8s-gpu", K8S_CLUSTER])
-def test_k8s_overlay_builds_with_kustomize_as_these_tests_render_it(name, tmp_path):
+def test_k8s_overlay_builds_with_kubectl_kustomize_as_these_tests_render_it(name, tmp_path):
+    # Needs kubectl (`make test` and `make test-fast` install it: scripts/install_kubectl.py) or
+    # kustomize; no skip: a check that did not run is no pass.
     # The overlay and the base copied, the git-ignored secret inputs of the base's generators made up.
-    # the machine image has kubectl (no skip: a check that did not run is no pass)
-    assert kustomize_build(tmp_path) is not None, "neither kustomize nor kubectl on PATH: install one of them"
+    assert kustomize_build(tmp_path) is not None, (
+        "kubectl not found beside the interpreter nor on PATH, nor kustomize: `make test` installs kubectl "
+        "into .venv/bin (scripts/install_kubectl.py)"
+    )
     shutil.copytree(DEPLOY / name, tmp_path / name)
     shutil.copytree(DEPLOY / "k8s", tmp_path / "k8s", ignore=shutil.ignore_patterns("nats-credentials", "*.env"))
     (tmp_path / "k8s/nats-credentials").mkdir()
