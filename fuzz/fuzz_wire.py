@@ -67,7 +67,7 @@ def fuzz(argv: list[str], test, corpus: Path, messages: list[bytes], modules: tu
 
     import atheris
 
-    # Only the code under test: atheris.instrument_all() takes ~20 s here (numpy, msgpack, ...).
+    # Only the code under test: atheris.instrument_all() would instrument numpy, msgpack, ... too (slow).
     for obj in gc.get_objects():
         if isinstance(obj, types.FunctionType) and obj.__module__ in modules:
             atheris.instrument_func(obj)
