@@ -9,11 +9,14 @@ that are then turned back into arrays. This module reads that one value as SGLan
 for anything else; the caller then parses the whole body the general way, so a verdict never
 depends on which way was taken. Two scanners do it, with the same results bit for bit:
 
-- ``c``: ``router_proxy/_rowscan.c``, one pass over the bytes (about 10x faster than ``orjson.loads``).
-  ``setup.py`` builds it where a C compiler is present.
+- ``c``: ``router_proxy/_rowscan.c``, one pass over the bytes. ``setup.py`` builds it where a C
+  compiler is present.
 - ``numpy``: where it is not. It finds every ``null`` (one per entry), checks every other byte
   against the layout, and parses the numbers 8 bytes at a time (SWAR: digit lanes combined by
-  multiply-and-shift in uint64); about 1.5x faster than ``orjson.loads``.
+  multiply-and-shift in uint64).
+
+``centerline bench proxy --audit-only`` times both against ``orjson.loads`` of the same body
+(``docs/results.md``, Benchmarks).
 
 ``SCANNER`` says which one ``cut`` uses (None: neither, every body is parsed whole).
 
