@@ -16,8 +16,8 @@ texts and finish reasons the binary answer carries are judged for both answers t
 JSON and the binary verdicts are the same (but for a weight version, see ``audit_body``).
 
 Small responses (up to ``SMALL_ENTRIES`` candidates) are first tried by ``quick_accept``, a
-pure-Python pass: numpy's fixed cost (~60 us of array set-up and two dozen whole-array
-operations) is ten times a short response's own. It only ever *accepts*, and only what
+pure-Python pass: numpy's fixed cost (array set-up and two dozen whole-array operations)
+is many times a short response's own. It only ever *accepts*, and only what
 ``check_rows`` certainly accepts on the float32 values (exact types, masses and differences with
 a margin for float32 rounding and summation order); anything else, defects included, goes the
 numpy way, so every verdict and error message comes from ``check_rows``.
