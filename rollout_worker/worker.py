@@ -235,6 +235,7 @@ class Worker:
         versions = [b.weight_version for b in outcome.batches]
         fields = {
             "task_id": task.task_id,
+            "purpose": task.purpose,  # "heldout": sampled alike, scored by the trainer, never trained
             "samples": int(outcome.rewards.size),
             "tokens": outcome.tokens,
             "reward_mean": float(outcome.rewards.mean()),

@@ -69,6 +69,19 @@ class TrainerSettings(Section):
         "began; unset: no time limit.",
     )
     prompts_per_step: int = Field(8, ge=1, description="Prompt groups per step.")
+    heldout_dataset: Path | None = Field(
+        None,
+        description="JSONL of held-out rows, the format of --dataset: one sample of each, drawn as training samples "
+        "are, before training, every --eval-every steps and after the last; scored, never trained, written to "
+        "eval.jsonl as that step's held-out figure (docs/design.md section 9). Unset: no held-out evaluation.",
+    )
+    eval_every: int = Field(25, ge=1, description="Evaluate the held-out rows every this many steps.")
+    eval_timeout: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds an evaluation may take from its scheduling to its last row's result; past it the "
+        "step's held-out figure is logged as incomplete and not recorded.",
+    )
     weight_sync_interval: int = Field(1, ge=1, description="Publish weights every this many steps.")
     weight_update: Literal["retract", "in_place", "drain"] = Field(
         "retract",

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass, field
 import orjson
 
 ATTEMPT_BLOCK = 1000  # attempt numbers one publication reserves: its deliveries 1 to 999
+# What a task is for: "train", a group the trainer may train; "heldout", one sample of a held-out row that the
+# trainer scores for the held-out figure and never trains (docs/design.md section 9).
+PURPOSES = ("train", "heldout")
 
 
 class TaskError(ValueError):
@@ -39,6 +42,7 @@ class PromptTask:
     # the attempt numbers this publication reserved start after this one (trainer_service/tasks.py); a worker's
     # attempt is this plus the message's delivery (``attempt``)
     attempts_before: int = 0
+    purpose: str = "train"  # one of PURPOSES; a worker samples both alike
 
     def attempt(self, delivery: int) -> int:
         """The attempt number of this message's ``delivery`` (1 the first); ``TaskError`` past the
@@ -76,4 +80,13 @@ class PromptTask:
         before = doc.get("attempts_before", 0)
         if not isinstance(before, int) or isinstance(before, bool) or before < 0:
             raise TaskError(f"task field 'attempts_before' is {before!r}, expected a whole number >= 0")
-        return cls(**{name: doc[name] for name in kinds}, meta=meta, environment=environment, attempts_before=before)
+        purpose = doc.get("purpose", "train")
+        if purpose not in PURPOSES:
+            raise TaskError(f"task field 'purpose' is {purpose!r}, expected one of {', '.join(map(repr, PURPOSES))}")
+        return cls(
+            **{name: doc[name] for name in kinds},
+            meta=meta,
+            environment=environment,
+            attempts_before=before,
+            purpose=purpose,
+        )

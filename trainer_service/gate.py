@@ -37,6 +37,10 @@ trained on.
   would make it hold more than ``rollout_n`` samples, or complete its parts short of them. Two
   samplings never share an attempt number (``tasks.py``); should they, one group is
   trained from one of them, never from both.
+- A held-out batch (its task is one of a held-out evaluation's, ``heldout.heldout_step``; docs/design.md
+  section 9) never reaches a step, whatever the ledger or its age: checked against the contract
+  but staleness, then handed to the evaluator (``heldout.Evaluator``), which keeps it unacked until
+  its round is recorded, or dropped (acked) as ``heldout_late`` or ``heldout_duplicate``.
 - An attempt still incomplete ``EXPIRE_ACK_WAITS * ack_wait`` seconds after its first part
   arrived (its worker died between two publishes and no other attempt completed: the task
   was given up, or its redelivery failed) is dead-lettered part by part as
@@ -59,6 +63,7 @@ from shared import faults, names
 from shared.contract import ContractViolation, check_batch
 from shared.nats_client import PublishError, publish_acked
 from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
+from trainer_service.heldout import LATE, heldout_step
 from trainer_service.ledger import Groups, Held
 from trainer_service.tasks import times_republished
 
@@ -72,6 +77,7 @@ SPLIT_CONFLICT, REPUBLISH_CAP = "split_conflict", "republish_cap"
 
 
 HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
+HELDOUT = "heldout"  # a held-out evaluation's batch: to the evaluator, never to a step
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +94,7 @@ class Admission:
     """The gate's decision on one message; acting on it (hold, ack, drop, dead-letter) is the caller's."""
 
     # HOLD | DUPLICATE (a redelivery of a trained part) | IGNORE (of a held one) | DROP (another attempt) | REJECT
+    # | HELDOUT (a held-out evaluation's)
     action: str
     batch_id: str
     batch: Batch | None = None  # None when the bytes are not a batch
@@ -110,13 +117,21 @@ def admission(
     A held or pending batch id with the same sequence is a redelivery of the held message
     (IGNORE). Any other repeat of a batch id is the contract's ``duplicate_batch`` (REJECT); a
     part that does not fit its attempt's held parts is ``split_conflict`` (REJECT, ``conflict``).
-    Whatever the batch's age: the ledger is asked before the contract.
+    Whatever the batch's age: the ledger is asked before the contract. A held-out evaluation's
+    batch is HELDOUT, or REJECT where it breaks the contract (staleness aside) or ``settings``.
     """
     try:
         batch = decode_batch(data)
     except WireError as exc:
         return Admission(REJECT, msg_id, rule="wire", reason=str(exc))
     task, attempt, bid = batch.task_id, batch.attempt, batch.batch_id
+    if heldout_step(task) is not None:  # scored, never trained: its age does not matter
+        try:
+            check_batch(batch, vocab_size=settings.vocab_size)
+            check_settings(batch, settings.cfg)
+        except ContractViolation as exc:
+            return Admission(REJECT, bid, batch, exc.rule, str(exc))
+        return Admission(HELDOUT, bid, batch)
     trained = groups.ledger.get(task)
     if trained is not None:
         if trained["attempt"] != attempt:
@@ -232,11 +247,13 @@ class Gate:
         ack_wait: float = 30.0,
         resample=None,
         max_republishes: int = 0,
+        heldout=None,
     ):
         """``resample(batch)``: awaited for a part rejected as stale, publishes its task again
         (``trainer_service.tasks.TaskPublisher.resample``), True if it did; None publishes nothing.
-        ``max_republishes``: how many times one task is published again at most (the trainer's)."""
-        self.js, self.consumer, self.cfg, self.resample = js, consumer, cfg, resample
+        ``max_republishes``: how many times one task is published again at most (the trainer's).
+        ``heldout``: the ``heldout.Evaluator`` that held-out batches go to; None drops them as late."""
+        self.js, self.consumer, self.cfg, self.resample, self.heldout = js, consumer, cfg, resample, heldout
         self.max_republishes = max_republishes
         self.settings = GateSettings(vocab_size, cfg)
         self.groups = Groups(ledger)
@@ -286,7 +303,46 @@ class Gate:
             for msg in await self.consumer.fetch(want, timeout=1.0):
                 await self.admit(msg, version)
             await self.expire()
+            await self.evaluated()
         return list(self.groups.held.values())
+
+    async def finish_heldout(self, stopping: asyncio.Event) -> None:
+        """After the last step: take held-out batches until every open round is recorded or given up
+        (``eval_timeout``), or ``stopping`` is set. A training batch fetched meanwhile is left unacked:
+        no step will train it here, and it comes back after ack_wait to whichever trainer runs next."""
+        while self.heldout is not None and self.heldout.rounds and not stopping.is_set():
+            for msg in await self.consumer.fetch(8, timeout=1.0):
+                try:
+                    task_id = decode_batch(bytes(msg.data)).task_id
+                except WireError:
+                    continue
+                if heldout_step(task_id) is not None:
+                    await self.admit(msg, 0)  # a held-out batch's age is not checked
+            await self.evaluated()
+
+    async def evaluated(self) -> None:
+        """Record each held-out round with a result for every row, then ack its batches (a crash in
+        between: they come back, and are dropped as late, the round being in ``eval.jsonl``); give up
+        the rounds past ``eval_timeout``, acking what they held."""
+        if self.heldout is None:
+            return
+        now = time.monotonic()
+        done, expired = self.heldout.finished(now)
+        for r in done:
+            self.heldout.record(self.heldout.figures(r, now))
+            for h in r.held:
+                await self.settle(h.msg, h.batch.batch_id)
+        for r in expired:
+            log.warning(
+                "held-out evaluation of step %d given up: %d of %d rows had a result after %gs (--eval-timeout); "
+                "no figure recorded for it",
+                r.step,
+                len(r.results),
+                len(self.heldout.examples),
+                self.heldout.timeout,
+            )
+            for h in [*r.held, *(h for parts in r.attempts.values() for h in parts)]:
+                await self.settle(h.msg, h.batch.batch_id)
 
     async def admit(self, msg, version: int) -> None:
         """Hold ``msg``'s part, or dead-letter it, or drop a redelivery or another attempt of a trained task."""
@@ -302,6 +358,13 @@ class Gate:
                 log.info("redelivered batch %s (seq %d) was already trained; acked", verdict.batch_id, seq)
         elif verdict.action == DROP:
             await self.drop(msg, verdict.batch_id, verdict.rule, verdict.reason)
+        elif verdict.action == HELDOUT:
+            rule = self.heldout.admit(Held(msg, verdict.batch, seq)) if self.heldout is not None else LATE
+            if rule:
+                reason = (
+                    f"held-out batch of task {verdict.batch.task_id!r}: its row has a result, or its round is closed"
+                )
+                await self.drop(msg, verdict.batch_id, rule, reason)
         elif verdict.action == REJECT and verdict.rule == "stale":
             await self.stale(msg, seq, verdict.batch, verdict.reason)
         elif verdict.action == REJECT:
@@ -411,14 +474,14 @@ class Gate:
 
     async def release(self) -> None:
         """Abandon the current step: ask for redelivery of every held and pending part, ack none."""
-        for h in self.groups.release():
+        for h in [*self.groups.release(), *(self.heldout.parts() if self.heldout is not None else [])]:
             await self.give_back(h.msg)
 
     async def keep_alive(self, interval: float) -> None:
         """Restart the ack_wait clock of every held and pending part every ``interval`` seconds."""
         while True:
             await asyncio.sleep(interval)
-            for h in self.groups.every_part():
+            for h in [*self.groups.every_part(), *(self.heldout.parts() if self.heldout is not None else [])]:
                 try:
                     await self.consumer.in_progress(h.msg)
                 # the redelivery that follows is dropped by the gate

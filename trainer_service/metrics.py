@@ -2,6 +2,8 @@
 the same figures as TensorBoard scalars (event files in ``<run_dir>``, so ``tensorboard --logdir
 runs/`` shows each run by its id), to Weights & Biases when ``--wandb`` is ``offline`` or
 ``online``, and Prometheus gauges/counters at ``/metrics`` when ``--metrics-port`` is given.
+A held-out evaluation (``trainer_service/heldout.py``) goes the same ways, its line to
+``<run_dir>/eval.jsonl`` instead, at the step that scheduled it (``heldout``).
 
 The HTTP server is optional and can never stop training: a port that cannot be bound is
 logged and the trainer goes on without it.
@@ -43,6 +45,8 @@ GAUGES = (
     *METRICS,  # the loss's, named once in step.py
     "step_s",
 )
+# A held-out evaluation's, gauges as well: the figure of the last step evaluated, and that step.
+HELDOUT_GAUGES = ("eval_step", "eval_accuracy", "eval_reward", "eval_rows", "eval_version_min", "eval_version_max")
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -73,12 +77,17 @@ class Metrics:
     def __init__(self, settings: TrainerSettings):
         """From the trainer's ``settings``: ``run_dir``, ``metrics_port``, ``tensorboard``, ``wandb``."""
         run_dir, port = settings.run_dir, settings.metrics_port
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         self.run_dir, self.tensorboard, self._tb = run_dir, settings.tensorboard, None
+        self.purge_from: int | None = None  # the first step this process writes (``recover``)
         self._wandb = _wandb_run(run_dir, settings.wandb, settings.wandb_project) if settings.wandb != "off" else None
         self.registry = CollectorRegistry()
         self.gauges = {
             name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES
+        }
+        self.heldout_gauges = {
+            name: Gauge(f"centerline_trainer_{name}", f"last held-out evaluation's {name}", registry=self.registry)
+            for name in HELDOUT_GAUGES
         }
         self.accepted = Counter(
             "centerline_trainer_gate_accepted", "batches accepted by the gate", registry=self.registry
@@ -148,18 +157,16 @@ class Metrics:
         its batches in training order from the ledger, marked ``"recovered": true``; gate
         counts and timings of that step are gone). Every committed step then has one line.
         """
-        data = self.path.read_bytes() if self.path.exists() else b""
-        complete, end = complete_lines(data)
-        if end != len(data):
-            log.warning("%s ended in a partial line (%d bytes); dropped", self.path, len(data) - end)
-            with open(self.path, "r+b") as fh:
-                fh.truncate(end)
+        complete = _drop_partial_line(self.path)
+        _drop_partial_line(self.eval_path)
         lines = [orjson.loads(line) for line in complete]
         step = state["step"]
+        self.purge_from = step + 1
         if step == 0 or "metrics" not in state or any(line.get("step") == step for line in lines):
             return
         batch_ids = [bid for entry in state["ledger"].values() if entry["step"] == step - 1 for bid in entry["parts"]]
         log.warning("step %d is checkpointed but has no metrics line; rebuilt from its checkpoint", step)
+        self.purge_from = step
         self.step(
             {"step": step, "version": state["version"], **state["metrics"], "batch_ids": batch_ids, "recovered": True}
         )
@@ -175,18 +182,41 @@ class Metrics:
             if isinstance(record.get(name), (int, float)):
                 gauge.set(record[name])
         values, step = scalars(record), int(record["step"])
-        if self.tensorboard:
-            if self._tb is None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # purge_step: a run resumed after a crash drops the events its last process wrote
-                # for steps it trains again, as metrics.jsonl does.
-                self._tb = SummaryWriter(log_dir=str(self.run_dir), purge_step=step)
-            for tag, value in values.items():
-                self._tb.add_scalar(tag, value, step)
-            self._tb.flush()
+        self._scalars(values, step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
+
+    def heldout(self, record: dict) -> None:
+        """Log and store one held-out evaluation's record (``heldout.Evaluator.figures``): its line
+        of ``eval.jsonl``, and its figures at the step that scheduled it."""
+        line = orjson.dumps(record)
+        sys.stdout.buffer.write(line + b"\n")
+        sys.stdout.flush()
+        with open(self.eval_path, "ab") as fh:
+            fh.write(line + b"\n")
+        self.heldout_gauges["eval_step"].set(record["step"])
+        for name, gauge in self.heldout_gauges.items():
+            if isinstance(record.get(name), (int, float)):
+                gauge.set(record[name])
+        values = {k: v for k, v in scalars(record).items() if k.startswith("eval_")}
+        self._scalars(values, int(record["step"]))
+        if self._wandb is not None:  # W&B steps only grow: held-out figures are plotted against eval_step
+            self._wandb.define_metric("eval_*", step_metric="eval_step")
+            self._wandb.log({**values, "eval_step": record["step"]})
+
+    def _scalars(self, values: dict[str, float], step: int) -> None:
+        if not self.tensorboard:
+            return
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a run resumed after a crash drops the events its last process wrote
+            # for steps it trains again, as metrics.jsonl does.
+            purge = self.purge_from if self.purge_from is not None else step
+            self._tb = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge)
+        for tag, value in values.items():
+            self._tb.add_scalar(tag, value, step)
+        self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:
@@ -196,6 +226,17 @@ class Metrics:
 
             self._wandb.finish()
             wandb.teardown()  # waits for W&B's service process to have written the run's files
+
+
+def _drop_partial_line(path: Path) -> list[bytes]:
+    """Cut a line a crash left short off the end of the JSONL file ``path``; its complete lines."""
+    data = path.read_bytes() if path.exists() else b""
+    complete, end = complete_lines(data)
+    if end != len(data):
+        log.warning("%s ended in a partial line (%d bytes); dropped", path, len(data) - end)
+        with open(path, "r+b") as fh:
+            fh.truncate(end)
+    return complete
 
 
 def _wandb_run(run_dir: Path, mode: str, project: str):

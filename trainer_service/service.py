@@ -9,6 +9,13 @@ The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
     ack the step's batches                                              gate.py
     load version v+1 on every engine, publish weights.updated           weights.py
     log the step                                                        metrics.py
+    evaluate the held-out rows when the step is due (every eval_every)  heldout.py
+
+Held-out evaluation (``--heldout-dataset``; docs/design.md section 9): before the first step,
+after every ``--eval-every`` steps and after the last, the held-out rows go to the workers as
+tasks of one sample; the gate hands their batches to the evaluator, never to a step, and each
+round is written to ``eval.jsonl`` as the held-out figure of the step that scheduled it. After
+the last step the trainer waits for the open rounds (at most ``--eval-timeout``) before it exits.
 
 A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes early after
 ``--step-timeout`` seconds with whatever arrived; with less than one sample per rank it
@@ -17,7 +24,7 @@ or terminated by a worker never come). ``--train-seconds`` stops the loop, like 
 before the first step that would begin after that many seconds. SIGTERM/SIGINT: a running
 step is finished and committed (its weights are not sent to the engines), a step still
 gathering is abandoned (its batches are nak'ed, none acked), then the process exits 0.
-Left out: evaluation, learning-rate schedules, and
+Left out: learning-rate schedules, and
 checkpoints less often than every step (acks wait for a checkpoint).
 
     centerline trainer --model runs/model --dataset runs/tasks.jsonl --run-dir runs/trainer --steps 100
@@ -59,6 +66,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     from trainer_service import checkpoint, weights
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
     from trainer_service.gate import Gate
+    from trainer_service.heldout import Evaluator
     from trainer_service.metrics import Metrics
     from trainer_service.tasks import AttemptBlocks, TaskPublisher, load_dataset
 
@@ -84,6 +92,19 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         blocks=AttemptBlocks(settings.run_dir / "attempt_blocks", first=1 if saved else 0),
         next_step=state.next_task_step,
     )
+    metrics = Metrics(settings)
+    metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
+    heldout = None
+    if settings.heldout_dataset is not None:
+        heldout = Evaluator(
+            load_dataset(settings.heldout_dataset),
+            run_id=state.run_id,
+            attempts_before=tasks.attempts_before,
+            every=settings.eval_every,
+            timeout=settings.eval_timeout,
+            record=metrics.heldout,
+        )
+        heldout.recorded(metrics.eval_path)
     gate = Gate(
         js,
         consumer,
@@ -93,13 +114,14 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         ack_wait=settings.ack_wait,
         resample=lambda batch: tasks.resample(js, batch),  # a stale batch's task is sampled again
         max_republishes=settings.max_republishes,
+        heldout=heldout,
     )
     engines = weights.WeightPublisher(js, cfg.engine_urls, mode=settings.weight_update)
-    metrics = Metrics(settings)
-    metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
     initial = weights.version_dir(settings.run_dir / "weights", state.version) if state.version else settings.model
     await engines.publish(state.version, initial)
+    if heldout is not None:  # step 0's round before training; after a restart, the rounds eval.jsonl lacks
+        await heldout.reopen(js, state.step, state.version)
     keep_alive = asyncio.create_task(gate.keep_alive(settings.ack_wait / 3))
     catching_up = asyncio.create_task(engines.watch())  # an engine that restarted gets the latest weights
     target = settings.prompts_per_step * cfg.rollout_n
@@ -152,6 +174,12 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         metrics.weight_catch_ups.set(engines.catch_ups)
         metrics.step(record)
         state = step.after
+        if heldout is not None and heldout.due(state.step, settings.steps) and not stopping.is_set():
+            await heldout.schedule(js, state.step, state.version)
+
+    if heldout is not None and not stopping.is_set():
+        await heldout.schedule(js, state.step, state.version)  # after the last step (--train-seconds too)
+        await gate.finish_heldout(stopping)
 
     keep_alive.cancel()
     catching_up.cancel()

@@ -67,6 +67,8 @@ def task_batch(task: PromptTask, version: int, vocab: int):
     )
     rewards = np.asarray(batch.rewards, np.float32)
     batch.group_ids = [task.group_id] * task.n
+    if task.purpose == "heldout":  # named by its task, as a worker's batch is (the training ones: their own)
+        batch.task_id = task.task_id
     return replace(batch, advantages=(rewards - rewards.mean()).astype(np.float32))
 
 

@@ -1,0 +1,187 @@
+"""Held-out evaluation in the loop (docs/design.md section 9): the trainer schedules it, the
+workers sample it as they sample training tasks, the gate hands its batches here, never to a step.
+
+Before training, every ``eval_every`` steps and after the last, the trainer publishes one task per
+held-out row (``--heldout-dataset``, the format of ``--dataset``): ``n`` 1, ``purpose``
+"heldout", id ``f"{run_id}/heldout/{step}/{row}"`` (``heldout_id``), to ``prompts.tasks`` like any
+task, so the same workers, proxy, router and engines sample it at the rollout settings (a row
+naming an environment is one session of it). Its batch comes back on ``rollouts.batches``; the
+gate knows it by its task id (``heldout_step``) and brings it here, whatever its age: it is
+scored, never trained (``trainer_service/gate.py``).
+
+A round is one step's evaluation. Each row counts once: the first complete attempt of its task
+gives its reward; other attempts and redeliveries are dropped. Once every row has a reward the
+round is recorded (``Metrics.heldout``: ``eval.jsonl``, TensorBoard, Prometheus) as the held-out
+figure of the step that scheduled it, labelled with the weight versions that sampled it, and only
+then are its batches acked: a trainer that dies before the record gets them again, and reopens
+the rounds of the steps it had trained whose figure ``eval.jsonl`` lacks (``Evaluator.reopen``).
+A round still short of rows ``eval_timeout`` seconds after it was scheduled is given up, logged,
+and not recorded; its late batches are dropped.
+
+The figure is ``eval_accuracy`` where every row is single-turn and scored by exact match (the toy
+tasks' held-out accuracy), else ``eval_reward``: the mean reward of one sample per row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+from shared import names
+from shared.nats_client import publish_acked
+from shared.task import PromptTask
+from trainer_service.ledger import Held
+from trainer_service.tasks import Example
+
+log = logging.getLogger("centerline.trainer.heldout")
+HELDOUT = "heldout"  # PromptTask.purpose of a held-out task, and the part of its id after the run id
+LATE, DUPLICATE_ROW = "heldout_late", "heldout_duplicate"  # the gate's drop rules of held-out batches
+
+
+def heldout_id(run_id: str, step: int, row: int) -> str:
+    return f"{run_id}/{HELDOUT}/{step}/{row}"
+
+
+def heldout_step(task_id: str) -> int | None:
+    """The step whose evaluation the task ``task_id`` belongs to; None for a task that is not held-out."""
+    _, sep, rest = task_id.partition(f"/{HELDOUT}/")
+    step, sep2, row = rest.partition("/")
+    if not (sep and sep2 and "/" not in _ and step.isdigit() and row.isdigit()):
+        return None
+    return int(step)
+
+
+def figure_name(examples: list[Example]) -> str:
+    """``eval_accuracy`` where every row is single-turn and scored by exact match, else ``eval_reward``."""
+    return "eval_accuracy" if all(ex.reward == "exact" and not ex.environment for ex in examples) else "eval_reward"
+
+
+@dataclass
+class Round:
+    """One step's evaluation: the rows' results so far and the parts to ack once it is recorded."""
+
+    step: int
+    version: int  # the trainer's weight version when it was scheduled
+    started: float  # time.monotonic()
+    results: dict[str, tuple[float, int]] = field(default_factory=dict)  # task_id -> (reward, weight version)
+    attempts: dict[tuple[str, int], list[Held]] = field(default_factory=dict)  # incomplete attempts' parts
+    held: list[Held] = field(default_factory=list)  # every part kept, acked once the round is recorded
+
+
+class Evaluator:
+    """The held-out rounds of one trainer process; ``record(step, figures)`` writes one round's figures."""
+
+    def __init__(
+        self, examples: list[Example], *, run_id: str, attempts_before: int, every: int, timeout: float, record
+    ):
+        self.examples, self.run_id, self.attempts_before = examples, run_id, attempts_before
+        self.every, self.timeout, self.record, self.name = every, timeout, record, figure_name(examples)
+        self.rounds: dict[int, Round] = {}  # open rounds by step
+        self.closed: set[int] = set()  # steps recorded or given up by this process, and those eval.jsonl holds
+
+    def tasks(self, step: int) -> list[PromptTask]:
+        out = []
+        for row, ex in enumerate(self.examples):
+            task_id = heldout_id(self.run_id, step, row)
+            out.append(
+                PromptTask(
+                    task_id=task_id,
+                    group_id=task_id,
+                    prompt=ex.prompt,
+                    answer=ex.answer,
+                    reward=ex.reward,
+                    n=1,
+                    step=step,
+                    meta=ex.meta,
+                    environment=ex.environment,
+                    attempts_before=self.attempts_before,
+                    purpose=HELDOUT,
+                )
+            )
+        return out
+
+    async def schedule(self, js, step: int, version: int) -> None:
+        """Open the round of ``step`` and publish its tasks (``Nats-Msg-Id`` the task id: a round
+        reopened inside JetStream's duplicate window is not sampled twice). Nothing for a step
+        recorded already or open."""
+        if step in self.closed or step in self.rounds:
+            return
+        self.rounds[step] = Round(step, version, time.monotonic())
+        for task in self.tasks(step):
+            await publish_acked(
+                js, names.PROMPTS_SUBJECT, task.to_bytes(), {names.MSG_ID_HEADER: task.task_id}, what="held-out task"
+            )
+        log.info("held-out evaluation of step %d scheduled: %d rows at version %d", step, len(self.examples), version)
+
+    def recorded(self, path) -> None:
+        """The steps whose figure ``path`` (``eval.jsonl``) holds are closed: never evaluated again."""
+        from trainer_service.metrics import complete_lines  # it imports torch, which this module needs nowhere else
+
+        data = path.read_bytes() if path.exists() else b""
+        self.closed.update(orjson.loads(line)["step"] for line in complete_lines(data)[0])
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether the step ``step`` (completed steps; 0 before training) is evaluated."""
+        return step % self.every == 0 or step == last
+
+    async def reopen(self, js, step: int, version: int) -> None:
+        """A trainer (re)started at ``step`` completed steps: schedule every round due up to it that
+        ``eval.jsonl`` does not hold (the first start: step 0's, before training)."""
+        for s in range(0, step + 1, self.every):
+            await self.schedule(js, s, version)
+
+    def admit(self, held: Held) -> str:
+        """Keep a held-out part for its round: "" when kept (or a redelivery of a kept one), else the
+        rule it is dropped under (``LATE``: its round is recorded, given up, or not this process's;
+        ``DUPLICATE_ROW``: its row has a result from another attempt)."""
+        batch = held.batch
+        round_ = self.rounds.get(heldout_step(batch.task_id))
+        if round_ is None:
+            return LATE
+        if any(h.seq == held.seq != 0 for h in round_.held) or any(
+            h.seq == held.seq != 0 for parts in round_.attempts.values() for h in parts
+        ):
+            return ""  # a redelivery of a part kept: the kept copy gets acked
+        if batch.task_id in round_.results:
+            return DUPLICATE_ROW
+        key = (batch.task_id, batch.attempt)
+        parts = round_.attempts.setdefault(key, [])
+        parts.append(held)
+        if len(parts) < batch.parts:
+            return ""
+        del round_.attempts[key]
+        rewards = [float(r) for h in parts for r in h.batch.rewards]
+        round_.results[batch.task_id] = (sum(rewards) / len(rewards), max(h.batch.weight_version for h in parts))
+        round_.held.extend(parts)
+        return ""
+
+    def finished(self, now: float) -> tuple[list[Round], list[Round]]:
+        """Remove and return the rounds with a result for every row, and those past ``timeout`` without."""
+        done = [r for r in self.rounds.values() if len(r.results) == len(self.examples)]
+        expired = [r for r in self.rounds.values() if r not in done and now - r.started > self.timeout]
+        for r in [*done, *expired]:
+            del self.rounds[r.step]
+            self.closed.add(r.step)
+        return done, expired
+
+    def figures(self, r: Round, now: float) -> dict:
+        """The round's line of ``eval.jsonl``: the figure, its rows, the trainer's version when it was
+        scheduled, the weight versions that sampled its rows, and its seconds from scheduling to the last."""
+        rewards = [reward for reward, _ in r.results.values()]
+        versions = [version for _, version in r.results.values()]
+        return {
+            "step": r.step,
+            self.name: sum(rewards) / len(rewards),
+            "eval_rows": len(rewards),
+            "version": r.version,
+            "eval_version_min": min(versions),
+            "eval_version_max": max(versions),
+            "eval_s": round(now - r.started, 3),
+        }
+
+    def parts(self) -> list[Held]:
+        """Every part kept by an open round (for in-progress acks and a release)."""
+        return [h for r in self.rounds.values() for h in (*r.held, *(h for p in r.attempts.values() for h in p))]
