@@ -139,8 +139,10 @@ class SessionEndpoint:
         session = self.sessions.get(request.match_info["sid"])
         if session is None:
             return _error(404, f"no session {request.match_info['sid']!r} on this worker", "session_not_found")
+        started = time.perf_counter()
         try:
             asked = parse_request(await request.read(), self.cfg)
+            parsed_at = time.perf_counter()
             reply = await session.turn(
                 asked.messages,
                 max_new_tokens=asked.max_new_tokens,
@@ -163,6 +165,7 @@ class SessionEndpoint:
             self.failures.append(Rejected(f"{reason} (internal_error)"))
             log.error("a session's turn failed; the task will be rejected", extra={"fields": {"reason": reason}})
             return _error(500, f"{reason}; the task will be rejected", "internal_error")
+        turned_at = time.perf_counter()
         answer = {
             "id": f"chatcmpl-{session.id}-{session.turns}",
             "object": "chat.completion",
@@ -187,7 +190,10 @@ class SessionEndpoint:
         cached = session.turn_cached_tokens[-1]
         if cached is not None:  # OpenAI's field: the prompt tokens served from SGLang's prefix cache
             answer["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
-        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+        body = orjson.dumps(answer)
+        # the endpoint's own time in the turn: reading the request, writing the answer (docs/design.md section 12)
+        session.turn_stages[-1]["endpoint"] = (parsed_at - started) + (time.perf_counter() - turned_at)
+        return web.Response(body=body, content_type="application/json")
 
     def _refuse(self, session: Session, exc: SessionError) -> web.Response:
         """A refused turn, answered 400 with its code; a fatal one is kept: the session can no longer

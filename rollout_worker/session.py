@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -50,6 +51,12 @@ from shared.config import Config
 from shared.response_arrays import ResponseArrays
 
 Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays]]
+# Tokens of context a decode check takes before what is new (docs/design.md section 12): the text near a
+# point depends on a few tokens before it (a UTF-8 character split over byte tokens, a prefix space), not on
+# the whole history, so a turn decodes O(new) tokens; where the window disagrees, the whole history decides.
+DECODE_CONTEXT = 8
+# A turn's stages, each in seconds, in ``Session.turn_stages`` (the endpoint adds "endpoint").
+STAGES = ("history", "render", "tokenize", "generate", "reply")
 
 
 class SessionError(ValueError):
@@ -244,6 +251,7 @@ class Session:
         self.prompt_len = 0  # the first turn's prompt tokens
         self.turn_prompt_tokens: list[int] = []  # per turn: its /generate's input tokens
         self.turn_cached_tokens: list[int | None] = []  # per turn: of those, served from SGLang's prefix cache
+        self.turn_stages: list[dict[str, float]] = []  # per complete turn: seconds in each of STAGES
         self.ids: list[int] = []
         self._mask: list[np.ndarray] = []
         self._versions: list[np.ndarray] = []
@@ -277,47 +285,68 @@ class Session:
             self.between_turns(self.turns + 1)
         if self.finish is not None:
             raise SessionBudgetError(f"session {self.id} has ended ({self.finish}); it takes no more turns")
+        clock = time.perf_counter
+        t0 = clock()
         given = [message_key(m) for m in messages]
         self.check_history(given)
         refused = self.template.parser.refusal(bool(call_tools))
         if refused is not None:
             raise UnsupportedSettingError(refused)
+        t1 = clock()
         text = self.template.render(given, tools, variables)
+        t2 = clock()
         new_ids = self.extend(text)
-        if len(self.ids) + len(new_ids) + max_new_tokens > self.budget:
+        t3 = clock()
+        held = len(self.ids)
+        if held + len(new_ids) + max_new_tokens > self.budget:
             self.finish = "session_budget"
             raise SessionBudgetError(
-                f"session {self.id}: {len(self.ids)} tokens held, {len(new_ids)} for the new messages and up to "
+                f"session {self.id}: {held} tokens held, {len(new_ids)} for the new messages and up to "
                 f"{max_new_tokens} for the reply would pass the session token budget of {self.budget} "
                 "(--rollout-session-max-tokens); the session ends after its last complete turn"
             )
-        found = await self.generate(self.ids + new_ids, max_new_tokens, stop)
+        found = await self.generate(self.ids + new_ids, max_new_tokens, stop)  # its own list: the caller may keep it
+        t4 = clock()
         sample = _one_sample(found)
-        # in context: a piece's leading space (sentencepiece's) shows only after the tokens before it
-        held = self.template.decode(self.ids + new_ids + sample.response_ids.tolist())
-        if not held.startswith(text):
-            raise SessionTemplateError(
-                f"session {self.id}: the sampled ids change how the conversation before them decodes "
-                f"({held[max(0, len(text) - 40) : len(text) + 20]!r}); the tokenizer's decoding is not prefix-stable"
-            )
-        sampled = held[len(text) :]
+        sampled = self.decode_after(text, new_ids, sample.response_ids.tolist())
         finish = sample.finish_reason or "stop"
         parsed = self.template.parser.parse(self.reply_text(sample, sampled), call_tools, finish)
-        prompt_tokens = len(self.ids) + len(new_ids)
+        prompt_tokens = held + len(new_ids)
         self.turn_prompt_tokens.append(prompt_tokens)
         self.turn_cached_tokens.append(found.cached_tokens[0] if found.cached_tokens else None)
-        if not self.ids:
+        if not held:
             self.prompt_len = len(new_ids)
         self._append_rendered(new_ids)
         self._append_sampled(sample)
-        self.text = held
+        self.text = text + sampled
         self.turns += 1
         self.last_finish = finish
         self.tool_calls += len(parsed.tool_calls)
         self.tool_call_parse_errors += parsed.error is not None
         reply = Reply(parsed, "tool_calls" if parsed.tool_calls else finish, prompt_tokens, len(sample.response_ids))
         self.messages = [*given, reply.history_message()]
+        stamps = (t0, t1, t2, t3, t4, clock())
+        self.turn_stages.append({name: stamps[i + 1] - stamps[i] for i, name in enumerate(STAGES)})
         return reply
+
+    def decode_after(self, text: str, new_ids: list[int], sampled: list[int]) -> str:
+        """What ``sampled`` decodes to after the tokens held and the turn's ``new_ids`` (which decode to
+        ``text``), decoded in context: a piece's leading space (sentencepiece's) shows only after the
+        tokens before it. ``DECODE_CONTEXT`` tokens of context where they decode alike with and
+        without the reply; the whole conversation where they do not, which refuses a tokenizer whose
+        decoding of the past changes."""
+        context = (self.ids[-DECODE_CONTEXT:] + new_ids)[-DECODE_CONTEXT:]
+        if len(context) < len(self.ids) + len(new_ids):
+            start, both = self.template.decode(context), self.template.decode(context + sampled)
+            if both.startswith(start):
+                return both[len(start) :]
+        held = self.template.decode(self.ids + new_ids + sampled)
+        if not held.startswith(text):
+            raise SessionTemplateError(
+                f"session {self.id}: the sampled ids change how the conversation before them decodes "
+                f"({held[max(0, len(text) - 40) : len(text) + 20]!r}); the tokenizer's decoding is not prefix-stable"
+            )
+        return held[len(text) :]
 
     def later_turns_cache(self) -> tuple[int, int] | None:
         """``(prompt tokens, of them served from the prefix cache)`` over turns 2 and later, whose
@@ -356,7 +385,15 @@ class Session:
             )
         suffix = text[len(self.text) :]
         ids = self.template.encode(suffix)
-        held = self.template.decode(self.ids + ids)  # in context, where a dummy prefix space shows
+        # in context, where a dummy prefix space shows: DECODE_CONTEXT tokens of it where they decode
+        # alike with the new ids, else the whole history
+        context = self.ids[-DECODE_CONTEXT:]
+        if (
+            len(context) < len(self.ids)
+            and self.template.decode(context + ids) == self.template.decode(context) + suffix
+        ):
+            return ids
+        held = self.template.decode(self.ids + ids)
         if held != text:
             at = next((i for i, (a, b) in enumerate(zip(held, text)) if a != b), min(len(held), len(text)))
             raise SessionTemplateError(
