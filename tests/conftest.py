@@ -88,12 +88,29 @@ def up_run(tmp_path_factory, toy_models) -> UpRun:
     return UpRun(run_dir=run_dir, model_dir=toy_models / "sft-copy-seed0", stdout=run.stdout)
 
 
+def made_model(out: Path, seed: int) -> Path:
+    """`centerline init-model --out OUT --seed SEED` run in this process: the same ``main``
+    without a new interpreter importing torch (~3 s a model here), the session's torch RNG
+    untouched. tests/sglang/test_model.py checks the command's output is byte for byte this."""
+    import torch
+
+    from centerline import model_init
+
+    with torch.random.fork_rng(devices=[]):
+        assert model_init.main(["--out", str(out), "--seed", str(seed)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_model():
+    """``made_model``, for the fixtures of other packages (tests/sglang/conftest.py)."""
+    return made_model
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """The random seed-0 default model (`centerline init-model`), what the shared SGLang server serves."""
-    from tests.processes import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
+    return made_model(tmp_path_factory.mktemp("model") / "seed0", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,9 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def other_model_dir(tmp_path_factory) -> Path:
+def other_model_dir(tmp_path_factory, make_model) -> Path:
     """Seed 1: same architecture and tokenizer as ``model_dir``, other weights."""
-    from tests.processes import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "seed1", seed=1)
+    return make_model(tmp_path_factory.mktemp("model") / "seed1", seed=1)
 
 
 @pytest.fixture(scope="session")
