@@ -42,6 +42,7 @@ def assert_written_with_machine(out: Path, printed: dict) -> None:
     assert machine["nproc"] >= 1 and machine["measured_at"].endswith("Z")
 
 
+@pytest.mark.integration  # the bench in a new interpreter
 def test_bench_wire_prints_one_json_object_with_its_baselines(tmp_path):
     out = tmp_path / "wire.json"
     run = centerline("bench", "wire", "--json", "--tokens", "512", "--repeats", "3", "--sizes", "128", "--out", out)
@@ -53,6 +54,7 @@ def test_bench_wire_prints_one_json_object_with_its_baselines(tmp_path):
     assert result["encode_decode_gbps"] > result["nested_list_msgpack_gbps"] > 0
 
 
+@pytest.mark.integration  # the bench in a new interpreter
 def test_bench_contract_prints_one_json_object(tmp_path):
     out = tmp_path / "contract.json"
     run = centerline("bench", "contract", "--json", "--tokens", "512", "--repeats", "3", "--out", out)
@@ -62,6 +64,7 @@ def test_bench_contract_prints_one_json_object(tmp_path):
     assert result["tokens"] == 512 and {"rows_per_s", "ms_per_batch", "mb_per_s"} <= set(result)
 
 
+@pytest.mark.integration  # the bench in a new interpreter
 def test_bench_proxy_audit_table_has_before_and_after_per_size(tmp_path):
     out = tmp_path / "proxy.json"
     argv = ("bench", "proxy", "--json", "--audit-only", "--audit-tokens", "8,32", "--repeats", "2", "--out", out)
@@ -81,6 +84,7 @@ def test_bench_proxy_audit_table_has_before_and_after_per_size(tmp_path):
         assert row["before_proxy_ms"] == row["before_audit_ms"] and row["reply_bytes"] > 0  # after: + the encode
 
 
+@pytest.mark.integration  # the bench in a new interpreter
 def test_bench_loss_prints_time_and_peak_memory_of_both_losses(tmp_path):
     out = tmp_path / "loss.json"
     argv = ("bench", "loss", "--json", "--tokens", "64", "--vocab", "512", "--k", "16", "--repeats", "2", "--out", out)

@@ -1511,6 +1511,7 @@ def http_get(url: str) -> tuple[int, str]:
         return 0, str(e)
 
 
+@pytest.mark.integration  # starts three nats-servers
 def test_compose_cluster_nodes_form_a_jetstream_cluster_on_loopback(tmp_path):
     """The three nodes as compose starts them (each one's environment from its own command),
     on loopback: the container's ports, store and route host names moved to this machine."""
@@ -1854,6 +1855,7 @@ def test_routers_are_deployed_everywhere():
     assert [where for where, _ in ROUTERS] == ["compose:sglang_router", "k8s:sglang-router/sglang-router"]
 
 
+@pytest.mark.integration  # runs `smg launch --help`
 @pytest.mark.parametrize("where,argv", ROUTERS, ids=[w for w, _ in ROUTERS])
 def test_sglang_router_flags_are_the_routers(where, argv):
     assert argv[:2] == ["smg", "launch"]
@@ -1873,6 +1875,7 @@ def sglang_servers() -> list[tuple[str, list[str]]]:
     return found + [("k8s-gpu:sglang", container["args"])]
 
 
+@pytest.mark.integration  # runs `python -m sglang.launch_server --help`: SGLang's imports, ~4 s
 @pytest.mark.parametrize("where,argv", sglang_servers(), ids=[w for w, _ in sglang_servers()])
 def test_sglang_server_flags_are_sglangs(where, argv):
     assert_flags_listed(argv, help_text("-m", "sglang.launch_server"))

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import sysconfig
 
+import pytest
+
 from tests.processes import ENV, REPO
 
 RUNS = 1500
+pytestmark = pytest.mark.integration  # gcc, then a child interpreter with libasan preloaded
 
 
 def test_the_c_scanner_passes_the_proxy_fuzz_target_under_asan_and_ubsan():

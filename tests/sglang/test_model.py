@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -11,7 +12,9 @@ from tests.processes import init_model
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
+@pytest.mark.integration  # the command in a new interpreter
 def test_init_model_is_byte_identical_for_the_same_seed(model_dir, tmp_path):
+    """The command, in a new interpreter, writes what the session's fixtures made in-process."""
     again = init_model(tmp_path / "again", seed=0)
     for name in FILES:
         assert (again / name).read_bytes() == (model_dir / name).read_bytes(), name
