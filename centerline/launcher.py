@@ -12,24 +12,25 @@ in an environment without ``CENTERLINE_*`` settings variables, which the spec re
 so what ran is what the file and the report show. From its own settings ``up`` gives the trainer
 its ``model``, ``dataset``, ``run_dir``, ``steps``, ``prompts_per_step`` and ``train_seconds``, the
 workers their ``chat_template``, the proxy its ``upstream`` and ``port`` (``place``). Held-out accuracy (exact
-match of one sample per prompt at the rollout temperature, ``--eval-prompts`` prompts) is
-measured on the first SGLang server before training and after every ``--eval-every``
-steps. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
+match of one sample per prompt at the rollout temperature, ``--eval-prompts`` prompts) is the
+trainer's own (docs/design.md section 9): ``up`` writes the held-out rows to ``RUN_DIR/heldout.jsonl``,
+the trainer's ``heldout_dataset``, and the trainer has the workers sample them before training,
+every ``--eval-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
+it appears. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
 Your own task (``prepare``, ``centerline/user_task.py``): ``--model DIR`` replaces the toy model,
 ``--dataset FILE`` the toy task (its rows without ``"split": "eval"`` become the trainer's
 ``RUN_DIR/train.jsonl``), ``--reward`` names the reward, and the held-out figure is then the mean
 reward of one sample per held-out row (``--eval-dataset``, else the rows marked eval, else none:
 ``RUN_DIR/heldout.json`` and the report say which). ``--chat-template`` (auto: on for a
-``--model`` whose tokenizer has one) has the workers and the evaluation render each prompt as one
+``--model`` whose tokenizer has one) has the workers render each prompt, held-out ones too, as one
 user message; the model's eos ends a response. Same topology, credentials and keys as the toy run.
 
 Multi-turn sessions (``--environment``, docs/design.md section 12): ``module:function`` (importable
 from the directory ``up`` runs in, checked before anything starts) or the built-in ``chain``
 (``--task chain``, which names it by itself) makes every toy task, or every ``--dataset`` row that
 names no environment of its own, ``n`` sessions of it. The held-out figure is then the mean
-reward of one session per held-out row, played through the proxy as the workers play them
-(``centerline/heldout.py``).
+reward of one session per held-out row, which a worker plays as it plays a training task.
 
 NATS runs with centerline/nats_users.py's users, passwords made for this run: the launcher
 creates the streams as ``admin``, and each service gets only its own user and password, in its
@@ -54,7 +55,7 @@ held-out accuracy 0.115 -> 0.31 on 200 prompts, train reward 0.11 -> 0.37 (30-st
 run of sessions). The pipeline is asynchronous, as
 everywhere by default (``max_inflight_steps`` 2: SGLang samples the next step while the trainer
 trains); ``--max-inflight-steps 1`` runs on-policy. ``--train-seconds T`` ends training after
-``T`` seconds instead of ``--steps``, then evaluates as after the last step: runs compared at
+``T`` seconds instead of ``--steps``, then the trainer evaluates as after the last step: runs compared at
 equal wall time (``centerline bench pipeline`` does).
 
 Left out on purpose: restarts of crashed services (use compose or Kubernetes for that).
@@ -80,11 +81,11 @@ import orjson
 
 from centerline import nats_users, run_spec, sglang
 from centerline.dataset import CHAT_TASKS, examples
-from centerline.heldout import SessionEvaluator
 from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
 from centerline.user_task import (
+    Row,
     UserTask,
     UserTaskError,
     chat_template_on,
@@ -93,14 +94,10 @@ from centerline.user_task import (
     load_task,
     write_trainer_dataset,
 )
-from rollout_worker.worker import Rejected, Transient
-from router_proxy.rewrite import NEUTRAL
 from shared import admin_key
 from shared import config as shared_config
 from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.streams import StreamLimits
-from shared.task import PromptTask
-from shared.toy_tasks import REWARDS
 
 PYTHON = sys.executable
 # Shared settings whose default differs for this job (chosen so that the default run learns;
@@ -217,81 +214,6 @@ def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: f
     raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s ({last}); see {log}")
 
 
-def evaluate(
-    engine_url: str, pairs: list[tuple[str, str]], temperature: float, seed: int, reward: str = "exact"
-) -> float:
-    """Mean exact-match reward of one response per held-out prompt, sampled the way rollouts
-    sample (``temperature``, no filter, every setting stated so no server default applies).
-    Asked of one SGLang server in one batch. ``seed`` is sent, but SGLang honours it only with
-    deterministic inference, which it lacks on the CPU: there, successive evaluations draw
-    fresh random numbers (about +-0.035 on 200 prompts at accuracy 0.5)."""
-    params = {
-        "temperature": temperature,
-        "top_p": 1.0,
-        "top_k": -1,
-        **NEUTRAL,
-        "min_new_tokens": 0,
-        "max_new_tokens": 8,
-        "sampling_seed": seed,
-    }
-    body = {"text": [p for p, _ in pairs], "sampling_params": params}
-    request = urllib.request.Request(
-        f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        outputs = orjson.loads(resp.read())
-    fn = REWARDS[reward]
-    return sum(fn(out["text"], _Answer(answer)) for out, (_, answer) in zip(outputs, pairs)) / len(pairs)
-
-
-class _Answer:
-    """The part of a PromptTask the toy rewards read."""
-
-    def __init__(self, answer: str):
-        self.answer = answer
-
-
-class UserEvaluator:
-    """The held-out figure of a user's task: the mean reward of one response per held-out row,
-    sampled as rollouts sample (``evaluate``'s settings, ``max_new_tokens`` as in training), the
-    prompts rendered as the workers render them (the chat template when on)."""
-
-    def __init__(self, model: Path, rows: list, reward: str, chat_template: bool):
-        from rollout_worker.main import load_tokenizer
-        from rollout_worker.rewards import load_reward
-        from shared.task import PromptTask
-
-        tokenizer, _ = load_tokenizer(str(model), chat_template)  # the workers' own rendering of a prompt
-        self.reward, self.fn = reward, load_reward(reward)
-        self.tasks = [
-            PromptTask(f"eval/{i}", f"eval/{i}", row.prompt, row.answer, reward, 1, 0, row.meta)
-            for i, row in enumerate(rows)
-        ]
-        self.prompts = [tokenizer.encode(row.prompt) for row in rows]
-
-    def __call__(self, engine_url: str, temperature: float, max_new_tokens: int, seed: int) -> float:
-        params = {
-            "temperature": temperature,
-            "top_p": 1.0,
-            "top_k": -1,
-            **NEUTRAL,
-            "min_new_tokens": 0,
-            "max_new_tokens": max_new_tokens,
-            "sampling_seed": seed,
-        }
-        body = {"input_ids": self.prompts, "sampling_params": params}
-        request = urllib.request.Request(
-            f"{engine_url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=300) as resp:
-            outputs = orjson.loads(resp.read())
-        try:
-            scores = [float(self.fn(out["text"], task)) for out, task in zip(outputs, self.tasks)]
-        except Exception as exc:  # a user's function: any failure ends the run with its name
-            raise RuntimeError(f"reward {self.reward!r} failed on a held-out row: {type(exc).__name__}: {exc}") from exc
-        return sum(scores) / len(scores)
-
-
 class Progress:
     """A live line on a terminal, one JSON line per record otherwise."""
 
@@ -376,6 +298,8 @@ def place(
             "steps": up.steps,
             "prompts_per_step": up.prompts_per_step,
             "train_seconds": up.train_seconds,
+            "heldout_dataset": task.heldout,
+            "eval_every": up.eval_every,
         },
         worker={"chat_template": task.chat_template},
         proxy={"upstream": router_url, "port": int(proxy_url.rsplit(":", 1)[1])},
@@ -385,7 +309,16 @@ def place(
 # The settings ``place`` fills in: where a run ran, not what it is (``centerline experiment`` compares the rest).
 PLACED = {
     "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
-    TrainerSettings.name: ("model", "dataset", "run_dir", "steps", "prompts_per_step", "train_seconds"),
+    TrainerSettings.name: (
+        "model",
+        "dataset",
+        "run_dir",
+        "steps",
+        "prompts_per_step",
+        "train_seconds",
+        "heldout_dataset",
+        "eval_every",
+    ),
     WorkerSettings.name: ("chat_template",),
     ProxySettings.name: ("upstream", "port"),
 }
@@ -503,32 +436,23 @@ def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What a run trains and evaluates: the model, the trainer's dataset, the held-out set."""
+    """What a run trains and evaluates: the model, the trainer's dataset, its held-out rows."""
 
     model: Path
     dataset: Path
-    chat_template: bool  # the workers and the evaluation render each prompt with the model's chat template
-    heldout: list  # the toy task's (prompt, answer) pairs, or a user task's Rows
+    chat_template: bool  # the workers render each prompt, held-out ones too, with the model's chat template
+    heldout: Path | None  # the trainer's heldout_dataset: the held-out rows; None: a user task without any
     user: UserTask | None = None  # None: the toy task
     environment: str = ""  # the toy task's or --environment: its tasks (a user's rows naming none) are sessions
-
-    def heldout_tasks(self, reward: str) -> list[PromptTask]:
-        """The held-out rows as tasks of one sample, each naming its environment ("" for none)."""
-        rows = (
-            [(r.prompt, r.answer, r.meta, r.environment) for r in self.heldout]
-            if self.user
-            else [(prompt, answer, {}, "") for prompt, answer in self.heldout]
-        )
-        return [
-            PromptTask(f"eval/{i}", f"eval/{i}", prompt, answer, reward, 1, 0, meta, environment or self.environment)
-            for i, (prompt, answer, meta, environment) in enumerate(rows)
-        ]
 
 
 def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     """The model (``--model``, else the toy model made and cached by init-model --sft), the trainer's
-    dataset in ``run_dir/train.jsonl`` (``--dataset``'s training rows, else the toy task's) and the
-    held-out rows; a bad row, reward or model fails here, before any service starts."""
+    dataset in ``run_dir/train.jsonl`` (``--dataset``'s training rows, else the toy task's) and its
+    held-out rows in ``run_dir/heldout.jsonl`` (a user task's, with ``run_dir/heldout.json`` saying
+    where they came from, for the report; the toy task's ``--eval-prompts``, scored by exact match
+    whatever ``--reward`` trains: its held-out accuracy); a bad row, reward or model fails here,
+    before any service starts."""
     check_reward(up.reward)  # as the workers will load it
     environment = up.environment or ("" if up.dataset is not None else CHAT_TASKS.get(up.task, ""))
     if environment:
@@ -576,10 +500,16 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
             check=True,
         )
     chat = chat_template_on(up.chat_template, model, toy=up.model is None)
-    dataset = run_dir / "train.jsonl"
+    dataset, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
     if user is not None:
         write_trainer_dataset(user.train, up.reward, dataset, environment)
-        return Prepared(model, dataset, chat, user.heldout, user, environment)
+        (run_dir / "heldout.json").write_bytes(
+            orjson.dumps({"rows": len(user.heldout), "source": user.heldout_source, "reward": up.reward})
+        )
+        if not user.heldout:
+            return Prepared(model, dataset, chat, None, user, environment)
+        write_trainer_dataset(user.heldout, up.reward, heldout, environment)
+        return Prepared(model, dataset, chat, heldout, user, environment)
     subprocess.run(
         [
             PYTHON,
@@ -602,7 +532,9 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    heldout = examples(up.task, up.eval_prompts, cfg.seed, "heldout")
+    rows = [Row(prompt, answer) for prompt, answer in examples(up.task, up.eval_prompts, cfg.seed, "heldout")]
+    # a session's reward is its environment's; a single-turn toy task's held-out figure is exact match
+    write_trainer_dataset(rows, up.reward if environment else "exact", heldout, environment)
     return Prepared(model, dataset, chat, heldout, environment=environment)
 
 
@@ -613,9 +545,9 @@ def log(message: str) -> None:
 
 def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
     """One run, each job in turn: prepare what it trains, start NATS and its streams, choose the
-    addresses and write ``config.toml``, start the engines, router and proxy, evaluate before
-    training, start the workers and the trainer, follow the trainer to its last step, write the
-    report. ``launch`` stops every process afterwards, whatever happened."""
+    addresses and write ``config.toml``, start the engines, router and proxy, then the workers and
+    the trainer, follow the trainer to its last step and last held-out evaluation, write the report.
+    ``launch`` stops every process afterwards, whatever happened."""
     up, run_dir = spec.up, spec.up.run_dir
     task = prepare(up, spec.cfg, run_dir, log)
     replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
@@ -641,12 +573,10 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     )
 
     progress = Progress()
-    evaluation = Evaluation(spec, task, at.engines, progress)
-    evaluation.record(0)
     for i in range(up.workers):
         stack.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
     trainer = stack.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
-    follow(trainer, up, stack, nats, evaluation, progress, stopping)
+    follow(trainer, up, stack, nats, progress, stopping)
 
     if progress.tty:
         print()
@@ -700,83 +630,21 @@ def start_serving(spec: RunSpec, stack: Stack, at: Addresses, proxy_argv: list[s
     wait_http(f"{at.proxy}/ready", "proxy", proxy, logs / "proxy.log", timeout)
 
 
-class Evaluation:
-    """The held-out evaluation, appended to ``run_dir/eval.jsonl`` and shown as progress: the toy
-    task's accuracy, or a user task's mean reward (its rows with an environment played as sessions
-    through the proxy, the others sampled once from an engine)."""
-
-    def __init__(self, spec: RunSpec, task: Prepared, engine_urls: list[str], progress: Progress):
-        up = spec.up
-        self.spec, self.task, self.engine_urls, self.progress = spec, task, engine_urls, progress
-        self.path = up.run_dir / "eval.jsonl"
-        self.path.write_bytes(b"")
-        self.single, self.evaluator = [], None  # a user's held-out rows sampled once (no environment), their evaluator
-        if task.user is not None:
-            (up.run_dir / "heldout.json").write_bytes(
-                orjson.dumps({"rows": len(task.heldout), "source": task.user.heldout_source, "reward": up.reward})
-            )
-            self.single = [row for row in task.heldout if not (row.environment or task.environment)]
-            self.evaluator = (
-                UserEvaluator(task.model, self.single, up.reward, task.chat_template) if self.single else None
-            )
-        self.tasks = task.heldout_tasks(up.reward)
-        played = [t for t in self.tasks if t.environment]
-        self.sessions = SessionEvaluator(task.model, played) if played else None
-
-    def measure(self, url: str) -> dict | None:
-        """The figures with ``url`` as the engine; None for a user task without held-out rows."""
-        task, cfg = self.task, self.spec.cfg
-        if task.user is None and self.sessions is None:
-            return {"eval_accuracy": evaluate(url, task.heldout, cfg.rollout_temperature, cfg.seed)}
-        if not task.heldout:
-            return None
-        # sessions go through the proxy, as the workers' do; rows without an environment are sampled once
-        total = sum(self.sessions(cfg, self.spec.worker.request_timeout)) if self.sessions is not None else 0.0
-        if self.evaluator is not None:
-            total += self.evaluator(url, cfg.rollout_temperature, cfg.rollout_max_new_tokens, cfg.seed) * len(
-                self.single
-            )
-        return {"eval_reward": total / len(self.tasks)}
-
-    def record(self, step: int) -> None:
-        """Evaluate at ``step`` on the first engine that answers (one may be restarting) and record it;
-        a step whose evaluation cannot be run is logged and skipped."""
-        for url in self.engine_urls:
-            try:
-                figures = self.measure(url)
-                break
-            except OSError as exc:  # URLError, a refused or broken connection
-                log(f"evaluation at step {step}: {url} did not answer ({exc}); trying the next server")
-            except (Transient, Rejected) as exc:  # a held-out session failed
-                log(f"evaluation at step {step} skipped: a held-out session failed: {exc}")
-                return
-        else:
-            log(f"evaluation at step {step} skipped: no SGLang server answered")
-            return
-        if figures is None:  # a user task without held-out rows
-            return
-        record = {"step": step, **figures}
-        with open(self.path, "ab") as fh:
-            fh.write(orjson.dumps(record) + b"\n")
-        self.progress.show(record, self.spec.up.steps)
-
-
 def follow(
     trainer: subprocess.Popen,
     up: UpSettings,
     stack: Stack,
     nats: EmbeddedNats | NatsCluster,
-    evaluation: Evaluation,
     progress: Progress,
     stopping: list,
 ) -> None:
-    """Until the trainer exits: restart what died, show each step the trainer logs, evaluate every
-    ``eval_every`` steps and after the last (also when ``--train-seconds`` ended training early).
-    Raises ``Stopped`` once ``stopping`` gets an entry (a signal)."""
+    """Until the trainer exits: restart what died, show each step and each held-out evaluation the
+    trainer writes (``metrics.jsonl``, ``eval.jsonl``). Raises ``Stopped`` once ``stopping`` gets an
+    entry (a signal)."""
     from trainer_service.metrics import complete_lines  # here: it imports torch, which the launcher needs nowhere else
 
-    metrics = up.run_dir / "metrics.jsonl"
-    seen, last_step, evaluated = 0, 0, 0
+    files = [up.run_dir / "metrics.jsonl", up.run_dir / "eval.jsonl"]
+    seen = [0, 0]  # complete lines shown of each
     while True:
         if stopping:
             log(f"{stopping[0]}: stopping every service")
@@ -785,18 +653,12 @@ def follow(
             log(f"{restarted} died: started again; the trainer sends it the latest weights")
         for name in restart_dead_nats_nodes(nats):
             log(f"NATS node {name} died: started again on its store; clients reconnect")
-        finished = trainer.poll() is not None  # before the read: its last line is in the file then
-        lines, _ = complete_lines(metrics.read_bytes() if metrics.exists() else b"")
-        for line in lines[seen:]:
-            record = orjson.loads(line)
-            progress.show(record, up.steps)
-            last_step = record["step"]
-            if last_step % up.eval_every == 0 or last_step == up.steps:
-                evaluation.record(last_step)
-                evaluated = last_step
-        seen = len(lines)
+        finished = trainer.poll() is not None  # before the read: its last lines are in the files then
+        for i, path in enumerate(files):
+            lines, _ = complete_lines(path.read_bytes() if path.exists() else b"")
+            for line in lines[seen[i] :]:
+                progress.show(orjson.loads(line), up.steps)
+            seen[i] = len(lines)
         if finished:
-            if trainer.returncode == 0 and evaluated < last_step:  # stopped early by --train-seconds
-                evaluation.record(last_step)
             return
         time.sleep(0.5)  # polling interval of the progress display

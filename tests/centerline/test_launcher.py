@@ -55,7 +55,7 @@ def test_a_service_gets_no_credentials_nor_settings_variables_and_keeps_the_rest
 def _placed(tmp_path: Path, argv: list[str]):
     spec = launcher.parse(argv)
     run_dir = spec.up.run_dir
-    task = launcher.Prepared(tmp_path / "model", run_dir / "train.jsonl", True, [])
+    task = launcher.Prepared(tmp_path / "model", run_dir / "train.jsonl", True, run_dir / "heldout.jsonl")
     return launcher.place(
         spec,
         task,
@@ -111,6 +111,8 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
         0.5,
         2,
     )
+    # the held-out rows up prepared, evaluated by the trainer every --eval-every steps (docs/design.md section 9)
+    assert (trainer["heldout_dataset"], trainer["eval_every"]) == (str(run_dir / "heldout.jsonl"), 25)
     assert (data["worker"]["concurrency"], data["worker"]["chat_template"]) == (3, True)
     assert (data["proxy"]["upstream"], data["proxy"]["port"], data["proxy"]["upstream_timeout"]) == (
         "http://127.0.0.1:5001",

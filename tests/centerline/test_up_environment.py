@@ -90,7 +90,7 @@ def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessi
     evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
     assert [e["step"] for e in evals] == [0, STEPS] and all("eval_reward" in e for e in evals)
     conversations = [orjson.loads(line) for line in (tmp_path / "conversations.jsonl").read_bytes().splitlines()]
-    held_out = [c for c in conversations if c["task_id"].startswith("eval/")]
+    held_out = [c for c in conversations if "/heldout/" in c["task_id"]]  # the trainer's held-out tasks
     assert len(held_out) == 3 * 2  # every held-out row played by the environment, at each evaluation
 
     nats = EmbeddedNats(run_dir / "nats").start()  # the run's JetStream store, served again
@@ -107,6 +107,12 @@ def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessi
     assert replayed.returncode == 0, replayed.stderr
     assert replayed.stdout == listed.stdout  # the same summaries, from the stream and from the file
     summaries = [orjson.loads(line)["batch"] for line in replayed.stdout.splitlines()]
+    # the held-out sessions' batches (one session each) travel the stream beside the training groups
+    assert sorted(b["task_id"].split("/", 1)[1] for b in summaries if "/heldout/" in b["task_id"]) == [
+        f"heldout/{step}/{row}" for step in (0, STEPS) for row in range(3)
+    ]
+    assert all(b["samples"] == 1 for b in summaries if "/heldout/" in b["task_id"])
+    summaries = [b for b in summaries if "/heldout/" not in b["task_id"]]
     assert len(summaries) >= STEPS * PROMPTS
     for b in summaries:
         assert b["samples"] == N and b["turns"] == [2] * N and len(b["finish_reasons"]) == N

@@ -76,8 +76,10 @@ def test_up_trains_a_real_model_on_a_users_dataset_and_reward(real_model, tmp_pa
     assert [s["version"] for s in steps] == [1, 2, 3]
     assert any(s["grad_norm"] > 0 for s in steps)  # the real model was trained, not only sampled
     evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
-    assert [sorted(e) for e in evals] == [["eval_reward", "step"]] * 2 and [e["step"] for e in evals] == [0, 3]
+    assert [e["step"] for e in evals] == [0, 3] and all(e["eval_rows"] == 1 for e in evals)
     assert all(e["eval_reward"] in (0.0, 1.0) for e in evals)  # one held-out row, a 0/1 reward
+    heldout = [orjson.loads(line) for line in (run_dir / "heldout.jsonl").read_bytes().splitlines()]
+    assert heldout == [{"prompt": "What is the capital of France?", "answer": "Paris", "reward": REWARD}]
 
     trained = [orjson.loads(line) for line in (run_dir / "train.jsonl").read_bytes().splitlines()]
     assert trained == [
@@ -109,6 +111,9 @@ def test_up_trains_a_real_model_on_a_users_dataset_and_reward(real_model, tmp_pa
     shapes = []
     for batch in batches:
         check_batch(batch, vocab_size=VOCAB)
+        if "/heldout/" in batch.task_id:  # France's row, sampled once at steps 0 and 3, never trained
+            assert batch.num_samples == 1
+            continue
         assert batch.num_samples == 4
         runs = set()
         for i in range(batch.num_samples):
