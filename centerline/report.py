@@ -1,9 +1,10 @@
 """`centerline report RUN_DIR`: the page people look at after a run.
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and, when present,
-``RUN_DIR/eval.jsonl`` (``{step, eval_accuracy}`` from `centerline up` on the toy task,
-``{step, eval_reward}`` on a user's, whose ``RUN_DIR/heldout.json`` says which rows were held
-out, if any), and writes
+``RUN_DIR/eval.jsonl`` (the trainer's held-out evaluation, ``trainer_service/heldout.py``, in any
+deployment: ``{step, eval_accuracy, ...}`` on exact-match rows such as the toy tasks',
+``{step, eval_reward, ...}`` otherwise; a `centerline up` run on a user's task also writes
+``RUN_DIR/heldout.json``, which says which rows were held out, if any), and writes
 ``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
 as ``RUN_DIR/plots/<name>.png``. A run on multi-turn sessions (any step with injected tokens)
 also gets the sessions' plot: turns per sample, and sampled and injected tokens per sample; the
