@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable
 
 import aiohttp
+import httpx
 import numpy as np
 import orjson
 from aiohttp import web
@@ -207,6 +208,28 @@ class SessionEndpoint:
         return _error(400, str(exc), exc.code)
 
 
+class SharedPool(httpx.AsyncBaseTransport):
+    """A task's one connection pool under each session's HTTP client, which closes with its client
+    (an environment may close it) and leaves the pool to the task."""
+
+    def __init__(self, pool: httpx.AsyncBaseTransport):
+        self.pool = pool
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.pool.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def session_http_client(pool: httpx.AsyncBaseTransport, timeout: float) -> httpx.AsyncClient:
+    """A session's OpenAI client's HTTP client, on the task's ``pool``: an ``openai.AsyncOpenAI`` left to
+    make its own loads the machine's CA certificates, tens of milliseconds of the event loop every
+    session's turns share, once per session, for a loopback endpoint that speaks plain HTTP
+    (docs/design.md section 12)."""
+    return httpx.AsyncClient(transport=SharedPool(pool), timeout=timeout, follow_redirects=True)
+
+
 def _error(status: int, message: str, code: str) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "code": code, "param": None}}
@@ -267,9 +290,16 @@ async def play(
         )
 
     returned = []
+    pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=n))
 
     async def run(session: Session) -> float:
-        client = openai.AsyncOpenAI(base_url=endpoint.open(session), api_key="unused", max_retries=0, timeout=timeout)
+        client = openai.AsyncOpenAI(
+            base_url=endpoint.open(session),
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout,
+            http_client=session_http_client(pool, timeout),
+        )
         try:
             reward = await environment(client, task)
             returned.append(session)
@@ -292,6 +322,7 @@ async def play(
         ) from None
     finally:
         await endpoint.close()
+        await pool.aclose()
     if endpoint.failures:  # a kept failure first (an engine's, a fatal refusal), whatever the environment made of it
         raise endpoint.failures[0]
     played = []

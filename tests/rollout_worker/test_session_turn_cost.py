@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from centerline.tokenizer import save_tokenizer
 from rollout_worker.session import DECODE_CONTEXT, STAGES, ChatTemplate, Session
 from rollout_worker.worker import Transient
-from tests.rollout_worker.test_session import IM_END, Engine, K, dummy_prefix_template, serve, text_ids
+from tests.rollout_worker.test_session import IM_END, VOCAB, Engine, K, dummy_prefix_template, serve, text_ids
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +117,48 @@ def test_each_turn_records_the_seconds_of_its_stages_and_the_endpoints_own(templ
     assert len(s.turn_stages) == 2
     for stages in s.turn_stages:
         assert list(stages) == [*STAGES, "endpoint"] and all(0 <= v < 5 for v in stages.values())
+
+
+CLOSED: list[asyncio.Event] = []
+
+
+async def closes_its_client(client: openai.AsyncOpenAI, task) -> float:
+    """The first session closes its client after one turn; the other takes a second turn after that."""
+    first = not CLOSED
+    if first:
+        CLOSED.append(asyncio.Event())
+    messages = [{"role": "user", "content": "a"}]
+    reply = await client.chat.completions.create(model="default", messages=messages)
+    if first:
+        await client.close()
+        CLOSED[0].set()
+        return 1.0
+    await CLOSED[0].wait()
+    messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "b"}]
+    await client.chat.completions.create(model="default", messages=messages)
+    return 2.0
+
+
+def test_a_session_that_closes_its_client_leaves_the_other_sessions_of_the_task_theirs(template, monkeypatch):
+    """A task's sessions share one connection pool (no CA certificates loaded per session); an
+    environment closing its client closes its own only."""
+    from rollout_worker import environment
+    from rollout_worker.worker import Tokenizer, Worker
+    from shared.config import Config
+    from shared.settings import WorkerSettings
+    from shared.task import PromptTask
+
+    engine = Engine([(text_ids("hi") + [IM_END], "stop")] * 3)
+
+    async def fake(http, url, body, routing_key):
+        return await engine(body["input_ids"], body["sampling_params"]["max_new_tokens"], None)
+
+    monkeypatch.setattr(environment, "proxy_generate", fake)
+    CLOSED.clear()
+    cfg = Config(rollout_top_logprobs_num=K, rollout_max_new_tokens=16, rollout_n=2)
+    worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=VOCAB), Tokenizer(None, None, chat=template.tok))
+    task = PromptTask("run/0/4", "run/g4", "a", "", "exact", 2, 0, environment=f"{__name__}:closes_its_client")
+    outcome = asyncio.run(worker.process(task, attempt=1))
+    (batch,) = outcome.batches
+    assert sorted(outcome.rewards.tolist()) == [1.0, 2.0] and batch.num_samples == 2
+    assert outcome.tokens == 3 * 3  # three turns of "hi<|im_end|>", every one sampled and trained
