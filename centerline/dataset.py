@@ -9,6 +9,7 @@ environment that judge the answers are the worker's (``shared/toy_tasks.py``):
     upper    "up abc="     -> "ABC"
     add      "add 12+7="   -> "19"      (two numbers in 0..99)
     chain    "3+4 +5 +2"   -> "7 2 4"   (a running sum's last digit over 2-4 chat turns: environment ``chain``)
+    calc     "347+589="    -> "936"     (two numbers in 0..999, summed by calling a tool: environment ``calc``)
 
 ``chain``'s numbers are small (0-5, then 1-5) and its answers digits, not sums: every step is
 then one of two small digit tables, which the default model learns (with 0-9 and two-digit
@@ -71,14 +72,20 @@ def _chain(rng: random.Random) -> tuple[str, str]:
     return " ".join([f"{a}+{b}", *(f"+{d}" for d in adds)]), " ".join(map(str, sums))
 
 
+def _calc(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    return f"{a}+{b}=", str(a + b)
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "reverse": _reverse,
     "copy": _copy,
     "upper": _upper,
     "add": _add,
     "chain": _chain,
+    "calc": _calc,
 }
-CHAT_TASKS = {"chain": "chain"}  # a multi-turn task and the built-in environment that runs it
+CHAT_TASKS = {"chain": "chain", "calc": "calc"}  # a multi-turn task and the built-in environment that runs it
 
 
 def is_heldout(prompt: str) -> bool:

@@ -2,17 +2,13 @@
 
 The directory is a plain HF model (config.json, generation_config.json,
 model.safetensors, tokenizer files), so it loads in transformers and in SGLang, on the CPU
-and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from `--seed`; the same
-seed gives the
-same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
+and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from
+`--seed`; the same seed gives the same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
 task first (`centerline/sft.py`) so RL starts from a policy with some reward; the settings are
 recorded in `centerline_model.json`, and a directory already holding a model made with the
-same settings is left as it is. Held-out exact match at temperature 1 after the default
-steps (seed 0, `--eval`, head dimension 64): copy 0.115 (150 steps), upper 0.115 (200),
-0.26 (300), 0.505 (400); `centerline up` learns from upper's 0.115 (README). Not yet
-re-measured since the head dimension went from 32 to 64: reverse (800 steps, was 0.265) and
-add (600, was 0.035: a hard start; prefer the others). The multi-turn chain (300 steps, chat
-form): held-out reward 0.66 (each conversation played as its environment plays it).
+same settings is left as it is. `--eval` prints the warm start's held-out figure at temperature 1
+(exact match; a multi-turn task's mean reward, each conversation played as its environment plays
+it); `upper` is the default run's task because its start is neither "never" nor "always".
 
     centerline init-model --out runs/model --seed 0
     centerline init-model --sft --task upper --out runs/upper
@@ -129,9 +125,11 @@ def main(argv: list[str]) -> int:
     record.write_text(json.dumps(settings, sort_keys=True) + "\n")
     print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE}{', sft ' + json.dumps(sft.to_dict()) if sft else ''})")
     if sft is not None and args.eval:
-        from centerline.sft import evaluate, evaluate_chat
+        from centerline.sft import evaluate, evaluate_calc, evaluate_chat
 
-        if sft.form == "chat":
+        if sft.task == "calc":
+            print(json.dumps({"task": sft.task, **evaluate_calc(build_model_from(path))}))
+        elif sft.form == "chat":
             print(json.dumps({"task": sft.task, "heldout_reward_t1": evaluate_chat(build_model_from(path), sft.task)}))
         else:
             print(json.dumps({"task": sft.task, "heldout_exact_match_t1": evaluate(build_model_from(path), sft.task)}))

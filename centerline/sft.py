@@ -17,6 +17,8 @@ schedules, validation-based stopping, anything beyond the toy tasks.
 
 from __future__ import annotations
 
+import functools
+import json
 import random
 from dataclasses import asdict, dataclass
 
@@ -24,7 +26,7 @@ import torch
 
 from centerline.dataset import CHAT_TASKS, examples
 from centerline.tokenizer import EOS, IM_END, IM_START, PAD, SPECIALS
-from shared.toy_tasks import chain_turns
+from shared.toy_tasks import ADD_TOOL, CALC_MAX_TOKENS, CALC_TURNS, chain_turns, run_add
 
 EOS_ID = 256 + SPECIALS.index(EOS)
 PAD_ID = 256 + SPECIALS.index(PAD)
@@ -51,8 +53,8 @@ class SftSettings:
 
 
 # Steps that land each task's held-out exact match (temperature 1) between "never" and "always"
-# on this model; measured numbers are in the docstring of centerline/model_init.py.
-DEFAULT_STEPS = {"copy": 150, "upper": 200, "reverse": 800, "add": 600, "chain": 300}
+# on this model (`centerline init-model --sft --task T --eval` prints the figure).
+DEFAULT_STEPS = {"copy": 150, "upper": 200, "reverse": 800, "add": 600, "chain": 300, "calc": 300}
 
 
 def resolved(settings: SftSettings) -> SftSettings:
@@ -67,7 +69,7 @@ def encode(text: str) -> list[int]:
     return list(text.encode())
 
 
-def conversation(prompt: str, answer: str, rng: random.Random) -> tuple[list[int], list[int]]:
+def chain_conversation(prompt: str, answer: str, rng: random.Random) -> tuple[list[int], list[int]]:
     """A multi-turn example as the chat template renders it and its labels: the ids of every
     assistant reply and its ``<|im_end|>``, -100 elsewhere (what a session trains on)."""
     ids: list[int] = []
@@ -85,15 +87,74 @@ def conversation(prompt: str, answer: str, rng: random.Random) -> tuple[list[int
     return ids, labels
 
 
+@functools.cache
+def chat_tokenizer():
+    """The default model's tokenizer with its chat template, as the workers render sessions."""
+    from transformers import PreTrainedTokenizerFast
+
+    from centerline.tokenizer import CHAT_TEMPLATE, build_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), chat_template=CHAT_TEMPLATE)
+
+
+def calc_call(prompt: str) -> tuple[str, dict]:
+    """The call to ``add`` that a ``calc`` prompt ("347+589=") asks for: its text as the model samples
+    it in the hermes format and its arguments."""
+    a, b = (int(n) for n in prompt.rstrip("=").split("+"))
+    arguments = {"a": a, "b": b}
+    return "<tool_call>\n" + json.dumps({"name": "add", "arguments": arguments}) + "\n</tool_call>", arguments
+
+
+def calc_conversation(prompt: str, answer: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A ``calc`` session as the chat template renders it with the ``add`` tool offered: the call
+    and the answer after the tool's result trained (each with its ``<|im_end|>``), the template's,
+    the user's and the tool's tokens not."""
+    tok = chat_tokenizer()
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+
+    def render() -> str:
+        return tok.apply_chat_template(messages, tools=[ADD_TOOL], tokenize=False, add_generation_prompt=True)
+
+    call, arguments = calc_call(prompt)
+    first = render()
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "add", "arguments": arguments}}],
+        }
+    )
+    messages.append({"role": "tool", "tool_call_id": "call_0", "content": run_add(json.dumps(arguments))})
+    second = render()
+    sampled = first + call + IM_END
+    if not second.startswith(sampled) or len(tok.encode(call)) + 1 > CALC_MAX_TOKENS:
+        raise AssertionError(f"the chat template renders the call of {prompt!r} other than it is sampled")
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in (
+        (first, False),
+        (call + IM_END, True),
+        (second[len(sampled) :], False),
+        (answer + IM_END, True),
+    ):
+        tokens = tok.encode(text, add_special_tokens=False)
+        ids.extend(tokens)
+        labels.extend(tokens if trained else [-100] * len(tokens))
+    return ids, labels
+
+
+CONVERSATIONS = {"chain": chain_conversation, "calc": calc_conversation}
+
+
 def make_batch(
-    pairs: list[tuple[str, str]], form: str = "completion", rng: random.Random | None = None
+    pairs: list[tuple[str, str]], form: str = "completion", rng: random.Random | None = None, task: str = "chain"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``(input_ids, attention_mask, labels)``; labels are -100 except on answer + EOS
-    (``form`` "chat": on every assistant reply + ``<|im_end|>``, ``conversation``)."""
+    (``form`` "chat": on every assistant reply + ``<|im_end|>`` of ``task``'s conversation, ``CONVERSATIONS``)."""
     seqs, targets = [], []
     for prompt, answer in pairs:
         if form == "chat":
-            ids, labels = conversation(prompt, answer, rng or random.Random(0))
+            ids, labels = CONVERSATIONS[task](prompt, answer, rng or random.Random(0))
             seqs.append(ids)
             targets.append(labels)
             continue
@@ -134,7 +195,7 @@ def _train(model, settings: SftSettings, seed: int) -> list[float]:
     losses = []
     for step in range(settings.steps):
         ids, mask, labels = make_batch(
-            data[step * settings.batch_size : (step + 1) * settings.batch_size], settings.form, rng
+            data[step * settings.batch_size : (step + 1) * settings.batch_size], settings.form, rng, settings.task
         )
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -211,3 +272,78 @@ def evaluate_chat(model, task: str, n: int = 200, seed: int = 0, temperature: fl
             ids += reply
         total += right / len(steps)
     return total / n
+
+
+@torch.inference_mode()
+def evaluate_calc(model, n: int = 200, seed: int = 0, temperature: float = 1.0) -> dict:
+    """``calc``'s held-out figures, each of ``n`` held-out sessions played as its environment plays
+    them (``shared/toy_tasks.py`` ``calc``): the mean reward and the share of replies with call
+    markup that SGLang's hermes parser parses into a call of ``add``."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    tok = chat_tokenizer()
+    tools = [Tool.model_validate(ADD_TOOL)]
+    torch.manual_seed(seed)
+    sessions = [([{"role": "user", "content": p}], a) for p, a in examples("calc", n, seed, "heldout")]
+    rewards, calls, marked = [0.0] * n, 0, 0
+    active = list(range(n))
+    for _ in range(CALC_TURNS):
+        if not active:
+            break
+        prompts = [
+            tok.apply_chat_template(sessions[i][0], tools=[ADD_TOOL], tokenize=False, add_generation_prompt=True)
+            for i in active
+        ]
+        replies = _sample(model, [tok.encode(p, add_special_tokens=False) for p in prompts], temperature)
+        still = []
+        for i, (reply, ended) in zip(active, replies):
+            text = tok.decode(reply)
+            parser = FunctionCallParser(tools, "hermes")
+            if not parser.has_tool_call(text):
+                rewards[i] = float(ended and text == sessions[i][1])
+                continue
+            marked += 1
+            parsed = parser.parse_non_stream(text)[1] if ended else []
+            if not parsed or parsed[0].name != "add":
+                continue  # answered as text: the call markup is no answer
+            calls += 1
+            call = {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "add", "arguments": json.loads(parsed[0].parameters)},
+            }
+            sessions[i][0].append({"role": "assistant", "content": None, "tool_calls": [call]})
+            sessions[i][0].append({"role": "tool", "tool_call_id": "call_0", "content": run_add(parsed[0].parameters)})
+            still.append(i)
+        active = still
+    return {"heldout_reward_t1": sum(rewards) / n, "well_formed_calls": calls / max(marked, 1)}
+
+
+def _sample(
+    model, prompts: list[list[int]], temperature: float, limit: int = CALC_MAX_TOKENS
+) -> list[tuple[list[int], bool]]:
+    """One reply per prompt at ``temperature`` (no top-p/top-k), up to ``limit`` tokens, each as its
+    ids before the special token that ended it, and whether one did (else it was cut)."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=limit,
+        eos_token_id=[EOS_ID, IM_END_ID],
+        pad_token_id=PAD_ID,
+    )[:, width:].tolist()
+    replies = []
+    for row in out:
+        end = next((j for j, t in enumerate(row) if t >= 256), None)
+        replies.append((row if end is None else row[:end], end is not None and row[end] in (EOS_ID, IM_END_ID)))
+    return replies

@@ -21,13 +21,15 @@ SPECIALS = (EOS, IM_START, IM_END, PAD)  # ids 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIALS)
 
 # ChatML; a generation prompt opens the assistant turn, which ends with <|im_end|>. OpenAI tool
-# calling in the hermes format (Qwen2.5's): the tools in a system turn first, an assistant turn's
-# calls as <tool_call> blocks after its content, which may be null (docs/design.md section 12).
+# calling in the hermes format (Qwen2.5's): the tools in a system turn first, each as its name and
+# parameters only (``add(a, b)``: this byte model reads every character, so the schema's JSON would
+# cost it hundreds of tokens per turn), and an assistant turn's calls as <tool_call> blocks after its
+# content, which may be null (docs/design.md section 12).
 CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
-    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    '{{ \'\\n</tools>\\nCall a tool as <tool_call>\\n{"name": <function-name>, "arguments": '
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for tool in tools %}{{ '\\n' + tool.function.name + '(' }}"
+    "{{ (tool.function.parameters or {}).get('properties', {}) | join(', ') }}{{ ')' }}{% endfor %}"
+    "{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message.tool_calls %}"
     "{{ '<|im_start|>assistant' }}{% if message.content %}{{ '\\n' + message.content }}{% endif %}"

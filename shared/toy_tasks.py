@@ -22,6 +22,8 @@ it at the stop token; anything from a literal ``<|endoftext|>`` on is cut here t
 
 from __future__ import annotations
 
+import json
+
 EOS_TEXT = "<|endoftext|>"
 
 
@@ -80,4 +82,54 @@ async def chain(client, task) -> float:
     return right / len(steps)
 
 
-ENVIRONMENTS = {"chain": chain}
+# ``calc``'s one tool, in the form the ``openai`` SDK sends it; the model calls it in its chat
+# template's format (the toy model's: hermes, ``<tool_call>{"name": "add", "arguments": {...}}</tool_call>``).
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+CALC_TURNS = 3  # requests per session: a call, its result answered, one retry of a bad call
+CALC_MAX_TOKENS = 80  # a call to add of two 3-digit numbers: 75 tokens of the byte model, then <|im_end|>
+
+
+def run_add(arguments: str) -> str:
+    """The ``add`` tool on a call's ``arguments`` (OpenAI's JSON string): the sum, or what is wrong
+    with the call, which the model reads as the tool's result (a tool error is data too)."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return "error: arguments are not JSON"
+    a, b = (args.get(k) if isinstance(args, dict) else None for k in ("a", "b"))
+    if type(a) is not int or type(b) is not int:
+        return "error: a and b must be integers"
+    return str(a + b)
+
+
+async def calc(client, task) -> float:
+    """The built-in environment of the ``calc`` task: three-digit sums the byte model cannot do in its
+    head, with one tool that does them (``ADD_TOOL``). Each reply that calls it gets the result as a
+    ``role: "tool"`` message; the first reply without a call is the answer. Reward 1.0 for the
+    answer exactly right, else 0.0 (a call that does not parse is answered as text: the answer)."""
+    messages = [{"role": "user", "content": task.prompt}]
+    for _ in range(CALC_TURNS):
+        reply = await client.chat.completions.create(
+            model="default", messages=messages, tools=[ADD_TOOL], max_tokens=CALC_MAX_TOKENS
+        )
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return float(message.content == task.answer)
+        messages.append(message.model_dump())
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_add(call.function.arguments)})
+    return 0.0
+
+
+ENVIRONMENTS = {"chain": chain, "calc": calc}

@@ -21,6 +21,8 @@ def solve(prompt: str) -> str:
             total = (total + sum(int(x) for x in word.split("+") if x)) % 10
             sums.append(str(total))
         return " ".join(sums)
+    if summands := re.fullmatch(r"(\d{1,3})\+(\d{1,3})=", prompt):  # calc
+        return str(int(summands[1]) + int(summands[2]))
     op, arg = re.fullmatch(r"(\w+) (.+)=", prompt).groups()
     if op == "add":
         a, b = arg.split("+")
@@ -123,7 +125,8 @@ def test_the_chat_warm_start_trains_on_the_replies_of_the_template_rendered_conv
 
     from transformers import AutoTokenizer
 
-    from centerline.sft import IM_END_ID, conversation
+    from centerline.sft import IM_END_ID
+    from centerline.sft import chain_conversation as conversation
     from centerline.tokenizer import save_tokenizer
 
     save_tokenizer(tmp_path)
@@ -145,6 +148,42 @@ def test_the_chat_warm_start_trains_on_the_replies_of_the_template_rendered_conv
         assert all(label in (-100, i) for i, label in zip(ids, labels))
     assert {users[0] for users in seen} == {"3+4"}
     assert {users[1] for users in seen} == {"+5", "7+5"} and {users[2] for users in seen} == {"+2", "2+2"}
+
+
+def test_the_calc_warm_start_trains_on_the_call_and_the_answer_of_the_template_rendered_session(tmp_path):
+    """A calc example is the session as the saved tokenizer's template renders it with the add tool
+    offered, the call in the form SGLang's hermes parser parses back to the prompt's numbers; labels on
+    the call and the answer (each with its <|im_end|>) only."""
+    import random
+
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from transformers import AutoTokenizer
+
+    from centerline.sft import IM_END_ID, calc_conversation
+    from centerline.tokenizer import save_tokenizer
+    from shared.toy_tasks import ADD_TOOL
+
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids, labels = calc_conversation("7+905=", "912", random.Random(0))
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 7, "b": 905}}}
+    messages = [
+        {"role": "user", "content": "7+905="},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "912"},
+        {"role": "assistant", "content": "912"},
+    ]
+    rendered = tok.apply_chat_template(messages, tools=[ADD_TOOL], tokenize=False)
+    assert tok.decode(ids) == rendered.removesuffix("\n")
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    cut = trained.index(IM_END_ID)
+    assert trained[cut + 1 :] == [*b"912", IM_END_ID] and trained[-1] == IM_END_ID
+    _, [parsed] = FunctionCallParser([Tool.model_validate(ADD_TOOL)], "hermes").parse_non_stream(
+        tok.decode(trained[:cut])
+    )
+    assert (parsed.name, json.loads(parsed.parameters)) == ("add", {"a": 7, "b": 905})
+    assert all(label in (-100, i) for i, label in zip(ids, labels))
 
 
 def test_the_chat_form_is_part_of_the_cached_models_settings():
