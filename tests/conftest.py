@@ -1,5 +1,6 @@
 """Fixtures shared across test packages."""
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -8,6 +9,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def torch_threads_sleep_when_idle() -> None:
+    """torch's OpenMP threads in this process wait passively (OMP_WAIT_POLICY, read once, when
+    libgomp loads with torch) instead of spinning, unless the environment says otherwise: with
+    the cores shared, spinning threads make the in-process training tests several times slower.
+    The processes the tests start inherit the environment as it was."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        import torch  # noqa: F401  (libgomp reads the policy now)
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+
+
+# On import, not in pytest_configure: pytest imports the conftest of each directory it is given
+# (tests/trainer_service/conftest.py imports torch) before it configures, and this one first.
+torch_threads_sleep_when_idle()
 
 
 def pytest_collection_finish(session):
