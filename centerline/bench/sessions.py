@@ -35,10 +35,37 @@ single requests. ``*_per_engine``: requests each engine counted in the phase
 requests spread over the engines under ``manual`` (a request without a key goes to a healthy
 engine at random), a session's turns all go to one.
 
+Where a turn's time goes, ``stages_ms`` (milliseconds per turn, mean over the phase's turns): the
+worker's stages from the session's own clock (``Session.turn_stages``): ``endpoint`` (reading the
+request, writing the answer), ``history`` (the history check), ``render`` (the chat template),
+``tokenize`` (the new messages' ids and their check in context), ``reply`` (the reply decoded in
+context and parsed); ``client``, the client's time less the endpoint's (the OpenAI client, its
+request transform and answer parsing, loopback HTTP, and waits for the one event loop all of it
+shares); past the worker, from the histograms the servers export, read before and after the phase:
+``proxy`` (the proxy's own time, ``centerline_proxy_added_latency_seconds``), ``engine_queue``
+(``sglang:queue_time_seconds``), ``engine`` (``sglang:e2e_request_latency_seconds`` less the
+queue), and ``router_and_hops`` (the worker's round trip to the proxy less those: smg, the HTTP
+hops, SGLang's HTTP front end formatting the top-K answer); null where a server does not export
+them (an engine without ``--enable-metrics``). ``single.stages_ms`` holds the same four for the
+single requests (their round trip is the request's).
+
+How it grows with the history, ``by_turn``: per turn of the sessions (the ``turn``-th of each), its
+mean time, the worker's Python in it (``worker_ms``: endpoint, history, render, tokenize, reply), the
+tokens held before it and milliseconds per sampled token; ``first_turn_ms_per_token``,
+``later_turns_ms_per_token`` and their ratio. ``--turns 2``, ``8``, ``32`` measure sessions of those
+lengths (``--user-tokens 16 --max-total-tokens 8192`` keeps 32 turns in flight in the engines' KV).
+
+A ``--policies`` entry ``manual:MODE`` runs ``manual`` with smg's ``--assignment-mode MODE``: how a
+new routing key is placed (``random``, smg's default; ``min_load``, the engine with the fewest
+requests; ``min_group``, the fewest keys). The result carries ``commit``, the code's; ``--out`` adds
+the command and the machine.
+
 One JSON line per phase on stderr; the result on stdout (``--json``: one line).
 
     centerline bench sessions --json
     centerline bench sessions --engines 1 --policies manual --sessions 4 --turns 3
+    centerline bench sessions --json --policies manual,manual:min_load,round_robin --turns 32 \
+        --user-tokens 16 --session-max-tokens 2048 --max-total-tokens 8192
 """
 
 from __future__ import annotations
@@ -60,10 +87,13 @@ import orjson
 
 from centerline import launcher, sglang
 from centerline.bench import add_out_flag, emit
+from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
+from centerline.run_figures import commit
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
+ASSIGNMENT_MODES = ("random", "min_load", "min_group")  # smg's --assignment-mode for manual
 REQUESTS = re.compile(rb"^sglang:num_requests_total(?:\{[^}]*\})? (\S+)$", re.M)
 
 
@@ -94,16 +124,13 @@ def words(rng: np.random.Generator, n: int) -> str:
     return "".join(rng.choice(letters, n)).strip() or "a"
 
 
-def mean_ms(seconds: list[float]) -> float:
-    return round(1000 * statistics.fmean(seconds), 3) if seconds else 0.0
-
-
 async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
     """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns; their turns' figures."""
     import aiohttp
+    import httpx
     import openai
 
-    from rollout_worker.environment import SessionEndpoint, proxy_generate
+    from rollout_worker.environment import SessionEndpoint, proxy_generate, session_http_client
     from rollout_worker.main import load_tokenizer
     from rollout_worker.request import generate_body
     from rollout_worker.session import ChatTemplate, Session
@@ -123,6 +150,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
     gate = asyncio.Semaphore(args.concurrency)
     endpoint = SessionEndpoint(cfg)
     await endpoint.start()
+    pool = httpx.AsyncHTTPTransport()
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
 
@@ -137,7 +165,13 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
 
         async def one(i: int) -> None:
             async with gate:
-                client = openai.AsyncOpenAI(base_url=endpoint.open(new_session(i)), api_key="unused", max_retries=0)
+                session = new_session(i)
+                client = openai.AsyncOpenAI(
+                    base_url=endpoint.open(session),
+                    api_key="unused",
+                    max_retries=0,
+                    http_client=session_http_client(pool, 600),  # as the worker's sessions have it
+                )
                 messages, held = [], 0  # held: the session's tokens before the turn
                 try:
                     for t in range(args.turns):
@@ -157,6 +191,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
                                 "completion_tokens": usage.completion_tokens,
                                 "cached_tokens": details.cached_tokens if details is not None else None,
                                 "held_tokens": held,
+                                "stages": dict(session.turn_stages[-1]),  # the endpoint's and the session's
                             }
                         )
                         held = usage.prompt_tokens + usage.completion_tokens
@@ -169,6 +204,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
             await asyncio.gather(*(one(i) for i in range(args.sessions)))
         finally:
             await endpoint.close()
+            await pool.aclose()
         wall = time.perf_counter() - started
     return {"turns": turns, "wall_s": wall}
 
@@ -215,7 +251,7 @@ async def run_single(args, proxy_url: str, shapes: list[tuple[int, int]], vocab:
     return {"seconds": seconds, "tokens": tokens, "cached": cached, "wall_s": wall}
 
 
-def session_figures(found: dict, per_engine: list[int]) -> dict:
+def session_figures(found: dict, per_engine: list[int], before: dict, after: dict) -> dict:
     turns = found["turns"]
     later = [t for t in turns if t["turn"] > 0]
     prompt = sum(t["prompt_tokens"] for t in later)
@@ -237,6 +273,8 @@ def session_figures(found: dict, per_engine: list[int]) -> dict:
         "history_cache_share_later_turns": round(cached / held, 4) if held else 0.0,
         "requests_per_engine": per_engine,
         "wall_s": round(found["wall_s"], 3),
+        "stages_ms": session_stages(turns, before, after),
+        **growth(turns),
     }
 
 
@@ -270,13 +308,24 @@ def bench_sessions(argv: list[str]) -> int:
     parser.add_argument(
         "--model", default=None, help="HF model directory with a chat template (default: the toy model)"
     )
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="each started engine's KV cache in tokens (SGLang's flag; default the CPU recipe's): long sessions "
+        "in flight need their histories to fit",
+    )
     parser.add_argument("--model-dir", type=Path, default=Path("models"), help="where the toy model is written once")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs; default runs/bench-sessions-<date-time>")
     add_out_flag(parser, "sessions")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies or set(policies) - set(POLICIES) or len(set(policies)) != len(policies):
-        parser.error(f"--policies {args.policies}: distinct names from {', '.join(POLICIES)}")
+    known = {*POLICIES, *(f"manual:{mode}" for mode in ASSIGNMENT_MODES)}
+    if not policies or set(policies) - known or len(set(policies)) != len(policies):
+        parser.error(
+            f"--policies {args.policies}: distinct names from {', '.join(POLICIES)}, or manual:MODE with MODE one "
+            f"of {', '.join(ASSIGNMENT_MODES)}"
+        )
     for name in ("engines", "sessions", "turns", "user_tokens", "max_tokens", "concurrency", "k"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
@@ -313,7 +362,10 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
     engines = []
     for i in range(0 if args.engine_urls else args.engines):
         url = f"http://127.0.0.1:{free_port()}"
-        proc = stack.start(f"sglang-{i}", launcher.sglang_argv(model, url, ["--enable-metrics"]))
+        flags = ["--enable-metrics"]
+        if args.max_total_tokens:
+            flags += ["--max-total-tokens", str(args.max_total_tokens)]
+        proc = stack.start(f"sglang-{i}", launcher.sglang_argv(model, url, flags))
         engines.append((url, proc))
     for i, (url, proc) in enumerate(engines):
         wait_http(f"{url}/health", f"SGLang {i}", proc, logs / f"sglang-{i}.log", 600)
@@ -328,22 +380,24 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "k": args.k,
+        "commit": commit(),
         "policies": {},
     }
     for n, policy in enumerate(policies):
         proxy_url = start_router_and_proxy(stack, logs, urls, policy, vocab, args.k)
-        before = [engine_requests(u) for u in urls]
+        before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
         found = asyncio.run(run_sessions(args, proxy_url, model, seed=n))
         after = [engine_requests(u) for u in urls]
-        figures = session_figures(found, counted(before, after))
+        figures = session_figures(found, counted(before, after), timed, timings(urls, proxy_url))
         result["policies"][policy] = figures
         progress("sessions", policy=policy, **figures)
         if n == 0:
             shapes = [(t["prompt_tokens"], t["completion_tokens"]) for t in found["turns"]]
-            before = [engine_requests(u) for u in urls]
+            before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
             single = asyncio.run(run_single(args, proxy_url, shapes, vocab))
             after = [engine_requests(u) for u in urls]
             tokens = sum(single["tokens"])
+            request_s = statistics.fmean(single["seconds"])
             result["single"] = {
                 "policy": policy,
                 "requests": len(single["seconds"]),
@@ -355,6 +409,7 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
                 "cached_tokens": sum(single["cached"]),
                 "requests_per_engine": counted(before, after),
                 "wall_s": round(single["wall_s"], 3),
+                "stages_ms": stage_table(timed, timings(urls, proxy_url), request_s, None),
             }
             progress("single", **result["single"])
     single = result["single"]
@@ -367,13 +422,18 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
 def start_router_and_proxy(stack: Stack, logs: Path, engines: list[str], policy: str, vocab: int, k: int) -> str:
     """smg with ``policy`` in front of ``engines``, a proxy at K = ``k`` in front of it; the proxy's URL once ready."""
     port, proxy_port = free_port(), free_port()
-    router = stack.start(f"router-{policy}", sglang.router_argv(engines, "127.0.0.1", port, free_port(), policy))
+    name, _, assignment = policy.partition(":")
+    argv = sglang.router_argv(engines, "127.0.0.1", port, free_port(), name)
+    if assignment:  # smg's --assignment-mode: how manual places a new routing key
+        argv += ["--assignment-mode", assignment]
+    router = stack.start(f"router-{policy.replace(':', '-')}", argv)
     router_url = f"http://127.0.0.1:{port}"
-    wait_http(f"{router_url}/readiness", f"router ({policy})", router, logs / f"router-{policy}.log", 120)
+    log = policy.replace(":", "-")
+    wait_http(f"{router_url}/readiness", f"router ({policy})", router, logs / f"router-{log}.log", 120)
     argv = [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--host", "127.0.0.1"]
     argv += ["--port", str(proxy_port), "--vocab-size", str(vocab), "--rollout-top-logprobs-num", str(k)]
-    proxy = stack.start(f"proxy-{policy}", argv)
+    proxy = stack.start(f"proxy-{log}", argv)
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    wait_http(f"{proxy_url}/ready", f"proxy ({policy})", proxy, logs / f"proxy-{policy}.log", 120)
+    wait_http(f"{proxy_url}/ready", f"proxy ({policy})", proxy, logs / f"proxy-{log}.log", 120)
     progress("stack_ready", policy=policy, router=router_url, proxy=proxy_url)
     return proxy_url

@@ -29,7 +29,16 @@ FIGURES = {
     "wall_s",
     "overhead_ms_per_turn",
     "tokens_per_s_ratio",
+    "stages_ms",
+    "by_turn",
+    "first_turn_ms_per_token",
+    "later_turns_ms_per_token",
+    "later_to_first_per_token",
+    "worker_ms_first_turn",
+    "worker_ms_last_turn",
 }
+WORKER = ["client", "endpoint", "history", "render", "tokenize", "reply"]
+PAST_THE_WORKER = ["proxy", "router_and_hops", "engine_queue", "engine"]
 
 
 @pytest.fixture
@@ -85,3 +94,36 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
         assert figures["tokens_per_s"] > 0 and figures["wall_s"] > 0
     assert manual["turn_ms_mean"] > 0 and single["request_ms_mean"] > 0
     assert manual["overhead_ms_per_turn"] == round(manual["turn_ms_mean"] - single["request_ms_mean"], 3)
+    # the code's commit as the bench started: HEAD then, so HEAD now or an ancestor of it
+    ancestor = ["git", "merge-base", "--is-ancestor", result["commit"], "HEAD"]
+    assert len(result["commit"]) == 40 and subprocess.run(ancestor, cwd=ROOT).returncode == 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_sessions_times_each_stage_of_a_turn_and_each_turn_of_a_session(
+    sglang, counting_server, model_dir, tmp_path
+):
+    """The worker's stages from the session's own clock; the proxy's from its histogram; the router's
+    and the engine's only where every engine exports SGLang's (the shared one has no --enable-metrics)."""
+    argv = [sys.executable, "-m", "centerline", "bench", "sessions", "--json"]
+    argv += ["--engine-urls", sglang.url, counting_server.url, "--model", str(model_dir)]
+    argv += ["--policies", "manual:min_load", "--sessions", "2", "--turns", "5", "--user-tokens", "4"]
+    argv += ["--max-tokens", "2", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "sessions.json")]
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout)
+    figures, single = result["policies"]["manual:min_load"], result["single"]
+    stages = figures["stages_ms"]
+    assert list(stages) == WORKER + PAST_THE_WORKER and list(single["stages_ms"]) == PAST_THE_WORKER
+    assert all(stages[name] > 0 for name in WORKER) and stages["proxy"] > 0 and single["stages_ms"]["proxy"] > 0
+    assert [stages[n] for n in PAST_THE_WORKER[1:]] == [None, None, None]
+    by_turn = figures["by_turn"]
+    assert [t["turn"] for t in by_turn] == [1, 2, 3, 4, 5] and by_turn[0]["held_tokens"] == 0
+    assert all(a["held_tokens"] < b["held_tokens"] for a, b in zip(by_turn, by_turn[1:]))
+    assert (figures["worker_ms_first_turn"], figures["worker_ms_last_turn"]) == (
+        by_turn[0]["worker_ms"],
+        by_turn[-1]["worker_ms"],
+    )
+    ratio = figures["later_turns_ms_per_token"] / figures["first_turn_ms_per_token"]
+    assert figures["later_to_first_per_token"] == round(ratio, 4)
