@@ -236,7 +236,7 @@ raise_on_import = None
             r"--environment nomod:play: environment 'nomod:play' cannot be loaded: "
             r"ModuleNotFoundError: No module named 'nomod'",
         ),
-        ("play", r"--environment play: environment 'play' is neither a built-in \(chain\) nor 'module:function'"),
+        ("play", r"--environment play: environment 'play' is neither a built-in \(calc, chain\) nor 'module:function'"),
     ],
 )
 def test_an_environment_that_is_not_an_importable_async_function_is_refused_by_name(
@@ -265,7 +265,7 @@ def test_up_stops_at_an_environment_that_is_not_async_before_starting_anything(t
     [
         (
             ["--environment", "nocolon"],
-            "--environment nocolon: a built-in (chain) or module:function, e.g. mymodule:play",
+            "--environment nocolon: a built-in (calc, chain) or module:function, e.g. mymodule:play",
         ),
         (
             ["--environment", "chain"],
