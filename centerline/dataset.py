@@ -35,6 +35,8 @@ from pathlib import Path
 
 import orjson
 
+from shared.toy_tasks import CALC_MAX_TOKENS
+
 HELDOUT_MOD = 10  # one prompt in ten is held out
 CHAIN_MAX = 5  # chain's numbers: 0..5 first, then 1..5 (tables of 36 and 50 digit sums)
 
@@ -86,6 +88,9 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "calc": _calc,
 }
 CHAT_TASKS = {"chain": "chain", "calc": "calc"}  # a multi-turn task and the built-in environment that runs it
+# Shared settings a toy task needs over `up`'s defaults: a call to calc's tool is 76 tokens, past
+# `up`'s 8 new tokens per turn.
+TASK_DEFAULTS = {"calc": {"rollout_max_new_tokens": CALC_MAX_TOKENS}}
 
 
 def is_heldout(prompt: str) -> bool:

@@ -80,7 +80,7 @@ from pathlib import Path
 import orjson
 
 from centerline import nats_users, run_spec, sglang
-from centerline.dataset import CHAT_TASKS, examples
+from centerline.dataset import CHAT_TASKS, TASK_DEFAULTS, examples
 from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
 from centerline.run_spec import RunSpec
@@ -259,7 +259,8 @@ def parse(argv: list[str]) -> RunSpec:
     try:
         spec = run_spec.compose(args, defaults=UP_DEFAULTS)
         if trains_sessions(spec.up):
-            spec = run_spec.compose(args, defaults=UP_DEFAULTS | SESSION_DEFAULTS)
+            toy = TASK_DEFAULTS.get(spec.up.task, {}) if spec.up.dataset is None else {}
+            spec = run_spec.compose(args, defaults=UP_DEFAULTS | SESSION_DEFAULTS | toy)
         return spec
     except shared_config.ConfigError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")

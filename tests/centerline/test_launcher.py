@@ -164,6 +164,15 @@ def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_sour
     assert rate("--task", "chain") == 5e-5
 
 
+def test_the_tool_task_calc_defaults_to_turns_long_enough_for_a_call_and_any_source_overrides_it(monkeypatch):
+    monkeypatch.delenv("CENTERLINE_ROLLOUT_MAX_NEW_TOKENS", raising=False)
+    limit = lambda *argv: launcher.parse(list(argv)).cfg.rollout_max_new_tokens  # noqa: E731
+    assert limit("--task", "calc") == 80 and limit("--task", "chain") == limit("--task", "copy") == 8
+    assert limit("--task", "calc", "--rollout-max-new-tokens", "96") == 96
+    monkeypatch.setenv("CENTERLINE_ROLLOUT_MAX_NEW_TOKENS", "90")
+    assert limit("--task", "calc") == 90
+
+
 def test_up_takes_the_trainers_weight_update_as_a_flag_above_its_table_and_writes_it_for_the_trainer(
     tmp_path, monkeypatch
 ):
