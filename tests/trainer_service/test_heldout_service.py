@@ -6,15 +6,18 @@ tasks as it samples training tasks. The rounds are written to eval.jsonl at step
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import orjson
 import pytest
+from nats.js.errors import NotFoundError
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from centerline.nats_server import EmbeddedNats
 from centerline.tokenizer import VOCAB_SIZE
 from shared.wire import decode_batch
+from tests.processes import wait_until
 from tests.trainer_service.service_stack import FLAGS, StandInWorker, Trainer, consumer_info, write_dataset
 
 pytestmark = pytest.mark.integration
@@ -72,3 +75,40 @@ def test_heldout_rounds_are_recorded_at_step_0_every_eval_every_and_the_last_nev
     assert [(e.step, e.value) for e in events.Scalars("eval_reward")] == [
         (e["step"], float(np.float32(e["eval_reward"]))) for e in evals
     ]
+
+
+def test_a_trainer_killed_holding_a_heldout_batch_records_its_round_once_after_restart(tmp_path, sglang, model_dir):
+    """Round 0's first row is in, its second held back: the trainer holds the first unacked, and is
+    killed. The next start schedules round 0 again (deduplicated: nothing is sampled twice), gets
+    the first row's batch redelivered and the second once released, and records round 0 once."""
+    run_dir, release = tmp_path / "run", threading.Event()
+    heldout = write_dataset(tmp_path / "heldout.jsonl", size=2)
+    blocked = lambda task: task.task_id.endswith("/heldout/0/1") and not release.is_set()  # noqa: E731
+    flags = ("--steps", str(STEPS), "--heldout-dataset", str(heldout), "--eval-every", str(EVERY), *FLAGS)
+    dataset = write_dataset(tmp_path / "tasks.jsonl")
+    with EmbeddedNats(tmp_path / "nats") as nats:
+        with StandInWorker(nats.url, sglang.url, VOCAB_SIZE, blocked=blocked) as worker:
+            trainer = Trainer(run_dir, model_dir, dataset, nats.url, sglang.url, *flags, nproc=1)
+
+            def holding_the_first_row():
+                try:
+                    return asyncio.run(consumer_info(nats.url)).num_ack_pending == 1
+                except NotFoundError:  # the trainer has not made its streams and consumer yet
+                    return False
+
+            wait_until(holding_the_first_row, 180, "the trainer holding round 0's first row", trainer.proc)
+            trainer.kill()
+            assert not (run_dir / "eval.jsonl").exists()  # nothing recorded: the round lacks a row
+            release.set()
+            again = Trainer(run_dir, model_dir, dataset, nats.url, sglang.url, *flags, nproc=1)
+            code = again.wait(240)
+        info = asyncio.run(consumer_info(nats.url))
+    assert worker.error is None, worker.error
+    assert code == 0, again.log()
+    evals = lines(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 3]  # round 0 once, after the restart
+    published = [decode_batch(data) for data in worker.published.values()]
+    round_0 = [float(b.rewards[0]) for b in published if "/heldout/0/" in b.task_id]
+    assert len(round_0) == 2  # scheduled twice, sampled once: the second publication was a duplicate
+    assert evals[0]["eval_reward"] == pytest.approx(np.mean(round_0)) and evals[0]["eval_rows"] == 2
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
