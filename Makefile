@@ -51,8 +51,10 @@ test: $(STAMP) $(KUBECTL)
 	$(BIN)/python -m pytest -q -p no:cacheprovider; status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$status
 
-# The contributors' tier: lint, the docs check and every test that starts no server or process
-# (about 1.5 minutes here); `make test` stays the whole suite.
+# The contributors' tier: lint, the docs check and every test that starts no server and no process
+# that works for long (a command refusing a flag or printing its --help, a linter, stays: each well
+# under a second); `make test` stays the whole suite. tests/conftest.py keeps torch's threads from
+# spinning, which on shared cores slowed this tier several times over.
 test-fast: $(STAMP) $(KUBECTL)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .

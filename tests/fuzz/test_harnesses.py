@@ -27,6 +27,7 @@ HARNESSES = {"fuzz.fuzz_wire": fuzz_wire, "fuzz.fuzz_proxy_audit": fuzz_proxy_au
 RUNS = {"fuzz.fuzz_wire": 400, "fuzz.fuzz_proxy_audit": 2000}
 
 
+@pytest.mark.integration  # libFuzzer in a new interpreter
 @pytest.mark.parametrize("module", sorted(HARNESSES))
 def test_harness_runs_under_atheris(module, tmp_path):
     corpus = tmp_path / "corpus"
