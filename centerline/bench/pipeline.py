@@ -101,9 +101,10 @@ from pathlib import Path
 import orjson
 
 from centerline import launcher, run_spec
-from centerline.bench import add_out_flag, emit
+from centerline.bench import add_out_flag
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
+from centerline.run_figures import emit
 from centerline.run_spec import RunSpec
 from shared.config import Config, ConfigError
 

@@ -266,7 +266,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     r = json.loads(run.stdout)
     assert set(r) == SETTING_KEYS | ALONE_KEYS
     written = json.loads((tmp_path / "pipeline.json").read_text())
-    assert {k: v for k, v in written.items() if k not in ("command", "machine")} == r
+    assert {k: v for k, v in written.items() if k not in ("command", "commit", "machine", "digest")} == r
     assert (r["steps"], r["warmup_steps"], r["rollout_n"], r["rollout_max_new_tokens"]) == (STEPS, WARMUP, N, MAX_NEW)
     assert r["train_seconds"] == TRAIN_S
     assert r["concurrent_requests"] == 1 * 8  # one worker, eight tasks in flight (the worker's default)
