@@ -47,8 +47,9 @@ def test_the_docs_benchmark_figures_are_generated_from_the_figure_files():
         f"{len(files)} figure files unedited: {digested} by their digest, {len(files) - digested} pinned in LEGACY\n"
     )
     text = "".join(p.read_text() for p in PAGES)
-    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
-        assert text.count(f"<!-- bench:{path.stem} begin") == 1 and text.count(f"<!-- bench:{path.stem} end -->") == 1
+    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):  # each rendered as a part, or quoted in prose
+        parts = (text.count(f"<!-- bench:{path.stem} begin"), text.count(f"<!-- bench:{path.stem} end -->"))
+        assert parts == (1, 1) or (parts == (0, 0) and f"<!-- fig {path.stem} " in text), path.name
 
 
 def part(name: str) -> str:
@@ -57,7 +58,10 @@ def part(name: str) -> str:
 
 
 def test_figures_from_another_machine_are_marked_as_such():
+    text = "".join(p.read_text() for p in PAGES)
     for path in sorted((ROOT / "docs" / "bench").glob("*.json")):
+        if f"<!-- bench:{path.stem} begin" not in text:
+            continue  # quoted in prose only: its figures carry no part to mark
         fig = json.loads(path.read_text())
         machine = fig["machine"]
         if "note" in machine:
