@@ -49,8 +49,9 @@ Defaults are chosen so that the default run learns on 2 CPU cores in under 10 mi
 task ``upper`` (its errors are per-character mappings shared across prompts), exact reward,
 learning rate 3e-4, 16 prompts x 8 samples per step (fewer samples per step left the
 reward flat at 1e-4 and collapsed it at 1e-3: too much gradient noise for AdamW), 8 new
-tokens, 300 steps. Measured on real SGLang (seed 0, 2 workers, 2 trainer ranks, 480 s):
-held-out accuracy 0.115 -> 0.31 on 200 prompts, train reward 0.11 -> 0.37 (30-step means).
+tokens, 300 steps. What such a run reaches is in its ``RUN_DIR/figures.json``
+(``centerline/run_figures.py``; ``make run``'s is ``docs/runs/make-run.json``, quoted in
+``docs/results.md``).
 ``UP_DEFAULTS`` holds the shared settings this job changes (``SESSION_DEFAULTS`` over them for a
 run of sessions). The pipeline is asynchronous, as
 everywhere by default (``max_inflight_steps`` 2: SGLang samples the next step while the trainer
@@ -101,10 +102,10 @@ from shared.streams import StreamLimits
 
 PYTHON = sys.executable
 # Shared settings whose default differs for this job (chosen so that the default run learns;
-# numbers in the docstring above).
+# the docstring above says why each).
 UP_DEFAULTS = {"learning_rate": 3e-4, "rollout_n": 8, "rollout_max_new_tokens": 8}
 # ... and for a run of sessions (``--environment``, or a multi-turn toy task): a session's replies
-# share one advantage, so 3e-4 moved the policy too far on chain (README "A multi-turn toy task").
+# share one advantage, so 3e-4 moved the policy too far on chain (docs/results.md, "Sessions: the chain runs").
 SESSION_DEFAULTS = {"learning_rate": 1e-4}
 
 
