@@ -24,9 +24,9 @@ under the neighbouring version (what the check can tell apart).
 
 Each run is its own process, every service real, SGLang started with ``--enable-metrics``, and
 trains for ``--train-seconds`` (``up --train-seconds``: the trainer starts no step after that),
-then ``up`` evaluates ``--eval-prompts`` held-out prompts, as it did before training. The
-measured window runs from the end of step ``--warmup-steps`` to the end of the last step, as
-this process sees lines appear in ``metrics.jsonl`` (polled every ``--poll`` s), so start-up,
+then the trainer evaluates ``--eval-prompts`` held-out prompts (docs/design.md section 9), as it
+did before training. The measured window runs from the end of step ``--warmup-steps`` to the end
+of the last step, as this process sees lines appear in ``metrics.jsonl`` (polled every ``--poll`` s), so start-up,
 the first batches and the evaluations are outside it. Samples and tokens are the trainer's own
 counts for the steps in the window (``samples``, ``trained_tokens``; every generated token is
 trained); ``weights_s`` the trainer's time per step to load the new version into the engine and
@@ -57,7 +57,7 @@ of the two scrapes that bracket it. ``duty_cycle = 1 - idle / window``; the wind
 known to half a poll interval each, so ``duty_cycle_error_bound = (half gap + half gap) /
 window``. A control request (a weight update the trainer sends) is work by this definition; the
 router's health checks (``/health``, no generation by default) are not. A scrape costs the server's
-HTTP process about 10 ms (measured here), so the default ``--poll`` of 0.25 s takes a few percent
+HTTP process some milliseconds, so the default ``--poll`` of 0.25 s takes a few percent
 of one core. It is the scheduler's view: a request still in SGLang's tokenizer or detokenizer
 process (before the scheduler has it, after its last token) leaves the scheduler idle unless
 another is running. Phase 2 reports its own duty cycle the same way, what the pipeline's could be
@@ -66,7 +66,7 @@ are long beside a small model's forward passes (top-K log-probs are formatted in
 
 ``trainer_duty_cycle``, the share of the trainer's step time not spent waiting for batches, says
 which side waits. The figures are data: ``--out`` (default
-``runs/bench/pipeline.json``) and, for the README, ``docs/bench/pipeline*.json``.
+``runs/bench/pipeline.json``) and, for docs/results.md, ``docs/bench/pipeline*.json``.
 
 Left out: more than one SGLang server (``--engines``), GPUs, and the pipeline's latency
 figures (``metrics.jsonl`` has ``gather_s``, ``train_s`` per step). Sessions run the same way
@@ -247,7 +247,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
             _poll(up, log, args.poll)
         progress("startup", mode=mode, engine=engine, model=model, first_step_s=round(seen[1] - started, 1))
         with Scraper(engine, args.poll) as scraper:
-            # to the last step: --steps, or the one --train-seconds ended on (then up evaluates)
+            # to the last step: --steps, or the one --train-seconds ended on (then the trainer evaluates)
             while up.poll() is None and args.steps not in seen:
                 seen |= _new_steps(metrics, seen)
                 time.sleep(args.poll)
