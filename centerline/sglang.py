@@ -49,8 +49,8 @@ from shared import admin_key
 # The engines' admin key's variables: only the engine and the trainer may hold them.
 ADMIN_KEY_VARIABLES = (admin_key.KEY_ENV, admin_key.KEY_FILE_ENV)
 STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
-# Measured on 2 cores (docs/sglang.md): without these, a 15 GB KV cache is allocated in 33 s,
-# the idle scheduler busy-polls most of a core, and fp16 log-probs are off by about 1e-3.
+# Each is needed on the CPU: without them the KV cache is sized for a GPU, the idle scheduler
+# busy-polls, and fp16 log-probs are off (docs/sglang.md, The CPU recipe).
 CPU_FLAGS = ("--max-total-tokens", "2048", "--sleep-on-idle")
 CRASH_DIAGNOSTICS = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
 CONTINUE_AFTER = 10.0  # seconds: weight loads of the toy model take ~0.02 s, of a 7B model from page cache a few
@@ -95,7 +95,7 @@ def server_env(base: Mapping[str, str], device: str) -> dict[str, str]:
         env.setdefault("OMP_NUM_THREADS", "1")
         # A server stopped with its process group (as `centerline up` stops it) sees its scheduler
         # die and sleeps 5 s for crash diagnostics, a py-spy dump and a CUDA core dump, neither of
-        # which exists here: stopped in 0.9 s, not 5.8 (docs/sglang.md).
+        # which exists here (docs/sglang.md, The CPU recipe).
         for diagnostics in CRASH_DIAGNOSTICS:
             env.setdefault(diagnostics, "0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUB_DIR), env.get("PYTHONPATH", "")) if p)
