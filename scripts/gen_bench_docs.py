@@ -260,6 +260,9 @@ def pipeline_before_in_flight(fig: dict) -> list[str]:
     return lines
 
 
+WORKER_STAGES = ("endpoint", "history", "render", "tokenize", "reply")  # bench sessions' stages_ms in the worker
+
+
 def sessions(fig: dict) -> list[str]:
     policies, single = fig["policies"], fig["single"]
     names = {"manual": "manual (affinity, default)"}
@@ -274,6 +277,18 @@ def sessions(fig: dict) -> list[str]:
             lambda p: f"{p['later_turn_ms_mean']:.1f} ms" if "later_turn_ms_mean" in p else "",
         ),
         row("overhead per turn vs single", lambda p: f"{p['overhead_ms_per_turn']:.1f} ms"),
+        *(
+            [
+                row(
+                    "of a turn, the worker's: OpenAI client / endpoint to reply",
+                    lambda p: (
+                        f"{p['stages_ms']['client']:.1f} / {sum(p['stages_ms'][k] for k in WORKER_STAGES):.1f} ms"
+                    ),
+                )
+            ]
+            if all("stages_ms" in p for p in policies.values())
+            else []
+        ),
         row(
             "sampled tokens/s (ratio to single)",
             lambda p: f"{p['tokens_per_s']:.1f} ({p['tokens_per_s_ratio']:.2f}x)",
