@@ -355,15 +355,17 @@ def verify(path: Path, docs: Path) -> str | None:
     doc = json.loads(raw)
     again = f"regenerate it with `{doc.get('command', '(no command recorded)')}`"
     if "digest" in doc:
-        if name in LEGACY:
-            return f"{name}: carries its digest now; drop its line from LEGACY in scripts/gen_bench_docs.py"
         if doc["digest"] != digest(doc):
             return (
                 f"{name}: its figures are not what its writer wrote (digest {doc['digest'][:12]} recorded, "
                 f"{digest(doc)[:12]} computed): edited by hand? {again}"
             )
         missing = [key for key in ("command", "commit", "machine") if not doc.get(key)]
-        return f"{name}: no {', '.join(missing)} recorded; {again}" if missing else None
+        if missing:
+            return f"{name}: no {', '.join(missing)} recorded; {again}"
+        if name in LEGACY:
+            return f"{name}: carries its digest now; drop its line from LEGACY in scripts/gen_bench_docs.py"
+        return None
     if name not in LEGACY:
         return f"{name}: no digest, so not written by centerline/run_figures.py; {again}"
     if hashlib.sha256(raw).hexdigest() != LEGACY[name]:

@@ -180,10 +180,10 @@ def test_a_stamped_file_passes_and_its_hand_edit_fails(tmp_path):
     (docs / "bench" / "contract.json").write_text(json.dumps(stamped(figures, "centerline bench contract"), indent=2))
     script = (ROOT / "scripts" / "gen_bench_docs.py").read_text()
     # the copy of the script run here has contract.json's pin dropped, as its regeneration would
-    pin = next(line for line in script.splitlines() if '"docs/bench/contract.json"' in line)
+    pins = [line for line in script.splitlines() if '"docs/bench/contract.json"' in line]  # none once regenerated
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "gen_bench_docs.py").write_text(
-        script.replace(pin + "\n", "").replace(
+        script.replace("".join(line + "\n" for line in pins), "").replace(
             "ROOT = Path(__file__).resolve().parents[1]", f"ROOT = Path({str(ROOT)!r})"
         )
     )
@@ -209,4 +209,18 @@ def test_a_file_without_a_digest_or_a_pin_is_named(tmp_path):
     assert run.stderr == (
         "docs/runs/typed.json: no digest, so not written by centerline/run_figures.py; "
         "regenerate it with `centerline up --steps 3`\n"
+    )
+
+
+def test_a_regenerated_file_still_pinned_asks_for_its_pin_to_go(tmp_path):
+    readme, docs = site(tmp_path)
+    name = "pipeline-before-in-flight"  # transcribed by hand from a bench of before: pinned for good
+    legacy = json.loads((docs / "bench" / f"{name}.json").read_text())
+    figures = {k: v for k, v in legacy.items() if k not in ("command", "commit", "machine", "digest")}
+    (docs / "bench" / f"{name}.json").write_text(json.dumps(stamped(figures, "centerline bench pipeline"), indent=2))
+    gen(*on(readme, docs))
+    run = gen("--check", *on(readme, docs))
+    assert run.returncode == 1
+    assert run.stderr == (
+        f"docs/bench/{name}.json: carries its digest now; drop its line from LEGACY in scripts/gen_bench_docs.py\n"
     )
