@@ -53,19 +53,19 @@ How it grows with the history, ``by_turn``: per turn of the sessions (the ``turn
 mean time, the worker's Python in it (``worker_ms``: endpoint, history, render, tokenize, reply), the
 tokens held before it and milliseconds per sampled token; ``first_turn_ms_per_token``,
 ``later_turns_ms_per_token`` and their ratio. ``--turns 2``, ``8``, ``32`` measure sessions of those
-lengths (``--user-tokens 16 --max-total-tokens 8192`` keeps 32 turns in flight in the engines' KV).
+lengths (the toy model's context is 1,024 tokens: ``--turns 32 --user-tokens 2 --max-tokens 4`` fits;
+``--max-total-tokens`` sizes the engines' KV for longer histories in flight).
 
 A ``--policies`` entry ``manual:MODE`` runs ``manual`` with smg's ``--assignment-mode MODE``: how a
 new routing key is placed (``random``, smg's default; ``min_load``, the engine with the fewest
-requests; ``min_group``, the fewest keys). The result carries ``commit``, the code's; ``--out`` adds
-the command and the machine.
+requests; ``min_group``, the fewest keys). ``--out`` adds the command, the commit and the machine
+(``centerline/run_figures.py``).
 
 One JSON line per phase on stderr; the result on stdout (``--json``: one line).
 
     centerline bench sessions --json
     centerline bench sessions --engines 1 --policies manual --sessions 4 --turns 3
-    centerline bench sessions --json --policies manual,manual:min_load,round_robin --turns 32 \
-        --user-tokens 16 --session-max-tokens 2048 --max-total-tokens 8192
+    centerline bench sessions --json --policies manual,round_robin --turns 32 --user-tokens 2 --max-tokens 4
 """
 
 from __future__ import annotations
@@ -86,11 +86,11 @@ import numpy as np
 import orjson
 
 from centerline import launcher, sglang
-from centerline.bench import add_out_flag, emit
+from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
 from centerline.launcher import PYTHON, Stack, wait_http
 from centerline.ports import free_port
-from centerline.run_figures import commit
+from centerline.run_figures import emit
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
 ASSIGNMENT_MODES = ("random", "min_load", "min_group")  # smg's --assignment-mode for manual
@@ -147,6 +147,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     texts = [[words(rng, args.user_tokens) for _ in range(args.turns)] for _ in range(args.sessions)]
     turns: list[dict] = []
+    kept: dict[int, list] = {}  # each session's messages, as its client last sent them and the reply
     gate = asyncio.Semaphore(args.concurrency)
     endpoint = SessionEndpoint(cfg)
     await endpoint.start()
@@ -198,6 +199,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
                         messages.append(reply.choices[0].message.model_dump())
                 finally:
                     await client.close()
+                kept[i] = messages
 
         started = time.perf_counter()
         try:
@@ -206,7 +208,24 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
             await endpoint.close()
             await pool.aclose()
         wall = time.perf_counter() - started
-    return {"turns": turns, "wall_s": wall}
+    return {"turns": turns, "wall_s": wall, "transform_s": await client_transform(kept[0], args)}
+
+
+async def client_transform(messages: list, args) -> list[float]:
+    """The OpenAI client's own request transform (``openai._utils.async_maybe_transform``, which walks
+    every message of a request) of each turn's request of one session, timed after the phase, outside
+    any turn: the part of the client's time that grows with the history."""
+    from openai._utils import async_maybe_transform
+    from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
+
+    out = []
+    for t in range(args.turns):
+        body = {"messages": messages[: 2 * t + 1], "model": "default", "max_tokens": args.max_tokens}
+        started = time.perf_counter()
+        for _ in range(5):
+            await async_maybe_transform(body, CompletionCreateParamsNonStreaming)
+        out.append((time.perf_counter() - started) / 5)
+    return out
 
 
 async def run_single(args, proxy_url: str, shapes: list[tuple[int, int]], vocab: int) -> dict:
@@ -274,7 +293,7 @@ def session_figures(found: dict, per_engine: list[int], before: dict, after: dic
         "requests_per_engine": per_engine,
         "wall_s": round(found["wall_s"], 3),
         "stages_ms": session_stages(turns, before, after),
-        **growth(turns),
+        **growth(turns, found["transform_s"]),
     }
 
 
@@ -380,7 +399,6 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "k": args.k,
-        "commit": commit(),
         "policies": {},
     }
     for n, policy in enumerate(policies):

@@ -84,9 +84,10 @@ def session_stages(turns: list[dict], before: dict, after: dict) -> dict:
     return {"client": ms(client), **{name: ms(worker[name]) for name in WORKER_STAGES}, **past}
 
 
-def growth(turns: list[dict]) -> dict:
+def growth(turns: list[dict], transform_s: list[float]) -> dict:
     """How a turn's cost grows with the history: per turn of the sessions (the ``turn``-th of each), its
-    mean time, the worker's Python in it, the tokens held before it and milliseconds per sampled token;
+    mean time, the worker's Python in it, the tokens held before it, milliseconds per sampled token and
+    the OpenAI client's request transform of its request (``transform_s``, one session's);
     the first turn's and the later turns' milliseconds per sampled token."""
     by_turn = []
     for t in sorted({t["turn"] for t in turns}):
@@ -99,6 +100,7 @@ def growth(turns: list[dict]) -> dict:
                 "worker_ms": mean_ms([sum(x["stages"][n] for n in WORKER_STAGES) for x in these]),
                 "held_tokens": round(statistics.fmean(x["held_tokens"] for x in these), 1),
                 "ms_per_sampled_token": round(1000 * sum(x["seconds"] for x in these) / max(sampled, 1), 3),
+                "client_transform_ms": ms(transform_s[t]),
             }
         )
     later = [t for t in turns if t["turn"] > 0]

@@ -64,7 +64,7 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     (line,) = run.stdout.splitlines()
     result = json.loads(line)
     written = json.loads((tmp_path / "sessions.json").read_text())
-    assert {k: v for k, v in written.items() if k not in ("command", "machine")} == result
+    assert {k: v for k, v in written.items() if k not in ("command", "commit", "machine", "digest")} == result
     assert {k: result[k] for k in ("bench", "engines", "sessions", "turns", "max_tokens", "k")} == {
         "bench": "sessions",
         "engines": 2,
@@ -95,8 +95,8 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     assert manual["turn_ms_mean"] > 0 and single["request_ms_mean"] > 0
     assert manual["overhead_ms_per_turn"] == round(manual["turn_ms_mean"] - single["request_ms_mean"], 3)
     # the code's commit as the bench started: HEAD then, so HEAD now or an ancestor of it
-    ancestor = ["git", "merge-base", "--is-ancestor", result["commit"], "HEAD"]
-    assert len(result["commit"]) == 40 and subprocess.run(ancestor, cwd=ROOT).returncode == 0
+    ancestor = ["git", "merge-base", "--is-ancestor", written["commit"], "HEAD"]
+    assert len(written["commit"]) == 40 and subprocess.run(ancestor, cwd=ROOT).returncode == 0
 
 
 @pytest.mark.integration
@@ -120,6 +120,8 @@ def test_bench_sessions_times_each_stage_of_a_turn_and_each_turn_of_a_session(
     assert [stages[n] for n in PAST_THE_WORKER[1:]] == [None, None, None]
     by_turn = figures["by_turn"]
     assert [t["turn"] for t in by_turn] == [1, 2, 3, 4, 5] and by_turn[0]["held_tokens"] == 0
+    keys = ["turn", "turn_ms", "worker_ms", "held_tokens", "ms_per_sampled_token", "client_transform_ms"]
+    assert all(list(t) == keys and t["client_transform_ms"] > 0 for t in by_turn)
     assert all(a["held_tokens"] < b["held_tokens"] for a, b in zip(by_turn, by_turn[1:]))
     assert (figures["worker_ms_first_turn"], figures["worker_ms_last_turn"]) == (
         by_turn[0]["worker_ms"],
