@@ -211,13 +211,16 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
     return {"turns": turns, "wall_s": wall, "transform_s": await client_transform(kept[0], args)}
 
 
-async def client_transform(messages: list, args) -> list[float]:
+async def client_transform(messages: list, args) -> list[float | None]:
     """The OpenAI client's own request transform (``openai._utils.async_maybe_transform``, which walks
     every message of a request) of each turn's request of one session, timed after the phase, outside
-    any turn: the part of the client's time that grows with the history."""
-    from openai._utils import async_maybe_transform
-    from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
-
+    any turn: the part of the client's time that grows with the history; None each where this
+    ``openai`` has no such function (it is the client's own, not its interface)."""
+    try:
+        from openai._utils import async_maybe_transform
+        from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
+    except ImportError:
+        return [None] * args.turns
     out = []
     for t in range(args.turns):
         body = {"messages": messages[: 2 * t + 1], "model": "default", "max_tokens": args.max_tokens}

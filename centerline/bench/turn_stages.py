@@ -84,7 +84,7 @@ def session_stages(turns: list[dict], before: dict, after: dict) -> dict:
     return {"client": ms(client), **{name: ms(worker[name]) for name in WORKER_STAGES}, **past}
 
 
-def growth(turns: list[dict], transform_s: list[float]) -> dict:
+def growth(turns: list[dict], transform_s: list[float | None]) -> dict:
     """How a turn's cost grows with the history: per turn of the sessions (the ``turn``-th of each), its
     mean time, the worker's Python in it, the tokens held before it, milliseconds per sampled token and
     the OpenAI client's request transform of its request (``transform_s``, one session's);
