@@ -49,8 +49,16 @@ def test_two_workers_and_two_trainer_ranks_train_on_verified_batches_only(up_run
     assert [s["step"] for s in steps] == list(range(1, steps_run + 1))
     assert [s["version"] for s in steps] == list(range(1, steps_run + 1))
     assert all(s["samples"] == per_step and s["gate_rejected"] == {} for s in steps)
-    finished = sum((run_dir / "logs" / f"worker-{i}.log").read_text().count('"msg": "task done"') for i in range(2))
-    assert finished == steps_run * up_run.prompts_per_step  # one log line per finished task, each task once
+    done = [
+        line
+        for i in range(2)
+        for line in (run_dir / "logs" / f"worker-{i}.log").read_text().splitlines()
+        if '"msg": "task done"' in line
+    ]
+    # one log line per finished task, each task once: the training tasks, and the held-out rows'
+    # (8 rows at steps 0, 2 and 3; docs/design.md section 9)
+    assert sum('"purpose": "train"' in line for line in done) == steps_run * up_run.prompts_per_step
+    assert sum('"purpose": "heldout"' in line for line in done) == 8 * 3
 
     nats = EmbeddedNats(run_dir / "nats").start()
     try:

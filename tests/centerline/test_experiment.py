@@ -160,7 +160,7 @@ def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_pa
     run_dir = tmp_path / "runs" / run["name"]
     run_dir.mkdir(parents=True)
     # what `centerline up` wrote: the spec placed where it ran (ports, model, dataset), then the report last
-    task = launcher.Prepared(Path("models/sft-copy-seed1"), run_dir / "train.jsonl", False, [])
+    task = launcher.Prepared(Path("models/sft-copy-seed1"), run_dir / "train.jsonl", False, run_dir / "heldout.jsonl")
     placed = launcher.place(
         spec,
         task,
