@@ -44,19 +44,19 @@ class Sample:
         return np.full(len(self.response_ids), self.weight_version, np.int32)
 
 
-def samples_from_arrays(found: ResponseArrays) -> list[Sample]:
+def samples_from_arrays(arrays: ResponseArrays) -> list[Sample]:
     """Every sample of a response, from its arrays (the proxy's binary answer, decoded)."""
-    bounds = found.offsets.tolist()
-    versions = found.versions_of_tokens()
+    bounds = arrays.offsets.tolist()
+    versions = arrays.versions_of_tokens()
     return [
         Sample(
-            text=found.texts[i],
-            response_ids=found.response_ids[a:b],
-            sampled_logprobs=found.sampled_logprobs[a:b],
-            cand_ids=found.cand_ids[a:b],
-            cand_logprobs=found.cand_logprobs[a:b],
-            weight_version=found.weight_versions[i],
-            finish_reason=found.finish_reasons[i],
+            text=arrays.texts[i],
+            response_ids=arrays.response_ids[a:b],
+            sampled_logprobs=arrays.sampled_logprobs[a:b],
+            cand_ids=arrays.cand_ids[a:b],
+            cand_logprobs=arrays.cand_logprobs[a:b],
+            weight_version=arrays.weight_versions[i],
+            finish_reason=arrays.finish_reasons[i],
             token_versions=versions[a:b],
         )
         for i, (a, b) in enumerate(zip(bounds, bounds[1:]))

@@ -90,16 +90,16 @@ class Outcome:
     later_turns_cache: tuple[int, int] = (0, 0)
 
 
-def served_prompt_ids(found: ResponseArrays) -> list[int]:
+def served_prompt_ids(arrays: ResponseArrays) -> list[int]:
     """The prompt ids SGLang sampled a chat response on (``choices[0].prompt_token_ids``, asked
     for by the proxy with ``return_prompt_token_ids``); the worker's own rendering of the chat
     template may differ from the server's."""
-    if found.prompt_ids is None:
+    if arrays.prompt_ids is None:
         raise Rejected(
             "the chat response carries no prompt_token_ids (the router dropped return_prompt_token_ids?), so the "
             "prompt SGLang sampled on is unknown; use --rollout-endpoint generate or a router that keeps it"
         )
-    return found.prompt_ids
+    return arrays.prompt_ids
 
 
 class Worker:
@@ -324,10 +324,10 @@ class Worker:
         cfg = self.cfg
         endpoint = cfg.rollout_endpoint
         prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
-        found = await self.sample(task, prompt_ids)
+        arrays = await self.sample(task, prompt_ids)
         if endpoint == "chat":  # SGLang renders the chat template itself: train on what it sampled on
-            prompt_ids = served_prompt_ids(found)
-        samples = samples_from_arrays(found)
+            prompt_ids = served_prompt_ids(arrays)
+        samples = samples_from_arrays(arrays)
         if len(samples) != task.n:
             raise Transient(f"the proxy returned {len(samples)} samples for n={task.n}")
         aborted = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
