@@ -555,7 +555,7 @@ def all_ways(body: bytes, *, mode: str, k: int) -> list:
     return results
 
 
-def agree(results: list) -> None:
+def assert_every_scanner_matches_the_full_parse(results: list) -> None:
     *scanned, full = results
     for name, result in zip(SCANNERS, scanned):
         assert result == full, name
@@ -593,7 +593,7 @@ def test_scanned_path_gives_the_full_parse_verdict_and_arrays(case, edit, edited
         start = max(body.find(b'"output_top_logprobs"'), 0)
         at = start + at % max(len(body) - start, 1)
         body = body[:at] + text + body[at + drop :]
-    agree(all_ways(body, mode=mode, k=k))
+    assert_every_scanner_matches_the_full_parse(all_ways(body, mode=mode, k=k))
 
 
 NUMBERS = st.one_of(
@@ -619,7 +619,7 @@ def test_scanned_log_probs_are_the_full_parse_floats_bit_for_bit(values, spaced,
         body = compact(doc)
     else:
         body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":")).encode()
-    agree(all_ways(body, mode="selected", k=8))
+    assert_every_scanner_matches_the_full_parse(all_ways(body, mode="selected", k=8))
 
 
 def test_large_valid_response_takes_the_scanned_path():
@@ -642,7 +642,7 @@ def test_large_valid_response_takes_the_scanned_path():
 def test_scan_never_vouches_for_rows_it_cannot_place(text):
     meta = orjson.dumps(valid(tokens=3, k=8)["meta_info"])
     body = text.replace(b"MI", meta)
-    agree(all_ways(body, mode="selected", k=8))
+    assert_every_scanner_matches_the_full_parse(all_ways(body, mode="selected", k=8))
 
 
 @settings(max_examples=500, deadline=None)
@@ -680,5 +680,5 @@ def test_every_scanner_and_the_full_parse_judge_float32_alike(value):
     body = orjson.dumps(doc)
     assert len(body) >= sglang_response.SCAN_MIN_BYTES
     results = all_ways(body, mode="selected", k=8)
-    agree(results)
+    assert_every_scanner_matches_the_full_parse(results)
     assert results[-1][0][0] == ("fail" if value <= -FLT_MIDPOINT else "ok")
