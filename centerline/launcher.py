@@ -553,24 +553,24 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     up, run_dir = spec.up, spec.up.run_dir
     task = prepare(up, spec.cfg, run_dir, log)
     replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
-    at = Addresses.pick(up.engines)
+    addresses = Addresses.pick(up.engines)
     spec = place(
         spec,
         task,
         nats_url=nats.url,
         replicas=replicas,
-        engine_urls=at.engines,
-        router_url=at.router,
-        proxy_url=at.proxy,
+        engine_urls=addresses.engines,
+        router_url=addresses.router,
+        proxy_url=addresses.proxy,
     )
     config_file = run_dir / "config.toml"
     spec.write(config_file)  # once, every table: no service writes it again
     argv = service_argv(spec, config_file)
 
     engine_key = sglang.new_admin_key()  # weight updates and cache flushes: the trainer's alone
-    start_serving(spec, stack, at, argv["proxy"], engine_key)
+    start_serving(spec, stack, addresses, argv["proxy"], engine_key)
     log(
-        f"SGLang {' '.join(at.engines)} behind the router {at.router}, proxy {at.proxy} "
+        f"SGLang {' '.join(addresses.engines)} behind the router {addresses.router}, proxy {addresses.proxy} "
         f"(ready: the upstream returns complete candidate sets), NATS {nats.url}"
     )
 
@@ -615,21 +615,21 @@ class Addresses:
         return cls(engine_urls, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
 
 
-def start_serving(spec: RunSpec, stack: Stack, at: Addresses, proxy_argv: list[str], engine_key: str) -> None:
+def start_serving(spec: RunSpec, stack: Stack, addresses: Addresses, proxy_argv: list[str], engine_key: str) -> None:
     """Start the SGLang servers, then the router in front of them, then the proxy in front of the
     router, each once the one before answers; the proxy is ready once its probe of the upstream passed."""
     logs, timeout = spec.up.run_dir / "logs", spec.up.startup_timeout
     engines = [
         stack.start(f"sglang-{i}", engine_argv(spec, url), engine_key=engine_key, restart=True)
-        for i, url in enumerate(at.engines)
+        for i, url in enumerate(addresses.engines)
     ]
-    for i, (url, proc) in enumerate(zip(at.engines, engines)):
+    for i, (url, proc) in enumerate(zip(addresses.engines, engines)):
         wait_http(f"{url}/health", f"SGLang server {i}", proc, logs / f"sglang-{i}.log", timeout)
-    router_port = int(at.router.rsplit(":", 1)[1])
-    router = stack.start("router", sglang.router_argv(at.engines, "127.0.0.1", router_port, free_port()))
-    wait_http(f"{at.router}/readiness", "SGLang router", router, logs / "router.log", timeout)
+    router_port = int(addresses.router.rsplit(":", 1)[1])
+    router = stack.start("router", sglang.router_argv(addresses.engines, "127.0.0.1", router_port, free_port()))
+    wait_http(f"{addresses.router}/readiness", "SGLang router", router, logs / "router.log", timeout)
     proxy = stack.start("proxy", proxy_argv, nats_user="proxy")
-    wait_http(f"{at.proxy}/ready", "proxy", proxy, logs / "proxy.log", timeout)
+    wait_http(f"{addresses.proxy}/ready", "proxy", proxy, logs / "proxy.log", timeout)
 
 
 def follow(
