@@ -122,7 +122,7 @@ def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mappi
     return env
 
 
-class Stack:
+class Supervisor:
     """Child processes started in their own sessions (so Ctrl-C reaches the launcher only).
 
     A process started with ``restart=True`` (the SGLang servers) that dies is started again,
@@ -196,6 +196,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+Stack = Supervisor  # the old name, until centerline/bench/sessions.py imports Supervisor
 
 
 def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -423,15 +426,15 @@ def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
     run_dir = spec.up.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     passwords = nats_users.new_passwords()
-    stack = Stack(run_dir / "logs", passwords)
+    supervisor = Supervisor(run_dir / "logs", passwords)
     if spec.up.nats_nodes > 1:
         nats = NatsCluster(run_dir / "nats", spec.up.nats_nodes, passwords=passwords)
     else:
         nats = EmbeddedNats(run_dir / "nats", passwords=passwords)
     try:
-        run(spec.derive(up={"run_dir": run_dir}), stack, nats, [] if stopping is None else stopping)
+        run(spec.derive(up={"run_dir": run_dir}), supervisor, nats, [] if stopping is None else stopping)
     finally:
-        stack.stop()
+        supervisor.stop()
         nats.stop()
     return run_dir
 
@@ -545,7 +548,7 @@ def log(message: str) -> None:
     print(f"centerline up: {message}", file=sys.stderr, flush=True)
 
 
-def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
+def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
     """One run, each job in turn: prepare what it trains, start NATS and its streams, choose the
     addresses and write ``config.toml``, start the engines, router and proxy, then the workers and
     the trainer, follow the trainer to its last step and last held-out evaluation, write the report.
@@ -568,7 +571,7 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
     argv = service_argv(spec, config_file)
 
     engine_key = sglang.new_admin_key()  # weight updates and cache flushes: the trainer's alone
-    start_serving(spec, stack, addresses, argv["proxy"], engine_key)
+    start_serving(spec, supervisor, addresses, argv["proxy"], engine_key)
     log(
         f"SGLang {' '.join(addresses.engines)} behind the router {addresses.router}, proxy {addresses.proxy} "
         f"(ready: the upstream returns complete candidate sets), NATS {nats.url}"
@@ -576,9 +579,9 @@ def run(spec: RunSpec, stack: Stack, nats: EmbeddedNats | NatsCluster, stopping:
 
     progress = Progress()
     for i in range(up.workers):
-        stack.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
-    trainer = stack.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
-    follow(trainer, up, stack, nats, progress, stopping)
+        supervisor.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
+    trainer = supervisor.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
+    follow(trainer, up, supervisor, nats, progress, stopping)
 
     if progress.tty:
         print()
@@ -615,27 +618,29 @@ class Addresses:
         return cls(engine_urls, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
 
 
-def start_serving(spec: RunSpec, stack: Stack, addresses: Addresses, proxy_argv: list[str], engine_key: str) -> None:
+def start_serving(
+    spec: RunSpec, supervisor: Supervisor, addresses: Addresses, proxy_argv: list[str], engine_key: str
+) -> None:
     """Start the SGLang servers, then the router in front of them, then the proxy in front of the
     router, each once the one before answers; the proxy is ready once its probe of the upstream passed."""
     logs, timeout = spec.up.run_dir / "logs", spec.up.startup_timeout
     engines = [
-        stack.start(f"sglang-{i}", engine_argv(spec, url), engine_key=engine_key, restart=True)
+        supervisor.start(f"sglang-{i}", engine_argv(spec, url), engine_key=engine_key, restart=True)
         for i, url in enumerate(addresses.engines)
     ]
     for i, (url, proc) in enumerate(zip(addresses.engines, engines)):
         wait_http(f"{url}/health", f"SGLang server {i}", proc, logs / f"sglang-{i}.log", timeout)
     router_port = int(addresses.router.rsplit(":", 1)[1])
-    router = stack.start("router", sglang.router_argv(addresses.engines, "127.0.0.1", router_port, free_port()))
+    router = supervisor.start("router", sglang.router_argv(addresses.engines, "127.0.0.1", router_port, free_port()))
     wait_http(f"{addresses.router}/readiness", "SGLang router", router, logs / "router.log", timeout)
-    proxy = stack.start("proxy", proxy_argv, nats_user="proxy")
+    proxy = supervisor.start("proxy", proxy_argv, nats_user="proxy")
     wait_http(f"{addresses.proxy}/ready", "proxy", proxy, logs / "proxy.log", timeout)
 
 
 def follow(
     trainer: subprocess.Popen,
     up: UpSettings,
-    stack: Stack,
+    supervisor: Supervisor,
     nats: EmbeddedNats | NatsCluster,
     progress: Progress,
     stopping: list,
@@ -651,7 +656,7 @@ def follow(
         if stopping:
             log(f"{stopping[0]}: stopping every service")
             raise Stopped(stopping[0])
-        for restarted in stack.check():
+        for restarted in supervisor.check():
             log(f"{restarted} died: started again; the trainer sends it the latest weights")
         for name in restart_dead_nats_nodes(nats):
             log(f"NATS node {name} died: started again on its store; clients reconnect")

@@ -102,7 +102,7 @@ import orjson
 
 from centerline import launcher, run_spec
 from centerline.bench import add_out_flag
-from centerline.launcher import PYTHON, Stack, wait_http
+from centerline.launcher import PYTHON, Supervisor, wait_http
 from centerline.ports import free_port
 from centerline.run_figures import emit
 from centerline.run_spec import RunSpec
@@ -424,16 +424,16 @@ def run_alone(args, spec: RunSpec, model: str, dataset: Path, run_dir: Path, sec
     bodies = request_bodies(spec.cfg, model, dataset)
     url = f"http://127.0.0.1:{free_port()}"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    stack = Stack(run_dir / "logs", {})
+    supervisor = Supervisor(run_dir / "logs", {})
     try:
         started = time.monotonic()
-        proc = stack.start("sglang-alone", launcher.sglang_argv(model, url, ["--enable-metrics"]))
+        proc = supervisor.start("sglang-alone", launcher.sglang_argv(model, url, ["--enable-metrics"]))
         wait_http(f"{url}/health", "SGLang alone", proc, run_dir / "logs" / "sglang-alone.log", 300)
         progress("sglang_alone_ready", url=url, startup_s=round(time.monotonic() - started, 1), concurrency=concurrency)
         with Scraper(url, args.poll) as scraper:
             counts = asyncio.run(closed_loop(f"{url}/generate", bodies, concurrency, args.alone_warmup, seconds))
     finally:
-        stack.stop()
+        supervisor.stop()
     figures = {
         "sglang_alone_window_s": round(seconds, 3),
         "sglang_alone_requests": counts["requests"],

@@ -3,7 +3,7 @@
 import sys
 
 from centerline import sglang
-from centerline.launcher import Stack
+from centerline.launcher import Supervisor
 from shared import admin_key
 
 SHOW = (
@@ -15,10 +15,10 @@ SHOW = (
 def test_only_the_processes_given_the_key_hold_it(tmp_path, monkeypatch):
     monkeypatch.setenv(admin_key.KEY_ENV, "the-launchers-own")  # never inherited
     monkeypatch.setenv(admin_key.KEY_FILE_ENV, "/the/launchers/own")
-    stack = Stack(tmp_path, {})
+    supervisor = Supervisor(tmp_path, {})
     given = {"sglang-0": "k1", "trainer": "k1", "router": None, "proxy": None, "worker-0": None}
     for name, key in given.items():
-        stack.start(name, [sys.executable, "-c", SHOW], engine_key=key).wait(60)
+        supervisor.start(name, [sys.executable, "-c", SHOW], engine_key=key).wait(60)
     shown = {name: (tmp_path / f"{name}.log").read_text().strip() for name in given}
     assert shown == {
         "sglang-0": "k1 None",
