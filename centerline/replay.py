@@ -209,7 +209,7 @@ def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -
     import torch
     from transformers.utils import logging as hf_logging
 
-    from trainer_service.distributed import agree, in_world, is_main
+    from trainer_service.distributed import broadcast_from_main, in_world, is_main
     from trainer_service.policy import Policy
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -226,7 +226,7 @@ def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -
                 plan = plan_replay(file, settings, run_dir)
             except (RecordFileError, ReplayError, OSError, ValueError) as exc:
                 problem = str(exc)
-        problem = agree(problem)
+        problem = broadcast_from_main(problem)
         if problem is not None:
             if main_rank:
                 print(f"centerline replay: {problem}", file=sys.stderr)

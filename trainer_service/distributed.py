@@ -35,7 +35,7 @@ def device() -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
 
 
-def agree(value):
+def broadcast_from_main(value):
     """Rank 0's ``value`` on every rank."""
     if rank_and_world()[1] == 1:
         return value

@@ -20,7 +20,7 @@ from shared import faults
 from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
-from trainer_service.distributed import agree, device, is_main, rank_and_world
+from trainer_service.distributed import broadcast_from_main, device, is_main, rank_and_world
 from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
 from trainer_service.step import make_optimizer, train_step
@@ -65,7 +65,7 @@ class Policy:
         keeps the metrics too (``state["metrics"]``), so a crash between the checkpoint and
         the metrics line loses no line (``Metrics.recover``)."""
         if rank_and_world()[1] > 1 and is_main():
-            agree(cmd)
+            broadcast_from_main(cmd)
         t0 = time.perf_counter()
         metrics = train_step(
             self.model,
@@ -95,11 +95,11 @@ class Policy:
 
     def follow(self) -> None:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
-        while (cmd := agree(None)).batch is not None:
+        while (cmd := broadcast_from_main(None)).batch is not None:
             self.run(cmd)
         dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts
 
     def stop(self) -> None:
         if rank_and_world()[1] > 1:
-            agree(StepCommand(-1, -1, False, None))
+            broadcast_from_main(StepCommand(-1, -1, False, None))
             dist.barrier()

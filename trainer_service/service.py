@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     from trainer_service import checkpoint
-    from trainer_service.distributed import agree, in_world, is_main
+    from trainer_service.distributed import broadcast_from_main, in_world, is_main
     from trainer_service.policy import Policy
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
             settings.run_dir.mkdir(parents=True, exist_ok=True)
             write_run_config(settings.run_dir / "config.toml", args, cfg, settings)
             checkpoint.remove_partial(settings.run_dir / "checkpoints")
-        resume = agree(checkpoint.latest(settings.run_dir / "checkpoints") if main_rank else None)
+        resume = broadcast_from_main(checkpoint.latest(settings.run_dir / "checkpoints") if main_rank else None)
         policy = Policy(settings, cfg, resume)
         if not main_rank:
             for sig in (signal.SIGTERM, signal.SIGINT):
