@@ -70,7 +70,21 @@ def run_figures(run_dir: Path) -> dict:
         "batches_accepted": sum(s["gate_accepted"] for s in steps),
         "batches_rejected": sum(sum(s["gate_rejected"].values()) for s in steps),
         "tasks_republished": sum(s.get("gate_resampled", 0) for s in steps),
+        **_tool_call_figures(first, last),
     }
+
+
+def _tool_call_figures(first: list[dict], last: list[dict]) -> dict:
+    """A run whose sessions offered tools: the share of replies with call markup whose calls parsed
+    (calls parsed / (calls parsed + replies that did not parse)) at each end of the run."""
+    if not any("tool_calls" in s for s in first + last):
+        return {}
+
+    def share(steps: list[dict]) -> float:
+        calls, errors = (sum(s.get(key, 0) for s in steps) for key in ("tool_calls", "tool_call_parse_errors"))
+        return round(calls / (calls + errors), 4) if calls + errors else 0.0
+
+    return {"well_formed_calls_first": share(first), "well_formed_calls_last": share(last)}
 
 
 def commit() -> str | None:
