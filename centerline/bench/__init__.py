@@ -82,13 +82,5 @@ def machine() -> dict:
     }
 
 
-def emit(result: dict, out: Path, *, indent: int | None = None) -> None:
-    """Print ``result`` as one JSON object and write it to ``out`` with the command that measured it
-    and ``machine()``."""
-    print(json.dumps(result, indent=indent))
-    command = shlex.join(["centerline", *sys.argv[1:]])
-    out.write_text(json.dumps({**result, "command": command, "machine": machine()}, indent=2) + "\n")
-
-
 def main(argv: list[str]) -> int:
     return dispatch(BENCHES, "centerline bench", argv)
