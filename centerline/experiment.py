@@ -23,7 +23,7 @@ interval over those paired differences: what the method adds, without the seed's
 Each run is a variant of one run spec (``centerline/run_spec.py``): the spec of the other flags,
 with the run's loss, importance weight, seed, staleness, steps and run directory. A run whose
 directory already holds a finished run of the same spec (its report written, its ``config.toml``
-equal but for what ``up`` placed as it started: ports, addresses) is kept, not run again: an interrupted grid goes on
+equal but for what ``up`` filled in as it started: ports, addresses) is kept, not run again: an interrupted grid goes on
 where it stopped, and a wider grid into the same ``--out`` runs only what is new.
 
     centerline experiment staleness --steps 40 --staleness 1,4,8 --seeds 3 --out runs/staleness
@@ -193,7 +193,7 @@ def finished(run_dir: Path, spec: RunSpec) -> bool:
     if not (run_dir / "report.html").exists() or not (run_dir / "config.toml").exists():
         return False
     saved = load_toml(str(run_dir / "config.toml"))
-    return launcher.unplaced(saved) == launcher.unplaced(tomllib.loads(spec.to_toml()))
+    return launcher.without_launch_settings(saved) == launcher.without_launch_settings(tomllib.loads(spec.to_toml()))
 
 
 def summarise(run: dict, run_dir: Path, wall_s: float | None) -> dict:

@@ -11,8 +11,9 @@ started with ``--config RUN_DIR/config.toml`` and its identity only (a worker's 
 in an environment without ``CENTERLINE_*`` settings variables, which the spec resolved already,
 so what ran is what the file and the report show. From its own settings ``up`` gives the trainer
 its ``model``, ``dataset``, ``run_dir``, ``steps``, ``prompts_per_step`` and ``train_seconds``, the
-workers their ``chat_template``, the proxy its ``upstream`` and ``port`` (``place``). Held-out accuracy (exact
-match of one sample per prompt at the rollout temperature, ``--eval-prompts`` prompts) is the
+workers their ``chat_template``, the proxy its ``upstream`` and ``port`` (``with_launch_settings``).
+Held-out accuracy (exact match of one sample per prompt at the rollout temperature,
+``--eval-prompts`` prompts) is the
 trainer's own (docs/design.md section 9): ``up`` writes the held-out rows to ``RUN_DIR/heldout.jsonl``,
 the trainer's ``heldout_dataset``, and the trainer has the workers sample them before training,
 every ``--eval-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
@@ -276,7 +277,7 @@ def trains_sessions(up: UpSettings) -> bool:
     return bool(up.environment) or (up.dataset is None and up.task in CHAT_TASKS)
 
 
-def place(
+def with_launch_settings(
     spec: RunSpec,
     task: Prepared,
     *,
@@ -311,8 +312,9 @@ def place(
     )
 
 
-# The settings ``place`` fills in: where a run ran, not what it is (``centerline experiment`` compares the rest).
-PLACED = {
+# The settings ``with_launch_settings`` fills in: where a run ran, not what it is
+# (``centerline experiment`` compares the rest).
+LAUNCH_SETTINGS = {
     "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
     TrainerSettings.name: (
         "model",
@@ -329,13 +331,13 @@ PLACED = {
 }
 
 
-def unplaced(tables: dict) -> dict:
-    """A run's ``config.toml``, as read, without what ``place`` fills in: what the run is."""
+def without_launch_settings(tables: dict) -> dict:
+    """A run's ``config.toml``, as read, without what ``with_launch_settings`` fills in: what the run is."""
     out = {}
     for name, value in tables.items():
         if isinstance(value, dict):
-            out[name] = {k: v for k, v in value.items() if k not in PLACED.get(name, ())}
-        elif name not in PLACED[""]:
+            out[name] = {k: v for k, v in value.items() if k not in LAUNCH_SETTINGS.get(name, ())}
+        elif name not in LAUNCH_SETTINGS[""]:
             out[name] = value
     return out
 
@@ -557,7 +559,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     task = prepare(up, spec.cfg, run_dir, log)
     replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
     addresses = Addresses.pick(up.engines)
-    spec = place(
+    spec = with_launch_settings(
         spec,
         task,
         nats_url=nats.url,

@@ -215,7 +215,7 @@ def mode_spec(base: RunSpec, args, mode: str, run_dir: Path) -> RunSpec:
 
 def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     """``centerline up --config FILE`` of ``spec`` (``mode_spec``) to its end; returns its figures, the
-    spec it ran (as its ``config.toml`` says, placed) and its model."""
+    spec it ran (as its ``config.toml`` says, launch settings included) and its model."""
     run_dir = spec.up.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_file = run_dir.parent / f"{mode}.toml"

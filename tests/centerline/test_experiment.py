@@ -159,9 +159,10 @@ def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_pa
     spec = experiment.variant(base, run, 40, tmp_path)
     run_dir = tmp_path / "runs" / run["name"]
     run_dir.mkdir(parents=True)
-    # what `centerline up` wrote: the spec placed where it ran (ports, model, dataset), then the report last
+    # what `centerline up` wrote: the spec with the launch settings of where it ran (ports, model, dataset),
+    # then the report last
     task = launcher.Prepared(Path("models/sft-copy-seed1"), run_dir / "train.jsonl", False, run_dir / "heldout.jsonl")
-    placed = launcher.place(
+    launched = launcher.with_launch_settings(
         spec,
         task,
         nats_url="nats://127.0.0.1:4999",
@@ -170,7 +171,7 @@ def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_pa
         router_url="http://127.0.0.1:5001",
         proxy_url="http://127.0.0.1:5002",
     )
-    placed.write(run_dir / "config.toml")
+    launched.write(run_dir / "config.toml")
     assert not experiment.finished(run_dir, spec)  # no report: it did not finish
     (run_dir / "report.html").write_text("<html></html>")
     assert experiment.finished(run_dir, spec)

@@ -52,11 +52,11 @@ def test_a_service_gets_no_credentials_nor_settings_variables_and_keeps_the_rest
     )
 
 
-def _placed(tmp_path: Path, argv: list[str]):
+def _with_launch_settings(tmp_path: Path, argv: list[str]):
     spec = launcher.parse(argv)
     run_dir = spec.up.run_dir
     task = launcher.Prepared(tmp_path / "model", run_dir / "train.jsonl", True, run_dir / "heldout.jsonl")
-    return launcher.place(
+    return launcher.with_launch_settings(
         spec,
         task,
         nats_url="nats://127.0.0.1:4999",
@@ -85,7 +85,7 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
     monkeypatch.setenv("CENTERLINE_NATS_URL", "nats://elsewhere:4222")
     run_dir = tmp_path / "run"
     flags = ["--steps", "7", "--workers", "2", "--trainer-ranks", "2", "--prompts-per-step", "3"]
-    spec = _placed(tmp_path, ["--config", str(given), *flags, "--run-dir", str(run_dir)])
+    spec = _with_launch_settings(tmp_path, ["--config", str(given), *flags, "--run-dir", str(run_dir)])
     config = run_dir / "config.toml"
     run_dir.mkdir()
     spec.write(config)
