@@ -11,12 +11,9 @@ tables are generated from the figure files committed in ``docs/bench/``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import socket
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
