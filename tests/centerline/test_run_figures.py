@@ -55,6 +55,17 @@ def test_the_figures_of_a_run_are_its_metrics_summed_and_averaged_at_both_ends(t
     }
 
 
+def test_a_run_whose_sessions_offered_tools_has_the_share_of_calls_that_parsed_at_each_end(tmp_path):
+    """calls parsed / (calls parsed + replies whose markup did not parse), over the 30-step windows."""
+    steps = [step(n, tool_calls=3, tool_call_parse_errors=1 if n <= 10 else 0) for n in range(1, 41)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    figures = run_figures(tmp_path)
+    assert figures["well_formed_calls_first"] == round(90 / 100, 4)  # steps 1..30: 10 errors
+    assert figures["well_formed_calls_last"] == 1.0  # steps 11..40
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(step(n)) + "\n" for n in range(1, 5)))
+    assert "well_formed_calls_first" not in run_figures(tmp_path)  # no session offered tools
+
+
 def test_a_run_without_steps_has_no_figures(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="holds no steps"):
