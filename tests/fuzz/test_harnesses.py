@@ -1,7 +1,7 @@
 """The fuzz harnesses of fuzz/ (docs/testing.md, "Fuzzing"): each runs under atheris for a few hundred
 inputs from its seeded corpus (the proxy's a few thousand: its inputs are small), and its
 ``TestOneInput`` takes hypothesis-mutated seeds too, the proxy's structurally mutated ones as
-well. The long runs are the README's commands; these keep the harnesses working."""
+well. The long runs are that page's commands; these keep the harnesses working."""
 
 from __future__ import annotations
 
