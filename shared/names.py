@@ -9,7 +9,7 @@ from __future__ import annotations
 PROMPTS_STREAM = "PROMPTS"  # work queue: one task = one prompt group, to exactly one worker
 PROMPTS_SUBJECT = "prompts.tasks"
 
-ROLLOUTS_STREAM = "ROLLOUTS"  # candidate batches (wire format v1), kept for replay
+ROLLOUTS_STREAM = "ROLLOUTS"  # candidate batches (wire format v2, docs/design.md section 4), kept for replay
 ROLLOUTS_SUBJECT = "rollouts.batches"
 
 DLQ_STREAM = "ROLLOUTS_DLQ"  # rejected batches, unchanged bytes, reason in headers

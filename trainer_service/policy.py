@@ -32,7 +32,7 @@ class StepCommand:
     step: int  # index of the step being trained (0-based); the checkpoint after it is step + 1
     version: int  # weight version once this step is done
     sync: bool  # write weights version ``version`` this step
-    batch: bytes | None  # the global batch (wire format v1); None = stop
+    batch: bytes | None  # the global batch (wire format v2, docs/design.md section 4); None = stop
 
 
 class Policy:

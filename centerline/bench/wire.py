@@ -91,7 +91,7 @@ def wire_figures(batch, repeats: int) -> dict:
 
 
 def bench_wire(argv: list[str]) -> int:
-    """Encode+decode throughput of wire format v1 against memcpy and nested-list msgpack."""
+    """Encode+decode throughput of wire format v2 against memcpy and nested-list msgpack."""
     args = _parser("wire", bench_wire.__doc__).parse_args(argv)
     result = {"bench": "wire", **wire_figures(_batch(args), args.repeats)}
     sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
