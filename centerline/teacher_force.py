@@ -73,10 +73,10 @@ def run_settings(run_dir: Path) -> tuple[Path, float]:
 
 def versions_on_disk(run_dir: Path, initial: Path) -> dict[int, Path]:
     """Every weight version the run still has: 0 (the initial model) and ``weights/v*``."""
-    found = {0: initial}
+    versions = {0: initial}
     for d in sorted((run_dir / "weights").glob("v[0-9]*")):
-        found[int(d.name[1:])] = d
-    return found
+        versions[int(d.name[1:])] = d
+    return versions
 
 
 def labelled(batches, version: int) -> list[Tokens]:

@@ -174,10 +174,10 @@ def chat_template_on(setting: str, model: Path, toy: bool) -> bool:
     off for the toy model (its tasks are continuations, not messages); ``on`` needs a template."""
     if setting == "off" or (setting == "auto" and toy):
         return False
-    found = has_chat_template(model)
-    if setting == "on" and not found:
+    has_template = has_chat_template(model)
+    if setting == "on" and not has_template:
         raise UserTaskError(
             f"--chat-template on: the tokenizer of {model} has no chat template; use --chat-template off, or a "
             "model whose tokenizer_config.json or chat_template.jinja holds one"
         )
-    return found
+    return has_template
