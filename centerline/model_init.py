@@ -3,9 +3,9 @@
 The directory is a plain HF model (config.json, generation_config.json,
 model.safetensors, tokenizer files), so it loads in transformers and in SGLang, on the CPU
 and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from
-`--seed`; the same seed gives the same bytes. Nothing is downloaded. `--sft --task NAME` trains the weights briefly on a toy
-task first (`centerline/sft.py`) so RL starts from a policy with some reward; the settings are
-recorded in `centerline_model.json`, and a directory already holding a model made with the
+`--seed`; the same seed gives the same bytes. Nothing is downloaded. `--sft --task NAME` trains
+the weights briefly on a toy task first (`centerline/sft.py`) so RL starts from a policy with
+some reward; the settings are recorded in `centerline_model.json`, and a directory already holding a model made with the
 same settings is left as it is. `--eval` prints the warm start's held-out figure at temperature 1
 (exact match; a multi-turn task's mean reward, each conversation played as its environment plays
 it); `upper` is the default run's task because its start is neither "never" nor "always".
