@@ -199,9 +199,6 @@ class Supervisor:
                 proc.wait()
 
 
-Stack = Supervisor  # the old name, until centerline/bench/sessions.py imports Supervisor
-
-
 def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
     """Poll ``url`` until it answers 200, the process dies, or the deadline passes."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ from centerline.cli import dispatch
 
 # bench target -> (module:function, one-line help); each prints one JSON object with --json.
 BENCHES: dict[str, tuple[str, str]] = {
-    "wire": ("centerline.bench.wire:bench_wire", "encode+decode throughput of wire format v1 vs memcpy"),
+    "wire": ("centerline.bench.wire:bench_wire", "encode+decode throughput of wire format v2 vs memcpy"),
     "contract": ("centerline.bench.wire:bench_contract", "completeness-contract check cost per batch"),
     "proxy": (
         "centerline.bench.proxy:bench_proxy",

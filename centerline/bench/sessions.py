@@ -88,7 +88,7 @@ import orjson
 from centerline import launcher, sglang
 from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
-from centerline.launcher import PYTHON, Stack, wait_http
+from centerline.launcher import PYTHON, Supervisor, wait_http
 from centerline.ports import free_port
 from centerline.run_figures import emit
 
@@ -357,14 +357,14 @@ def bench_sessions(argv: list[str]) -> int:
         parser.error("--engine-urls: name the model they serve with --model (the chat template and vocabulary)")
     model = args.model or str(toy_model(args.model_dir))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    stack = Stack(run_dir / "logs", {})
+    supervisor = Supervisor(run_dir / "logs", {})
     try:
-        result = run(args, policies, model, vocab, stack, run_dir / "logs")
+        result = run(args, policies, model, vocab, supervisor, run_dir / "logs")
     except RuntimeError as exc:
         print(f"centerline bench sessions: {exc}", file=sys.stderr)
         return 1
     finally:
-        stack.stop()
+        supervisor.stop()
     emit(result, args.out, indent=None if args.json else 2)
     return 0
 
@@ -379,7 +379,7 @@ def toy_model(model_dir: Path) -> Path:
     return out
 
 
-def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: Path) -> dict:
+def run(args, policies: list[str], model: str, vocab: int, supervisor: Supervisor, logs: Path) -> dict:
     started = time.monotonic()
     engines = []
     for i in range(0 if args.engine_urls else args.engines):
@@ -387,7 +387,7 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
         flags = ["--enable-metrics"]
         if args.max_total_tokens:
             flags += ["--max-total-tokens", str(args.max_total_tokens)]
-        proc = stack.start(f"sglang-{i}", launcher.sglang_argv(model, url, flags))
+        proc = supervisor.start(f"sglang-{i}", launcher.sglang_argv(model, url, flags))
         engines.append((url, proc))
     for i, (url, proc) in enumerate(engines):
         wait_http(f"{url}/health", f"SGLang {i}", proc, logs / f"sglang-{i}.log", 600)
@@ -405,7 +405,7 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
         "policies": {},
     }
     for n, policy in enumerate(policies):
-        proxy_url = start_router_and_proxy(stack, logs, urls, policy, vocab, args.k)
+        proxy_url = start_router_and_proxy(supervisor, logs, urls, policy, vocab, args.k)
         before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
         found = asyncio.run(run_sessions(args, proxy_url, model, seed=n))
         after = [engine_requests(u) for u in urls]
@@ -440,20 +440,22 @@ def run(args, policies: list[str], model: str, vocab: int, stack: Stack, logs: P
     return result
 
 
-def start_router_and_proxy(stack: Stack, logs: Path, engines: list[str], policy: str, vocab: int, k: int) -> str:
+def start_router_and_proxy(
+    supervisor: Supervisor, logs: Path, engines: list[str], policy: str, vocab: int, k: int
+) -> str:
     """smg with ``policy`` in front of ``engines``, a proxy at K = ``k`` in front of it; the proxy's URL once ready."""
     port, proxy_port = free_port(), free_port()
     name, _, assignment = policy.partition(":")
     argv = sglang.router_argv(engines, "127.0.0.1", port, free_port(), name)
     if assignment:  # smg's --assignment-mode: how manual places a new routing key
         argv += ["--assignment-mode", assignment]
-    router = stack.start(f"router-{policy.replace(':', '-')}", argv)
+    router = supervisor.start(f"router-{policy.replace(':', '-')}", argv)
     router_url = f"http://127.0.0.1:{port}"
     log = policy.replace(":", "-")
     wait_http(f"{router_url}/readiness", f"router ({policy})", router, logs / f"router-{log}.log", 120)
     argv = [PYTHON, "-m", "centerline", "proxy", "--upstream", router_url, "--host", "127.0.0.1"]
     argv += ["--port", str(proxy_port), "--vocab-size", str(vocab), "--rollout-top-logprobs-num", str(k)]
-    proxy = stack.start(f"proxy-{log}", argv)
+    proxy = supervisor.start(f"proxy-{log}", argv)
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     wait_http(f"{proxy_url}/ready", f"proxy ({policy})", proxy, logs / f"proxy-{log}.log", 120)
     progress("stack_ready", policy=policy, router=router_url, proxy=proxy_url)
