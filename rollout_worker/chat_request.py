@@ -9,7 +9,8 @@ field of OpenAI's chat-completions request is one of:
   reply is parsed for calls to the tools: ``rollout_worker/tool_calls.py``), ``tool_choice`` (``auto``,
   ``none``: the reply is text, or one named function: only calls to it are parsed; nothing is forced);
 - a setting the run fixes (``temperature``, ``top_p``, ``top_k``): accepted at the run's value;
-- accepted at its neutral value only (``NEUTRAL``), refused by name at any other;
+- accepted at its neutral value only (``NEUTRAL_ONLY``; the sampler's own settings at
+  ``shared/sampling.py``'s ``NEUTRAL``), refused by name at any other;
 - no effect on what is sampled (``NO_EFFECT``: who calls, what to cache): accepted as it is.
 
 Any other field is refused by name: nothing a request says is silently ignored.
@@ -25,18 +26,16 @@ import orjson
 from rollout_worker.session import SessionRequestError, UnsupportedSettingError
 from rollout_worker.tool_calls import offered_tools
 from shared.config import Config
+from shared.sampling import NEUTRAL, Sampling
 
 _DISTRIBUTION = "it changes the distribution the run samples and trains on"
 _TOOLS = "the endpoint parses the calls the model samples and forces none (constrained decoding " + _DISTRIBUTION + ")"
 _TEXT = "the session's replies are text sampled by the run's model"
 
 # field: (its accepted values besides unset, why any other is refused)
-NEUTRAL: dict[str, tuple[tuple, str]] = {
+NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "a session's turn is one reply"),
-    "frequency_penalty": ((0,), _DISTRIBUTION),
-    "presence_penalty": ((0,), _DISTRIBUTION),
-    "repetition_penalty": ((1,), _DISTRIBUTION),
-    "min_p": ((0,), _DISTRIBUTION),
+    **{name: ((value,), _DISTRIBUTION) for name, value in NEUTRAL.items()},
     "min_tokens": ((0,), _DISTRIBUTION),
     "ignore_eos": ((False,), _DISTRIBUTION),
     "logit_bias": (({},), _DISTRIBUTION),
@@ -174,9 +173,9 @@ def refuse_settings(body: dict, cfg: Config) -> None:
         if value is None or name in HONOURED or name in NO_EFFECT:
             continue
         if name in RUN_SETTINGS:
-            _check_run_setting(name, value, cfg)
-        elif name in NEUTRAL:
-            accepted, why = NEUTRAL[name]
+            _check_run_setting(name, value, Sampling.from_config(cfg))
+        elif name in NEUTRAL_ONLY:
+            accepted, why = NEUTRAL_ONLY[name]
             if not any(_same(value, a) for a in accepted):
                 allowed = " or ".join(repr(a) for a in accepted) if accepted else "nothing"
                 raise UnsupportedSettingError(
@@ -189,11 +188,11 @@ def refuse_settings(body: dict, cfg: Config) -> None:
             )
 
 
-def _check_run_setting(name: str, value, cfg: Config) -> None:
+def _check_run_setting(name: str, value, run: Sampling) -> None:
     if name == "top_k":
         if not _is_int(value):
             raise SessionRequestError(f"top_k: is {value!r}, expected an integer")
-        want = cfg.rollout_top_k
+        want = run.top_k
         if (-1 if value in (0, -1) else value) != want:  # 0 and -1 both mean no top-k
             raise UnsupportedSettingError(
                 f"top_k: is {value}, the run samples at {want} (--rollout-top-k); {_DISTRIBUTION}"
@@ -201,7 +200,7 @@ def _check_run_setting(name: str, value, cfg: Config) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SessionRequestError(f"{name}: is {value!r}, expected a number")
-    want = cfg.rollout_temperature if name == "temperature" else cfg.rollout_top_p
+    want = getattr(run, name)  # temperature, top_p
     if not math.isclose(value, want, rel_tol=1e-9):
         flag = "--rollout-" + name.replace("_", "-")
         raise UnsupportedSettingError(f"{name}: is {value}, the run samples at {want} ({flag}); {_DISTRIBUTION}")

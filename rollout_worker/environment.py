@@ -364,11 +364,7 @@ async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
         group_advantages(rewards, std_norm=cfg.advantage_std_norm),
         attempt=attempt,
         producer=settings.worker_id,
-        mode=cfg.rollout_logprobs_mode,
-        k=cfg.rollout_top_logprobs_num,
-        temperature=cfg.rollout_temperature,
-        top_p=cfg.rollout_top_p,
-        top_k=cfg.rollout_top_k,
+        sampling=worker.sampling,
     )
     try:
         check_batch(batch, vocab_size=settings.vocab_size)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.response_arrays import ResponseArrays
+from shared.sampling import Sampling
 from shared.task import PromptTask
 from shared.wire import Batch
 
@@ -110,13 +111,14 @@ def pack_group(
     advantages: np.ndarray,
     *,
     attempt: int = 1,
-    **settings,
+    producer: str,
+    sampling: Sampling,
 ) -> Batch:
-    """The group's one batch: every sample on ``prompt_ids``, all of its tokens trained.
-    ``settings``: ``producer``, ``mode``, ``k``, ``temperature``, ``top_p``, ``top_k``, as in
-    ``pack_trajectories``."""
+    """The group's one batch: every sample on ``prompt_ids``, all of its tokens trained."""
     trajectories = [Trajectory.of_sample(prompt_ids, s) for s in samples]
-    return pack_trajectories(task, trajectories, rewards, advantages, attempt=attempt, **settings)
+    return pack_trajectories(
+        task, trajectories, rewards, advantages, attempt=attempt, producer=producer, sampling=sampling
+    )
 
 
 def pack_trajectories(
@@ -127,11 +129,7 @@ def pack_trajectories(
     *,
     attempt: int = 1,
     producer: str,
-    mode: str,
-    k: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
+    sampling: Sampling,
 ) -> Batch:
     """The group's one batch (wire format v2): ``task_id`` is the task's and ``batch_id`` its
     attempt's (``batch_id_of``), so a publish repeated within an attempt is dropped by JetStream
@@ -139,7 +137,8 @@ def pack_trajectories(
     Each token carries the version that sampled it, and the batch the newest of them, so one batch
     holds a group however many weight versions sampled it. ``attempt`` is the task's
     (``attempts_before`` + the message's delivery); ``parts`` is 1 until the publisher splits the
-    batch by size."""
+    batch by size. ``sampling`` is the run's, which the batch records for the trainer to check."""
+    k = sampling.k
     lengths = [len(t.response_ids) for t in trajectories]
     offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -153,11 +152,11 @@ def pack_trajectories(
         attempt=int(attempt),
         parts=1,
         weight_version=int(token_versions.max()) if token_versions.size else 0,
-        mode=mode,
+        mode=sampling.mode,
         k=k,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k),
         sample_ids=[f"{task.task_id}/{i}" for i in range(len(trajectories))],
         group_ids=[task.group_id] * len(trajectories),
         finish_reasons=[t.finish_reason for t in trajectories],

@@ -8,13 +8,15 @@ whichever proxy or server defaults it meets.
 from __future__ import annotations
 
 from shared.config import Config
+from shared.sampling import Sampling
 
 
 def sampling(cfg: Config) -> dict:
     """The sampling settings of every training request: temperature, top-p and, when set, top-k."""
-    out = {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p}
-    if cfg.rollout_top_k > 0:
-        out["top_k"] = cfg.rollout_top_k
+    run = Sampling.from_config(cfg)
+    out = {"temperature": run.temperature, "top_p": run.top_p}
+    if run.top_k > 0:
+        out["top_k"] = run.top_k
     return out
 
 
@@ -41,8 +43,9 @@ def chat_training_body(cfg: Config, prompt: str, n: int) -> dict:
 def logprob_fields(cfg: Config) -> dict:
     """What the contract asks SGLang to return: the sampled log-probs and the top-``K`` rows
     (``selected``) or the realized support (``support``). The proxy sets the same again."""
-    if cfg.rollout_logprobs_mode == "selected":
-        return {"return_logprob": True, "top_logprobs_num": cfg.rollout_top_logprobs_num}
+    run = Sampling.from_config(cfg)
+    if run.mode == "selected":
+        return {"return_logprob": True, "top_logprobs_num": run.k}
     return {"return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}
 
 

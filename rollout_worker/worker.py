@@ -52,6 +52,7 @@ from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
 from shared.nats_client import PublishError, PullConsumer, connect, pull_consumer
 from shared.response_arrays import ResponseArrays
+from shared.sampling import Sampling
 from shared.settings import WorkerSettings
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
@@ -109,6 +110,7 @@ class Worker:
         if settings.worker_id is None or settings.vocab_size is None:
             raise ValueError("Worker needs settings with worker_id and vocab_size resolved (rollout_worker/main.py)")
         self.cfg, self.settings, self.tok, self.metrics = cfg, settings, tokenizer, metrics
+        self.sampling = Sampling.from_config(cfg)  # what every batch records
         self.stopping = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
         self.nc = self.js = self.consumer = None
@@ -345,11 +347,7 @@ class Worker:
             rewards,
             advantages,
             producer=self.settings.worker_id,
-            mode=cfg.rollout_logprobs_mode,
-            k=cfg.rollout_top_logprobs_num,
-            temperature=cfg.rollout_temperature,
-            top_p=cfg.rollout_top_p,
-            top_k=cfg.rollout_top_k,
+            sampling=self.sampling,
             attempt=attempt,
         )
         try:

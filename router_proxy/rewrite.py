@@ -11,12 +11,13 @@ names the field; the server turns it into HTTP 400.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import orjson
 
 from shared.config import Config
 from shared.contract import k_above_vocab
+from shared.sampling import NEUTRAL, Sampling
 
 SGLANG_TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter" default
 
@@ -48,26 +49,15 @@ class RequestRejected(ValueError):
 
 
 @dataclass(frozen=True)
-class Contract:
-    """What every training request samples with and what every response must carry."""
+class Contract(Sampling):
+    """The run's sampling (``shared/sampling.py``), which every training request samples with and
+    every response must carry, and the endpoint the probe checks."""
 
-    k: int
-    temperature: float
-    top_p: float
-    top_k: int  # -1 = no top-k filter
-    mode: str  # "selected" | "support"
-    endpoint: str  # "generate" | "chat": the endpoint the probe checks
+    endpoint: str  # "generate" | "chat"
 
     @classmethod
     def from_config(cls, cfg: Config) -> Contract:
-        return cls(
-            k=cfg.rollout_top_logprobs_num,
-            temperature=cfg.rollout_temperature,
-            top_p=cfg.rollout_top_p,
-            top_k=cfg.rollout_top_k,
-            mode=cfg.rollout_logprobs_mode,
-            endpoint=cfg.rollout_endpoint,
-        )
+        return cls(**asdict(Sampling.from_config(cfg)), endpoint=cfg.rollout_endpoint)
 
 
 def rewrite_body(
@@ -204,16 +194,16 @@ def _check_sampling(params: dict, c: Contract, *, prefix: str) -> None:
     off = (-1, SGLANG_TOP_K_ALL)
     if k is not None and not (k == c.top_k or (c.top_k == -1 and k in off)):
         raise RequestRejected(prefix + "top_k", f"is {k}, the contract samples with top_k {c.top_k} (--rollout-top-k)")
-    if number("min_p") not in (None, 0):
+    if number("min_p") not in (None, NEUTRAL["min_p"]):
         raise RequestRejected(
             prefix + "min_p",
             f"is {params['min_p']}; min-p filtering is not supported by the contract (its support is not recorded)",
         )
-    for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)):
-        if number(name) not in (None, neutral):
+    for name, neutral in NEUTRAL.items():
+        if name != "min_p" and number(name) not in (None, neutral):
             raise RequestRejected(
                 prefix + name,
-                f"is {params[name]}; penalties change the sampled distribution, only {neutral} is allowed",
+                f"is {params[name]}; penalties change the sampled distribution, only {neutral:g} is allowed",
             )
     if params.get("logit_bias"):
         raise RequestRejected(
@@ -228,11 +218,6 @@ def _check_sampling(params: dict, c: Contract, *, prefix: str) -> None:
             )
 
 
-# Every setting SGLang's sampler reads, stated in each training request. A setting left unset
-# is filled by the server: native /generate from --preferred-sampling-params, chat from the
-# model's generation_config.json (--sampling-defaults model, SGLang's default), so a Qwen model
-# would sample with top_k 20 while the batch records unfiltered candidates.
-NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 # Settings of --preferred-sampling-params that change neither what is sampled nor what its
 # candidates describe; any other one there cannot be overridden through a router (it drops
 # logit_bias, custom_params, ...), so the probe refuses such an upstream.
@@ -254,7 +239,10 @@ STATED = frozenset({"temperature", "top_p", "top_k", *NEUTRAL, "min_new_tokens"}
 
 
 def _set_sampling(params: dict, c: Contract, *, min_tokens: str | None) -> None:
-    """State every sampling setting (``min_tokens``: the minimum length's name on this endpoint;
+    """State every setting SGLang's sampler reads: one left unset is filled by the server, native
+    /generate from --preferred-sampling-params, chat from the model's generation_config.json
+    (--sampling-defaults model, SGLang's default), so a Qwen model would sample with top_k 20 while
+    the batch records unfiltered candidates (``min_tokens``: the minimum length's name on this endpoint;
     None on chat, where sglang-router 0.3.2 refuses ``min_tokens`` 0 and SGLang's chat layer
     states its own 0 for a request without one)."""
     params["temperature"] = c.temperature

@@ -15,6 +15,7 @@ from rollout_worker.packing import pack_group, samples_from_arrays
 from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
+from shared.sampling import Sampling
 from shared.wire import ARRAY_FIELDS, Batch, WireError, encode_map
 from tests.json_samples import samples_from_response
 from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, pack
@@ -91,11 +92,7 @@ def pack_k(samples, k: int) -> Batch:
         rewards,
         rewards - rewards.mean(),
         producer="w0",
-        mode="selected",
-        k=k,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=-1,
+        sampling=Sampling(k=k, temperature=1.0, top_p=1.0, top_k=-1, mode="selected"),
     )
 
 

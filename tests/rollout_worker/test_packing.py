@@ -12,6 +12,7 @@ import pytest
 from rollout_worker.packing import pack_group
 from rollout_worker.rewards import group_advantages
 from shared.contract import ContractViolation, check_batch
+from shared.sampling import Sampling
 from shared.task import PromptTask, TaskError
 from tests.json_samples import ResponseError, samples_from_response
 from tests.rounding import U32
@@ -55,11 +56,13 @@ def pack(samples, rewards=(1.0, 0.0), mode="selected"):
         rewards,
         group_advantages(rewards),
         producer="w0",
-        mode=mode,
-        k=K,
-        temperature=1.0,
-        top_p=1.0 if mode == "selected" else 0.9,
-        top_k=-1 if mode == "selected" else 2,
+        sampling=Sampling(
+            k=K,
+            temperature=1.0,
+            top_p=1.0 if mode == "selected" else 0.9,
+            top_k=-1 if mode == "selected" else 2,
+            mode=mode,
+        ),
     )
 
 
@@ -161,7 +164,7 @@ def test_chat_choices_are_read_from_their_native_meta_info():
 def test_a_later_attempt_of_a_task_has_its_own_batch_id_so_its_parts_never_mix_with_another_attempts():
     samples = samples_from_response(SELECTED, endpoint="generate", mode="selected", k=K)
     rewards = np.array([1.0, 0.0])
-    settings = dict(producer="w0", mode="selected", k=K, temperature=1.0, top_p=1.0, top_k=-1)
+    settings = dict(producer="w0", sampling=Sampling(k=K, temperature=1.0, top_p=1.0, top_k=-1, mode="selected"))
     again = pack_group(TASK, [117, 112], samples, rewards, group_advantages(rewards), attempt=3, **settings)
     assert (again.batch_id, again.task_id, again.attempt) == ("run/0/7#3", "run/0/7", 3)
     assert again.sample_ids == ["run/0/7/0", "run/0/7/1"]  # the group's samples, whichever attempt

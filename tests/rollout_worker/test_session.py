@@ -26,6 +26,7 @@ from rollout_worker.worker import Rejected, Transient
 from shared.config import Config
 from shared.contract import check_batch
 from shared.response_arrays import ResponseArrays
+from shared.sampling import Sampling
 from shared.task import PromptTask
 
 K, VOCAB, IM_END, EOS = 4, 260, 258, 256
@@ -130,7 +131,7 @@ def test_a_trajectory_is_one_sample_of_a_batch_that_passes_the_contract(template
     other, _, _, _ = three_turns(template)
     task = PromptTask("run/0/1", "run/g1", "", "", "exact", 2, 0, environment="m:f")
     rewards = np.array([1.0, 0.0])
-    settings = dict(producer="w", mode="selected", k=K, temperature=1.0, top_p=1.0, top_k=-1)
+    settings = dict(producer="w", sampling=Sampling(k=K, temperature=1.0, top_p=1.0, top_k=-1, mode="selected"))
     batch = pack_trajectories(task, [s.trajectory(), other.trajectory()], rewards, rewards - 0.5, attempt=2, **settings)
     check_batch(batch, vocab_size=VOCAB, current_version=0, max_staleness=0)
     assert (batch.batch_id, batch.task_id, batch.attempt, batch.num_samples) == ("run/0/1#2", "run/0/1", 2, 2)
