@@ -25,6 +25,13 @@ pytestmark = pytest.mark.integration
 STEPS, EVERY, ROWS = 3, 2, 3
 
 
+@pytest.fixture(autouse=True)
+def no_trainer_outlives_its_test():
+    """A test that fails midway leaves no trainer behind to take the next test's CPU and NATS."""
+    yield
+    Trainer.kill_all()
+
+
 def lines(path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
