@@ -47,15 +47,12 @@ import orjson
 from aiohttp import web
 
 from rollout_worker.chat_request import parse_request
-from rollout_worker.packing import pack_trajectories
+from rollout_worker.failures import Rejected, Transient
 from rollout_worker.request import generate_body
-from rollout_worker.rewards import group_advantages
 from rollout_worker.session import ChatTemplate, Session, SessionError
 from rollout_worker.user_code import load_function
-from rollout_worker.worker import Outcome, Rejected, Transient
-from shared import faults, response_arrays
+from shared import response_arrays
 from shared.config import Config
-from shared.contract import ContractViolation, check_batch
 from shared.response_arrays import ResponseArrays
 from shared.task import PromptTask
 from shared.toy_tasks import ENVIRONMENTS
@@ -261,7 +258,7 @@ async def play(
     endpoint, rendered with ``tokenizer``'s chat template (an HF tokenizer) and turned through the
     proxy at ``cfg.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected``
     as ``Worker.process`` does, ``Rejected`` too when the sessions are not all back within
-    ``deadline`` seconds (they are cancelled). The worker trains on them (``sample_sessions``, which
+    ``deadline`` seconds (they are cancelled). The worker trains on them (``Worker.sample_sessions``, which
     passes its failpoint as ``between_turns``: see ``Session``); ``centerline up``'s held-out
     evaluation scores them."""
     import openai
@@ -346,30 +343,3 @@ async def play(
             log.info("session ended at its token budget after its last complete turn", extra={"fields": fields})
         played.append((session, reward))
     return played
-
-
-async def sample_sessions(worker, task: PromptTask, attempt: int) -> Outcome:
-    """``task.n`` sessions of the task's environment, scored, packed as one batch and checked;
-    raises ``Transient`` or ``Rejected`` as ``Worker.process`` does."""
-    cfg, settings = worker.cfg, worker.settings
-    # a fault test kills the worker here, between two turns of a session (@step: the turn arriving)
-    between = functools.partial(faults.hit, "worker.between_turns")
-    deadline = settings.environment_deadline(cfg)
-    played = await play(cfg, worker.session, worker.tok.chat, task, task.n, settings.request_timeout, between, deadline)
-    rewards = np.asarray([reward for _, reward in played], np.float64)
-    batch = pack_trajectories(
-        task,
-        [s.trajectory() for s, _ in played],
-        rewards,
-        group_advantages(rewards, std_norm=cfg.advantage_std_norm),
-        attempt=attempt,
-        producer=settings.worker_id,
-        sampling=worker.sampling,
-    )
-    try:
-        check_batch(batch, vocab_size=settings.vocab_size)
-    except ContractViolation as exc:
-        raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
-    caches = [c for c in (s.later_turns_cache() for s, _ in played) if c is not None]
-    cache = (sum(p for p, _ in caches), sum(c for _, c in caches))
-    return Outcome([batch], rewards, int(batch.loss_mask.sum()), later_turns_cache=cache)

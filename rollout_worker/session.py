@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollout_worker.failures import Rejected, Transient
 from rollout_worker.packing import Sample, Trajectory, samples_from_arrays
 from rollout_worker.tool_calls import ParsedReply, ReplyParser
-from rollout_worker.worker import Rejected, Transient
 from shared.config import Config
 from shared.response_arrays import ResponseArrays
 

@@ -42,7 +42,9 @@ import nats.errors
 import numpy as np
 import orjson
 
-from rollout_worker.packing import pack_group, samples_from_arrays
+from rollout_worker.environment import play
+from rollout_worker.failures import Rejected, Transient
+from rollout_worker.packing import pack_group, pack_trajectories, samples_from_arrays
 from rollout_worker.publish import HEADER_ROOM, PayloadTooLargeError, publish_batch
 from rollout_worker.request import chat_training_body, training_body
 from rollout_worker.rewards import RewardError, group_advantages, score
@@ -59,18 +61,6 @@ from shared.task import PromptTask, TaskError
 from shared.wire import WireError, encode_batch
 
 log = logging.getLogger("centerline.worker")
-
-
-class Transient(RuntimeError):
-    """A failure worth another attempt later (NAK)."""
-
-
-class Rejected(RuntimeError):
-    """A failure that would repeat on every attempt (TERM); ``batch`` is the offending batch if any."""
-
-    def __init__(self, message: str, batch=None):
-        super().__init__(message)
-        self.batch = batch
 
 
 @dataclass
@@ -320,9 +310,7 @@ class Worker:
         """Sample the group, score it and pack it (``attempt``: the task's delivery); raises ``Transient`` or
         ``Rejected``."""
         if task.environment:  # multi-turn sessions driven by the task's environment
-            from rollout_worker.environment import sample_sessions
-
-            return await sample_sessions(self, task, attempt)
+            return await self.sample_sessions(task, attempt)
         cfg = self.cfg
         endpoint = cfg.rollout_endpoint
         prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
@@ -355,6 +343,32 @@ class Worker:
         except ContractViolation as exc:
             raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
         return Outcome([batch], rewards, sum(len(s.response_ids) for s in samples))
+
+    async def sample_sessions(self, task: PromptTask, attempt: int) -> Outcome:
+        """``task.n`` sessions of the task's environment (``rollout_worker/environment.py``), scored,
+        packed as one batch and checked; raises ``Transient`` or ``Rejected`` as ``process`` does."""
+        cfg, settings = self.cfg, self.settings
+        # a fault test kills the worker here, between two turns of a session (@step: the turn arriving)
+        between = functools.partial(faults.hit, "worker.between_turns")
+        deadline = settings.environment_deadline(cfg)
+        played = await play(cfg, self.session, self.tok.chat, task, task.n, settings.request_timeout, between, deadline)
+        rewards = np.asarray([reward for _, reward in played], np.float64)
+        batch = pack_trajectories(
+            task,
+            [s.trajectory() for s, _ in played],
+            rewards,
+            group_advantages(rewards, std_norm=cfg.advantage_std_norm),
+            attempt=attempt,
+            producer=settings.worker_id,
+            sampling=self.sampling,
+        )
+        try:
+            check_batch(batch, vocab_size=settings.vocab_size)
+        except ContractViolation as exc:
+            raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
+        caches = [c for c in (s.later_turns_cache() for s, _ in played) if c is not None]
+        cache = (sum(p for p, _ in caches), sum(c for _, c in caches))
+        return Outcome([batch], rewards, int(batch.loss_mask.sum()), later_turns_cache=cache)
 
     def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
         """The training request; the proxy adds the log-prob fields of the contract."""

@@ -196,3 +196,35 @@ def test_every_public_name_of_shared_has_two_users():
         if not name.startswith("_") and len(users[(module, name)]) < 2 and (module, name) not in ONE_USER_NAMES
     }
     assert single == {}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``, each as the modules around it (the first repeated last)."""
+    cycles, done, path = [], set(), []
+
+    def visit(module: str) -> None:
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported in path:
+                cycles.append(path[path.index(imported) :] + [imported])
+            elif imported not in done and imported in graph:
+                visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_in_a_service_or_shared():
+    """A module of a service or of ``shared/`` never imports, even lazily inside a function, one that
+    imports it back: each module reads only from those below it."""
+    graph = import_graph()
+    inside = {
+        module: {m for m in imports if m.split(".")[0] == module.split(".")[0]}
+        for module, imports in graph.items()
+        if module.split(".")[0] in (*SERVICES, "shared")
+    }
+    assert import_cycles(inside) == []

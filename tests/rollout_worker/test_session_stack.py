@@ -16,6 +16,7 @@ import pytest
 
 from centerline.tokenizer import CHAT_TEMPLATE
 from rollout_worker import environment
+from rollout_worker import worker as worker_module
 from rollout_worker.main import load_tokenizer
 from rollout_worker.session import message_key
 from rollout_worker.worker import Rejected, Transient, Worker
@@ -260,13 +261,13 @@ def reject_swallowed(proxy_url: str, model_dir, monkeypatch, chat_template: str)
     """``(the task's rejection, the batches packed)`` of a task whose environment catches the error
     answered for its sessions' second turn and returns a reward anyway."""
     session_environments.CAUGHT.clear()
-    real, packed = environment.pack_trajectories, []
+    real, packed = worker_module.pack_trajectories, []
 
     def packing(*args, **kwargs):
         packed.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(environment, "pack_trajectories", packing)
+    monkeypatch.setattr(worker_module, "pack_trajectories", packing)
     env = "tests.rollout_worker.session_environments:swallows_a_refusal"
     with pytest.raises(Rejected) as rejected:
         run_task(proxy_url, model_dir, env, monkeypatch, chat_template=chat_template)
