@@ -48,18 +48,16 @@ from aiohttp import web
 
 from rollout_worker.chat_request import parse_request
 from rollout_worker.failures import Rejected, Transient
+from rollout_worker.proxy_call import post
 from rollout_worker.request import generate_body
 from rollout_worker.session import ChatTemplate, Session, SessionError
 from rollout_worker.user_code import load_function
-from shared import response_arrays
 from shared.config import Config
 from shared.response_arrays import ResponseArrays
 from shared.task import PromptTask
 from shared.toy_tasks import ENVIRONMENTS
-from shared.wire import WireError
 
 log = logging.getLogger("centerline.worker")
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # smg 0.3.2's session affinity key (docs/sglang.md)
 
 
 class EnvironmentLoadError(ValueError):
@@ -73,30 +71,8 @@ def load_environment(spec: str) -> Callable:
 
 
 async def proxy_generate(http: aiohttp.ClientSession, proxy_url: str, body: dict, routing_key: str) -> ResponseArrays:
-    """One training request through the proxy, its audited answer as arrays; ``Transient`` for
-    what another attempt may not meet, ``Rejected`` for a request refused as such."""
-    url = proxy_url.rstrip("/") + "/generate"
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": response_arrays.MEDIA_TYPE,
-        ROUTING_KEY_HEADER: routing_key,
-    }
-    try:
-        async with http.post(url, data=orjson.dumps(body), headers=headers) as resp:
-            status, answer, ctype = resp.status, await resp.read(), resp.content_type
-            verdict = resp.headers.get("X-Centerline-Audit")
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise Transient(f"{url}: {exc!r}") from None
-    if status in (400, 413, 422):
-        raise Rejected(f"the proxy refused a session's turn with {status}: {answer[:1000].decode(errors='replace')}")
-    if status != 200:
-        raise Transient(f"{url} answered {status}: {answer[:500].decode(errors='replace')}")
-    if ctype != response_arrays.MEDIA_TYPE:
-        raise Transient(f"{url} answered {ctype}, not {response_arrays.MEDIA_TYPE} (audit verdict: {verdict})")
-    try:
-        return response_arrays.decode(answer)
-    except WireError as exc:
-        raise Transient(f"unusable response from the proxy: {exc}") from None
+    """A session's turn: one native /generate through the proxy, on the session's ``routing_key``."""
+    return await post(http, proxy_url.rstrip("/") + "/generate", body, routing_key)
 
 
 class SessionEndpoint:

@@ -103,24 +103,6 @@ def batch_id_of(task_id: str, attempt: int) -> str:
     return task_id if attempt == 1 else f"{task_id}#{attempt}"
 
 
-def pack_group(
-    task: PromptTask,
-    prompt_ids: list[int],
-    samples: list[Sample],
-    rewards: np.ndarray,
-    advantages: np.ndarray,
-    *,
-    attempt: int = 1,
-    producer: str,
-    sampling: Sampling,
-) -> Batch:
-    """The group's one batch: every sample on ``prompt_ids``, all of its tokens trained."""
-    trajectories = [Trajectory.of_sample(prompt_ids, s) for s in samples]
-    return pack_trajectories(
-        task, trajectories, rewards, advantages, attempt=attempt, producer=producer, sampling=sampling
-    )
-
-
 def pack_trajectories(
     task: PromptTask,
     trajectories: list[Trajectory],

@@ -40,15 +40,15 @@ from dataclasses import dataclass, field
 import aiohttp
 import nats.errors
 import numpy as np
-import orjson
 
 from rollout_worker.environment import play
 from rollout_worker.failures import Rejected, Transient
-from rollout_worker.packing import pack_group, pack_trajectories, samples_from_arrays
+from rollout_worker.packing import Trajectory, pack_trajectories, samples_from_arrays
+from rollout_worker.proxy_call import post
 from rollout_worker.publish import HEADER_ROOM, PayloadTooLargeError, publish_batch
 from rollout_worker.request import chat_training_body, training_body
 from rollout_worker.rewards import RewardError, group_advantages, score
-from shared import faults, names, response_arrays
+from shared import faults, names
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
@@ -58,7 +58,7 @@ from shared.sampling import Sampling
 from shared.settings import WorkerSettings
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
-from shared.wire import WireError, encode_batch
+from shared.wire import encode_batch
 
 log = logging.getLogger("centerline.worker")
 
@@ -307,15 +307,33 @@ class Worker:
             self.metrics.tasks.labels(outcome).inc()
 
     async def process(self, task: PromptTask, attempt: int = 1) -> Outcome:
-        """Sample the group, score it and pack it (``attempt``: the task's delivery); raises ``Transient`` or
-        ``Rejected``."""
+        """Sample the group (``attempt``: the task's delivery), score it, pack it as one batch and check
+        it: a prompt's ``task.n`` responses, or ``task.n`` sessions of the task's environment, each one
+        trajectory of the batch. Raises ``Transient`` or ``Rejected``."""
+        cache = (0, 0)
         if task.environment:  # multi-turn sessions driven by the task's environment
-            return await self.sample_sessions(task, attempt)
-        cfg = self.cfg
-        endpoint = cfg.rollout_endpoint
-        prompt_ids = self.tok.encode_chat(task.prompt) if endpoint == "chat" else self.tok.encode(task.prompt)
-        arrays = await self.sample(task, prompt_ids)
-        if endpoint == "chat":  # SGLang renders the chat template itself: train on what it sampled on
+            trajectories, rewards, cache = await self.sample_sessions(task)
+        else:
+            trajectories, rewards = await self.sample_responses(task)
+        advantages = group_advantages(rewards, std_norm=self.cfg.advantage_std_norm)
+        producer = self.settings.worker_id
+        batch = pack_trajectories(
+            task, trajectories, rewards, advantages, attempt=attempt, producer=producer, sampling=self.sampling
+        )
+        try:
+            check_batch(batch, vocab_size=self.settings.vocab_size)
+        except ContractViolation as exc:
+            raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
+        return Outcome([batch], rewards, int(batch.loss_mask.sum()), later_turns_cache=cache)
+
+    async def sample_responses(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray]:
+        """``task.n`` responses to the prompt, one request through the proxy, each scored by the task's reward."""
+        chat = self.cfg.rollout_endpoint == "chat"
+        prompt_ids = self.tok.encode_chat(task.prompt) if chat else self.tok.encode(task.prompt)
+        path = "/v1/chat/completions" if chat else "/generate"
+        url = self.cfg.proxy_url.rstrip("/") + path
+        arrays = await post(self.session, url, self.request_body(task, prompt_ids))
+        if chat:  # SGLang renders the chat template itself: train on what it sampled on
             prompt_ids = served_prompt_ids(arrays)
         samples = samples_from_arrays(arrays)
         if len(samples) != task.n:
@@ -327,79 +345,23 @@ class Worker:
             rewards = score(task, [s.text for s in samples])
         except RewardError as exc:
             raise Rejected(str(exc)) from None
-        advantages = group_advantages(rewards, std_norm=cfg.advantage_std_norm)
-        batch = pack_group(
-            task,
-            prompt_ids,
-            samples,
-            rewards,
-            advantages,
-            producer=self.settings.worker_id,
-            sampling=self.sampling,
-            attempt=attempt,
-        )
-        try:
-            check_batch(batch, vocab_size=self.settings.vocab_size)
-        except ContractViolation as exc:
-            raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
-        return Outcome([batch], rewards, sum(len(s.response_ids) for s in samples))
+        return [Trajectory.of_sample(prompt_ids, s) for s in samples], rewards
 
-    async def sample_sessions(self, task: PromptTask, attempt: int) -> Outcome:
-        """``task.n`` sessions of the task's environment (``rollout_worker/environment.py``), scored,
-        packed as one batch and checked; raises ``Transient`` or ``Rejected`` as ``process`` does."""
-        cfg, settings = self.cfg, self.settings
+    async def sample_sessions(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray, tuple[int, int]]:
+        """``task.n`` sessions of the task's environment (``rollout_worker/environment.py``), each with
+        the reward it returned; and the prompt tokens of their turns 2 and later, with those SGLang's
+        prefix cache served."""
         # a fault test kills the worker here, between two turns of a session (@step: the turn arriving)
         between = functools.partial(faults.hit, "worker.between_turns")
-        deadline = settings.environment_deadline(cfg)
-        played = await play(cfg, self.session, self.tok.chat, task, task.n, settings.request_timeout, between, deadline)
-        rewards = np.asarray([reward for _, reward in played], np.float64)
-        batch = pack_trajectories(
-            task,
-            [s.trajectory() for s, _ in played],
-            rewards,
-            group_advantages(rewards, std_norm=cfg.advantage_std_norm),
-            attempt=attempt,
-            producer=settings.worker_id,
-            sampling=self.sampling,
-        )
-        try:
-            check_batch(batch, vocab_size=settings.vocab_size)
-        except ContractViolation as exc:
-            raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
+        deadline = self.settings.environment_deadline(self.cfg)
+        timeout = self.settings.request_timeout
+        played = await play(self.cfg, self.session, self.tok.chat, task, task.n, timeout, between, deadline)
         caches = [c for c in (s.later_turns_cache() for s, _ in played) if c is not None]
         cache = (sum(p for p, _ in caches), sum(c for _, c in caches))
-        return Outcome([batch], rewards, int(batch.loss_mask.sum()), later_turns_cache=cache)
+        return [s.trajectory() for s, _ in played], np.asarray([r for _, r in played], np.float64), cache
 
     def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
         """The training request; the proxy adds the log-prob fields of the contract."""
         if self.cfg.rollout_endpoint == "chat":
             return chat_training_body(self.cfg, task.prompt, task.n)
         return training_body(self.cfg, prompt_ids, task.n)
-
-    async def sample(self, task: PromptTask, prompt_ids: list[int]) -> ResponseArrays:
-        """The audited response as arrays: the proxy parsed SGLang's JSON once, to audit it, and
-        answers this worker in binary (``shared/response_arrays.py``); nothing is parsed here."""
-        path = "/v1/chat/completions" if self.cfg.rollout_endpoint == "chat" else "/generate"
-        url = self.cfg.proxy_url.rstrip("/") + path
-        headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
-        try:
-            async with self.session.post(
-                url, data=orjson.dumps(self.request_body(task, prompt_ids)), headers=headers
-            ) as resp:
-                status, body = resp.status, await resp.read()
-                ctype, verdict = resp.content_type, resp.headers.get("X-Centerline-Audit")
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise Transient(f"{url}: {exc!r}") from None
-        if status in (400, 413, 422):  # the proxy or SGLang refused the request itself: asking again cannot help
-            raise Rejected(f"the proxy refused the request with {status}: {body[:1000].decode(errors='replace')}")
-        if status != 200:
-            raise Transient(f"{url} answered {status}: {body[:500].decode(errors='replace')}")
-        if ctype != response_arrays.MEDIA_TYPE:  # an observe-mode proxy passing a response it could not read
-            raise Transient(
-                f"{url} answered {ctype}, not {response_arrays.MEDIA_TYPE} (audit verdict: {verdict}); the worker "
-                "reads only the binary answer of a centerline proxy"
-            )
-        try:
-            return response_arrays.decode(body)
-        except WireError as exc:
-            raise Transient(f"unusable response from the proxy: {exc}") from None

@@ -11,14 +11,14 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_worker.packing import pack_group, samples_from_arrays
+from rollout_worker.packing import samples_from_arrays
 from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
 from shared.sampling import Sampling
 from shared.wire import ARRAY_FIELDS, Batch, WireError, encode_map
 from tests.json_samples import samples_from_response
-from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, pack
+from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, pack, pack_responses
 
 ARRAYS_ACCEPT = {"Accept": response_arrays.MEDIA_TYPE}
 
@@ -85,7 +85,7 @@ def test_a_large_scanned_response_packs_the_same_batches_either_way():
 
 def pack_k(samples, k: int) -> Batch:
     rewards = np.arange(len(samples), dtype=np.float64)
-    return pack_group(
+    return pack_responses(
         TASK,
         [1, 2],
         samples,

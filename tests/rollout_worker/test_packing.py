@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_worker.packing import pack_group
+from rollout_worker.packing import Trajectory, pack_trajectories
 from rollout_worker.rewards import group_advantages
 from shared.contract import ContractViolation, check_batch
 from shared.sampling import Sampling
@@ -47,9 +47,15 @@ SELECTED = [
 ]
 
 
+def pack_responses(task, prompt_ids, samples, rewards, advantages, **settings):
+    """A prompt's responses packed as the worker packs them: each a trajectory on ``prompt_ids``."""
+    trajectories = [Trajectory.of_sample(prompt_ids, s) for s in samples]
+    return pack_trajectories(task, trajectories, rewards, advantages, **settings)
+
+
 def pack(samples, rewards=(1.0, 0.0), mode="selected"):
     rewards = np.array(rewards)
-    return pack_group(
+    return pack_responses(
         TASK,
         [117, 112, 32, 97, 61],
         samples,
@@ -165,7 +171,7 @@ def test_a_later_attempt_of_a_task_has_its_own_batch_id_so_its_parts_never_mix_w
     samples = samples_from_response(SELECTED, endpoint="generate", mode="selected", k=K)
     rewards = np.array([1.0, 0.0])
     settings = dict(producer="w0", sampling=Sampling(k=K, temperature=1.0, top_p=1.0, top_k=-1, mode="selected"))
-    again = pack_group(TASK, [117, 112], samples, rewards, group_advantages(rewards), attempt=3, **settings)
+    again = pack_responses(TASK, [117, 112], samples, rewards, group_advantages(rewards), attempt=3, **settings)
     assert (again.batch_id, again.task_id, again.attempt) == ("run/0/7#3", "run/0/7", 3)
     assert again.sample_ids == ["run/0/7/0", "run/0/7/1"]  # the group's samples, whichever attempt
 

@@ -478,7 +478,7 @@ def test_an_engine_failure_after_a_complete_turn_still_fails_the_task_whole(temp
 @pytest.mark.parametrize(
     "status, ctype, body, kind, message",
     [
-        (400, "application/json", b'{"error": "top_p"}', "Rejected", r"refused a session's turn with 400"),
+        (400, "application/json", b'{"error": "top_p"}', "Rejected", r"refused the request with 400"),
         (502, "application/json", b'{"error": {"rule": "short_row"}}', "Transient", r"answered 502"),
         (503, "application/json", b"{}", "Transient", r"answered 503"),
         (200, "application/json", b"{}", "Transient", r"not application/x-centerline-arrays"),
