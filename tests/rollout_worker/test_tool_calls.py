@@ -254,13 +254,17 @@ def test_a_tool_agents_sessions_carry_their_counts_to_the_batch_the_wire_the_ste
     """Two sessions of ``calls_a_tool``: one calls, reads the result and answers; one's call does not
     parse. Counts per sample in the batch, through the wire, summed in the step record."""
     template = ChatTemplate.for_run(tok, Config())
-    engine = Engine(
-        [
-            (text_ids(CALL) + [IM_END], "stop"),
-            (text_ids('<tool_call>\n{"name": "add"') + [IM_END], "stop"),
-            (text_ids("5") + [IM_END], "stop"),
-        ]
-    )
+    # the sessions' first turns (the same prompt) get the call and the broken call, in whichever order
+    # they arrive; a later turn, the calling session's after its tool result, the answer
+    first = Engine([(text_ids(CALL) + [IM_END], "stop"), (text_ids('<tool_call>\n{"name": "add"') + [IM_END], "stop")])
+    later, opening = Engine([(text_ids("5") + [IM_END], "stop")]), []
+
+    async def engine(input_ids, max_new_tokens, stop):
+        if not opening:  # the first turn's prompt length, the same in both sessions
+            opening.append(len(input_ids))
+        turn = first if len(input_ids) == opening[0] else later
+        return await turn(input_ids, max_new_tokens, stop)
+
     outcome = process(template, monkeypatch, "calls_a_tool", engine, prompt="2+3?")
     (batch,) = outcome.batches
     check_batch(batch, vocab_size=VOCAB)
