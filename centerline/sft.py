@@ -33,6 +33,7 @@ PAD_ID = 256 + SPECIALS.index(PAD)
 IM_START_ID = 256 + SPECIALS.index(IM_START)
 IM_END_ID = 256 + SPECIALS.index(IM_END)
 RESTATED = 1 / 3  # share of later user messages that restate the sum, as after a wrong answer
+CALC_DIRECT = 1 / 3  # share of calc examples answered in the head, without the tool
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class SftSettings:
 
 # Steps that land each task's held-out exact match (temperature 1) between "never" and "always"
 # on this model (`centerline init-model --sft --task T --eval` prints the figure).
-DEFAULT_STEPS = {"copy": 150, "upper": 200, "reverse": 800, "add": 600, "chain": 300, "calc": 500}
+DEFAULT_STEPS = {"copy": 150, "upper": 200, "reverse": 800, "add": 600, "chain": 300, "calc": 800}
 
 
 def resolved(settings: SftSettings) -> SftSettings:
@@ -108,7 +109,9 @@ def calc_call(prompt: str) -> tuple[str, dict]:
 def calc_conversation(prompt: str, answer: str, rng: random.Random) -> tuple[list[int], list[int]]:
     """A ``calc`` session as the chat template renders it with the ``add`` tool offered: the call
     and the answer after the tool's result trained (each with its ``<|im_end|>``), the template's,
-    the user's and the tool's tokens not."""
+    the user's and the tool's tokens not; or, one time in three (``CALC_DIRECT``), the sum answered
+    at once, which this model cannot compute: the warm start then calls the tool on some prompts
+    only, and RL has a decision to learn (call, then copy the result) besides the copying."""
     tok = chat_tokenizer()
     messages: list[dict] = [{"role": "user", "content": prompt}]
 
@@ -117,6 +120,10 @@ def calc_conversation(prompt: str, answer: str, rng: random.Random) -> tuple[lis
 
     call, arguments = calc_call(prompt)
     first = render()
+    if rng.random() < CALC_DIRECT:  # an answer without the tool: what RL teaches the model to drop
+        ids = tok.encode(first, add_special_tokens=False)
+        answered = tok.encode(answer + IM_END, add_special_tokens=False)
+        return ids + answered, [-100] * len(ids) + answered
     messages.append(
         {
             "role": "assistant",

@@ -184,6 +184,12 @@ def test_the_calc_warm_start_trains_on_the_call_and_the_answer_of_the_template_r
     )
     assert (parsed.name, json.loads(parsed.parameters)) == ("add", {"a": 7, "b": 905})
     assert all(label in (-100, i) for i, label in zip(ids, labels))
+    # one example in three answers at once, without the tool: the prompt rendered, the sum trained
+    direct = [calc_conversation("7+905=", "912", random.Random(seed)) for seed in range(30)]
+    first = tok.apply_chat_template(messages[:1], tools=[ADD_TOOL], tokenize=False, add_generation_prompt=True)
+    at_once = [(i, lab) for i, lab in direct if tok.decode(i) == first + "912<|im_end|>"]
+    assert len(at_once) == sum(random.Random(seed).random() < 1 / 3 for seed in range(30)) > 0
+    assert all([t for t, lab in zip(i, labels) if lab != -100] == [*b"912", IM_END_ID] for i, labels in at_once)
 
 
 def test_the_chat_form_is_part_of_the_cached_models_settings():
