@@ -152,6 +152,7 @@ def check_three_turns(outcome, turns, hf, *, vocab: int, im_end: int) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_proxy_killed_mid_session_fails_the_task_as_transient_and_the_retry_runs_new_sessions_whole(
     tmp_path, sglang_router, model_dir, monkeypatch
 ):
@@ -206,6 +207,7 @@ def check_retried_whole(outcome, turns, lost: set) -> None:
         assert batch.response_ids[part][batch.loss_mask[part].astype(bool)].tolist() == sampled
 
 
+@pytest.mark.slow
 def test_an_engine_killed_mid_session_fails_the_task_as_transient_and_the_retry_runs_new_sessions_whole(
     tmp_path, proxy, model_dir, monkeypatch
 ):
