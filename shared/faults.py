@@ -35,7 +35,7 @@ POINTS = {
     "trainer.rejected": "rank 0, a rejected batch is in the DLQ (a stale one's task published again), not yet acked",
     # a rollout worker (rollout_worker/worker.py); @step: the task's attempt
     "worker.between_parts": "a worker, one part of an attempt's split batch stored, the next not yet published",
-    # a rollout worker's session (rollout_worker/environment.py sample_sessions); @step: the turn arriving (2, 3, ...)
+    # a rollout worker's session (rollout_worker/worker.py Worker.sample_sessions); @step: the turn arriving (2, 3, ...)
     "worker.between_turns": "a worker, a session's earlier turns answered to its environment, the next turn's "
     "request received and not yet sent to the proxy",
 }
