@@ -234,9 +234,9 @@ async def play(
     endpoint, rendered with ``tokenizer``'s chat template (an HF tokenizer) and turned through the
     proxy at ``cfg.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected``
     as ``Worker.process`` does, ``Rejected`` too when the sessions are not all back within
-    ``deadline`` seconds (they are cancelled). The worker trains on them (``Worker.sample_sessions``, which
-    passes its failpoint as ``between_turns``: see ``Session``); ``centerline up``'s held-out
-    evaluation scores them."""
+    ``deadline`` seconds (they are cancelled). The worker plays them for training and held-out tasks
+    alike (``Worker.sample_sessions``, which passes its failpoint as ``between_turns``: see
+    ``Session``; docs/design.md section 9)."""
     import openai
 
     try:
