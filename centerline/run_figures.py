@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
 import shlex
+import socket
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
-
-from centerline.bench import machine
 
 WINDOW = 30  # steps averaged at each end of the run
 
@@ -85,6 +87,22 @@ def _tool_call_figures(first: list[dict], last: list[dict]) -> dict:
         return round(calls / (calls + errors), 4) if calls + errors else 0.0
 
     return {"well_formed_calls_first": share(first), "well_formed_calls_last": share(last)}
+
+
+def machine() -> dict:
+    """Where and when the figures were measured."""
+    model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_model": model,
+        "nproc": len(os.sched_getaffinity(0)),
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
 
 
 def commit() -> str | None:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import socket
-from datetime import UTC, datetime
 from pathlib import Path
 
 from centerline.cli import dispatch
@@ -61,22 +58,6 @@ def add_out_flag(parser: argparse.ArgumentParser, target: str) -> None:
         default=f"runs/bench/{target}.json",
         help="file the figures are written to, with the machine they were measured on (default: %(default)s)",
     )
-
-
-def machine() -> dict:
-    """Where and when the figures were measured."""
-    model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as fh:
-            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return {
-        "hostname": socket.gethostname(),
-        "cpu_model": model,
-        "nproc": len(os.sched_getaffinity(0)),
-        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
 
 
 def main(argv: list[str]) -> int:
