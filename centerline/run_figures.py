@@ -77,8 +77,9 @@ def run_figures(run_dir: Path) -> dict:
 
 
 def _tool_call_figures(first: list[dict], last: list[dict]) -> dict:
-    """A run whose sessions offered tools: the share of replies with call markup whose calls parsed
-    (calls parsed / (calls parsed + replies that did not parse)) at each end of the run."""
+    """A run whose sessions offered tools, at each end of the run: the share of replies with call
+    markup whose calls parsed (calls parsed / (calls parsed + replies that did not parse)), and the
+    calls parsed per sample."""
     if not any("tool_calls" in s for s in first + last):
         return {}
 
@@ -86,7 +87,15 @@ def _tool_call_figures(first: list[dict], last: list[dict]) -> dict:
         calls, errors = (sum(s.get(key, 0) for s in steps) for key in ("tool_calls", "tool_call_parse_errors"))
         return round(calls / (calls + errors), 4) if calls + errors else 0.0
 
-    return {"well_formed_calls_first": share(first), "well_formed_calls_last": share(last)}
+    def per_sample(steps: list[dict]) -> float:
+        return round(sum(s.get("tool_calls", 0) for s in steps) / sum(s["samples"] for s in steps), 4)
+
+    return {
+        "well_formed_calls_first": share(first),
+        "well_formed_calls_last": share(last),
+        "tool_calls_per_sample_first": per_sample(first),
+        "tool_calls_per_sample_last": per_sample(last),
+    }
 
 
 def machine() -> dict:

@@ -62,6 +62,7 @@ def test_a_run_whose_sessions_offered_tools_has_the_share_of_calls_that_parsed_a
     figures = run_figures(tmp_path)
     assert figures["well_formed_calls_first"] == round(90 / 100, 4)  # steps 1..30: 10 errors
     assert figures["well_formed_calls_last"] == 1.0  # steps 11..40
+    assert figures["tool_calls_per_sample_first"] == figures["tool_calls_per_sample_last"] == 0.75  # 3 of 4 samples
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(step(n)) + "\n" for n in range(1, 5)))
     assert "well_formed_calls_first" not in run_figures(tmp_path)  # no session offered tools
 
