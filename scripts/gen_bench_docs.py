@@ -334,10 +334,8 @@ LEGACY = {
     "docs/bench/contract.json": "5d5bae0f9b26fe5eb587f959fdb2949800112da7db2dac8586f2657d0cc5d4ef",
     "docs/bench/loss.json": "2b08ebb0775fc0b9ab3c6a67fd3e02590aba842a2cdc48577a94659a6e7525e3",
     "docs/bench/pipeline-before-in-flight.json": "b65f1ffe2fd12b9fcbe4e7b30d8fdcd1dc7f921256fab16a8a3310f1b14406c1",
-    "docs/bench/pipeline-sessions.json": "5f10c82a7679cfa02dbb49b4c3d4b556e3bd1b43b0b50373da9004e58ba7e52e",
     "docs/bench/pipeline.json": "af890e07d8f8e0b9474cc1ae57d6a44bf8aa73e00ec5b8494be600173f649108",
     "docs/bench/proxy.json": "2fda14721905b92cfdd3a9f4536d3c0a9738c91a55d8c3e329b36dea65a5554b",
-    "docs/bench/sessions.json": "324a93e57dcf8099b3867680cbe4a8216f6113fddc3d25bd973e0fc7e38c9ec1",
     "docs/bench/wire.json": "1c3dc7838079331c52068280f21cbbd8095737c57e920931c45f9aad9c386a12",
     "docs/runs/make-run.json": "74c7a5e2eaa71ad6bafa11e2d59055485d2e395ab8e47b00db6eee3a0b2bea6d",
 }
