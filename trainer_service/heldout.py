@@ -83,25 +83,10 @@ class Evaluator:
         self.closed: set[int] = set()  # steps recorded or given up by this process, and those eval.jsonl holds
 
     def tasks(self, step: int) -> list[PromptTask]:
-        out = []
-        for row, ex in enumerate(self.examples):
-            task_id = heldout_id(self.run_id, step, row)
-            out.append(
-                PromptTask(
-                    task_id=task_id,
-                    group_id=task_id,
-                    prompt=ex.prompt,
-                    answer=ex.answer,
-                    reward=ex.reward,
-                    n=1,
-                    step=step,
-                    meta=ex.meta,
-                    environment=ex.environment,
-                    attempts_before=self.attempts_before,
-                    purpose=HELDOUT,
-                )
-            )
-        return out
+        return [
+            ex.task(heldout_id(self.run_id, step, row), step, 1, self.attempts_before, purpose=HELDOUT)
+            for row, ex in enumerate(self.examples)
+        ]
 
     async def schedule(self, js, step: int, version: int) -> None:
         """Open the round of ``step`` and publish its tasks (``Nats-Msg-Id`` the task id: a round

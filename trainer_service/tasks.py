@@ -52,6 +52,22 @@ class Example:
     meta: dict
     environment: str = ""  # "module:function": the task runs n sessions of it
 
+    def task(self, task_id: str, step: int, n: int, attempts_before: int, **more) -> PromptTask:
+        """This example as the task ``task_id`` (its own group) of ``step``, ``n`` samples."""
+        return PromptTask(
+            task_id=task_id,
+            group_id=task_id,
+            prompt=self.prompt,
+            answer=self.answer,
+            reward=self.reward,
+            n=n,
+            step=step,
+            meta=self.meta,
+            environment=self.environment,
+            attempts_before=attempts_before,
+            **more,
+        )
+
 
 def load_dataset(path: str | Path) -> list[Example]:
     """Every line of ``path`` as an ``Example``; blank lines are skipped."""
@@ -150,21 +166,7 @@ class TaskPublisher:
             position = step * self.prompts_per_step + j
             epoch, index = divmod(position, len(self.examples))
             ex = self.examples[int(self._order(epoch)[index])]
-            task_id = f"{self.run_id}/{step}/{j}"
-            out.append(
-                PromptTask(
-                    task_id=task_id,
-                    group_id=task_id,
-                    prompt=ex.prompt,
-                    answer=ex.answer,
-                    reward=ex.reward,
-                    n=self.n,
-                    step=step,
-                    meta=ex.meta,
-                    environment=ex.environment,
-                    attempts_before=self.attempts_before,
-                )
-            )
+            out.append(ex.task(f"{self.run_id}/{step}/{j}", step, self.n, self.attempts_before))
         return out
 
     async def publish_until(self, js, trained_steps: int, inflight: int, last_step: int) -> int:

@@ -6,6 +6,8 @@ import json
 
 import openai
 
+from shared.toy_tasks import ADD_TOOL
+
 RECORDED: list[dict] = []  # one entry per session run: its final messages and what each turn answered
 
 
@@ -101,18 +103,7 @@ async def returns_given(client: openai.AsyncOpenAI, task):
     return RETURNS[0]
 
 
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+ADD = ADD_TOOL  # the built-in calc task's tool
 TOOL_TURNS: list[list] = []  # one entry per session run of ``calls_a_tool``: each answer, in order
 
 
