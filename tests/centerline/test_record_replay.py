@@ -201,11 +201,14 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
     _, messages = read_record(tmp / "seg.clrec")
     rows = [orjson.loads(line) for line in dump.stdout.splitlines()]
     assert [(r["subject"], r["seq"], r["headers"]) for r in rows] == [(m.subject, m.seq, m.headers) for m in messages]
+    heldout = [r for r in rows if "/heldout/" in r["batch"]["task_id"]]  # the trainer's rounds: one sample a row
+    assert 0 < len(heldout) < len(rows)
     for r in rows:
         batch = r["batch"]
         assert batch["batch_id"] == r["headers"][names.MSG_ID_HEADER]
         assert batch["producer"] in {"worker-0", "worker-1"} and batch["mode"] == "selected" and batch["k"] == 128
-        assert batch["samples"] == 2 and batch["tokens"] > 0 and 0.0 <= batch["reward_mean"] <= 1.0
+        assert batch["samples"] == (1 if r in heldout else 2)  # held-out rows one each, training groups rollout_n
+        assert batch["tokens"] > 0 and 0.0 <= batch["reward_mean"] <= 1.0
         assert batch["task_id"] == batch["batch_id"] and (batch["attempt"], batch["parts"]) == (1, 1)
         # weights are updated in flight (the default, docs/design.md section 8): a response may span
         # updates, its first tokens sampled by an older version (one, almost always, for 8 tokens)
@@ -229,8 +232,9 @@ def test_jsonl_dump_has_one_line_per_message_with_the_batch_summary(run):
             "turns",
             "finish_reasons",
         }
-        assert batch["turns"] == [1, 1] and batch["injected_tokens"] == 0  # plain responses
-        assert batch["sampled_tokens"] == batch["tokens"] and len(batch["finish_reasons"]) == 2
+        samples = batch["samples"]
+        assert batch["turns"] == [1] * samples and batch["injected_tokens"] == 0  # plain responses
+        assert batch["sampled_tokens"] == batch["tokens"] and len(batch["finish_reasons"]) == samples
 
 
 def test_live_recording_stops_after_count_messages(tmp_path):
