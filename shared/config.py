@@ -2,8 +2,8 @@
 
 Sources, highest precedence first (docs/design.md section 2): command-line flags, ``CENTERLINE_*``
 environment variables, a TOML file (``--config FILE``), then the defaults below: the environment
-beats a file, as with pydantic-settings, Docker and twelve-factor apps, so a deployment overrides
-one value of a mounted file with a variable.
+beats a file, as in Docker and twelve-factor apps, so a deployment overrides one value of a mounted
+file with a variable. pydantic-settings merges them (``_build``); this module says where each is.
 Field ``rollout_top_logprobs_num`` is the flag ``--rollout-top-logprobs-num``, the TOML key
 ``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``.
 
@@ -24,13 +24,14 @@ import typing
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
+from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
-from shared.settings import SECTIONS, Section
+from shared.settings import SECTIONS, Section, Settings
 
 ENV_PREFIX = "CENTERLINE_"
 S = TypeVar("S", bound=Section)
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound=Settings)
 # The importance-weight options' defaults, here once: Config's fields below, and the keyword
 # defaults of LossSettings (trainer_service/loss.py).
 TIS_CLIP, MIS_LOW, MIS_HIGH = 2.0, 0.5, 5.0
@@ -40,10 +41,8 @@ class ConfigError(ValueError):
     """A setting that cannot be honoured. The message names the flag, the value and the fix."""
 
 
-class Config(BaseModel):
+class Config(Settings):
     """Every shared setting. Defaults run the embedded toy job."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Rollout: what the sampler must record (the candidate contract).
     rollout_top_logprobs_num: int = Field(
@@ -271,7 +270,7 @@ def _flag_kwargs(name: str, info, metavar: bool) -> dict:
 
 def resolve(args: argparse.Namespace | None = None, env: typing.Mapping[str, str] | None = None) -> Config:
     """The shared settings: TOML file, environment and flags merged (in rising precedence), then validated."""
-    return validate(_build(Config, None, args, env, None))
+    return validate(_build(Config, args, env))
 
 
 def resolve_section(
@@ -285,7 +284,7 @@ def resolve_section(
     """A command's settings, merged as ``resolve`` merges the shared ones, then checked: required
     fields, bounds, ``section.checks(cfg)``. ``only``: the fields this command has flags for (the
     others come from the file, the environment or their defaults and need not be set)."""
-    settings = _build(section, section, args, env, only)
+    settings = _build(section, args, env, only)
     for name in section.required:
         if (only is None or name in only) and getattr(settings, name) is None:
             raise ConfigError(
@@ -301,24 +300,39 @@ def check_section(settings: S, cfg: Config) -> S:
     return settings
 
 
-def _build(model: type[M], section: type[Section] | None, args, env, only) -> M:
-    env = os.environ if env is None else env
-    values: dict = {}
-    args_dict = vars(args) if args is not None else {}
-    if "config" in args_dict:
-        data = load_toml(args_dict["config"])
-        values.update(data.get(section.name, {}) if section else {k: v for k, v in data.items() if k not in SECTIONS})
-    for name, info in model.model_fields.items():
-        raw = env.get(env_name(name, section))
-        if raw is not None:
-            values[name] = raw.split(",") if _base_type(info.annotation) is list else raw
-    values.update(
-        {k: v for k, v in args_dict.items() if k in model.model_fields and (only is None or k in only or not section)}
+def _build(model: type[M], args, env, only: tuple[str, ...] | None = None) -> M:
+    """``model`` from its sources, the first winning: flags, environment, file, defaults; pydantic-settings
+    merges them. They are this call's (``env``, the file of ``--config``), so they are handed to the
+    model rather than fixed by ``Settings.settings_customise_sources``, a classmethod."""
+    section = None if model is Config else model
+    given = vars(args) if args is not None else {}
+    read = load_toml(given["config"]) if "config" in given else {}
+    table = read.get(section.name, {}) if section else {k: v for k, v in read.items() if k not in SECTIONS}
+    flags = {k: v for k, v in given.items() if k in model.model_fields and (only is None or k in only)}
+    sources = (
+        InitSettingsSource(model, flags),
+        _Environment(model, os.environ if env is None else env, env_name("", section)),
+        InitSettingsSource(model, table),
     )
     try:
-        return model(**values)
+        return model(_build_sources=(sources, flags))
     except ValidationError as exc:
         raise invalid_setting(exc, section) from None
+
+
+class _Environment(EnvSettingsSource):
+    """``env``'s variables as ``env_name`` spells them, in capitals exactly (the names the launcher
+    strips from a service's environment); a list comma-separated."""
+
+    def __init__(self, model: type[Settings], env: typing.Mapping[str, str], prefix: str):
+        self.given = env
+        super().__init__(model, case_sensitive=False, env_prefix=prefix)
+
+    def _load_env_vars(self) -> dict[str, str]:
+        return {name.lower(): value for name, value in self.given.items() if name.isupper()}
+
+    def decode_complex_value(self, field_name: str, field, value: str) -> list[str]:
+        return value.split(",")  # engine_urls: a list is the only setting that is not one value
 
 
 def invalid_setting(exc: ValidationError, section: type[Section] | None = None) -> ConfigError:
@@ -434,7 +448,7 @@ def main(argv: list[str]) -> int:
     add_arguments(parser)
     args, cfg = parse_args(parser, argv)
     try:
-        sections = [_build(cls, cls, args, None, ()) for cls in SECTIONS.values()]
+        sections = [_build(cls, args, None, ()) for cls in SECTIONS.values()]
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
     sys.stdout.write(to_toml(cfg, *sections))

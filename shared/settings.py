@@ -20,7 +20,8 @@ import warnings
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.toy_tasks import ENVIRONMENTS, REWARDS
 
@@ -31,10 +32,23 @@ MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default i
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 
 
-class Section(BaseModel):
-    """The settings of one command: flags of ``command``, TOML table ``[name]``, ``CENTERLINE_<NAME>_<KEY>``."""
+class Settings(BaseSettings):
+    """Settings read by ``shared.config`` from the flags, the environment and the file, which
+    pydantic-settings merges (docs/config.md). Built in code, a model takes its keywords and defaults
+    only: no variable, ``.env`` file or secrets directory is read behind the caller's back."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # case_sensitive: a key of the file or a keyword names its field exactly (variables: shared.config)
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, case_sensitive=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **others
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+class Section(Settings):
+    """The settings of one command: flags of ``command``, TOML table ``[name]``, ``CENTERLINE_<NAME>_<KEY>``."""
 
     name: ClassVar[str]
     command: ClassVar[str]

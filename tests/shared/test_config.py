@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from shared.config import (
     Config,
@@ -18,7 +19,7 @@ from shared.config import (
     resolve_section,
     to_toml,
 )
-from shared.settings import SECTIONS, ProxySettings, TrainerSettings
+from shared.settings import SECTIONS, ProxySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +58,37 @@ def test_flags_override_the_environment_which_overrides_the_toml_file(tmp_path):
     assert (cfg.max_staleness, cfg.nats_url) == (5, "nats://env:4222")
     assert parse(["--config", str(toml), "--nats-url", "nats://flag:4222"], env).nats_url == "nats://flag:4222"
     assert parse(["--config", str(toml)], {}).nats_url == "nats://file:4222"
+
+
+# Each source beats the next one: (flags, variables, file) and the value that wins.
+SOURCE_PAIRS = {
+    "flag over environment": (["1"], "2", None, 1),
+    "flag over file": (["1"], None, "3", 1),
+    "environment over file": ([], "2", "3", 2),
+    "file over default": ([], None, "3", 3),
+}
+
+
+@pytest.mark.parametrize("flag_value, variable, file_value, expected", SOURCE_PAIRS.values(), ids=SOURCE_PAIRS)
+def test_a_shared_setting_takes_the_first_source_that_gives_it(tmp_path, flag_value, variable, file_value, expected):
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"seed = {file_value}\n" if file_value else "")
+    argv = ["--config", str(toml), *(["--seed", *flag_value] if flag_value else [])]
+    assert parse(argv, {"CENTERLINE_SEED": variable} if variable else {}).seed == expected
+
+
+@pytest.mark.parametrize("flag_value, variable, file_value, expected", SOURCE_PAIRS.values(), ids=SOURCE_PAIRS)
+def test_a_command_setting_takes_the_first_source_that_gives_it(tmp_path, flag_value, variable, file_value, expected):
+    toml = tmp_path / "run.toml"
+    # the worker's max_deliver, in its table and its variable, is another setting
+    toml.write_text("[worker]\nmax_deliver = 9\n" + (f"[trainer]\nmax_deliver = {file_value}\n" if file_value else ""))
+    argv = [*TRAINER, "--config", str(toml), *(["--max-deliver", *flag_value] if flag_value else [])]
+    env = {"CENTERLINE_WORKER_MAX_DELIVER": "8", **({"CENTERLINE_TRAINER_MAX_DELIVER": variable} if variable else {})}
+    assert parse_section(TrainerSettings, argv, env).max_deliver == expected
+
+
+def test_an_unset_setting_keeps_its_default():
+    assert parse([], {}).seed == 0 and parse_section(TrainerSettings, TRAINER).max_deliver == 20
 
 
 def test_list_settings_come_from_flags_and_comma_separated_environment():
@@ -100,6 +132,95 @@ def test_settings_that_cannot_be_honoured_are_refused_naming_the_flag(argv, mess
 def test_support_mode_with_top_k_within_k_is_accepted():
     cfg = parse(["--rollout-logprobs-mode", "support", "--rollout-top-k", "50", "--rollout-top-p", "0.95"])
     assert cfg.filtered and cfg.rollout_top_k == 50
+
+
+@pytest.mark.parametrize(
+    "variable, value, field, expected",
+    [
+        ("CENTERLINE_ADVANTAGE_STD_NORM", "true", "advantage_std_norm", True),
+        ("CENTERLINE_ADVANTAGE_STD_NORM", "0", "advantage_std_norm", False),
+        ("CENTERLINE_SCORE_CENTERING_TIS_CLIP", "1.5", "score_centering_tis_clip", 1.5),
+        ("CENTERLINE_ROLLOUT_CHAT_TEMPLATE", "t.jinja", "rollout_chat_template", "t.jinja"),
+        ("CENTERLINE_ROLLOUT_CHAT_TEMPLATE", "", "rollout_chat_template", ""),  # set, to the empty string
+        ("CENTERLINE_ENGINE_URLS", "http://a:1", "engine_urls", ["http://a:1"]),
+    ],
+)
+def test_a_variable_is_read_as_its_setting_s_type(variable, value, field, expected):
+    assert getattr(parse([], {variable: value}), field) == expected
+
+
+@pytest.mark.parametrize(
+    "variable, value, field, expected",
+    [
+        ("CENTERLINE_TRAINER_HELDOUT_DATASET", "h.jsonl", "heldout_dataset", Path("h.jsonl")),
+        ("CENTERLINE_TRAINER_TRAIN_SECONDS", "60", "train_seconds", 60.0),
+        ("CENTERLINE_TRAINER_TENSORBOARD", "false", "tensorboard", False),
+        ("CENTERLINE_TRAINER_STRATEGY", "fsdp2", "strategy", "fsdp2"),
+    ],
+)
+def test_a_command_variable_is_read_as_its_setting_s_type(variable, value, field, expected):
+    assert getattr(parse_section(TrainerSettings, TRAINER, {variable: value}), field) == expected
+
+
+def test_a_variable_counts_only_spelled_in_capitals():
+    assert parse([], {"centerline_seed": "5", "Centerline_Seed": "6", "CENTERLINE_seed": "7"}).seed == 0
+
+
+def test_a_variable_of_another_table_or_the_shared_prefix_is_not_a_command_setting():
+    env = {"CENTERLINE_WORKER_THREADS": "5", "CENTERLINE_THREADS": "6"}
+    assert parse_section(TrainerSettings, TRAINER, env).threads == 1
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        (
+            "CENTERLINE_TRAINER_EVAL_EVERY",
+            "0",
+            "--eval-every '0': must be >= 1 (also settable as CENTERLINE_TRAINER_EVAL_EVERY or trainer.eval_every "
+            "in the TOML file)",
+        ),
+        (
+            "CENTERLINE_TRAINER_METRICS_PORT",
+            "",
+            "--metrics-port '': Input should be a valid integer, unable to parse string as an integer (also "
+            "settable as CENTERLINE_TRAINER_METRICS_PORT or trainer.metrics_port in the TOML file)",
+        ),
+        (
+            "CENTERLINE_TRAINER_WANDB",
+            "yes",
+            "--wandb 'yes': Input should be 'off', 'offline' or 'online' (also settable as CENTERLINE_TRAINER_WANDB "
+            "or trainer.wandb in the TOML file)",
+        ),
+    ],
+)
+def test_a_bad_command_variable_names_the_flag_the_value_the_fix_and_the_variable(variable, value, message):
+    with pytest.raises(ConfigError) as info:
+        parse_section(TrainerSettings, TRAINER, {variable: value})
+    assert str(info.value) == message
+
+
+def test_a_model_built_in_code_reads_no_variable(monkeypatch):
+    monkeypatch.setenv("CENTERLINE_SEED", "5")
+    monkeypatch.setenv("CENTERLINE_TRAINER_THREADS", "3")
+    monkeypatch.setenv("THREADS", "4")
+    assert Config().seed == 0 and TrainerSettings().threads == 1
+    assert resolve().seed == 5  # resolve's variables are os.environ's when it is given none
+
+
+def test_no_dotenv_file_is_read(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CENTERLINE_SEED", raising=False)
+    (tmp_path / ".env").write_text("CENTERLINE_SEED=5\nSEED=6\n")
+    assert resolve().seed == 0 and Config().seed == 0
+
+
+def test_resolved_settings_are_frozen():
+    cfg, settings = parse([]), parse_section(TrainerSettings, TRAINER)
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.seed = 1
+    with pytest.raises(ValidationError, match="frozen"):
+        settings.threads = 2
 
 
 def test_bad_environment_value_names_the_flag_and_the_variable():
@@ -245,6 +366,23 @@ def test_unknown_key_of_a_command_table_is_refused(tmp_path):
     toml.write_text("[trainer]\nmax_grad_nrom = 1.0\n")
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['trainer.max_grad_nrom'\]"):
         load_toml(str(toml))
+
+
+def test_an_unknown_key_of_a_command_table_stops_the_command_naming_the_key(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[worker]\nconcurency = 4\n")
+    with pytest.raises(ConfigError) as info:
+        parse_section(WorkerSettings, ["--config", str(toml)])
+    assert str(info.value) == (
+        f"--config {toml}: unknown key(s) ['worker.concurency']; see docs/config.md for the settings"
+    )
+
+
+def test_a_table_of_the_wrong_kind_is_refused(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("trainer = 3\n")
+    with pytest.raises(ConfigError, match=r"trainer must be a table \(\[trainer\]\)$"):
+        parse(["--config", str(toml)])
 
 
 def test_the_run_config_holds_the_command_settings_and_keeps_the_other_tables(tmp_path):
