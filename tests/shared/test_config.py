@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from shared import nats_auth
 from shared.config import (
     Config,
     ConfigError,
@@ -206,6 +207,15 @@ def test_a_model_built_in_code_reads_no_variable(monkeypatch):
     monkeypatch.setenv("THREADS", "4")
     assert Config().seed == 0 and TrainerSettings().threads == 1
     assert resolve().seed == 5  # resolve's variables are os.environ's when it is given none
+
+
+def test_credential_variables_are_no_settings_and_refuse_nothing():
+    env = {nats_auth.PASSWORD_ENV: "secret", nats_auth.PASSWORD_FILE_ENV: "/run/secret", "CENTERLINE_TRAINER_X": "1"}
+    cfg, settings = parse([], env), parse_section(TrainerSettings, TRAINER, env)
+    assert "secret" not in to_toml(cfg, settings) and (cfg, settings) == (
+        parse([]),
+        parse_section(TrainerSettings, TRAINER),
+    )
 
 
 def test_no_dotenv_file_is_read(monkeypatch, tmp_path):
