@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("centerline.bench:main", "run a benchmark and print one JSON object"),
     "config": ("shared.config:main", "print the resolved configuration as TOML"),
     "up": (
-        "centerline.launcher:main",
+        "centerline.up.launcher:main",
         "run the whole system on a toy task: NATS, SGLang, its router, proxy, workers, trainer",
     ),
     "experiment": (

@@ -20,7 +20,7 @@ most in where they start (each its own SFT model), so the final reward and held-
 are also given as differences to REINFORCE's run of the same seed and staleness, with the same
 interval over those paired differences: what the method adds, without the seed's luck.
 
-Each run is a variant of one run spec (``centerline/run_spec.py``): the spec of the other flags,
+Each run is a variant of one run spec (``centerline/up/run_spec.py``): the spec of the other flags,
 with the run's loss, importance weight, seed, staleness, steps and run directory. A run whose
 directory already holds a finished run of the same spec (its report written, its ``config.toml``
 equal but for what ``up`` filled in as it started: ports, addresses) is kept, not run again: an interrupted grid goes on
@@ -48,10 +48,10 @@ from pathlib import Path
 
 import orjson
 
-from centerline import launcher
 from centerline.interval import mean_interval
 from centerline.report import _figure_png, load_steps
-from centerline.run_spec import RunSpec
+from centerline.up import launcher
+from centerline.up.run_spec import RunSpec
 
 LOSSES = ("score_centering", "reinforce", "tis")
 IS_MODES = ("none", "tis", "mis")  # score centering's importance weights (--score-centering-is)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from centerline import nats_users, run_spec
+from centerline import nats_users
+from centerline.up import run_spec
 from router_proxy import upstream
 from shared import admin_key, nats_auth
 from shared.config import ENV_PREFIX, Config, env_name, flag

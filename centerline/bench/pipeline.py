@@ -77,7 +77,7 @@ with ``-- --task chain`` (its tasks name the chain environment): the bench measu
     centerline bench pipeline --modes on-policy,drain,in-flight --train-seconds 30 -- --rollout-n 4
 
 Flags after ``--`` are ``centerline up``'s (``--config FILE`` too): the run spec each mode is a
-variant of (``centerline/run_spec.py``), with the bench's own flags (``--task``, ``--steps``,
+variant of (``centerline/up/run_spec.py``), with the bench's own flags (``--task``, ``--steps``,
 ``--workers``...) and the mode's ``max_inflight_steps`` over it. A mode runs as ``centerline up
 --config RUN_DIR/<mode>.toml``, that variant's file; the bench reports the settings it ran, the
 workers' resolved ``concurrency`` among them.
@@ -100,12 +100,12 @@ from pathlib import Path
 
 import orjson
 
-from centerline import launcher, run_spec
 from centerline.bench import add_out_flag
-from centerline.launcher import PYTHON, Supervisor, wait_http
 from centerline.ports import free_port
 from centerline.run_figures import emit
-from centerline.run_spec import RunSpec
+from centerline.up import launcher, run_spec
+from centerline.up.launcher import PYTHON, Supervisor, wait_http
+from centerline.up.run_spec import RunSpec
 from shared.config import Config, ConfigError
 
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update

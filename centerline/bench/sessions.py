@@ -85,12 +85,13 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from centerline import launcher, sglang
+from centerline import sglang
 from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
-from centerline.launcher import PYTHON, Supervisor, wait_http
 from centerline.ports import free_port
 from centerline.run_figures import emit
+from centerline.up import launcher
+from centerline.up.launcher import PYTHON, Supervisor, wait_http
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
 ASSIGNMENT_MODES = ("random", "min_load", "min_group")  # smg's --assignment-mode for manual

@@ -9,7 +9,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from centerline import launcher
 from centerline.bench.pipeline import (
     concurrent_requests,
     duty_cycle,
@@ -18,6 +17,7 @@ from centerline.bench.pipeline import (
     request_bodies,
     token_staleness,
 )
+from centerline.up import launcher
 from shared.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]

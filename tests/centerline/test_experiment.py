@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from centerline import experiment, launcher
+from centerline import experiment
+from centerline.up import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

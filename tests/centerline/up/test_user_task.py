@@ -11,7 +11,7 @@ import sys
 import orjson
 import pytest
 
-from centerline.user_task import (
+from centerline.up.user_task import (
     Row,
     UserTaskError,
     chat_template_on,

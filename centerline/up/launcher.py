@@ -5,7 +5,7 @@ server, ``--engines`` real SGLang servers on the CPU (``centerline sglang``; mod
 ``init-model --sft``, cached in ``--model-dir``), the real SGLang router in front of them,
 the proxy in front of the router, ``--workers`` rollout workers and a
 ``--trainer-ranks``-rank trainer under torchrun that loads every new weight version into
-each SGLang server directly. Every service reads one run spec (``centerline/run_spec.py``),
+each SGLang server directly. Every service reads one run spec (``centerline/up/run_spec.py``),
 ``RUN_DIR/config.toml``, written once with every table before the first service starts; each is
 started with ``--config RUN_DIR/config.toml`` and its identity only (a worker's ``--worker-id``)
 in an environment without ``CENTERLINE_*`` settings variables, which the spec resolved already,
@@ -19,7 +19,7 @@ the trainer's ``heldout_dataset``, and the trainer has the workers sample them b
 every ``--eval-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
 it appears. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
-Your own task (``prepare``, ``centerline/user_task.py``): ``--model DIR`` replaces the toy model,
+Your own task (``prepare``, ``centerline/up/user_task.py``): ``--model DIR`` replaces the toy model,
 ``--dataset FILE`` the toy task (its rows without ``"split": "eval"`` become the trainer's
 ``RUN_DIR/train.jsonl``), ``--reward`` names the reward, and the held-out figure is then the mean
 reward of one sample per held-out row (``--eval-dataset``, else the rows marked eval, else none:
@@ -81,12 +81,13 @@ from pathlib import Path
 
 import orjson
 
-from centerline import nats_users, run_spec, sglang
+from centerline import nats_users, sglang
 from centerline.dataset import CHAT_TASKS, TASK_DEFAULTS, examples
 from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
-from centerline.run_spec import RunSpec
-from centerline.user_task import (
+from centerline.up import run_spec
+from centerline.up.run_spec import RunSpec
+from centerline.up.user_task import (
     Row,
     UserTask,
     UserTaskError,

@@ -4,7 +4,7 @@
 (``up``, ``trainer``, ``worker``, ``proxy``) from one source, flags > ``CENTERLINE_*`` environment >
 TOML file > defaults (``up``'s flags are its own and the shared ones; the services' tables come
 from the file and the environment). The launcher then fills in its launch settings (ports, NATS, the model and
-dataset it prepared: ``centerline.launcher.with_launch_settings``) and writes it to ``RUN_DIR/config.toml`` with
+dataset it prepared: ``centerline.up.launcher.with_launch_settings``) and writes it to ``RUN_DIR/config.toml`` with
 every table; each service starts with ``--config RUN_DIR/config.toml`` and its identity only.
 
 ``derive`` makes a variant, every changed value checked as a flag would be: how

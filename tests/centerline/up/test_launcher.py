@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from centerline import launcher, nats_users
-from centerline.launcher import service_env
-from centerline.run_spec import load
+from centerline import nats_users
+from centerline.up import launcher
+from centerline.up.launcher import service_env
+from centerline.up.run_spec import load
 from shared.config import add_arguments, parse_args
 from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
