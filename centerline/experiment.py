@@ -20,8 +20,10 @@ most in where they start (each its own SFT model), so the final reward and held-
 are also given as differences to REINFORCE's run of the same seed and staleness, with the same
 interval over those paired differences: what the method adds, without the seed's luck.
 
-Each run is a variant of one run spec (``centerline/up/run_spec.py``): the spec of the other flags,
-with the run's loss, importance weight, seed, staleness, steps and run directory. A run whose
+Each run is a variant of one run spec (``centerline/up/run_spec.py``): the spec of the other flags
+(``--steps`` among them, 40 unless given), with the run's loss, importance weight, seed, staleness and
+run directory, run as ``centerline up --config OUT/runs/<name>.toml`` (its progress lines in
+``OUT/runs/<name>.progress.jsonl``). A run whose
 directory already holds a finished run of the same spec (its report written, its ``config.toml``
 equal but for what ``up`` filled in as it started: ports, addresses) is kept, not run again: an interrupted grid goes on
 where it stopped, and a wider grid into the same ``--out`` runs only what is new.
@@ -38,9 +40,10 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import html
+import os
 import signal
+import subprocess
 import sys
 import time
 import tomllib
@@ -50,8 +53,10 @@ import orjson
 
 from centerline.interval import mean_interval
 from centerline.report import _figure_png, load_steps
-from centerline.up import launcher
+from centerline.up import run_spec
+from centerline.up.processes import PYTHON
 from centerline.up.run_spec import RunSpec
+from shared.config import ConfigError, load_toml
 
 LOSSES = ("score_centering", "reinforce", "tis")
 IS_MODES = ("none", "tis", "mis")  # score centering's importance weights (--score-centering-is)
@@ -59,6 +64,8 @@ CONFIDENCE = 0.95
 INTERVAL = "mean over seeds and its 95% Student-t interval, mean +- t(0.975, n-1) * sd / sqrt(n)"
 # the per-run numbers summarised across seeds, with the header each table gives them
 FINAL = (("reward_last", "reward last ¼"), ("accuracy_after", "held-out after"), ("kl_max", "|kl| max"))
+# `up`'s settings whose default differs for the experiment (its flags override them)
+EXPERIMENT_DEFAULTS = {"trainer": {"steps": 40}}
 SMOOTH = 5  # steps in the moving average drawn over the raw reward
 BASELINE = "reinforce"  # the paired differences' reference method
 PAIRED = ("reward_last", "accuracy_after")  # numbers also reported as differences to BASELINE, seed by seed
@@ -88,10 +95,9 @@ def parse(argv: list[str]):
     parser = argparse.ArgumentParser(
         prog="centerline experiment staleness",
         description=__doc__.split("\n")[0],
-        epilog="Other flags go to every `centerline up` run.",
+        epilog="Other flags go to every `centerline up` run (--steps too, 40 here by default).",
         allow_abbrev=False,  # `--seed` must not read as `--seeds`
     )
-    parser.add_argument("--steps", type=int, default=40, help="trainer steps of each run")
     parser.add_argument(
         "--staleness", type=_int_list, default=[1, 4, 8], help="max_inflight_steps values (= max_staleness)"
     )
@@ -142,8 +148,13 @@ def grid(stalenesses: list[int], losses: list[str], is_modes: list[str], seeds: 
     return runs
 
 
-def variant(spec: RunSpec, run: dict, steps: int, out: Path) -> RunSpec:
-    """The spec of one ``grid`` run: the user's ``spec`` with the run's setting."""
+class Stopped(Exception):
+    """A signal asked the experiment to stop."""
+
+
+def variant(spec: RunSpec, run: dict, out: Path) -> RunSpec:
+    """The spec of one ``grid`` run: the user's ``spec`` with the run's setting, evaluated after its
+    last step (and before its first)."""
     return spec.derive(
         cfg={
             "loss": run["loss"],
@@ -152,7 +163,8 @@ def variant(spec: RunSpec, run: dict, steps: int, out: Path) -> RunSpec:
             "max_inflight_steps": run["staleness"],
             "max_staleness": run["staleness"],
         },
-        up={"steps": steps, "eval_every": steps, "run_dir": out / "runs" / run["name"]},
+        up={"run_dir": out / "runs" / run["name"]},
+        trainer={"eval_every": spec.trainer.steps},
     )
 
 
@@ -161,9 +173,9 @@ def run_all(args, spec: RunSpec, stopping: list[str]) -> list[dict]:
     runs = grid(args.staleness, args.losses, args.score_centering_is, args.seed_list)
     results = []
     for i, run in enumerate(runs):
-        run_spec = variant(spec, run, args.steps, args.out)
-        run_dir = run_spec.up.run_dir
-        if finished(run_dir, run_spec):
+        variant_spec = variant(spec, run, args.out)
+        run_dir = variant_spec.up.run_dir
+        if finished(run_dir, variant_spec):
             print(
                 f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}: finished before with these "
                 "settings, kept",
@@ -175,25 +187,42 @@ def run_all(args, spec: RunSpec, stopping: list[str]) -> list[dict]:
         print(f"centerline experiment: run {i + 1}/{len(runs)}: {run['name']}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         run_dir.mkdir(parents=True, exist_ok=True)
-        with (
-            open(args.out / "runs" / f"{run['name']}.progress.jsonl", "w") as progress,
-            contextlib.redirect_stdout(progress),
-        ):
-            run_dir = launcher.launch(run_spec, stopping)
+        up(variant_spec, args.out / "runs" / run["name"], stopping)
         results.append(summarise(run, run_dir, time.monotonic() - t0))
         print(orjson.dumps({k: v for k, v in results[-1].items() if k != "steps"}).decode(), flush=True)
     return results
 
 
+def up(spec: RunSpec, name: Path, stopping: list[str]) -> None:
+    """``centerline up --config NAME.toml`` of ``spec`` to its end, its progress lines into
+    ``NAME.progress.jsonl``, its messages on stderr. Raises ``Stopped`` once ``stopping`` gets an entry
+    (``up`` stops every service it started on SIGTERM, as on the Ctrl-C it gets with this process)."""
+    config = name.with_name(name.name + ".toml")
+    spec.write(config)
+    # the spec resolved the settings variables already; left in, they would beat its file
+    env = {k: v for k, v in os.environ.items() if k not in run_spec.setting_variables()}
+    with open(name.with_name(name.name + ".progress.jsonl"), "wb") as progress:
+        proc = subprocess.Popen([PYTHON, "-m", "centerline", "up", "--config", str(config)], stdout=progress, env=env)
+    try:
+        while proc.poll() is None:
+            if stopping:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+                raise Stopped(stopping[0])
+            time.sleep(0.5)  # polling interval, for ``stopping``
+    finally:
+        proc.wait()  # Ctrl-C reached up too: it stops its services, then exits
+    if proc.returncode != 0:
+        raise RuntimeError(f"centerline up --config {config} exited with status {proc.returncode}")
+
+
 def finished(run_dir: Path, spec: RunSpec) -> bool:
     """Whether ``run_dir`` holds a finished `centerline up` run (its report written) of exactly this
     spec: a grid run again into the same ``--out`` keeps it instead of running it again."""
-    from shared.config import load_toml
-
     if not (run_dir / "report.html").exists() or not (run_dir / "config.toml").exists():
         return False
     saved = load_toml(str(run_dir / "config.toml"))
-    return launcher.without_launch_settings(saved) == launcher.without_launch_settings(tomllib.loads(spec.to_toml()))
+    return run_spec.without_launch_settings(saved) == run_spec.without_launch_settings(tomllib.loads(spec.to_toml()))
 
 
 def summarise(run: dict, run_dir: Path, wall_s: float | None) -> dict:
@@ -480,14 +509,14 @@ def main(argv: list[str]) -> int:
     args.out = args.out or Path("runs") / time.strftime("staleness-%Y-%m-%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        spec = launcher.parse(up_flags)  # a bad flag fails now, not after the first runs
+        spec = run_spec.parse(up_flags, EXPERIMENT_DEFAULTS)  # a bad flag fails now, not after the first runs
         stopping: list[str] = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))  # so each run stops its services
         results = run_all(args, spec, stopping)
-    except launcher.shared_config.ConfigError as exc:
+    except ConfigError as exc:
         print(f"centerline experiment: {exc}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, launcher.Stopped):
+    except (KeyboardInterrupt, Stopped):
         print("\ncenterline experiment: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as exc:

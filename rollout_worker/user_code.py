@@ -2,7 +2,7 @@
 
 One loader for both (``load_function``): the worker calls it for each task's reward and
 environment, ``centerline up`` calls it before anything starts, from the directory the workers
-will run in (``centerline/user_task.py``), so a name that would fail in a worker stops the run
+will run in (``centerline/up/user_task.py``), so a name that would fail in a worker stops the run
 at once with the same message.
 """
 

@@ -17,7 +17,7 @@ from centerline import nats_users
 from centerline.up import run_spec
 from router_proxy import upstream
 from shared import admin_key, nats_auth
-from shared.config import ENV_PREFIX, Config, env_name, flag
+from shared.config import ENV_PREFIX, Config, env_name, flag, key_name
 from shared.settings import SECTIONS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
@@ -59,10 +59,20 @@ def render() -> str:
         ]
         if cls.name == "up":
             taken = ", ".join(f"`{flag(name)}`" for name in run_spec.UP_TRAINER_FLAGS)
+            job = ", ".join(
+                f"`{key_name(name, SECTIONS[table]) if table in SECTIONS else name} = {value!r}`"
+                for table, values in run_spec.UP_DEFAULTS.items()
+                for name, value in values.items()
+            )
+            moved = ", ".join(f"`up.{name}`" for name in run_spec.MOVED_TO_TRAINER)
             lines += [
                 "",
                 f"`centerline up` takes the trainer's {taken} too (see `centerline trainer`); the trainer's",
                 "other settings come from the `[trainer]` table of `--config FILE` or their variables.",
+                f"`up`'s defaults differ from those above where a default run needs it: {job}",
+                "(`centerline/up/run_spec.py`, `UP_DEFAULTS`); a flag, variable or file key still wins.",
+                f"{moved} and their `CENTERLINE_UP_*` variables are the trainer's `trainer.*` and",
+                "`CENTERLINE_TRAINER_*`: `up` refuses the old names, naming the new.",
             ]
     lines += [
         "",

@@ -264,7 +264,9 @@ class ProbeSettings(Section):
 
 
 class UpSettings(Section):
-    """``centerline up``: the whole system on one machine (centerline/launcher.py)."""
+    """``centerline up``: the whole system on one machine (centerline/up/launcher.py). What is ``up``'s own:
+    the processes it starts, the task it prepares; the trainer's steps and held-out schedule are the
+    trainer's settings, which ``up`` takes as flags too (below)."""
 
     name: ClassVar[str] = "up"
     command: ClassVar[str] = "centerline up"
@@ -277,7 +279,7 @@ class UpSettings(Section):
     dataset: Path | None = Field(
         None,
         description='Your own JSONL dataset: rows {"prompt", "answer", optional "meta": {...}, optional "split": '
-        '"train" | "eval"} (centerline/user_task.py); unset: the toy task --task.',
+        '"train" | "eval"} (centerline/up/user_task.py); unset: the toy task --task.',
     )
     eval_dataset: Path | None = Field(
         None,
@@ -310,13 +312,6 @@ class UpSettings(Section):
         "(client: an openai.AsyncOpenAI on the task's session). With --dataset, the default of rows that name none "
         "(a row's own environment key wins); unset: the toy task's own (chain for --task chain), else none.",
     )
-    steps: int = Field(300, ge=0, description="Trainer steps.")
-    train_seconds: float | None = Field(
-        None,
-        gt=0,
-        description="The trainer's time limit: it stops after the step in progress once this many seconds have "
-        "passed since training began, then the run evaluates and ends as after its last step; unset: none.",
-    )
     workers: int = Field(2, ge=1, description="Rollout worker processes.")
     engines: int = Field(1, ge=1, description="SGLang servers behind the router.")
     nats_nodes: int = Field(
@@ -326,10 +321,8 @@ class UpSettings(Section):
         "min(3, nodes) replicas unless nats_stream_replicas says otherwise.",
     )
     trainer_ranks: int = Field(2, ge=1, description="Torchrun processes of the trainer.")
-    prompts_per_step: int = Field(16, ge=1, description="Prompt groups per step.")
     dataset_size: int = Field(2000, ge=1, description="Training prompts.")
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
-    eval_every: int = Field(25, ge=1, description="Evaluate every this many steps.")
     model_dir: Path = Field(Path("models"), description="Cache of init-model outputs.")
     run_dir: Path | None = Field(None, description="Run directory; unset: runs/<date-time>.")
     startup_timeout: float = Field(300.0, gt=0, description="Seconds for each service to become ready.")

@@ -23,7 +23,7 @@ recorded log-prob is more than 1e-3 from the forced one (``label_checked_tokens`
 under the neighbouring version (what the check can tell apart).
 
 Each run is its own process, every service real, SGLang started with ``--enable-metrics``, and
-trains for ``--train-seconds`` (``up --train-seconds``: the trainer starts no step after that),
+trains for ``--train-seconds`` (the trainer starts no step after that; at most ``--steps``),
 then the trainer evaluates ``--eval-prompts`` held-out prompts (docs/design.md section 9), as it
 did before training. The measured window runs from the end of step ``--warmup-steps`` to the end
 of the last step, as this process sees lines appear in ``metrics.jsonl`` (polled every ``--poll`` s), so start-up,
@@ -76,11 +76,14 @@ with ``-- --task chain`` (its tasks name the chain environment): the bench measu
     centerline bench pipeline --json
     centerline bench pipeline --modes on-policy,drain,in-flight --train-seconds 30 -- --rollout-n 4
 
-Flags after ``--`` are ``centerline up``'s (``--config FILE`` too): the run spec each mode is a
-variant of (``centerline/up/run_spec.py``), with the bench's own flags (``--task``, ``--steps``,
-``--workers``...) and the mode's ``max_inflight_steps`` over it. A mode runs as ``centerline up
---config RUN_DIR/<mode>.toml``, that variant's file; the bench reports the settings it ran, the
-workers' resolved ``concurrency`` among them.
+Every flag but the bench's own (``--modes``, ``--teacher-force``, ``--warmup-steps``, ``--run-dir``,
+``--alone-*``, ``--poll``, ``--json``, ``--out``), and every flag after ``--``, is ``centerline up``'s
+(``--config FILE`` too): the run spec each mode is a variant of (``centerline/up/run_spec.py``,
+``parse``), with the bench's defaults ``BENCH_DEFAULTS`` under them (``--steps 1000``,
+``--train-seconds 60``, ``--eval-prompts 50``; ``up``'s own otherwise) and the mode's
+``max_inflight_steps`` and ``weight_update`` over them. A mode runs as ``centerline up --config
+RUN_DIR/<mode>.toml``, that variant's file; the bench reports the settings it ran, the workers'
+resolved ``concurrency`` among them.
 """
 
 from __future__ import annotations
@@ -103,12 +106,15 @@ import orjson
 from centerline.bench import add_out_flag
 from centerline.ports import free_port
 from centerline.run_figures import emit
-from centerline.up import launcher, run_spec
-from centerline.up.launcher import PYTHON, Supervisor, wait_http
+from centerline.up import run_spec
+from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
 from shared.config import Config, ConfigError
 
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
+# `up`'s settings whose default differs for this bench (`up`'s flags override them): every mode trains
+# for the same wall time, and the held-out evaluations are outside the measured window anyway.
+BENCH_DEFAULTS = {"trainer": {"steps": 1000, "train_seconds": 60.0}, "up": {"eval_prompts": 50}}
 MODES = {
     "on-policy": (1, "retract"),
     "drain": (2, "drain"),
@@ -191,26 +197,16 @@ def duty_cycle(samples: list[tuple[float, float, float]], start: float, end: flo
 # ---------------------------------------------------------------------------- phase 1: the pipeline
 
 
-def mode_spec(base: RunSpec, args, mode: str, run_dir: Path) -> RunSpec:
-    """The spec of one ``MODES`` run: ``base`` (the flags after ``--``) with the bench's own settings
-    and the mode's ``max_inflight_steps`` and ``weight_update``, SGLang's ``--enable-metrics`` added
-    to its flags."""
-    up = {
-        "task": args.task,
-        "steps": args.steps,
-        "workers": args.workers,
-        "trainer_ranks": args.trainer_ranks,
-        "prompts_per_step": args.prompts_per_step,
-        "eval_prompts": args.eval_prompts,
-        "eval_every": args.steps,
-        "model_dir": args.model_dir,
-        "run_dir": run_dir,
-        "sglang_args": f"{base.up.sglang_args} --enable-metrics".strip(),
-    }
-    if args.train_seconds:
-        up["train_seconds"] = args.train_seconds
+def mode_spec(base: RunSpec, mode: str, run_dir: Path) -> RunSpec:
+    """The spec of one ``MODES`` run: ``base`` (``up``'s flags) with the mode's ``max_inflight_steps``
+    and ``weight_update``, its run directory, held-out evaluations before and after training only,
+    SGLang's ``--enable-metrics`` added to its flags."""
     inflight, weight_update = MODES[mode]
-    return base.derive(cfg={"max_inflight_steps": inflight}, up=up, trainer={"weight_update": weight_update})
+    return base.derive(
+        cfg={"max_inflight_steps": inflight},
+        up={"run_dir": run_dir, "sglang_args": f"{base.up.sglang_args} --enable-metrics".strip()},
+        trainer={"weight_update": weight_update, "eval_every": base.trainer.steps},
+    )
 
 
 def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
@@ -248,7 +244,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
         progress("startup", mode=mode, engine=engine, model=model, first_step_s=round(seen[1] - started, 1))
         with Scraper(engine, args.poll) as scraper:
             # to the last step: --steps, or the one --train-seconds ended on (then the trainer evaluates)
-            while up.poll() is None and args.steps not in seen:
+            while up.poll() is None and spec.trainer.steps not in seen:
                 seen |= _new_steps(metrics, seen)
                 time.sleep(args.poll)
             seen |= _new_steps(metrics, seen)
@@ -285,7 +281,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
         "pipeline_steps": len(window),
         "samples_total": sum(s["samples"] for s in steps),
         # tasks published again after a stale batch, per task a step trains (docs/design.md section 10)
-        "republished_share": round(sum(s["gate_resampled"] for s in steps) / (last * ran.up.prompts_per_step), 4),
+        "republished_share": round(sum(s["gate_resampled"] for s in steps) / (last * ran.trainer.prompts_per_step), 4),
         "pipeline_samples": samples,
         "pipeline_tokens": tokens,
         "pipeline_samples_per_s": round(samples / (end - start), 3),
@@ -427,7 +423,7 @@ def run_alone(args, spec: RunSpec, model: str, dataset: Path, run_dir: Path, sec
     supervisor = Supervisor(run_dir / "logs", {})
     try:
         started = time.monotonic()
-        proc = supervisor.start("sglang-alone", launcher.sglang_argv(model, url, ["--enable-metrics"]))
+        proc = supervisor.start("sglang-alone", sglang_argv(model, url, ["--enable-metrics"]))
         wait_http(f"{url}/health", "SGLang alone", proc, run_dir / "logs" / "sglang-alone.log", 300)
         progress("sglang_alone_ready", url=url, startup_s=round(time.monotonic() - started, 1), concurrency=concurrency)
         with Scraper(url, args.poll) as scraper:
@@ -453,14 +449,15 @@ def run_alone(args, spec: RunSpec, model: str, dataset: Path, run_dir: Path, sec
 def bench_pipeline(argv: list[str]) -> int:
     """Pipeline samples/s and tokens/s vs SGLang alone at the same concurrency, and SGLang's duty cycle; one JSON
     object."""
-    ours, up_extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    ours, after = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
         prog="centerline bench pipeline",
         description=bench_pipeline.__doc__,
-        epilog="flags after -- are centerline up's: the spec each mode derives from",
+        epilog="every other flag, and those after --, are centerline up's: the spec each mode derives from "
+        "(here --steps 1000, --train-seconds 60 and --eval-prompts 50 by default)",
+        allow_abbrev=False,  # `--mode` must not read as `--modes`
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
-    parser.add_argument("--task", default="upper", help="toy task (centerline up's default)")
     parser.add_argument(
         "--modes",
         default="drain,in-flight",
@@ -473,32 +470,15 @@ def bench_pipeline(argv: list[str]) -> int:
         action="store_true",
         help="then check every mode's token labels by teacher forcing (centerline teacher-force)",
     )
-    parser.add_argument("--steps", type=int, default=1000, help="trainer steps, at most (--train-seconds ends runs)")
-    parser.add_argument(
-        "--train-seconds",
-        type=float,
-        default=60.0,
-        help="each run's training time limit (centerline up --train-seconds): the modes train for the same wall "
-        "time; 0: none, each runs --steps",
-    )
     parser.add_argument(
         "--warmup-steps", type=int, default=2, help="first steps left out of the window (start-up, first batches)"
     )
-    parser.add_argument("--workers", type=int, default=2, help="rollout worker processes")
-    parser.add_argument("--trainer-ranks", type=int, default=2, help="torchrun processes of the trainer")
     parser.add_argument(
-        "--prompts-per-step", type=int, default=16, help="prompt groups per step (centerline up's default)"
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="the bench's directory, each mode's up run in a folder of it; default: runs/bench-pipeline-<date-time>",
     )
-    parser.add_argument(
-        "--eval-prompts",
-        type=int,
-        default=50,
-        help="held-out prompts of the evaluations before and after, outside the window",
-    )
-    parser.add_argument(
-        "--model-dir", type=Path, default=Path("models"), help="cache of init-model outputs (shared with centerline up)"
-    )
-    parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/bench-pipeline-<date-time>")
     parser.add_argument(
         "--alone-seconds",
         type=float,
@@ -515,27 +495,28 @@ def bench_pipeline(argv: list[str]) -> int:
         help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics",
     )
     add_out_flag(parser, "pipeline")
-    args = parser.parse_args(ours)
+    args, up_flags = parser.parse_known_args(ours)
+    up_flags += after
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
         parser.error(f"--modes {args.modes}: distinct names from {', '.join(MODES)}")
-    if any(flag.startswith(("--max-inflight-steps", "--weight-update")) for flag in up_extra):
-        parser.error("--max-inflight-steps or --weight-update after --: --modes sets them for each run")
-    if not 1 <= args.warmup_steps < args.steps:
-        parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {args.steps}")
+    if any(flag.startswith(("--max-inflight-steps", "--weight-update")) for flag in up_flags):
+        parser.error("--max-inflight-steps or --weight-update: --modes sets them for each run")
+    base = run_spec.parse(up_flags, BENCH_DEFAULTS, prog=parser.prog)  # a bad flag exits 2 naming it, before any run
+    if not 1 <= args.warmup_steps < base.trainer.steps:
+        parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {base.trainer.steps}")
     run_dir = args.run_dir or Path("runs") / datetime.now().strftime("bench-pipeline-%Y-%m-%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    base = launcher.parse(up_extra)  # a bad flag after -- exits 2 naming it, before any run
     results = {}
     try:
         for mode in modes:
-            results[mode], spec, model = run_pipeline(args, mode_spec(base, args, mode, run_dir / mode), mode)
+            results[mode], spec, model = run_pipeline(args, mode_spec(base, mode, run_dir / mode), mode)
         seconds = args.alone_seconds or results[modes[-1]]["pipeline_window_s"]
         alone = run_alone(args, spec, model, run_dir / modes[-1] / "train.jsonl", run_dir, seconds)
         if args.teacher_force:
             for mode in modes:
                 results[mode].update(label_truth(run_dir / mode, model, run_dir / "logs"))
-    except ConfigError as exc:  # a bench flag up refuses (--workers 0...)
+    except ConfigError as exc:  # a variant up refuses
         print(f"centerline bench pipeline: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
@@ -547,14 +528,14 @@ def bench_pipeline(argv: list[str]) -> int:
         )
         figures["tokens_per_s_ratio"] = round(figures["pipeline_tokens_per_s"] / alone["sglang_alone_tokens_per_s"], 4)
     result = {
-        "task": args.task,
+        "task": spec.up.task,
         "model": model,
-        "steps": args.steps,
-        "train_seconds": args.train_seconds or None,
+        "steps": spec.trainer.steps,
+        "train_seconds": spec.trainer.train_seconds,
         "warmup_steps": args.warmup_steps,
         "workers": spec.up.workers,
         "trainer_ranks": spec.up.trainer_ranks,
-        "prompts_per_step": spec.up.prompts_per_step,
+        "prompts_per_step": spec.trainer.prompts_per_step,
         "eval_prompts": spec.up.eval_prompts,
         "rollout_n": spec.cfg.rollout_n,
         "rollout_max_new_tokens": spec.cfg.rollout_max_new_tokens,

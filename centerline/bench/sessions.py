@@ -90,8 +90,7 @@ from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
 from centerline.ports import free_port
 from centerline.run_figures import emit
-from centerline.up import launcher
-from centerline.up.launcher import PYTHON, Supervisor, wait_http
+from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
 ASSIGNMENT_MODES = ("random", "min_load", "min_group")  # smg's --assignment-mode for manual
@@ -388,7 +387,7 @@ def run(args, policies: list[str], model: str, vocab: int, supervisor: Superviso
         flags = ["--enable-metrics"]
         if args.max_total_tokens:
             flags += ["--max-total-tokens", str(args.max_total_tokens)]
-        proc = supervisor.start(f"sglang-{i}", launcher.sglang_argv(model, url, flags))
+        proc = supervisor.start(f"sglang-{i}", sglang_argv(model, url, flags))
         engines.append((url, proc))
     for i, (url, proc) in enumerate(engines):
         wait_http(f"{url}/health", f"SGLang {i}", proc, logs / f"sglang-{i}.log", 600)

@@ -9,9 +9,11 @@ each SGLang server directly. Every service reads one run spec (``centerline/up/r
 ``RUN_DIR/config.toml``, written once with every table before the first service starts; each is
 started with ``--config RUN_DIR/config.toml`` and its identity only (a worker's ``--worker-id``)
 in an environment without ``CENTERLINE_*`` settings variables, which the spec resolved already,
-so what ran is what the file and the report show. From its own settings ``up`` gives the trainer
-its ``model``, ``dataset``, ``run_dir``, ``steps``, ``prompts_per_step`` and ``train_seconds``, the
-workers their ``chat_template``, the proxy its ``upstream`` and ``port`` (``with_launch_settings``).
+so what ran is what the file and the report show. As it starts ``up`` fills in the trainer's
+``model``, ``dataset``, ``run_dir`` and ``heldout_dataset``, the workers' ``chat_template``, the
+proxy's ``upstream`` and ``port`` (``run_spec.with_launch_settings``); ``--steps``,
+``--prompts-per-step``, ``--train-seconds``, ``--eval-every`` and ``--weight-update`` are the
+trainer's settings, which ``up`` takes as flags too.
 Held-out accuracy (exact match of one sample per prompt at the rollout temperature,
 ``--eval-prompts`` prompts) is the
 trainer's own (docs/design.md section 9): ``up`` writes the held-out rows to ``RUN_DIR/heldout.jsonl``,
@@ -19,7 +21,7 @@ the trainer's ``heldout_dataset``, and the trainer has the workers sample them b
 every ``--eval-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
 it appears. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
-Your own task (``prepare``, ``centerline/up/user_task.py``): ``--model DIR`` replaces the toy model,
+Your own task (``centerline/up/prepare.py``, ``centerline/up/user_task.py``): ``--model DIR`` replaces the toy model,
 ``--dataset FILE`` the toy task (its rows without ``"split": "eval"`` become the trainer's
 ``RUN_DIR/train.jsonl``), ``--reward`` names the reward, and the held-out figure is then the mean
 reward of one sample per held-out row (``--eval-dataset``, else the rows marked eval, else none:
@@ -35,7 +37,7 @@ reward of one session per held-out row, which a worker plays as it plays a train
 
 NATS runs with centerline/nats_users.py's users, passwords made for this run: the launcher
 creates the streams as ``admin``, and each service gets only its own user and password, in its
-environment (``service_env``), never in ``config.toml``. Likewise the engines' admin key
+environment (``centerline/up/processes.py``), never in ``config.toml``. Likewise the engines' admin key
 (``shared/admin_key.py``): a new one per run, in the environment of the SGLang servers and
 the trainer only.
 
@@ -53,28 +55,25 @@ reward flat at 1e-4 and collapsed it at 1e-3: too much gradient noise for AdamW)
 tokens, 300 steps. What such a run reaches is in its ``RUN_DIR/figures.json``
 (``centerline/run_figures.py``; ``make run``'s is ``docs/runs/make-run.json``, quoted in
 ``docs/results.md``).
-``UP_DEFAULTS`` holds the shared settings this job changes (``SESSION_DEFAULTS`` over them for a
-run of sessions). The pipeline is asynchronous, as
+``run_spec.UP_DEFAULTS`` holds the settings this job changes (shared ones, the trainer's steps and
+prompts per step; ``SESSION_DEFAULTS`` over them for a run of sessions). The pipeline is asynchronous, as
 everywhere by default (``max_inflight_steps`` 2: SGLang samples the next step while the trainer
 trains); ``--max-inflight-steps 1`` runs on-policy. ``--train-seconds T`` ends training after
 ``T`` seconds instead of ``--steps``, then the trainer evaluates as after the last step: runs compared at
 equal wall time (``centerline bench pipeline`` does).
 
-Left out on purpose: restarts of crashed services (use compose or Kubernetes for that).
+Left out on purpose: restarts of crashed services but the SGLang servers and NATS nodes (use compose
+or Kubernetes for that).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -82,284 +81,20 @@ from pathlib import Path
 import orjson
 
 from centerline import nats_users, sglang
-from centerline.dataset import CHAT_TASKS, TASK_DEFAULTS, examples
 from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
 from centerline.up import run_spec
+from centerline.up.console import Progress, log
+from centerline.up.prepare import prepare
+from centerline.up.processes import PYTHON, Supervisor, restart_dead_nats_nodes, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
-from centerline.up.user_task import (
-    Row,
-    UserTask,
-    UserTaskError,
-    chat_template_on,
-    check_environment,
-    check_reward,
-    load_task,
-    write_trainer_dataset,
-)
-from shared import admin_key
-from shared import config as shared_config
-from shared.settings import ProxySettings, TrainerSettings, UpSettings, WorkerSettings
+from centerline.up.user_task import UserTaskError
 from shared.streams import StreamLimits
-
-PYTHON = sys.executable
-# Shared settings whose default differs for this job (chosen so that the default run learns;
-# the docstring above says why each).
-UP_DEFAULTS = {"learning_rate": 3e-4, "rollout_n": 8, "rollout_max_new_tokens": 8}
-# ... and for a run of sessions (``--environment``, or a multi-turn toy task): a session's replies
-# share one advantage, so 3e-4 moved the policy too far on chain (docs/results.md, "Sessions: the chain runs").
-SESSION_DEFAULTS = {"learning_rate": 1e-4}
-
-
-def service_env(base: Mapping[str, str], nats_user: str | None, passwords: Mapping[str, str]) -> dict[str, str]:
-    """A service's environment: ``base`` without any NATS credential, plus ``nats_user``'s own
-    (none for a service that does not use NATS), so no process holds another's password; and
-    without ``CENTERLINE_*`` settings variables, which would beat the run spec's file (the spec
-    composed them already: a user's variable reaches every service through it)."""
-    settings = run_spec.setting_variables()
-    env = {k: v for k, v in base.items() if not nats_users.is_secret_variable(k) and k not in settings}
-    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    if nats_user is not None:
-        env |= nats_users.client_env(nats_user, passwords[nats_user])
-    return env
-
-
-class Supervisor:
-    """Child processes started in their own sessions (so Ctrl-C reaches the launcher only).
-
-    A process started with ``restart=True`` (the SGLang servers) that dies is started again,
-    same command, port and key, up to ``MAX_RESTARTS`` times, as a supervisor would: the server
-    comes back with its initial weights and the trainer sends it the latest version
-    (trainer_service/weights.py ``watch``). Any other process that dies ends the run.
-    """
-
-    MAX_RESTARTS = 5
-
-    def __init__(self, log_dir: Path, nats_passwords: Mapping[str, str]):
-        self.log_dir = log_dir
-        self.nats_passwords = nats_passwords
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.restartable: dict[str, tuple[list[str], dict[str, str]]] = {}
-        self.restarts: dict[str, int] = {}
-
-    def start(
-        self,
-        name: str,
-        argv: list[str],
-        nats_user: str | None = None,
-        engine_key: str | None = None,
-        restart: bool = False,
-    ) -> subprocess.Popen:
-        """``engine_key``: the engine's admin key, for the engine and the trainer; no other process gets one."""
-        env = {
-            k: v
-            for k, v in service_env(os.environ, nats_user, self.nats_passwords).items()
-            if k not in sglang.ADMIN_KEY_VARIABLES
-        }
-        if engine_key is not None:
-            env[admin_key.KEY_ENV] = engine_key
-        if restart:
-            self.restartable[name] = (argv, env)
-        return self._spawn(name, argv, env, "wb")
-
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str], mode: str) -> subprocess.Popen:
-        with open(self.log_dir / f"{name}.log", mode) as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        names_ = [n for n, _ in self.procs]
-        if name in names_:  # a restart keeps its place in the stopping order
-            self.procs[names_.index(name)] = (name, proc)
-        else:
-            self.procs.append((name, proc))
-        return proc
-
-    def check(self) -> list[str]:
-        """Start again a restartable process that died; raise if any other service died on its own
-        (the trainer's exit is handled by the caller). Returns the names restarted."""
-        restarted = []
-        for name, proc in list(self.procs):
-            if name == "trainer" or proc.poll() is None:
-                continue
-            where = self.log_dir / (name + ".log")
-            if name not in self.restartable or self.restarts.get(name, 0) >= self.MAX_RESTARTS:
-                raise RuntimeError(f"{name} exited with status {proc.returncode}; see {where}")
-            self.restarts[name] = self.restarts.get(name, 0) + 1
-            self._spawn(name, *self.restartable[name], "ab")
-            restarted.append(f"{name} (exit status {proc.returncode}, restart {self.restarts[name]})")
-        return restarted
-
-    def stop(self, timeout: float = 30.0) -> None:
-        for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _name, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Poll ``url`` until it answers 200, the process dies, or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} while starting; see {log}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError as exc:  # refused while starting, 503 while not ready
-            last = str(exc)
-        time.sleep(0.2)  # polling interval, not synchronisation: the loop waits for a 200
-    raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s ({last}); see {log}")
-
-
-class Progress:
-    """A live line on a terminal, one JSON line per record otherwise."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stdout  # looked up now, so contextlib.redirect_stdout applies
-        self.tty = self.stream.isatty()
-
-    def show(self, record: dict, steps: int) -> None:
-        if not self.tty:
-            self.stream.write(orjson.dumps(record).decode() + "\n")
-        elif "eval_accuracy" in record and "loss" not in record:
-            self.stream.write(f"\r\x1b[K  held-out accuracy at step {record['step']}: {record['eval_accuracy']:.3f}\n")
-        elif "eval_reward" in record and "loss" not in record:
-            self.stream.write(f"\r\x1b[K  held-out mean reward at step {record['step']}: {record['eval_reward']:.3f}\n")
-        else:
-            done = record.get("step", 0)
-            bar = "#" * int(30 * done / max(steps, 1))
-            rejected = sum((record.get("gate_rejected") or {}).values())
-            self.stream.write(
-                f"\r\x1b[K[{bar:<30}] step {done}/{steps}  reward {record.get('reward_mean', 0):.3f}  "
-                f"sc_corr {record.get('sc_correction', 0):.4f}  sc_l1 {record.get('sc_residual_l1', 0):.4f}  "
-                f"head P/Q {record.get('sc_train_head_mass', 0):.3f}/"
-                f"{record.get('sc_rollout_head_mass', 0):.3f}  kl {record.get('train_rollout_kl', 0):.2e}  "
-                f"stale {record.get('staleness_mean', 0):.1f}  gate +{record.get('gate_accepted', 0)}/-{rejected}"
-            )
-        self.stream.flush()
-
-
-def parse(argv: list[str]) -> RunSpec:
-    """The run spec of these flags: ``UpSettings``, the shared settings, whose job defaults
-    (``UP_DEFAULTS``) sit just above the shared ones (TOML, environment and flags still override
-    them), and the services' tables (``run_spec.compose``). A bad setting exits 2 naming it."""
-    parser = argparse.ArgumentParser(prog="centerline up", description=__doc__.split("\n")[0])
-    shared_config.add_arguments(parser, UpSettings)
-    shared_config.add_arguments(
-        parser,
-        TrainerSettings,
-        only=run_spec.UP_TRAINER_FLAGS,
-        shared=False,
-        title="the trainer's settings up takes as flags (the others: --config FILE's [trainer] table)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        spec = run_spec.compose(args, defaults=UP_DEFAULTS)
-        if trains_sessions(spec.up):
-            toy = TASK_DEFAULTS.get(spec.up.task, {}) if spec.up.dataset is None else {}
-            spec = run_spec.compose(args, defaults=UP_DEFAULTS | SESSION_DEFAULTS | toy)
-        return spec
-    except shared_config.ConfigError as exc:
-        parser.exit(2, f"{parser.prog}: {exc}\n")
-
-
-def trains_sessions(up: UpSettings) -> bool:
-    """Whether every task of the run is a session: ``--environment``, or a multi-turn toy task
-    (a dataset's rows may name environments of their own; those runs keep ``UP_DEFAULTS``)."""
-    return bool(up.environment) or (up.dataset is None and up.task in CHAT_TASKS)
-
-
-def with_launch_settings(
-    spec: RunSpec,
-    task: Prepared,
-    *,
-    nats_url: str,
-    replicas: int,
-    engine_urls: list[str],
-    router_url: str,
-    proxy_url: str,
-) -> RunSpec:
-    """``spec`` with what the launcher chose as it started: the addresses, the streams' copies,
-    the model and dataset ``prepare`` made, and the trainer's settings that are ``up``'s own."""
-    up = spec.up
-    return spec.derive(
-        cfg={
-            "nats_url": nats_url,
-            "nats_stream_replicas": replicas,
-            "proxy_url": proxy_url,
-            "engine_urls": engine_urls,
-        },
-        trainer={
-            "model": task.model,
-            "dataset": task.dataset,
-            "run_dir": up.run_dir,
-            "steps": up.steps,
-            "prompts_per_step": up.prompts_per_step,
-            "train_seconds": up.train_seconds,
-            "heldout_dataset": task.heldout,
-            "eval_every": up.eval_every,
-        },
-        worker={"chat_template": task.chat_template},
-        proxy={"upstream": router_url, "port": int(proxy_url.rsplit(":", 1)[1])},
-    )
-
-
-# The settings ``with_launch_settings`` fills in: where a run ran, not what it is
-# (``centerline experiment`` compares the rest).
-LAUNCH_SETTINGS = {
-    "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
-    TrainerSettings.name: (
-        "model",
-        "dataset",
-        "run_dir",
-        "steps",
-        "prompts_per_step",
-        "train_seconds",
-        "heldout_dataset",
-        "eval_every",
-    ),
-    WorkerSettings.name: ("chat_template",),
-    ProxySettings.name: ("upstream", "port"),
-}
-
-
-def without_launch_settings(tables: dict) -> dict:
-    """A run's ``config.toml``, as read, without what ``with_launch_settings`` fills in: what the run is."""
-    out = {}
-    for name, value in tables.items():
-        if isinstance(value, dict):
-            out[name] = {k: v for k, v in value.items() if k not in LAUNCH_SETTINGS.get(name, ())}
-        elif name not in LAUNCH_SETTINGS[""]:
-            out[name] = value
-    return out
 
 
 def engine_argv(spec: RunSpec, url: str) -> list[str]:
     """An SGLang server of the run: its model, its port, then ``up.sglang_args``."""
     return sglang_argv(str(spec.trainer.model), url, shlex.split(spec.up.sglang_args))
-
-
-def sglang_argv(model: str, url: str, sglang_flags: list[str]) -> list[str]:
-    """``centerline sglang`` serving ``model`` on ``url``'s port, SGLang's own flags after ``--``
-    (no settings file)."""
-    return [
-        PYTHON,
-        "-m",
-        "centerline",
-        "sglang",
-        "--model",
-        model,
-        "--port",
-        url.rsplit(":", 1)[1],
-        "--",
-        *sglang_flags,
-    ]
 
 
 def service_argv(spec: RunSpec, config_file: Path) -> dict[str, list[str]]:
@@ -387,22 +122,12 @@ def stream_replicas(setting: int, nodes: int) -> int:
     return replicas
 
 
-def restart_dead_nats_nodes(nats: EmbeddedNats | NatsCluster) -> list[str]:
-    """Start again each NATS node that died (same store, same ports), as a supervisor would."""
-    restarted = []
-    for node in getattr(nats, "nodes", [nats]):
-        if node.proc is not None and node.proc.poll() is not None:
-            node.start()
-            restarted.append(node.server_name or node.url)
-    return restarted
-
-
 class Stopped(Exception):
     """A signal asked the run to stop before its last step."""
 
 
 def main(argv: list[str]) -> int:
-    spec = parse(argv)
+    spec = run_spec.parse(argv)
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     # Ctrl-C stops the run even where SIGINT came ignored from the parent (a shell's background
@@ -420,7 +145,7 @@ def main(argv: list[str]) -> int:
 
 
 def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
-    """One whole run of the spec of ``parse``; returns its run directory once the report is
+    """One whole run of the spec of ``run_spec.parse``; returns its run directory once the report is
     written. Every process it started is stopped on the way out, whatever happened.
     Raises ``RuntimeError`` when a service fails, ``Stopped`` when ``stopping`` gets an entry."""
     run_dir = spec.up.run_dir or Path("runs") / datetime.now().strftime("%Y-%m-%d-%H%M%S")
@@ -439,115 +164,6 @@ def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
     return run_dir
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What a run trains and evaluates: the model, the trainer's dataset, its held-out rows."""
-
-    model: Path
-    dataset: Path
-    chat_template: bool  # the workers render each prompt, held-out ones too, with the model's chat template
-    heldout: Path | None  # the trainer's heldout_dataset: the held-out rows; None: a user task without any
-    user: UserTask | None = None  # None: the toy task
-    environment: str = ""  # the toy task's or --environment: its tasks (a user's rows naming none) are sessions
-
-
-def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
-    """The model (``--model``, else the toy model made and cached by init-model --sft), the trainer's
-    dataset in ``run_dir/train.jsonl`` (``--dataset``'s training rows, else the toy task's) and its
-    held-out rows in ``run_dir/heldout.jsonl`` (a user task's, with ``run_dir/heldout.json`` saying
-    where they came from, for the report; the toy task's ``--eval-prompts``, scored by exact match
-    whatever ``--reward`` trains: its held-out accuracy); a bad row, reward or model fails here,
-    before any service starts."""
-    check_reward(up.reward)  # as the workers will load it
-    environment = up.environment or ("" if up.dataset is not None else CHAT_TASKS.get(up.task, ""))
-    if environment:
-        check_environment(environment)
-    owner = next((t for t, e in CHAT_TASKS.items() if e == environment), None)  # a built-in's own toy task
-    if owner is not None and up.dataset is None and up.task != owner:
-        raise UserTaskError(
-            f"--environment {environment}: the built-in environment plays the toy task {owner}, not --task "
-            f"{up.task}; add --task {owner}"
-        )
-    user = None
-    if up.dataset is not None:
-        user = load_task(up.dataset, up.eval_dataset)
-        log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
-        for number, row in enumerate([*user.train, *user.heldout], 1):
-            if row.environment:
-                check_environment(row.environment, f"{up.dataset} (row {number}'s environment)")
-    if up.model is not None:
-        model = up.model
-        if not (model / "config.json").is_file():
-            raise UserTaskError(
-                f"--model {model}: no config.json there; give an HF model directory (`centerline make-model smollm2 "
-                f"--out {model}` makes one)"
-            )
-        log(f"run directory {run_dir}; model {model}")
-    else:
-        model = up.model_dir / f"sft-{up.task}-seed{cfg.seed}"
-        log(f"run directory {run_dir}; model {model} (made once, then cached)")
-        subprocess.run(
-            [
-                PYTHON,
-                "-m",
-                "centerline",
-                "init-model",
-                "--sft",
-                "--task",
-                up.task,
-                "--seed",
-                str(cfg.seed),
-                "--sft-steps",
-                str(up.sft_steps),
-                "--out",
-                str(model),
-            ],
-            check=True,
-        )
-    chat = chat_template_on(up.chat_template, model, toy=up.model is None)
-    dataset, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
-    if user is not None:
-        write_trainer_dataset(user.train, up.reward, dataset, environment)
-        (run_dir / "heldout.json").write_bytes(
-            orjson.dumps({"rows": len(user.heldout), "source": user.heldout_source, "reward": up.reward})
-        )
-        if not user.heldout:
-            return Prepared(model, dataset, chat, None, user, environment)
-        write_trainer_dataset(user.heldout, up.reward, heldout, environment)
-        return Prepared(model, dataset, chat, heldout, user, environment)
-    subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "centerline",
-            "dataset",
-            "--task",
-            up.task,
-            "--n",
-            str(up.dataset_size),
-            "--seed",
-            str(cfg.seed),
-            "--reward",
-            up.reward,
-            "--environment",
-            environment,
-            "--out",
-            str(dataset),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    rows = [Row(prompt, answer) for prompt, answer in examples(up.task, up.eval_prompts, cfg.seed, "heldout")]
-    # a session's reward is its environment's; a single-turn toy task's held-out figure is exact match
-    write_trainer_dataset(rows, up.reward if environment else "exact", heldout, environment)
-    return Prepared(model, dataset, chat, heldout, environment=environment)
-
-
-def log(message: str) -> None:
-    """One line of ``centerline up``'s own on stderr."""
-    print(f"centerline up: {message}", file=sys.stderr, flush=True)
-
-
 def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
     """One run, each job in turn: prepare what it trains, start NATS and its streams, choose the
     addresses and write ``config.toml``, start the engines, router and proxy, then the workers and
@@ -557,7 +173,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     task = prepare(up, spec.cfg, run_dir, log)
     replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
     addresses = Addresses.pick(up.engines)
-    spec = with_launch_settings(
+    spec = run_spec.with_launch_settings(
         spec,
         task,
         nats_url=nats.url,
@@ -581,7 +197,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     for i in range(up.workers):
         supervisor.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
     trainer = supervisor.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
-    follow(trainer, up, supervisor, nats, progress, stopping)
+    follow(trainer, spec, supervisor, nats, progress, stopping)
 
     if progress.tty:
         print()
@@ -639,7 +255,7 @@ def start_serving(
 
 def follow(
     trainer: subprocess.Popen,
-    up: UpSettings,
+    spec: RunSpec,
     supervisor: Supervisor,
     nats: EmbeddedNats | NatsCluster,
     progress: Progress,
@@ -650,7 +266,7 @@ def follow(
     entry (a signal)."""
     from trainer_service.metrics import complete_lines  # here: it imports torch, which the launcher needs nowhere else
 
-    files = [up.run_dir / "metrics.jsonl", up.run_dir / "eval.jsonl"]
+    files = [spec.up.run_dir / "metrics.jsonl", spec.up.run_dir / "eval.jsonl"]
     seen = [0, 0]  # complete lines shown of each
     while True:
         if stopping:
@@ -664,7 +280,7 @@ def follow(
         for i, path in enumerate(files):
             lines, _ = complete_lines(path.read_bytes() if path.exists() else b"")
             for line in lines[seen[i] :]:
-                progress.show(orjson.loads(line), up.steps)
+                progress.show(orjson.loads(line), spec.trainer.steps)
             seen[i] = len(lines)
         if finished:
             return

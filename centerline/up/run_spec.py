@@ -1,31 +1,44 @@
-"""The run spec: every setting of one `centerline up` run, composed once and written once.
+"""The run spec: every setting of one `centerline up` run, composed once and written once;
+the settings object that ``up``, ``centerline experiment`` and ``centerline bench pipeline`` take.
 
-``compose`` resolves the shared configuration and the table of every command the run starts
-(``up``, ``trainer``, ``worker``, ``proxy``) from one source, flags > ``CENTERLINE_*`` environment >
-TOML file > defaults (``up``'s flags are its own and the shared ones; the services' tables come
-from the file and the environment). The launcher then fills in its launch settings (ports, NATS, the model and
-dataset it prepared: ``centerline.up.launcher.with_launch_settings``) and writes it to ``RUN_DIR/config.toml`` with
-every table; each service starts with ``--config RUN_DIR/config.toml`` and its identity only.
+``parse`` reads `centerline up`'s flags: ``UpSettings`` (what is ``up``'s own: how many engines,
+workers, NATS nodes and trainer ranks, the task, the model cache...), the shared settings and the
+trainer's ``UP_TRAINER_FLAGS`` (``--steps``, ``--prompts-per-step``, ``--train-seconds``,
+``--eval-every``, ``--weight-update``), which are the trainer's settings (table ``[trainer]``,
+variables ``CENTERLINE_TRAINER_*``). ``compose`` resolves the shared configuration and the table of
+every command the run starts (``up``, ``trainer``, ``worker``, ``proxy``) from one source, flags >
+``CENTERLINE_*`` environment > TOML file > a job's defaults (``UP_DEFAULTS``: ``up`` trains 300
+steps of 16 prompts where the trainer alone defaults to 100 of 8) > the settings' own defaults.
+The launcher then fills in its launch settings (ports, NATS, the model and dataset it prepared:
+``with_launch_settings``) and writes the spec to ``RUN_DIR/config.toml`` with every table; each
+service starts with ``--config RUN_DIR/config.toml`` and its identity only.
 
 ``derive`` makes a variant, every changed value checked as a flag would be: how
-``centerline experiment`` and ``centerline bench pipeline`` run a grid of settings.
+``centerline experiment`` and ``centerline bench pipeline`` run a grid of settings, each run a
+``centerline up --config FILE`` of its variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tomllib
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from centerline.dataset import CHAT_TASKS, TASK_DEFAULTS
+from shared import config as shared_config
 from shared.config import (
     Config,
+    ConfigError,
     check_section,
     env_name,
+    flag,
     invalid_setting,
+    key_name,
     load_toml,
     resolve,
     resolve_section,
@@ -33,6 +46,9 @@ from shared.config import (
     validate,
 )
 from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, UpSettings, WorkerSettings
+
+if typing.TYPE_CHECKING:
+    from centerline.up.prepare import Prepared
 
 M = typing.TypeVar("M", bound=BaseModel)
 
@@ -90,33 +106,168 @@ def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Sectio
 
 
 # The trainer settings `centerline up` takes as flags too (the rest: its [trainer] table).
-UP_TRAINER_FLAGS = ("weight_update",)
+UP_TRAINER_FLAGS = ("steps", "prompts_per_step", "train_seconds", "eval_every", "weight_update")
+# Settings whose default differs for this job, by table ("cfg": the shared ones), chosen so that the
+# default run learns on 2 CPU cores (centerline/up/launcher.py says why each).
+UP_DEFAULTS = {
+    "cfg": {"learning_rate": 3e-4, "rollout_n": 8, "rollout_max_new_tokens": 8},
+    TrainerSettings.name: {"steps": 300, "prompts_per_step": 16},
+}
+# ... and for a run of sessions (``--environment``, or a multi-turn toy task): a session's replies
+# share one advantage, so 3e-4 moved the policy too far on chain (docs/results.md, "Sessions: the chain runs").
+SESSION_DEFAULTS = {"cfg": {"learning_rate": 1e-4}}
+# up's settings that are the trainer's, in the trainer's table since issue 32 (docs/config.md)
+MOVED_TO_TRAINER = ("steps", "prompts_per_step", "train_seconds", "eval_every")
+
+
+def parse(
+    argv: list[str],
+    defaults: typing.Mapping[str, typing.Mapping[str, object]] | None = None,
+    prog: str = "centerline up",
+) -> RunSpec:
+    """The run spec of `centerline up`'s flags ``argv``: ``UpSettings``, the shared settings and the
+    trainer's ``UP_TRAINER_FLAGS``, over ``UP_DEFAULTS`` (``SESSION_DEFAULTS`` and the toy task's
+    ``TASK_DEFAULTS`` too for a run of sessions), over which ``defaults`` (a job that runs ``up``:
+    the bench, the experiment) sit. A bad setting exits 2 naming it."""
+    parser = argparse.ArgumentParser(prog=prog, description="centerline up: " + __doc__.split("\n")[0])
+    shared_config.add_arguments(parser, UpSettings)
+    shared_config.add_arguments(
+        parser,
+        TrainerSettings,
+        only=UP_TRAINER_FLAGS,
+        shared=False,
+        title="the trainer's settings up takes as flags, up's defaults "
+        + ", ".join(f"{name} {value}" for name, value in UP_DEFAULTS[TrainerSettings.name].items())
+        + " (the others: --config FILE's [trainer] table)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        job = merged(UP_DEFAULTS, defaults or {})
+        spec = compose(args, defaults=job)
+        if trains_sessions(spec.up):
+            toy = TASK_DEFAULTS.get(spec.up.task, {}) if spec.up.dataset is None else {}
+            spec = compose(args, defaults=merged(UP_DEFAULTS, SESSION_DEFAULTS, {"cfg": toy}, defaults or {}))
+        return spec
+    except shared_config.ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+
+
+def merged(*defaults: typing.Mapping[str, typing.Mapping[str, object]]) -> dict[str, dict[str, object]]:
+    """Job defaults by table, the later ones winning field by field."""
+    out: dict[str, dict[str, object]] = {}
+    for table in defaults:
+        for name, values in table.items():
+            out[name] = {**out.get(name, {}), **values}
+    return out
+
+
+def trains_sessions(up: UpSettings) -> bool:
+    """Whether every task of the run is a session: ``--environment``, or a multi-turn toy task
+    (a dataset's rows may name environments of their own; those runs keep ``UP_DEFAULTS``)."""
+    return bool(up.environment) or (up.dataset is None and up.task in CHAT_TASKS)
 
 
 def compose(
     args: argparse.Namespace,
     env: typing.Mapping[str, str] | None = None,
-    defaults: typing.Mapping[str, object] | None = None,
+    defaults: typing.Mapping[str, typing.Mapping[str, object]] | None = None,
 ) -> RunSpec:
     """The spec of `centerline up`'s flags ``args`` (``--config FILE`` among them) and ``env``
-    (``os.environ`` when None). ``defaults``: shared settings' defaults of this job, which every
-    source overrides (the file too). The services' tables take no flags here but ``UP_TRAINER_FLAGS``:
-    `up`'s flags are its own (``--steps`` is ``up.steps``, which the launcher gives the trainer)."""
+    (``os.environ`` when None). ``defaults``: this job's defaults by table (``cfg``, ``trainer``...),
+    which every source overrides (the file too). The services' tables take no flags here but
+    ``UP_TRAINER_FLAGS``."""
     env = os.environ if env is None else env
+    moved = [(f"up.{n} in {args.config}", n) for n in _moved_keys(args)]
+    moved += [(env_name(n, UpSettings), n) for n in MOVED_TO_TRAINER if env_name(n, UpSettings) in env]
+    if moved:
+        where, name = moved[0]
+        raise ConfigError(
+            f"{where}: {name} is the trainer's setting; set {key_name(name, TrainerSettings)} in the TOML file, "
+            f"{env_name(name, TrainerSettings)} or {flag(name)} (docs/config.md)"
+        )
     read = load_toml(args.config) if "config" in vars(args) else {}
+    defaults = defaults or {}
+    given = vars(args)
+
+    def unset(section: type[Section] | None, flags: tuple[str, ...] | None) -> dict[str, object]:
+        table = read.get(section.name, {}) if section else read
+        return {
+            k: v
+            for k, v in defaults.get(section.name if section else "cfg", {}).items()
+            if not (k in given and (flags is None or k in flags)) and env_name(k, section) not in env and k not in table
+        }
+
     cfg = resolve(args, env)
-    unset = {
-        k: v for k, v in (defaults or {}).items() if k not in vars(args) and env_name(k) not in env and k not in read
-    }
-    cfg = validate(_rebuilt(cfg, unset))
-    spec = {UpSettings.name: resolve_section(UpSettings, args, env, cfg)}
-    for section in (TrainerSettings, WorkerSettings, ProxySettings):
-        flags = UP_TRAINER_FLAGS if section is TrainerSettings else ()
-        spec[section.name] = resolve_section(section, args, env, cfg, only=flags)
+    cfg = validate(_rebuilt(cfg, unset(None, None)))
+    spec = {}
+    for section in (UpSettings, TrainerSettings, WorkerSettings, ProxySettings):
+        flags = None if section is UpSettings else UP_TRAINER_FLAGS if section is TrainerSettings else ()
+        settings = resolve_section(section, args, env, cfg, only=flags)
+        spec[section.name] = check_section(_rebuilt(settings, unset(section, flags), section), cfg)
     tables = {name: values for name, values in read.items() if name in SECTIONS and name not in spec}
     return RunSpec(cfg=cfg, tables=tables, **spec)
+
+
+def _moved_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of ``MOVED_TO_TRAINER`` in the ``[up]`` table of ``--config FILE``."""
+    try:
+        table = tomllib.loads(Path(args.config).read_text()).get(UpSettings.name, {})
+    except (AttributeError, OSError, tomllib.TOMLDecodeError):
+        return []  # no file, or one ``load_toml`` refuses in its own words
+    return [name for name in MOVED_TO_TRAINER if name in table]
 
 
 def load(path: Path) -> RunSpec:
     """The spec a run's ``config.toml`` holds, as its services read it (the file alone)."""
     return compose(argparse.Namespace(config=str(path)), env={})
+
+
+def with_launch_settings(
+    spec: RunSpec,
+    task: Prepared,
+    *,
+    nats_url: str,
+    replicas: int,
+    engine_urls: list[str],
+    router_url: str,
+    proxy_url: str,
+) -> RunSpec:
+    """``spec`` with what the launcher chose as it started: the addresses, the streams' copies,
+    the model and dataset ``prepare`` made, the run directory."""
+    return spec.derive(
+        cfg={
+            "nats_url": nats_url,
+            "nats_stream_replicas": replicas,
+            "proxy_url": proxy_url,
+            "engine_urls": engine_urls,
+        },
+        trainer={
+            "model": task.model,
+            "dataset": task.dataset,
+            "run_dir": spec.up.run_dir,
+            "heldout_dataset": task.heldout,
+        },
+        worker={"chat_template": task.chat_template},
+        proxy={"upstream": router_url, "port": int(proxy_url.rsplit(":", 1)[1])},
+    )
+
+
+# The settings ``with_launch_settings`` fills in: where a run ran, not what it is
+# (``centerline experiment`` compares the rest).
+LAUNCH_SETTINGS = {
+    "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
+    TrainerSettings.name: ("model", "dataset", "run_dir", "heldout_dataset"),
+    WorkerSettings.name: ("chat_template",),
+    ProxySettings.name: ("upstream", "port"),
+}
+
+
+def without_launch_settings(tables: dict) -> dict:
+    """A run's ``config.toml``, as read, without what ``with_launch_settings`` fills in: what the run is."""
+    out = {}
+    for name, value in tables.items():
+        if isinstance(value, dict):
+            out[name] = {k: v for k, v in value.items() if k not in LAUNCH_SETTINGS.get(name, ())}
+        elif name not in LAUNCH_SETTINGS[""]:
+            out[name] = value
+    return out

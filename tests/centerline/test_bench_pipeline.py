@@ -1,6 +1,5 @@
 """`centerline bench pipeline`: a short `up` run, then SGLang alone, one JSON object with exact counts."""
 
-import argparse
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import orjson
 import pytest
 
 from centerline.bench.pipeline import (
+    BENCH_DEFAULTS,
     concurrent_requests,
     duty_cycle,
     heldout_key,
@@ -17,7 +17,7 @@ from centerline.bench.pipeline import (
     request_bodies,
     token_staleness,
 )
-from centerline.up import launcher
+from centerline.up.run_spec import parse
 from shared.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,36 +104,27 @@ def test_duty_cycle_refuses_a_window_with_fewer_than_two_flushes():
         duty_cycle([(0, 0, 0), (1, 0, 1), (2, 0, 1), (3, 0, 1)], start=0, end=3)
 
 
-def test_each_mode_is_a_variant_of_the_spec_after_dashdash_and_reports_the_workers_resolved_concurrency(
-    tmp_path, monkeypatch
-):
+def test_each_mode_is_a_variant_of_ups_spec_and_reports_the_workers_resolved_concurrency(tmp_path, monkeypatch):
     monkeypatch.setenv("CENTERLINE_WORKER_CONCURRENCY", "3")
-    base = launcher.parse(["--rollout-n", "2", "--sglang-args=--log-level debug", "--workers", "5"])
-    args = argparse.Namespace(
-        task="copy",
-        steps=50,
-        workers=2,
-        trainer_ranks=1,
-        prompts_per_step=4,
-        eval_prompts=5,
-        model_dir=tmp_path / "models",
-        train_seconds=0.0,
-    )
-    spec = mode_spec(base, args, "on-policy", tmp_path / "on-policy")
-    up = spec.up
-    assert (up.task, up.steps, up.eval_every, up.workers, up.trainer_ranks, up.prompts_per_step) == (
+    flags = ["--task", "copy", "--steps", "50", "--workers", "2", "--trainer-ranks", "1", "--prompts-per-step", "4"]
+    flags += ["--rollout-n", "2", "--sglang-args=--log-level debug", "--model-dir", str(tmp_path / "models")]
+    base = parse(flags, BENCH_DEFAULTS)
+    spec = mode_spec(base, "on-policy", tmp_path / "on-policy")
+    up, trainer = spec.up, spec.trainer
+    assert (up.task, up.workers, up.trainer_ranks, up.model_dir, up.run_dir) == (
         "copy",
-        50,
-        50,
         2,
         1,
-        4,
-    )
-    assert (up.eval_prompts, up.model_dir, up.run_dir, up.train_seconds) == (
-        5,
         tmp_path / "models",
         tmp_path / "on-policy",
-        None,
+    )
+    # the bench's defaults where no flag says otherwise: the same training time for each mode
+    assert (trainer.steps, trainer.eval_every, trainer.prompts_per_step, trainer.train_seconds, up.eval_prompts) == (
+        50,
+        50,
+        4,
+        60.0,
+        50,
     )
     assert up.sglang_args == "--log-level debug --enable-metrics"
     assert (spec.cfg.max_inflight_steps, spec.cfg.rollout_n) == (1, 2)
@@ -141,9 +132,9 @@ def test_each_mode_is_a_variant_of_the_spec_after_dashdash_and_reports_the_worke
     # `centerline up --config FILE` of the variant's file runs exactly the variant.
     spec.write(tmp_path / "on-policy.toml")
     monkeypatch.delenv("CENTERLINE_WORKER_CONCURRENCY")
-    assert launcher.parse(["--config", str(tmp_path / "on-policy.toml")]) == spec
+    assert parse(["--config", str(tmp_path / "on-policy.toml")]) == spec
     # drain and in-flight: both asynchronous, one trainer setting apart
-    variants = {mode: mode_spec(base, args, mode, tmp_path / mode) for mode in ("drain", "in-flight")}
+    variants = {mode: mode_spec(base, mode, tmp_path / mode) for mode in ("drain", "in-flight")}
     assert {m: (v.cfg.max_inflight_steps, v.trainer.weight_update) for m, v in variants.items()} == {
         "drain": (2, "drain"),
         "in-flight": (2, "retract"),

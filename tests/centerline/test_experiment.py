@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from centerline import experiment
-from centerline.up import launcher
+from centerline.up.prepare import Prepared
+from centerline.up.run_spec import parse, with_launch_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,17 +60,29 @@ def test_a_seed_passed_to_up_is_refused_since_the_experiment_sets_it(capsys):
 
 def test_each_run_is_a_variant_of_the_spec_with_its_loss_importance_weight_seed_and_staleness(tmp_path):
     run = experiment.grid([4], ["score_centering"], ["mis"], [2])[0]
-    base = launcher.parse(["--learning-rate", "1e-3", "--loss", "tis", "--task", "copy"])
-    spec = experiment.variant(base, run, 10, tmp_path)
-    cfg, up = spec.cfg, spec.up
+    base = parse(["--learning-rate", "1e-3", "--loss", "tis", "--task", "copy", "--steps", "10"])
+    spec = experiment.variant(base, run, tmp_path)
+    cfg, up, trainer = spec.cfg, spec.up, spec.trainer
     assert (cfg.loss, cfg.score_centering_is, cfg.seed) == ("score_centering", "mis", 2)
     assert (cfg.max_inflight_steps, cfg.max_staleness, cfg.learning_rate) == (4, 4, 1e-3)
-    assert (up.steps, up.eval_every, up.run_dir, up.task) == (10, 10, tmp_path / "runs" / run["name"], "copy")
+    assert (trainer.steps, trainer.eval_every, up.run_dir, up.task) == (10, 10, tmp_path / "runs" / run["name"], "copy")
     # nothing else of the spec changes
     assert spec.cfg.model_dump(
         exclude={"loss", "score_centering_is", "seed", "max_inflight_steps", "max_staleness"}
     ) == (base.cfg.model_dump(exclude={"loss", "score_centering_is", "seed", "max_inflight_steps", "max_staleness"}))
-    assert (spec.trainer, spec.worker, spec.proxy) == (base.trainer, base.worker, base.proxy)
+    assert spec.up == base.up.model_copy(update={"run_dir": tmp_path / "runs" / run["name"]})
+    assert (spec.trainer, spec.worker, spec.proxy) == (
+        base.trainer.model_copy(update={"eval_every": 10}),
+        base.worker,
+        base.proxy,
+    )
+
+
+def test_the_experiment_runs_40_steps_unless_ups_steps_flag_says_otherwise():
+    args, up_flags = experiment.parse(["--steps", "7", "--task", "copy"])
+    assert up_flags == ["--steps", "7", "--task", "copy"]
+    assert parse(up_flags, experiment.EXPERIMENT_DEFAULTS).trainer.steps == 7
+    assert parse([], experiment.EXPERIMENT_DEFAULTS).trainer.steps == 40
 
 
 def _result(method: str, seed: int, reward_last: float, accuracy_after, kl_max: float) -> dict:
@@ -156,14 +169,14 @@ def test_the_paired_differences_get_their_own_plot_when_reinforce_ran():
 
 def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_path):
     run = {"name": "tis-s4-seed1", "method": "tis", "loss": "tis", "is_mode": "none", "staleness": 4, "seed": 1}
-    base = launcher.parse(["--task", "copy"])
-    spec = experiment.variant(base, run, 40, tmp_path)
+    base = parse(["--task", "copy", "--steps", "40"])
+    spec = experiment.variant(base, run, tmp_path)
     run_dir = tmp_path / "runs" / run["name"]
     run_dir.mkdir(parents=True)
     # what `centerline up` wrote: the spec with the launch settings of where it ran (ports, model, dataset),
     # then the report last
-    task = launcher.Prepared(Path("models/sft-copy-seed1"), run_dir / "train.jsonl", False, run_dir / "heldout.jsonl")
-    launched = launcher.with_launch_settings(
+    task = Prepared(Path("models/sft-copy-seed1"), run_dir / "train.jsonl", False, run_dir / "heldout.jsonl")
+    launched = with_launch_settings(
         spec,
         task,
         nats_url="nats://127.0.0.1:4999",
@@ -177,10 +190,10 @@ def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_pa
     (run_dir / "report.html").write_text("<html></html>")
     assert experiment.finished(run_dir, spec)
     for other in (
-        experiment.variant(base, run, 80, tmp_path),  # more steps
-        experiment.variant(launcher.parse(["--task", "upper"]), run, 40, tmp_path),  # another task
-        experiment.variant(launcher.parse(["--task", "copy", "--learning-rate", "1e-3"]), run, 40, tmp_path),
-        experiment.variant(base, {**run, "seed": 2}, 40, tmp_path).derive(up={"run_dir": run_dir}),  # another seed
+        experiment.variant(base.derive(trainer={"steps": 80}), run, tmp_path),  # more steps
+        experiment.variant(parse(["--task", "upper", "--steps", "40"]), run, tmp_path),  # another task
+        experiment.variant(parse(["--task", "copy", "--steps", "40", "--learning-rate", "1e-3"]), run, tmp_path),
+        experiment.variant(base, {**run, "seed": 2}, tmp_path).derive(up={"run_dir": run_dir}),  # another seed
         spec.derive(worker={"concurrency": 3}),  # a service's setting
     ):
         assert not experiment.finished(run_dir, other), other

@@ -10,8 +10,9 @@ import pytest
 
 from centerline import nats_users
 from centerline.up import launcher
-from centerline.up.launcher import service_env
-from centerline.up.run_spec import load
+from centerline.up.prepare import Prepared
+from centerline.up.processes import service_env
+from centerline.up.run_spec import load, parse, with_launch_settings
 from shared.config import add_arguments, parse_args
 from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
@@ -54,10 +55,10 @@ def test_a_service_gets_no_credentials_nor_settings_variables_and_keeps_the_rest
 
 
 def _with_launch_settings(tmp_path: Path, argv: list[str]):
-    spec = launcher.parse(argv)
+    spec = parse(argv)
     run_dir = spec.up.run_dir
-    task = launcher.Prepared(tmp_path / "model", run_dir / "train.jsonl", True, run_dir / "heldout.jsonl")
-    return launcher.with_launch_settings(
+    task = Prepared(tmp_path / "model", run_dir / "train.jsonl", True, run_dir / "heldout.jsonl")
+    return with_launch_settings(
         spec,
         task,
         nats_url="nats://127.0.0.1:4999",
@@ -120,7 +121,7 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
         5002,
         60.0,
     )
-    assert data["probe"] == {"k": 4} and data["up"]["steps"] == 7
+    assert data["probe"] == {"k": 4} and "steps" not in data["up"]  # the trainer's, in its table only
 
     argv = launcher.service_argv(spec, config)
     py, file = sys.executable, ["--config", str(config)]
@@ -150,7 +151,7 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
 
 def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_source_overrides_it(tmp_path, monkeypatch):
     monkeypatch.delenv("CENTERLINE_LEARNING_RATE", raising=False)
-    rate = lambda *argv: launcher.parse(list(argv)).cfg.learning_rate  # noqa: E731
+    rate = lambda *argv: parse(list(argv)).cfg.learning_rate  # noqa: E731
     assert rate() == rate("--task", "copy") == 3e-4
     assert (
         rate("--task", "chain")
@@ -167,7 +168,7 @@ def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_sour
 
 def test_the_tool_task_calc_defaults_to_turns_long_enough_for_a_call_and_any_source_overrides_it(monkeypatch):
     monkeypatch.delenv("CENTERLINE_ROLLOUT_MAX_NEW_TOKENS", raising=False)
-    limit = lambda *argv: launcher.parse(list(argv)).cfg.rollout_max_new_tokens  # noqa: E731
+    limit = lambda *argv: parse(list(argv)).cfg.rollout_max_new_tokens  # noqa: E731
     assert limit("--task", "calc") == 80 and limit("--task", "chain") == limit("--task", "copy") == 8
     assert limit("--task", "calc", "--rollout-max-new-tokens", "96") == 96
     monkeypatch.setenv("CENTERLINE_ROLLOUT_MAX_NEW_TOKENS", "90")
@@ -178,15 +179,54 @@ def test_up_takes_the_trainers_weight_update_as_a_flag_above_its_table_and_write
     tmp_path, monkeypatch
 ):
     monkeypatch.delenv("CENTERLINE_TRAINER_WEIGHT_UPDATE", raising=False)
-    update = lambda *argv: launcher.parse(list(argv)).trainer.weight_update  # noqa: E731
+    update = lambda *argv: parse(list(argv)).trainer.weight_update  # noqa: E731
     assert update() == "retract"
     config = tmp_path / "run.toml"
     config.write_text('[trainer]\nweight_update = "in_place"\n')
     assert update("--config", str(config)) == "in_place"
     assert update("--config", str(config), "--weight-update", "drain") == "drain"
-    spec = launcher.parse(["--weight-update", "drain"])
+    spec = parse(["--weight-update", "drain"])
     spec.write(tmp_path / "config.toml")
     assert load(tmp_path / "config.toml").trainer.weight_update == "drain"  # what the trainer reads
     with pytest.raises(SystemExit) as exc:
-        launcher.parse(["--weight-update", "pause"])
+        parse(["--weight-update", "pause"])
     assert exc.value.code == 2
+
+
+def test_up_trains_300_steps_of_16_prompts_where_the_trainer_alone_defaults_to_100_of_8_and_any_source_wins(
+    tmp_path, monkeypatch
+):
+    for name in ("STEPS", "PROMPTS_PER_STEP", "EVAL_EVERY", "TRAIN_SECONDS"):
+        monkeypatch.delenv(f"CENTERLINE_TRAINER_{name}", raising=False)
+    trainer = lambda *argv: parse(list(argv)).trainer  # noqa: E731
+    assert (TrainerSettings().steps, TrainerSettings().prompts_per_step) == (100, 8)
+    assert (trainer().steps, trainer().prompts_per_step, trainer().eval_every, trainer().train_seconds) == (
+        300,
+        16,
+        25,
+        None,
+    )
+    flags = trainer("--steps", "5", "--prompts-per-step", "3", "--eval-every", "2", "--train-seconds", "30")
+    assert (flags.steps, flags.prompts_per_step, flags.eval_every, flags.train_seconds) == (5, 3, 2, 30.0)
+    config = tmp_path / "run.toml"
+    config.write_text("[trainer]\nsteps = 40\n")
+    assert (trainer("--config", str(config)).steps, trainer("--config", str(config), "--steps", "6").steps) == (40, 6)
+    monkeypatch.setenv("CENTERLINE_TRAINER_STEPS", "50")
+    assert (trainer().steps, trainer("--config", str(config)).steps, trainer().prompts_per_step) == (50, 50, 16)
+
+
+def test_the_trainers_settings_in_ups_table_or_variables_are_refused_naming_where_they_are_now(
+    tmp_path, monkeypatch, capsys
+):
+    config = tmp_path / "run.toml"
+    config.write_text("[up]\nsteps = 40\n")
+    with pytest.raises(SystemExit) as exc:
+        parse(["--config", str(config)])
+    assert exc.value.code == 2
+    assert "steps is the trainer's setting; set trainer.steps in the TOML file, CENTERLINE_TRAINER_STEPS" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("CENTERLINE_UP_EVAL_EVERY", "5")
+    with pytest.raises(SystemExit):
+        parse([])
+    assert "CENTERLINE_UP_EVAL_EVERY: eval_every is the trainer's setting" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 import sys
 
 from centerline import sglang
-from centerline.up.launcher import Supervisor
+from centerline.up.processes import Supervisor
 from shared import admin_key
 
 SHOW = (

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from centerline.up.launcher import Supervisor
+from centerline.up.processes import Supervisor
 
 EXIT_3 = [sys.executable, "-c", "import sys; print('ran'); sys.exit(3)"]
 
