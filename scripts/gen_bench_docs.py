@@ -10,11 +10,11 @@ bench <target> --out FILE`` wrote (its figures, ``command``, ``commit``, ``machi
 so. To refresh a part, run the bench with ``--out docs/bench/NAME.json``, then this script.
 
 A figure quoted in prose, in README.md or docs/*.md, is one value of such a file, or of a run's
-``RUN_DIR/figures.json`` kept as ``docs/runs/NAME.json`` (``centerline/run_figures.py``):
+``RUN_DIR/figures.json`` kept as ``docs/runs/NAME.json`` (``centerline/runs/run_figures.py``):
 ``<!-- fig NAME PATH [FORMAT] -->0.70<!-- /fig -->``, PATH its keys (and list indices) joined by
 dots, FORMAT a Python format spec (``.2f``, ``.2%``; default: three significant figures).
 
-``--check`` also recomputes each figure file's ``digest`` (``centerline/run_figures.py``): a file
+``--check`` also recomputes each figure file's ``digest`` (``centerline/runs/run_figures.py``): a file
 edited by hand fails, named with the command that regenerates it. Files written before digests
 are pinned by their bytes in ``LEGACY`` until they are regenerated.
 """
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"  # its pages, and the figure files they quote: bench/NAME.json, runs/NAME.json
 sys.path.insert(0, str(ROOT))
-from centerline.run_figures import digest  # noqa: E402  (the writer's own digest, recomputed here)
+from centerline.runs.run_figures import digest  # noqa: E402  (the writer's own digest, recomputed here)
 
 FIG = re.compile(r"<!-- fig (?P<name>[\w-]+) (?P<path>[\w.-]+)(?: (?P<fmt>\S+))? -->(?P<text>[^<]*)<!-- /fig -->")
 PART = re.compile(r"<!-- bench:(?P<name>[\w-]+) begin[^>]*-->\n(?P<body>.*?)<!-- bench:(?P=name) end -->", re.S)
@@ -328,7 +328,7 @@ RENDER = {
 
 
 LEGACY = {
-    # Files written before figure files carried a digest (centerline/run_figures.py), pinned by the
+    # Files written before figure files carried a digest (centerline/runs/run_figures.py), pinned by the
     # sha256 of their bytes: any edit fails the check. Regenerate one with its own "command" and drop
     # its line here.
     "docs/bench/pipeline-before-in-flight.json": "b65f1ffe2fd12b9fcbe4e7b30d8fdcd1dc7f921256fab16a8a3310f1b14406c1",
@@ -361,7 +361,7 @@ def verify(path: Path, docs: Path) -> str | None:
             return f"{name}: carries its digest now; drop its line from LEGACY in scripts/gen_bench_docs.py"
         return None
     if name not in LEGACY:
-        return f"{name}: no digest, so not written by centerline/run_figures.py; {again}"
+        return f"{name}: no digest, so not written by centerline/runs/run_figures.py; {again}"
     if hashlib.sha256(raw).hexdigest() != LEGACY[name]:
         return f"{name}: edited since it was pinned in LEGACY (written before digests); {again}"
     return None

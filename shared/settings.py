@@ -293,11 +293,11 @@ class UpSettings(Section):
     )
     task: str = Field(
         "upper",
-        description="Toy task (centerline/dataset.py: upper, copy, reverse, add; chain, multi-turn, runs as sessions "
-        "of the environment chain), when --dataset is unset.",
+        description="Toy task (centerline/toy/dataset.py: upper, copy, reverse, add; chain, multi-turn, runs as "
+        "sessions of the environment chain), when --dataset is unset.",
     )
     sft_steps: int = Field(
-        0, ge=0, description="Warm-start steps of the model (0 = the task's default in centerline/sft.py)."
+        0, ge=0, description="Warm-start steps of the model (0 = the task's default in centerline/toy/sft.py)."
     )
     reward: str = Field(
         "exact",
@@ -359,7 +359,7 @@ class UpSettings(Section):
 
 
 class ReplaySettings(Section):
-    """``centerline replay``: a record file back into NATS or into the trainer's steps (centerline/replay.py).
+    """``centerline replay``: a record file back into NATS or into the trainer's steps (centerline/runs/replay.py).
     With ``--train`` it also restores every setting of the run's ``[trainer]`` table (but its model, run
     directory and metrics port)."""
 

@@ -1,5 +1,5 @@
 """The toy tasks' built-in rewards and multi-turn environment, which the rollout worker runs on
-the rows ``centerline dataset`` writes (``centerline/dataset.py``, the problems and the split).
+the rows ``centerline dataset`` writes (``centerline/toy/dataset.py``, the problems and the split).
 
 The policy continues a prompt with the answer and then ``<|endoftext|>`` (token 256 of the byte
 model). ``chain`` ("3+4 +5 +2" -> "7 2 4", a running sum's last digit over 2-4 chat turns) is
@@ -13,7 +13,7 @@ answer's word. The reward is the share of steps answered exactly (the reply, its
 ``<|im_end|>`` cut, equals the digit).
 
 Used by the rollout worker (the built-in rewards and environment) and by the SFT warm start
-(``centerline/sft.py``: ``chain_turns``). Rewards compare the response (the engine already cuts
+(``centerline/toy/sft.py``: ``chain_turns``). Rewards compare the response (the engine already cuts
 it at the stop token; anything from a literal ``<|endoftext|>`` on is cut here too):
 
     exact   1.0 if the response equals the answer, else 0.0

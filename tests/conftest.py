@@ -114,7 +114,7 @@ def made_model(out: Path, seed: int) -> Path:
     untouched. tests/sglang/test_model.py checks the command's output is byte for byte this."""
     import torch
 
-    from centerline import model_init
+    from centerline.toy import model_init
 
     with torch.random.fork_rng(devices=[]):
         assert model_init.main(["--out", str(out), "--seed", str(seed)]) == 0

@@ -9,7 +9,7 @@ import pytest
 
 from centerline.bench import BENCHES
 from centerline.cli import COMMANDS, resolve
-from centerline.run_figures import digest
+from centerline.runs.run_figures import digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def assert_written_with_machine(out: Path, printed: dict) -> None:
     """The figure file holds what the bench printed, the command, the commit, where and when it was measured,
     and the digest of it all."""
     written = json.loads(out.read_text())
-    assert written.pop("digest") == digest(written)  # centerline/run_figures.py: what the docs check recomputes
+    assert written.pop("digest") == digest(written)  # centerline/runs/run_figures.py: what the docs check recomputes
     machine, command, commit = written.pop("machine"), written.pop("command"), written.pop("commit")
     assert written == printed and command.startswith("centerline bench ") and "--out" in command
     assert len(commit) == 40

@@ -1,7 +1,7 @@
 """`centerline bench <target>`: every benchmark, each in its module here.
 
 A target prints one JSON object (``--json``: on one line) and writes the same object to
-``--out`` (default ``runs/bench/<target>.json``) stamped by ``centerline/run_figures.py``:
+``--out`` (default ``runs/bench/<target>.json``) stamped by ``centerline/runs/run_figures.py``:
 ``command``, the command line; ``commit``; ``machine``: host name, CPU model, CPUs usable and
 when it was measured (UTC); and ``digest``, the sha256 of it all. docs/results.md's benchmark
 tables are generated from the figure files committed in ``docs/bench/``

@@ -31,7 +31,7 @@ import time
 import torch
 
 from centerline.bench import add_out_flag
-from centerline.run_figures import emit
+from centerline.runs.run_figures import emit
 from trainer_service.loss import LossSettings, TokenRows, reinforce_loss, score_centering_loss
 
 

@@ -15,7 +15,7 @@ update); ``in-place`` the same with ``weight_update = in_place`` (no flush, no r
 may rest on KV of older weights than their label); ``on-policy`` is ``--max-inflight-steps 1``
 (the engine samples a step's batches, then waits while the trainer trains on them).
 
-``--teacher-force`` then checks each mode's labels (``centerline/teacher_force.py``): one fresh
+``--teacher-force`` then checks each mode's labels (``centerline/runs/teacher_force.py``): one fresh
 SGLang server of the model, without a prefix cache, loads every weight version still on disk and
 forces the tokens labelled with it; ``label_mismatch_share`` is the share of those tokens whose
 recorded log-prob is more than 1e-3 from the forced one (``label_checked_tokens`` of them), beside
@@ -105,7 +105,7 @@ import orjson
 
 from centerline.bench import add_out_flag
 from centerline.ports import free_port
-from centerline.run_figures import emit
+from centerline.runs.run_figures import emit
 from centerline.up import run_spec
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
@@ -302,8 +302,8 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
 
 
 def label_truth(mode_dir: Path, model: str, logs: Path) -> dict:
-    """A mode's run teacher-forced on a fresh engine (``centerline/teacher_force.py``)."""
-    from centerline import teacher_force
+    """A mode's run teacher-forced on a fresh engine (``centerline/runs/teacher_force.py``)."""
+    from centerline.runs import teacher_force
 
     engine, server = teacher_force.start_engine(Path(model), logs / "sglang-teacher-force.log")
     try:

@@ -41,7 +41,7 @@ import orjson
 
 from centerline.bench import add_out_flag
 from centerline.ports import free_port
-from centerline.run_figures import emit
+from centerline.runs.run_figures import emit
 from centerline.synth import native_response
 from router_proxy.audit import audit_body
 

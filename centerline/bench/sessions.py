@@ -59,7 +59,7 @@ lengths (the toy model's context is 1,024 tokens: ``--turns 32 --user-tokens 2 -
 A ``--policies`` entry ``manual:MODE`` runs ``manual`` with smg's ``--assignment-mode MODE``: how a
 new routing key is placed (``random``, smg's default; ``min_load``, the engine with the fewest
 requests; ``min_group``, the fewest keys). ``--out`` adds the command, the commit and the machine
-(``centerline/run_figures.py``).
+(``centerline/runs/run_figures.py``).
 
 One JSON line per phase on stderr; the result on stdout (``--json``: one line).
 
@@ -89,7 +89,7 @@ from centerline import sglang
 from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
 from centerline.ports import free_port
-from centerline.run_figures import emit
+from centerline.runs.run_figures import emit
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
@@ -371,7 +371,7 @@ def bench_sessions(argv: list[str]) -> int:
 
 def toy_model(model_dir: Path) -> Path:
     """The random seed-0 toy model (init-model), written once into ``model_dir``."""
-    from centerline.model_init import write_model_dir
+    from centerline.toy.model_init import write_model_dir
 
     out = model_dir / "init-seed0"
     if not (out / "config.json").is_file():

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from centerline.bench import add_out_flag
-from centerline.run_figures import emit
+from centerline.runs.run_figures import emit
 from centerline.synth import make_batch
 from shared.contract import check_batch
 from shared.wire import decode_batch, encode_batch

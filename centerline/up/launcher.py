@@ -53,7 +53,7 @@ task ``upper`` (its errors are per-character mappings shared across prompts), ex
 learning rate 3e-4, 16 prompts x 8 samples per step (fewer samples per step left the
 reward flat at 1e-4 and collapsed it at 1e-3: too much gradient noise for AdamW), 8 new
 tokens, 300 steps. What such a run reaches is in its ``RUN_DIR/figures.json``
-(``centerline/run_figures.py``; ``make run``'s is ``docs/runs/make-run.json``, quoted in
+(``centerline/runs/run_figures.py``; ``make run``'s is ``docs/runs/make-run.json``, quoted in
 ``docs/results.md``).
 ``run_spec.UP_DEFAULTS`` holds the settings this job changes (shared ones, the trainer's steps and
 prompts per step; ``SESSION_DEFAULTS`` over them for a run of sessions). The pipeline is asynchronous, as
@@ -203,8 +203,8 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
         print()
     if trainer.returncode != 0:
         raise RuntimeError(f"trainer exited with status {trainer.returncode}; see {run_dir / 'logs' / 'trainer.log'}")
-    from centerline.report import write_report
-    from centerline.run_figures import write_run_figures
+    from centerline.runs.report import write_report
+    from centerline.runs.run_figures import write_run_figures
 
     log(f"report: {write_report(run_dir)}; figures: {write_run_figures(run_dir)}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from centerline.dataset import CHAT_TASKS, examples
+from centerline.toy.dataset import CHAT_TASKS, examples
 from centerline.up.processes import PYTHON
 from centerline.up.user_task import (
     Row,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from centerline.dataset import CHAT_TASKS, TASK_DEFAULTS
+from centerline.toy.dataset import CHAT_TASKS, TASK_DEFAULTS
 from shared import config as shared_config
 from shared.config import (
     Config,

@@ -1,5 +1,5 @@
 """The docs' benchmark figures are generated from the figure files in docs/bench/ and docs/runs/, and
-those files are as their writers wrote them (scripts/gen_bench_docs.py, centerline/run_figures.py)."""
+those files are as their writers wrote them (scripts/gen_bench_docs.py, centerline/runs/run_figures.py)."""
 
 import json
 import re
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from centerline.run_figures import digest, stamped
+from centerline.runs.run_figures import digest, stamped
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = [sys.executable, "scripts/gen_bench_docs.py"]
@@ -207,7 +207,7 @@ def test_a_file_without_a_digest_or_a_pin_is_named(tmp_path):
     run = gen("--check", *on(readme, docs))
     assert run.returncode == 1
     assert run.stderr == (
-        "docs/runs/typed.json: no digest, so not written by centerline/run_figures.py; "
+        "docs/runs/typed.json: no digest, so not written by centerline/runs/run_figures.py; "
         "regenerate it with `centerline up --steps 3`\n"
     )
 

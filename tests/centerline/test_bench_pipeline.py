@@ -181,7 +181,7 @@ def _processes_mentioning(path: str) -> list[str]:
 
 
 def test_sglang_alone_gets_the_workers_request_as_the_proxy_rewrites_it(tmp_path):
-    from centerline.tokenizer import save_tokenizer
+    from centerline.toy.tokenizer import save_tokenizer
     from rollout_worker.worker import Tokenizer, Worker
     from router_proxy.rewrite import Contract, rewrite_body
     from shared.settings import WorkerSettings

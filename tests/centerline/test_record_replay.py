@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from centerline.nats_server import EmbeddedNats
-from centerline.record import MAGIC, Message, RecordFileError, read_record, record_stream
+from centerline.runs.record import MAGIC, Message, RecordFileError, read_record, record_stream
 from shared import names
 from shared.nats_client import connect
 from shared.streams import ensure_streams
@@ -319,7 +319,7 @@ def test_malformed_record_file_names_the_offset_and_what_was_expected(tmp_path, 
 
 
 def test_replay_train_takes_every_setting_from_the_runs_config_toml(tmp_path):
-    from centerline import replay
+    from centerline.runs import replay
 
     (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
     (tmp_path / "config.toml").write_text(
@@ -340,7 +340,7 @@ def test_replay_train_takes_every_setting_from_the_runs_config_toml(tmp_path):
 
 
 def test_a_replay_runs_the_trainer_settings_of_the_run_but_its_model_run_directory_and_metrics_port(tmp_path):
-    from centerline import replay
+    from centerline.runs import replay
     from shared.settings import ReplaySettings, TrainerSettings
 
     run = TrainerSettings(
@@ -366,7 +366,7 @@ def test_a_replay_runs_the_trainer_settings_of_the_run_but_its_model_run_directo
 
 
 def test_replay_train_groups_steps_as_the_checkpoints_run_did_unless_told_otherwise(tmp_path):
-    from centerline import replay
+    from centerline.runs import replay
 
     (tmp_path / "metrics.jsonl").write_text("")
     checkpoint = str(tmp_path / "checkpoints" / "step-000002")

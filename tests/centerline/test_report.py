@@ -63,7 +63,7 @@ def test_report_on_a_directory_without_metrics_names_the_file(tmp_path):
 
 
 def test_a_run_on_sessions_gets_the_sessions_plot_and_its_turns_tokens_and_finish_reasons(tmp_path):
-    from centerline.report import render_plots, summary
+    from centerline.runs.report import render_plots, summary
 
     steps = [
         {

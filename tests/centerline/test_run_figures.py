@@ -1,10 +1,10 @@
-"""A run's headline figures as data (centerline/run_figures.py): what README's prose about a run quotes."""
+"""A run's headline figures as data (centerline/runs/run_figures.py): what README's prose about a run quotes."""
 
 import json
 
 import pytest
 
-from centerline.run_figures import commit, digest, emit, run_figures, stamped
+from centerline.runs.run_figures import commit, digest, emit, run_figures, stamped
 
 
 def step(n: int, **over) -> dict:

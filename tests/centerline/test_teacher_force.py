@@ -1,5 +1,5 @@
 """Every trained token was sampled by the weights its label names: a finished `centerline up` run
-teacher-forced through SGLang serving each labelled version (centerline/teacher_force.py,
+teacher-forced through SGLang serving each labelled version (centerline/runs/teacher_force.py,
 docs/design.md section 8)."""
 
 import subprocess
@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 import pytest
 
-from centerline import teacher_force
+from centerline.runs import teacher_force
 from centerline.synth import make_batch
 from tests.conftest import ROOT
 

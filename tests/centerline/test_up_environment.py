@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from centerline.nats_server import EmbeddedNats
-from centerline.record import read_record
+from centerline.runs.record import read_record
 from shared.contract import check_batch
 from shared.wire import decode_batch
 from tests.processes import ENV

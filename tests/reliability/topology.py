@@ -28,9 +28,9 @@ from pathlib import Path
 import orjson
 from nats.js.errors import NotFoundError
 
-from centerline.dataset import examples
 from centerline.nats_server import EmbeddedNats, NatsCluster
-from centerline.tokenizer import VOCAB_SIZE
+from centerline.toy.dataset import examples
+from centerline.toy.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats_client import connect
 from shared.streams import StreamLimits, ensure_streams

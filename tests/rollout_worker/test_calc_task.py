@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from centerline.sft import calc_call
-from centerline.tokenizer import save_tokenizer
+from centerline.toy.sft import calc_call
+from centerline.toy.tokenizer import save_tokenizer
 from rollout_worker import environment
 from rollout_worker.session import ChatTemplate
 from rollout_worker.worker import Tokenizer, Worker

@@ -12,7 +12,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from centerline.tokenizer import save_tokenizer
+from centerline.toy.tokenizer import save_tokenizer
 from rollout_worker.environment import SessionEndpoint
 from rollout_worker.packing import pack_trajectories
 from rollout_worker.session import (
@@ -580,7 +580,7 @@ def dummy_prefix_template() -> ChatTemplate:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from centerline.tokenizer import CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIALS
+    from centerline.toy.tokenizer import CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIALS
 
     vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581": 256}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, ignore_merges=True))

@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from centerline.tokenizer import CHAT_TEMPLATE
+from centerline.toy.tokenizer import CHAT_TEMPLATE
 from rollout_worker import environment
 from rollout_worker import worker as worker_module
 from rollout_worker.main import load_tokenizer

@@ -14,8 +14,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from centerline.report import summary
-from centerline.tokenizer import save_tokenizer
+from centerline.runs.report import summary
+from centerline.toy.tokenizer import save_tokenizer
 from rollout_worker.environment import SessionEndpoint
 from rollout_worker.session import ChatTemplate, Session
 from shared.config import Config

@@ -8,8 +8,8 @@ import re
 import orjson
 import pytest
 
-from centerline.dataset import TASKS, examples, is_heldout
-from centerline.dataset import main as dataset_main
+from centerline.toy.dataset import TASKS, examples, is_heldout
+from centerline.toy.dataset import main as dataset_main
 from shared.task import PromptTask
 
 
@@ -68,8 +68,8 @@ def test_dataset_command_writes_jsonl_rows_the_trainer_can_turn_into_tasks(tmp_p
 
 
 def test_init_model_sft_is_cached_by_its_settings(tmp_path, capsys):
-    from centerline.model_init import SETTINGS_FILE
-    from centerline.model_init import main as init_main
+    from centerline.toy.model_init import SETTINGS_FILE
+    from centerline.toy.model_init import main as init_main
 
     out = tmp_path / "m"
     flags = ["--out", str(out), "--sft", "--task", "copy", "--sft-steps", "3"]
@@ -91,8 +91,8 @@ def test_init_model_sft_is_cached_by_its_settings(tmp_path, capsys):
 
 
 def test_sft_lowers_the_answer_loss():
-    from centerline.model_init import build_model
-    from centerline.sft import SftSettings, train
+    from centerline.toy.model_init import build_model
+    from centerline.toy.sft import SftSettings, train
 
     losses = train(build_model(0), SftSettings(task="upper", steps=30), seed=0)
     assert losses[-1] < 0.6 * losses[0]
@@ -125,9 +125,9 @@ def test_the_chat_warm_start_trains_on_the_replies_of_the_template_rendered_conv
 
     from transformers import AutoTokenizer
 
-    from centerline.sft import IM_END_ID
-    from centerline.sft import chain_conversation as conversation
-    from centerline.tokenizer import save_tokenizer
+    from centerline.toy.sft import IM_END_ID
+    from centerline.toy.sft import chain_conversation as conversation
+    from centerline.toy.tokenizer import save_tokenizer
 
     save_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
@@ -160,8 +160,8 @@ def test_the_calc_warm_start_trains_on_the_call_and_the_answer_of_the_template_r
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
     from transformers import AutoTokenizer
 
-    from centerline.sft import IM_END_ID, calc_conversation
-    from centerline.tokenizer import save_tokenizer
+    from centerline.toy.sft import IM_END_ID, calc_conversation
+    from centerline.toy.tokenizer import save_tokenizer
     from shared.toy_tasks import ADD_TOOL
 
     save_tokenizer(tmp_path)
@@ -193,7 +193,7 @@ def test_the_calc_warm_start_trains_on_the_call_and_the_answer_of_the_template_r
 
 
 def test_the_chat_form_is_part_of_the_cached_models_settings():
-    from centerline.sft import SftSettings, resolved
+    from centerline.toy.sft import SftSettings, resolved
 
     assert resolved(SftSettings(task="chain")).to_dict() == {
         "task": "chain",

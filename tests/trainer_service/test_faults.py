@@ -20,7 +20,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from centerline.nats_server import EmbeddedNats
-from centerline.tokenizer import VOCAB_SIZE
+from centerline.toy.tokenizer import VOCAB_SIZE
 from shared import names
 from shared.nats_client import connect, pull_consumer
 from shared.wire import encode_batch

@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from centerline.nats_server import EmbeddedNats
-from centerline.tokenizer import VOCAB_SIZE
+from centerline.toy.tokenizer import VOCAB_SIZE
 from shared.wire import decode_batch
 from tests.processes import wait_until
 from tests.trainer_service.service_stack import FLAGS, StandInWorker, Trainer, consumer_info, write_dataset

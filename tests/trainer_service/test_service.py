@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from centerline.nats_server import EmbeddedNats
-from centerline.tokenizer import VOCAB_SIZE
+from centerline.toy.tokenizer import VOCAB_SIZE
 from shared.wire import encode_batch as encode
 from tests.processes import free_port, http, wait_until
 from tests.trainer_service.service_stack import (

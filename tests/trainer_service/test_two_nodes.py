@@ -12,7 +12,7 @@ import pytest
 
 from centerline.nats_server import EmbeddedNats
 from centerline.ports import free_port
-from centerline.tokenizer import VOCAB_SIZE
+from centerline.toy.tokenizer import VOCAB_SIZE
 from tests.processes import metrics_lines, wait_until
 from tests.trainer_service import service_stack
 from tests.trainer_service.service_stack import StandInWorker, Trainer, write_dataset

@@ -4,7 +4,7 @@ The directory is a plain HF model (config.json, generation_config.json,
 model.safetensors, tokenizer files), so it loads in transformers and in SGLang, on the CPU
 and (head dimension 64) in SGLang's GPU attention backends alike. Weights are random, drawn from
 `--seed`; the same seed gives the same bytes. Nothing is downloaded. `--sft --task NAME` trains
-the weights briefly on a toy task first (`centerline/sft.py`) so RL starts from a policy with
+the weights briefly on a toy task first (`centerline/toy/sft.py`) so RL starts from a policy with
 some reward; the settings are recorded in `centerline_model.json`, and a directory already holding a model made with the
 same settings is left as it is. `--eval` prints the warm start's held-out figure at temperature 1
 (exact match; a multi-turn task's mean reward, each conversation played as its environment plays
@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from centerline.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_tokenizer
+from centerline.toy.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_tokenizer
 
 # ~0.86 M parameters: large enough to have structure, small enough for 2 CPU cores.
 HIDDEN = 128
@@ -75,13 +75,13 @@ SETTINGS_FILE = "centerline_model.json"
 
 def write_model_dir(out: Path, seed: int, sft=None) -> Path:
     """Write config, safetensors weights and tokenizer for `seed` into `out`, after the
-    warm start `sft` (an `centerline.sft.SftSettings`) when given."""
+    warm start `sft` (an `centerline.toy.sft.SftSettings`) when given."""
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(seed)
     if sft is not None:
-        from centerline.sft import train
+        from centerline.toy.sft import train
 
         train(model, sft, seed)
     model.generation_config = GenerationConfig(
@@ -97,17 +97,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory to write (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument(
-        "--sft", action="store_true", help="warm-start on a toy task before writing (centerline/sft.py)"
+        "--sft", action="store_true", help="warm-start on a toy task before writing (centerline/toy/sft.py)"
     )
-    parser.add_argument("--task", default=None, help="toy task of the warm start (centerline/dataset.py)")
+    parser.add_argument("--task", default=None, help="toy task of the warm start (centerline/toy/dataset.py)")
     parser.add_argument("--sft-steps", type=int, default=0, help="AdamW steps; 0 = the task's default")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
     parser.add_argument("--eval", action="store_true", help="after --sft, print held-out exact match at temperature 1")
     args = parser.parse_args(argv)
     sft = None
     if args.sft:
-        from centerline.dataset import TASKS
-        from centerline.sft import SftSettings, resolved
+        from centerline.toy.dataset import TASKS
+        from centerline.toy.sft import SftSettings, resolved
 
         if args.task not in TASKS:
             parser.error(f"--sft needs --task, one of {sorted(TASKS)}")
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
     record.write_text(json.dumps(settings, sort_keys=True) + "\n")
     print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE}{', sft ' + json.dumps(sft.to_dict()) if sft else ''})")
     if sft is not None and args.eval:
-        from centerline.sft import evaluate, evaluate_calc, evaluate_chat
+        from centerline.toy.sft import evaluate, evaluate_calc, evaluate_chat
 
         if sft.task == "calc":
             print(json.dumps({"task": sft.task, **evaluate_calc(build_model_from(path))}))

@@ -1,9 +1,9 @@
 """A short supervised warm start of the default model on a toy task (`centerline init-model --sft`).
 
-Teacher forcing on generated train-split examples (``centerline/dataset.py``): the loss covers
+Teacher forcing on generated train-split examples (``centerline/toy/dataset.py``): the loss covers
 the answer bytes and the closing ``<|endoftext|>``, not the prompt. A multi-turn task (``chain``)
 is taught in the chat form its sessions take: each example is the whole conversation as the chat
-template renders it (``centerline/tokenizer.py``, ChatML), the loss on every assistant reply and
+template renders it (``centerline/toy/tokenizer.py``, ChatML), the loss on every assistant reply and
 its ``<|im_end|>``, none on the template's or the user's tokens; after each step the user's next
 message is the plain "+d" or, one time in three, the true sum restated ("7+5"), the message the
 environment sends after a wrong answer. A few hundred AdamW steps
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from centerline.dataset import CHAT_TASKS, examples
-from centerline.tokenizer import EOS, IM_END, IM_START, PAD, SPECIALS
+from centerline.toy.dataset import CHAT_TASKS, examples
+from centerline.toy.tokenizer import EOS, IM_END, IM_START, PAD, SPECIALS
 from shared.toy_tasks import ADD_TOOL, CALC_MAX_TOKENS, CALC_TURNS, chain_turns, run_add
 
 EOS_ID = 256 + SPECIALS.index(EOS)
@@ -93,7 +93,7 @@ def chat_tokenizer():
     """The default model's tokenizer with its chat template, as the workers render sessions."""
     from transformers import PreTrainedTokenizerFast
 
-    from centerline.tokenizer import CHAT_TEMPLATE, build_tokenizer
+    from centerline.toy.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
     return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), chat_template=CHAT_TEMPLATE)
 

@@ -194,7 +194,7 @@ def check(batches, versions: dict[int, Path], engine: str, tolerance: float = TO
 async def read_batches(run_dir: Path) -> list:
     """Every batch of the run's ROLLOUTS stream, its NATS store served again for the read."""
     from centerline.nats_server import EmbeddedNats
-    from centerline.record import record_stream
+    from centerline.runs.record import record_stream
     from shared.names import ROLLOUTS_STREAM
     from shared.wire import decode_batch
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import orjson
 
-from centerline.record import Message, RecordFileError, print_summary, quiet, read_record
+from centerline.runs.record import Message, RecordFileError, print_summary, quiet, read_record
 from shared import config as shared_config
 from shared import logs
 from shared.nats_auth import CredentialsError
@@ -63,7 +63,7 @@ TRAINER_REPLAY_FIELDS = (
     "wandb_project",
 )
 
-log = logging.getLogger("centerline.replay")
+log = logging.getLogger("centerline.runs.replay")
 
 
 class ReplayError(RuntimeError):

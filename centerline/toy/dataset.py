@@ -16,7 +16,7 @@ then one of two small digit tables, which the default model learns (with 0-9 and
 sums, the SFT model answered 6 later steps in 76 right and RL did not move it).
 
 Used by ``centerline dataset``, by ``centerline up`` (its held-out prompts) and by the SFT warm
-start (``centerline/sft.py``). A prompt belongs to the held-out split iff
+start (``centerline/toy/sft.py``). A prompt belongs to the held-out split iff
 ``crc32(prompt) % 10 == 0``, so train and held-out never share a prompt, whatever the seed.
 
     centerline dataset --task reverse --n 1000 --seed 0 --out data/reverse.jsonl [--split heldout]
