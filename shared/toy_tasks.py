@@ -98,6 +98,7 @@ ADD_TOOL = {
 }
 CALC_TURNS = 3  # requests per session: a call, its result answered, one retry of a bad call
 CALC_MAX_TOKENS = 80  # a call to add of two 3-digit numbers: 75 tokens of the byte model, then <|im_end|>
+CALC_ILL_FORMED = -1.0  # the reward of a session whose call markup did not parse (docs/results.md, "Tools")
 
 
 def run_add(arguments: str) -> str:
@@ -117,12 +118,16 @@ async def calc(client, task) -> float:
     """The built-in environment of the ``calc`` task: three-digit sums the byte model cannot do in its
     head, with one tool that does them (``ADD_TOOL``). Each reply that calls it gets the result as a
     ``role: "tool"`` message; the first reply without a call is the answer. Reward 1.0 for the
-    answer exactly right, else 0.0 (a call that does not parse is answered as text: the answer)."""
+    answer exactly right, else 0.0; ``CALC_ILL_FORMED`` for a reply whose call markup did not parse
+    (the endpoint names the failure in ``choices[0].tool_call_error``): ill-formed calls cost more
+    than a wrong sum, so RL learns the format as well as the decision to call."""
     messages = [{"role": "user", "content": task.prompt}]
     for _ in range(CALC_TURNS):
         reply = await client.chat.completions.create(
             model="default", messages=messages, tools=[ADD_TOOL], max_tokens=CALC_MAX_TOKENS
         )
+        if getattr(reply.choices[0], "tool_call_error", None):
+            return CALC_ILL_FORMED
         message = reply.choices[0].message
         if not message.tool_calls:
             return float(message.content == task.answer)

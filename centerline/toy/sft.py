@@ -26,7 +26,7 @@ import torch
 
 from centerline.toy.dataset import CHAT_TASKS, examples
 from centerline.toy.tokenizer import EOS, IM_END, IM_START, PAD, SPECIALS
-from shared.toy_tasks import ADD_TOOL, CALC_MAX_TOKENS, CALC_TURNS, chain_turns, run_add
+from shared.toy_tasks import ADD_TOOL, CALC_ILL_FORMED, CALC_MAX_TOKENS, CALC_TURNS, chain_turns, run_add
 
 EOS_ID = 256 + SPECIALS.index(EOS)
 PAD_ID = 256 + SPECIALS.index(PAD)
@@ -313,7 +313,8 @@ def evaluate_calc(model, n: int = 200, seed: int = 0, temperature: float = 1.0) 
             marked += 1
             parsed = parser.parse_non_stream(text)[1] if ended else []
             if not parsed or parsed[0].name != "add":
-                continue  # answered as text: the call markup is no answer
+                rewards[i] = CALC_ILL_FORMED  # answered as text, as the environment scores it
+                continue
             calls += 1
             call = {
                 "id": "call_0",

@@ -19,7 +19,7 @@ from shared.config import Config
 from shared.contract import sample_turns
 from shared.settings import WorkerSettings
 from shared.task import PromptTask
-from shared.toy_tasks import CALC_MAX_TOKENS, run_add
+from shared.toy_tasks import CALC_ILL_FORMED, CALC_MAX_TOKENS, run_add
 from tests.rollout_worker.test_session import IM_END, VOCAB, Engine, K, text_ids
 
 PROMPT, ANSWER = "347+589=", "936"
@@ -68,12 +68,25 @@ def test_a_call_to_add_then_its_result_answered_scores_one(template, monkeypatch
     assert int(batch.loss_mask.sum()) == len(text_ids(call)) + 1 + len(text_ids(ANSWER)) + 1
 
 
-def test_a_call_that_does_not_parse_is_the_answer_and_scores_zero(template, monkeypatch):
+def test_a_call_that_does_not_parse_ends_the_session_at_the_ill_formed_reward(template, monkeypatch):
     broken = '<tool_call>\n{"name": "add", "arguments": {"a": 347, "b": }}\n</tool_call>'
     outcome, engine = play(template, monkeypatch, [(broken, "stop")])
-    assert outcome.rewards.tolist() == [0.0] and len(engine.inputs) == 1
+    assert outcome.rewards.tolist() == [CALC_ILL_FORMED] == [-1.0] and len(engine.inputs) == 1
     [batch] = outcome.batches
     assert (batch.tool_calls, batch.tool_call_parse_errors) == ([0], [1])
+
+
+@pytest.mark.parametrize(
+    "reply, finish",
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 347, "b": 5', "length"),  # cut by max_tokens
+        ('<tool_call>\n{"name": "mul", "arguments": {"a": 347, "b": 589}}\n</tool_call>', "stop"),  # not offered
+    ],
+)
+def test_a_cut_call_or_one_to_a_tool_not_offered_is_ill_formed_too(template, monkeypatch, reply, finish):
+    outcome, engine = play(template, monkeypatch, [(reply, finish)])
+    assert outcome.rewards.tolist() == [CALC_ILL_FORMED] and len(engine.inputs) == 1
+    assert (outcome.batches[0].tool_calls, outcome.batches[0].tool_call_parse_errors) == ([0], [1])
 
 
 def test_a_wrong_call_gets_the_tools_own_result_and_a_retry(template, monkeypatch):
