@@ -116,7 +116,8 @@ UP_DEFAULTS = {
 # ... and for a run of sessions (``--environment``, or a multi-turn toy task): a session's replies
 # share one advantage, so 3e-4 moved the policy too far on chain (docs/results.md, "Sessions: the chain runs").
 SESSION_DEFAULTS = {"cfg": {"learning_rate": 1e-4}}
-# up's settings that are the trainer's, in the trainer's table since issue 32 (docs/config.md)
+# Settings `up` once held itself and that are the trainer's, named in their new place when given in
+# the old one (docs/config.md, `centerline up`)
 MOVED_TO_TRAINER = ("steps", "prompts_per_step", "train_seconds", "eval_every")
 
 
@@ -129,7 +130,10 @@ def parse(
     trainer's ``UP_TRAINER_FLAGS``, over ``UP_DEFAULTS`` (``SESSION_DEFAULTS`` and the toy task's
     ``TASK_DEFAULTS`` too for a run of sessions), over which ``defaults`` (a job that runs ``up``:
     the bench, the experiment) sit. A bad setting exits 2 naming it."""
-    parser = argparse.ArgumentParser(prog=prog, description="centerline up: " + __doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="`centerline up`: the whole system on one machine, on a verifiable toy task or on your own.",
+    )
     shared_config.add_arguments(parser, UpSettings)
     shared_config.add_arguments(
         parser,
@@ -210,9 +214,11 @@ def compose(
 
 def _moved_keys(args: argparse.Namespace) -> list[str]:
     """The keys of ``MOVED_TO_TRAINER`` in the ``[up]`` table of ``--config FILE``."""
+    if "config" not in vars(args):
+        return []
     try:
         table = tomllib.loads(Path(args.config).read_text()).get(UpSettings.name, {})
-    except (AttributeError, OSError, tomllib.TOMLDecodeError):
+    except (OSError, tomllib.TOMLDecodeError):
         return []  # no file, or one ``load_toml`` refuses in its own words
     return [name for name in MOVED_TO_TRAINER if name in table]
 
