@@ -108,6 +108,10 @@ def server_env(base: Mapping[str, str], device: str) -> dict[str, str]:
 # without the header (a single-turn task: one request of n samples) goes to a healthy engine at
 # random, so those still spread over the engines.
 ROUTER_POLICY = "manual"
+# Where ``manual`` puts a new key: ``min_group``, the engine with the fewest keys that have a request
+# in flight, so the sessions that run at once are spread evenly. smg's default, ``random``, placed 16
+# sessions 12/4 over 2 engines, one engine doing most of the work for the sessions' whole length.
+ROUTER_ASSIGNMENT_MODE = "min_group"
 # An engine that stops answering (a crash, a restart) opens smg's circuit for it after 10 failed
 # requests; smg lets a request through again only after --cb-timeout-duration-secs, 60 s by
 # default, so an engine back after 15 s sat unused for 45 s more. Five seconds bounds that wait
@@ -116,13 +120,20 @@ ROUTER_CIRCUIT_RETRY_S = 5
 
 
 def router_argv(
-    worker_urls: list[str], host: str, port: int, metrics_port: int, policy: str = ROUTER_POLICY
+    worker_urls: list[str],
+    host: str,
+    port: int,
+    metrics_port: int,
+    policy: str = ROUTER_POLICY,
+    assignment_mode: str = ROUTER_ASSIGNMENT_MODE,
 ) -> list[str]:
     """The real SGLang router (``smg``, from the sglang-router wheel) in front of ``worker_urls``,
-    routing by ``policy`` (session affinity unless told otherwise), retrying an engine's open circuit
-    after ``ROUTER_CIRCUIT_RETRY_S``, with its own settings otherwise; Prometheus on
-    ``metrics_port`` (its default 29000 would collide between routers on one machine)."""
+    routing by ``policy`` (session affinity unless told otherwise; under ``manual``, new keys placed by
+    ``assignment_mode``), retrying an engine's open circuit after ``ROUTER_CIRCUIT_RETRY_S``, with its
+    own settings otherwise; Prometheus on ``metrics_port`` (its default 29000 would collide between
+    routers on one machine)."""
     smg = Path(sys.executable).parent / "smg"
+    placement = ["--assignment-mode", assignment_mode] if policy == "manual" else []
     return [
         str(smg) if smg.exists() else "smg",
         "launch",
@@ -130,6 +141,7 @@ def router_argv(
         *worker_urls,
         "--policy",
         policy,
+        *placement,
         "--cb-timeout-duration-secs",
         str(ROUTER_CIRCUIT_RETRY_S),
         "--host",
