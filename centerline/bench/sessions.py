@@ -1,6 +1,7 @@
 """`centerline bench sessions [--json]`: multi-turn sessions through the session endpoint beside
 single requests of the same token counts, in one run; the prefix cache's share of the later
-turns' prompts with session affinity (smg ``--policy manual``, what ``up`` runs) and without.
+turns' prompts with session affinity (smg ``--policy manual --assignment-mode min_group``, what ``up``
+runs: ``centerline/sglang.py:router_argv``) and without.
 
 The stack, every part real: ``--engines`` SGLang servers of ``--model`` (``centerline sglang``,
 the CPU recipe, ``--enable-metrics``; default: the random seed-0 toy model, written by init-model
@@ -20,20 +21,24 @@ by the proxy's binary answer). ``cache_share_later_turns`` = cached / prompt tok
 and later, whose history one engine may hold; ``history_cache_share_later_turns`` = cached / the
 tokens the session held before each of those turns (the rest of a prompt is the new messages,
 which no cache can hold): about 1 with affinity, what the policy happens to give without it.
+``same_engine_share_later_turns``: the later turns that went to the engine of their session's
+previous turn, told by the cache: only that engine holds the last reply, so such a turn finds all
+the history cached but the last sampled token, whose KV no forward pass wrote.
 Each policy's sessions have their own random text, so no policy meets another's cache.
 
 Phase 2, single requests (once, through the first policy's proxy): every turn of that policy's
 sessions again as one native /generate of the same token counts, with no session and no routing
 key: as many random prompt ids as the turn's prompt tokens (nothing of them in any cache) and
 ``max_new_tokens`` = the tokens the turn sampled, with ``ignore_eos``, as many at a time as phase 1
-had sessions in flight (``--concurrency``, at most ``--sessions``).
+had sessions in flight (``--concurrency``, at most ``--sessions``); ``request_ms_by_turn``: their mean
+time by the turn they replay.
 ``overhead_ms_per_turn`` = a session turn's mean time less a single request's: the session
 endpoint, the template and the OpenAI client, less what the prefix cache saves in prefill.
 ``tokens_per_s`` counts sampled tokens over each phase's wall time; ``*_ratio`` is sessions over
 single requests. ``*_per_engine``: requests each engine counted in the phase
 (``sglang:num_requests_total``; null for a server without ``--enable-metrics``): single
 requests spread over the engines under ``manual`` (a request without a key goes to a healthy
-engine at random), a session's turns all go to one.
+engine at random), a session's turns all go to one, and ``manual`` spreads the sessions.
 
 Where a turn's time goes, ``stages_ms`` (milliseconds per turn, mean over the phase's turns): the
 worker's stages from the session's own clock (``Session.turn_stages``): ``endpoint`` (reading the
@@ -51,15 +56,21 @@ single requests (their round trip is the request's).
 
 How it grows with the history, ``by_turn``: per turn of the sessions (the ``turn``-th of each), its
 mean time, the worker's Python in it (``worker_ms``: endpoint, history, render, tokenize, reply), the
-tokens held before it and milliseconds per sampled token; ``first_turn_ms_per_token``,
-``later_turns_ms_per_token`` and their ratio. ``--turns 2``, ``8``, ``32`` measure sessions of those
-lengths (the toy model's context is 1,024 tokens: ``--turns 32 --user-tokens 2 --max-tokens 4`` fits;
-``--max-total-tokens`` sizes the engines' KV for longer histories in flight).
+tokens held before it, milliseconds per sampled token, ``single_ms`` (the mean of phase 2's
+requests that replayed that turn of the first policy's sessions: the same prompt and sampled token
+counts, cold) and ``turn_to_single`` (``turn_ms / single_ms``); ``first_turn_ms_per_token``,
+``later_turns_ms_per_token`` and their ratio, ``later_to_first_per_token``; and
+``later_to_first_vs_single``, the later turns' mean ``turn_to_single`` over the first turn's: above 1
+when a later turn costs more beside a request of its tokens than the first turn does, which the
+engine's longer context alone does not explain (single requests attend over the same lengths).
+``--turns 2``, ``8``, ``32`` measure sessions of those lengths (the toy model's context is 1,024
+tokens: ``--turns 32 --user-tokens 2 --max-tokens 4`` fits; ``--max-total-tokens`` sizes the engines'
+KV for longer histories in flight).
 
 A ``--policies`` entry ``manual:MODE`` runs ``manual`` with smg's ``--assignment-mode MODE``: how a
 new routing key is placed (``random``, smg's default; ``min_load``, the engine with the fewest
-requests; ``min_group``, the fewest keys). ``--out`` adds the command, the commit and the machine
-(``centerline/runs/run_figures.py``).
+requests in flight; ``min_group``, the fewest keys with a request in flight, what ``manual`` alone
+runs). ``--out`` adds the command, the commit and the machine (``centerline/runs/run_figures.py``).
 
 One JSON line per phase on stderr; the result on stdout (``--json``: one line).
 
@@ -201,6 +212,10 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
                     await client.close()
                 kept[i] = messages
 
+        # the client imports its chat resource on first use (about half a second here, once a process):
+        # done before the clock starts, so the first turns measured are turns, not the import
+        warm = openai.AsyncOpenAI(base_url=endpoint.url, api_key="unused", http_client=session_http_client(pool, 600))
+        warm.chat.completions  # noqa: B018 (the attribute's import is the point)
         started = time.perf_counter()
         try:
             await asyncio.gather(*(one(i) for i in range(args.sessions)))
@@ -231,8 +246,9 @@ async def client_transform(messages: list, args) -> list[float | None]:
     return out
 
 
-async def run_single(args, proxy_url: str, shapes: list[tuple[int, int]], vocab: int) -> dict:
-    """Phase 2: one native /generate per ``(prompt tokens, sampled tokens)``, random prompt ids, no routing key."""
+async def run_single(args, proxy_url: str, shapes: list[dict], vocab: int) -> dict:
+    """Phase 2: one native /generate per turn of ``shapes`` (``turn``, ``prompt_tokens``,
+    ``completion_tokens``), random prompt ids, no routing key; each request's figures with its turn."""
     import aiohttp
 
     from shared import response_arrays
@@ -240,37 +256,45 @@ async def run_single(args, proxy_url: str, shapes: list[tuple[int, int]], vocab:
     rng = np.random.default_rng(1 << 20)
     sampling = {"n": 1, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
     bodies = [
-        orjson.dumps(
-            {
-                "input_ids": rng.integers(0, min(vocab, 256), p).tolist(),
-                "sampling_params": {**sampling, "max_new_tokens": max(n, 1)},
-                "return_logprob": True,
-                "top_logprobs_num": args.k,
-            }
+        (
+            shape["turn"],
+            orjson.dumps(
+                {
+                    "input_ids": rng.integers(0, min(vocab, 256), shape["prompt_tokens"]).tolist(),
+                    "sampling_params": {**sampling, "max_new_tokens": max(shape["completion_tokens"], 1)},
+                    "return_logprob": True,
+                    "top_logprobs_num": args.k,
+                }
+            ),
         )
-        for p, n in shapes
+        for shape in shapes
     ]
     headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
-    seconds, tokens, cached = [], [], []
+    requests: list[dict] = []
     gate = asyncio.Semaphore(min(args.concurrency, args.sessions))  # as many in flight as phase 1 had
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
 
-        async def one(body: bytes) -> None:
+        async def one(turn: int, body: bytes) -> None:
             async with gate:
                 started = time.perf_counter()
                 async with http.post(f"{proxy_url}/generate", data=body, headers=headers) as resp:
                     answer = await resp.read()
                     if resp.status != 200 or resp.content_type != response_arrays.MEDIA_TYPE:
                         raise RuntimeError(f"{proxy_url}/generate answered {resp.status}: {answer[:300]!r}")
-                seconds.append(time.perf_counter() - started)
+                seconds = time.perf_counter() - started
                 found = response_arrays.decode(answer)
-                tokens.append(int(found.response_ids.shape[0]))
-                cached.append((found.cached_tokens or [0])[0] or 0)
+                tokens, cached = int(found.response_ids.shape[0]), (found.cached_tokens or [0])[0] or 0
+                requests.append({"turn": turn, "seconds": seconds, "tokens": tokens, "cached": cached})
 
         started = time.perf_counter()
-        await asyncio.gather(*(one(b) for b in bodies))
+        await asyncio.gather(*(one(turn, body) for turn, body in bodies))
         wall = time.perf_counter() - started
-    return {"seconds": seconds, "tokens": tokens, "cached": cached, "wall_s": wall}
+    return {"requests": requests, "wall_s": wall}
+
+
+def single_by_turn(requests: list[dict]) -> list[float]:
+    """Mean milliseconds of the single requests that replayed each turn index, in turn order."""
+    return [mean_ms([r["seconds"] for r in requests if r["turn"] == t]) for t in sorted({r["turn"] for r in requests})]
 
 
 def session_figures(found: dict, per_engine: list[int], before: dict, after: dict) -> dict:
@@ -280,6 +304,9 @@ def session_figures(found: dict, per_engine: list[int], before: dict, after: dic
     cached = sum(t["cached_tokens"] or 0 for t in later)
     held = sum(t["held_tokens"] for t in later)
     tokens = sum(t["completion_tokens"] for t in turns)
+    # only the engine of a session's previous turn holds its last reply: a later turn served all its
+    # history but the last sampled token (whose KV no forward pass wrote) went to that engine
+    stayed = sum((t["cached_tokens"] or 0) >= t["held_tokens"] - 1 for t in later)
     return {
         "turns": len(turns),
         "turn_ms_mean": mean_ms([t["seconds"] for t in turns]),
@@ -293,10 +320,10 @@ def session_figures(found: dict, per_engine: list[int], before: dict, after: dic
         "cache_share_later_turns": round(cached / prompt, 4) if prompt else 0.0,
         "later_turns_history_tokens": held,
         "history_cache_share_later_turns": round(cached / held, 4) if held else 0.0,
+        "same_engine_share_later_turns": round(stayed / len(later), 4) if later else 0.0,
         "requests_per_engine": per_engine,
         "wall_s": round(found["wall_s"], 3),
         "stages_ms": session_stages(turns, before, after),
-        **growth(turns, found["transform_s"]),
     }
 
 
@@ -404,37 +431,41 @@ def run(args, policies: list[str], model: str, vocab: int, supervisor: Superviso
         "k": args.k,
         "policies": {},
     }
+    found_by_policy = {}
     for n, policy in enumerate(policies):
         proxy_url = start_router_and_proxy(supervisor, logs, urls, policy, vocab, args.k)
         before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
         found = asyncio.run(run_sessions(args, proxy_url, model, seed=n))
         after = [engine_requests(u) for u in urls]
         figures = session_figures(found, counted(before, after), timed, timings(urls, proxy_url))
-        result["policies"][policy] = figures
+        result["policies"][policy], found_by_policy[policy] = figures, found
         progress("sessions", policy=policy, **figures)
         if n == 0:
-            shapes = [(t["prompt_tokens"], t["completion_tokens"]) for t in found["turns"]]
+            shapes = [{k: t[k] for k in ("turn", "prompt_tokens", "completion_tokens")} for t in found["turns"]]
             before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
             single = asyncio.run(run_single(args, proxy_url, shapes, vocab))
             after = [engine_requests(u) for u in urls]
-            tokens = sum(single["tokens"])
-            request_s = statistics.fmean(single["seconds"])
+            seconds = [r["seconds"] for r in single["requests"]]
+            tokens = sum(r["tokens"] for r in single["requests"])
             result["single"] = {
                 "policy": policy,
-                "requests": len(single["seconds"]),
-                "request_ms_mean": mean_ms(single["seconds"]),
-                "request_ms_p50": round(1000 * statistics.median(single["seconds"]), 3),
-                "prompt_tokens": sum(p for p, _ in shapes),
+                "requests": len(seconds),
+                "request_ms_mean": mean_ms(seconds),
+                "request_ms_p50": round(1000 * statistics.median(seconds), 3),
+                "prompt_tokens": sum(t["prompt_tokens"] for t in shapes),
                 "sampled_tokens": tokens,
                 "tokens_per_s": round(tokens / single["wall_s"], 3),
-                "cached_tokens": sum(single["cached"]),
+                "cached_tokens": sum(r["cached"] for r in single["requests"]),
                 "requests_per_engine": counted(before, after),
                 "wall_s": round(single["wall_s"], 3),
-                "stages_ms": stage_table(timed, timings(urls, proxy_url), request_s, None),
+                "stages_ms": stage_table(timed, timings(urls, proxy_url), statistics.fmean(seconds), None),
+                "request_ms_by_turn": single_by_turn(single["requests"]),
             }
             progress("single", **result["single"])
     single = result["single"]
-    for figures in result["policies"].values():
+    for policy, figures in result["policies"].items():
+        found = found_by_policy[policy]
+        figures.update(growth(found["turns"], found["transform_s"], single["request_ms_by_turn"]))
         figures["overhead_ms_per_turn"] = round(figures["turn_ms_mean"] - single["request_ms_mean"], 3)
         figures["tokens_per_s_ratio"] = round(figures["tokens_per_s"] / single["tokens_per_s"], 4)
     return result
@@ -445,10 +476,10 @@ def start_router_and_proxy(
 ) -> str:
     """smg with ``policy`` in front of ``engines``, a proxy at K = ``k`` in front of it; the proxy's URL once ready."""
     port, proxy_port = free_port(), free_port()
-    name, _, assignment = policy.partition(":")
-    argv = sglang.router_argv(engines, "127.0.0.1", port, free_port(), name)
-    if assignment:  # smg's --assignment-mode: how manual places a new routing key
-        argv += ["--assignment-mode", assignment]
+    name, _, assignment = policy.partition(":")  # manual:MODE, smg's --assignment-mode for new keys
+    argv = sglang.router_argv(
+        engines, "127.0.0.1", port, free_port(), name, assignment or sglang.ROUTER_ASSIGNMENT_MODE
+    )
     router = supervisor.start(f"router-{policy.replace(':', '-')}", argv)
     router_url = f"http://127.0.0.1:{port}"
     log = policy.replace(":", "-")

@@ -84,23 +84,28 @@ def session_stages(turns: list[dict], before: dict, after: dict) -> dict:
     return {"client": ms(client), **{name: ms(worker[name]) for name in WORKER_STAGES}, **past}
 
 
-def growth(turns: list[dict], transform_s: list[float | None]) -> dict:
+def growth(turns: list[dict], transform_s: list[float | None], single_ms: list[float]) -> dict:
     """How a turn's cost grows with the history: per turn of the sessions (the ``turn``-th of each), its
-    mean time, the worker's Python in it, the tokens held before it, milliseconds per sampled token and
-    the OpenAI client's request transform of its request (``transform_s``, one session's);
-    the first turn's and the later turns' milliseconds per sampled token."""
+    mean time, the worker's Python in it, the tokens held before it, milliseconds per sampled token,
+    the OpenAI client's request transform of its request (``transform_s``, one session's), the mean
+    time of the single requests of the same token counts (``single_ms``, by turn) and the turn's time
+    over theirs; the first turn's and the later turns' milliseconds per sampled token, and the later
+    turns' mean time-over-single against the first turn's."""
     by_turn = []
     for t in sorted({t["turn"] for t in turns}):
         these = [x for x in turns if x["turn"] == t]
         sampled = sum(x["completion_tokens"] for x in these)
+        turn_ms = mean_ms([x["seconds"] for x in these])
         by_turn.append(
             {
                 "turn": t + 1,
-                "turn_ms": mean_ms([x["seconds"] for x in these]),
+                "turn_ms": turn_ms,
                 "worker_ms": mean_ms([sum(x["stages"][n] for n in WORKER_STAGES) for x in these]),
                 "held_tokens": round(statistics.fmean(x["held_tokens"] for x in these), 1),
                 "ms_per_sampled_token": round(1000 * sum(x["seconds"] for x in these) / max(sampled, 1), 3),
                 "client_transform_ms": ms(transform_s[t]),
+                "single_ms": single_ms[t],
+                "turn_to_single": round(turn_ms / single_ms[t], 4),
             }
         )
     later = [t for t in turns if t["turn"] > 0]
@@ -110,11 +115,13 @@ def growth(turns: list[dict], transform_s: list[float | None]) -> dict:
         sampled = sum(t["completion_tokens"] for t in group)
         return round(1000 * sum(t["seconds"] for t in group) / sampled, 3) if group and sampled else None
 
+    later_vs_single = statistics.fmean(t["turn_to_single"] for t in by_turn[1:]) if later else None
     return {
         "by_turn": by_turn,
         "first_turn_ms_per_token": per_token(first),
         "later_turns_ms_per_token": per_token(later),
         "later_to_first_per_token": round(per_token(later) / per_token(first), 4) if later else None,
+        "later_to_first_vs_single": round(later_vs_single / by_turn[0]["turn_to_single"], 4) if later else None,
         "worker_ms_first_turn": by_turn[0]["worker_ms"],
         "worker_ms_last_turn": by_turn[-1]["worker_ms"],
     }

@@ -25,6 +25,7 @@ FIGURES = {
     "cache_share_later_turns",
     "later_turns_history_tokens",
     "history_cache_share_later_turns",
+    "same_engine_share_later_turns",
     "requests_per_engine",
     "wall_s",
     "overhead_ms_per_turn",
@@ -34,6 +35,7 @@ FIGURES = {
     "first_turn_ms_per_token",
     "later_turns_ms_per_token",
     "later_to_first_per_token",
+    "later_to_first_vs_single",
     "worker_ms_first_turn",
     "worker_ms_last_turn",
 }
@@ -82,6 +84,7 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     later = SESSIONS * (TURNS - 1)
     held, cached = manual["later_turns_history_tokens"], manual["later_turns_cached_tokens"]
     assert held - later <= cached <= held < manual["later_turns_prompt_tokens"]
+    assert manual["same_engine_share_later_turns"] == 1.0
     assert manual["cache_share_later_turns"] == round(cached / manual["later_turns_prompt_tokens"], 4)
     # routing, as the counting engine saw it (the shared one has no --enable-metrics): every turn of a
     # session on one engine; single requests, which carry no routing key, spread (each of 12 at random:
@@ -121,7 +124,13 @@ def test_bench_sessions_times_each_stage_of_a_turn_and_each_turn_of_a_session(
     by_turn = figures["by_turn"]
     assert [t["turn"] for t in by_turn] == [1, 2, 3, 4, 5] and by_turn[0]["held_tokens"] == 0
     keys = ["turn", "turn_ms", "worker_ms", "held_tokens", "ms_per_sampled_token", "client_transform_ms"]
+    keys += ["single_ms", "turn_to_single"]
     assert all(list(t) == keys and t["client_transform_ms"] > 0 for t in by_turn)
+    # each turn beside the single requests that replayed it: the same turn index, the same token counts
+    assert [t["single_ms"] for t in by_turn] == single["request_ms_by_turn"] and len(by_turn) == 5
+    assert all(t["turn_to_single"] == round(t["turn_ms"] / t["single_ms"], 4) for t in by_turn)
+    later_vs_single = sum(t["turn_to_single"] for t in by_turn[1:]) / 4
+    assert figures["later_to_first_vs_single"] == round(later_vs_single / by_turn[0]["turn_to_single"], 4)
     assert all(a["held_tokens"] < b["held_tokens"] for a, b in zip(by_turn, by_turn[1:]))
     assert (figures["worker_ms_first_turn"], figures["worker_ms_last_turn"]) == (
         by_turn[0]["worker_ms"],
