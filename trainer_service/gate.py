@@ -255,6 +255,7 @@ class Gate:
         ``heldout``: the ``heldout.Evaluator`` that held-out batches go to; None drops them as late."""
         self.js, self.consumer, self.cfg, self.resample, self.heldout = js, consumer, cfg, resample, heldout
         self.max_republishes = max_republishes
+        self.given_up = 0  # groups dead-lettered as republish_cap since ``gather`` last replaced them
         self.settings = GateSettings(vocab_size, cfg)
         self.groups = Groups(ledger)
         self.expire_after = EXPIRE_ACK_WAITS * ack_wait
@@ -280,7 +281,8 @@ class Gate:
         """Hold whole groups until they carry ``target`` samples, or ``timeout`` seconds
         passed with at least ``min_samples`` held; returns their parts in arrival order. Each
         ``timeout`` that passes with fewer than ``min_samples`` held, ``starved()`` is awaited
-        (the trainer publishes one more step of tasks there)."""
+        (the trainer publishes one more step of tasks there); so it is at once after a group is given
+        up (``republish_cap``), which would otherwise leave its step short until the timeout."""
         deadline = time.monotonic() + timeout
         while self.held_samples < target and not stopping.is_set():
             if time.monotonic() > deadline:
@@ -302,6 +304,14 @@ class Gate:
             want = max(1, math.ceil((target - self.held_samples) / max(1, self.cfg.rollout_n)))
             for msg in await self.consumer.fetch(want, timeout=1.0):
                 await self.admit(msg, version)
+            if self.given_up and starved is not None:
+                # a group given up never arrives: new tasks now, not after ``timeout`` of waiting for it
+                log.warning(
+                    "%d task groups given up (republish_cap): the next step's tasks are published now",
+                    self.given_up,
+                )
+                self.given_up = 0
+                await starved()
             await self.expire()
             await self.evaluated()
         return list(self.groups.held.values())
@@ -381,6 +391,7 @@ class Gate:
             times = times_republished(batch.attempt)
             if times >= self.max_republishes:
                 rule = REPUBLISH_CAP
+                self.given_up += 1
                 reason += (
                     f"; task {task!r} was published again {times} times already (--max-republishes "
                     f"{self.max_republishes}): it is not published again"

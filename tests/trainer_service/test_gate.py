@@ -488,3 +488,36 @@ def test_a_stale_part_of_a_task_published_again_max_republishes_times_is_dead_le
         "task 'T' was published again 2 times already (--max-republishes 2): it is not published again"
     )
     assert len(rec.acked) == 2 and g.take_counts() == {"rejected:stale": 1, "resampled": 1, "rejected:republish_cap": 1}
+
+
+class Feeding(Recorder):
+    """A consumer whose ``fetch`` hands out ``queue``."""
+
+    def __init__(self, queue: list[Msg]):
+        super().__init__()
+        self.queue = queue
+
+    async def fetch(self, n, timeout=None):
+        if not self.queue:  # as the server's fetch: nothing there, the caller waits its timeout
+            await asyncio.sleep(timeout or 0)
+        out, self.queue = self.queue[:n], self.queue[n:]
+        return out
+
+
+def test_a_group_given_up_at_the_republish_cap_has_new_tasks_published_at_once_not_after_the_timeout():
+    at = attempts_base(8, 2) + 3  # published again twice: not again
+    feed = Feeding([Msg(encode_batch(replace(batch(f"T#{at}", version=1), task_id="T", attempt=at)), seq=1)])
+    published = []
+
+    async def starved():  # the trainer publishes the next step's tasks; one of them comes back sampled
+        published.append("next step")
+        feed.queue.append(Msg(encode_batch(batch("U")), seq=2))
+
+    async def resample(b):
+        return True
+
+    g = Gate(feed, feed, vocab_size=VOCAB, cfg=CFG, ledger={}, resample=resample, max_republishes=2)
+    gathering = g.gather(CFG.rollout_n, 3, timeout=600.0, stopping=asyncio.Event(), starved=starved)
+    held = asyncio.run(asyncio.wait_for(gathering, timeout=30))  # the step timeout is 600 s
+    assert published == ["next step"] and [h.batch.batch_id for h in held] == ["U"]
+    assert [h["rule"] for _, _, h in feed.published] == ["republish_cap"] and g.given_up == 0
