@@ -288,10 +288,13 @@ def test_a_restarted_server_samples_as_version_0_whatever_it_served_before(sglan
     assert status == 200 and reply["success"], reply
     logged = len(sglang.log())
     sglang.stop()
-    # stopped with its process group, the server takes its scheduler's exit for a crash; the CPU
-    # recipe turns off the crash diagnostics it would sleep 5 s for (docs/sglang.md)
+    # stopped with its process group, the server either drains on its own SIGTERM or, when its
+    # scheduler exits first, takes that exit for a crash (SIGQUIT); which comes first is up to
+    # the OS. On the crash path the CPU recipe turns off the diagnostics it would sleep 5 s for
+    # (docs/sglang.md).
     stopping = sglang.log()[logged:]
-    assert "SIGQUIT received" in stopping and "before crash diagnostics" not in stopping, stopping[-3000:]
+    assert "SIGQUIT received" in stopping or "Gracefully exiting" in stopping, stopping[-3000:]
+    assert "before crash diagnostics" not in stopping, stopping[-3000:]
     sglang.start()
     url = proxy_to(sglang.url)
     status, out = http(
