@@ -4,7 +4,7 @@ the weights its label names (docs/design.md section 8, "A label tells the whole 
 The run's ROLLOUTS stream is read back from its JetStream store (``RUN_DIR/nats``, served again by
 an embedded ``nats-server`` without the run's passwords). For every weight version still on disk
 (version 0 is the run's ``--model``, version ``v`` ``RUN_DIR/weights/v{v:06d}``), one SGLang server
-loads it (``/update_weights_from_disk``, which flushes the prefix cache: nothing computed under
+loads it (``/update_weights_from_disk``, then ``/flush_cache``: nothing computed under
 other weights is reused) and teacher-forces every sample that has a sampled token labelled ``v``:
 ``input_ids`` = the sample's prompt and response, no new token, the log-prob of each input
 position. A sampled token's recorded log-prob and the forced one differ by float rounding only
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ import numpy as np
 
 TOLERANCE = 1e-3  # nats; see the module docstring
 BATCH = 16  # samples per forcing request
+FLUSH_WAIT_S = 60.0  # how long a flush after a load may wait for the scheduler to be idle
 
 
 class TeacherForceError(RuntimeError):
@@ -124,13 +126,23 @@ def force(engine: str, samples: list[Tokens]) -> list[np.ndarray]:
 
 
 def load(engine: str, version: int, path: Path) -> None:
-    """Serve ``path`` as ``version``; the load flushes the prefix cache."""
+    """Serve ``path`` as ``version``, then flush the prefix cache. Not in one call: SGLang answers a
+    generation before its scheduler has let the requests go, and refuses a flush asked with the load
+    while it still holds them (400, weights loaded, cache kept); ``/flush_cache?timeout=`` waits
+    for the scheduler to be idle, then flushes."""
     reply = _post(
         engine.rstrip("/") + "/update_weights_from_disk",
-        {"model_path": str(path), "weight_version": str(version), "flush_cache": True},
+        {"model_path": str(path), "weight_version": str(version), "flush_cache": False},
     )
     if not (isinstance(reply, dict) and reply.get("success")):
         raise TeacherForceError(f"engine {engine} did not load version {version} from {path}: {reply}")
+    req = urllib.request.Request(engine.rstrip("/") + f"/flush_cache?timeout={FLUSH_WAIT_S:g}", b"", method="POST")
+    try:
+        urllib.request.urlopen(req, timeout=FLUSH_WAIT_S + 30).close()
+    except urllib.error.HTTPError as e:
+        raise TeacherForceError(
+            f"engine {engine} did not flush its cache after loading version {version}: {e.code} {e.read()[:300]!r}"
+        ) from None
 
 
 def differences(engine: str, samples: list[Tokens]) -> np.ndarray:
