@@ -129,7 +129,12 @@ class SGLangProcess(Process):
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        try:  # children that outlived the parent
+        # Children that outlived the parent. Its pid, reaped, may since be another process's (pids
+        # wrap at 32768 here, and tests run side by side): then no old member holds the group any
+        # more, and the number is left alone.
+        if Path(f"/proc/{self.proc.pid}").exists():
+            return
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
