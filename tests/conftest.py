@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
         group = group or next((g for f, g in XDIST_GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-            if config.getvalue("loadgroup") and not hasattr(item, "_nodeid"):
+            if config.getoption("loadgroup", False) and not hasattr(item, "_nodeid"):  # an xdist worker
                 # xdist 3.8 groups by a "@group" suffix it writes to item._nodeid, which pytest 9.2
                 # no longer reads (the id lives in item._id): written there, as xdist would
                 from _pytest.nodeid import coerce_node_id
