@@ -109,8 +109,10 @@ def load_tokenizer(path: str, chat_template: bool = False):
             "a tokenizer that has one (--tokenizer)"
         )
 
-    def encode_chat(prompt: str) -> list[int]:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    def encode_chat(prompt: str | list[dict]) -> list[int]:
+        """A prompt as one user message, or a dataset row's messages (a system prompt, several turns)."""
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def encode(prompt: str) -> list[int]:

@@ -29,11 +29,12 @@ def training_body(cfg: Config, prompt_ids: list[int], n: int) -> dict:
     }
 
 
-def chat_training_body(cfg: Config, prompt: str, n: int) -> dict:
-    """The same request on ``/v1/chat/completions`` (``--rollout-endpoint chat``): the prompt as one user message."""
+def chat_training_body(cfg: Config, prompt: str | list[dict], n: int) -> dict:
+    """The same request on ``/v1/chat/completions`` (``--rollout-endpoint chat``): the prompt as one user
+    message, or a chat row's messages."""
     return {
         "model": "default",
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
         "n": n,
         "max_tokens": cfg.rollout_max_new_tokens,
         **sampling(cfg),

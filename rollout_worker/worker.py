@@ -68,7 +68,7 @@ class Tokenizer:
     """The two encodings the worker needs; built from an HF tokenizer by ``main``."""
 
     encode: object  # (prompt: str) -> list[int]
-    encode_chat: object  # (prompt: str) -> list[int], chat template with a generation prompt
+    encode_chat: object  # (prompt: str | messages) -> list[int], chat template with a generation prompt
     chat: object = None  # the HF tokenizer itself: its chat template renders a session's messages
 
 
@@ -329,7 +329,11 @@ class Worker:
     async def sample_responses(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray]:
         """``task.n`` responses to the prompt, one request through the proxy, each scored by the task's reward."""
         chat = self.cfg.rollout_endpoint == "chat"
-        prompt_ids = self.tok.encode_chat(task.prompt) if chat else self.tok.encode(task.prompt)
+        messages = task.meta.get("messages")  # a chat row's (centerline/up/user_task.py): its template renders them
+        if messages:
+            prompt_ids = self.tok.encode_chat(messages)
+        else:
+            prompt_ids = self.tok.encode_chat(task.prompt) if chat else self.tok.encode(task.prompt)
         path = "/v1/chat/completions" if chat else "/generate"
         url = self.cfg.proxy_url.rstrip("/") + path
         arrays = await post(self.session, url, self.request_body(task, prompt_ids))
@@ -363,5 +367,5 @@ class Worker:
     def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
         """The training request; the proxy adds the log-prob fields of the contract."""
         if self.cfg.rollout_endpoint == "chat":
-            return chat_training_body(self.cfg, task.prompt, task.n)
+            return chat_training_body(self.cfg, task.meta.get("messages") or task.prompt, task.n)
         return training_body(self.cfg, prompt_ids, task.n)

@@ -278,13 +278,26 @@ class UpSettings(Section):
     )
     dataset: Path | None = Field(
         None,
-        description='Your own JSONL dataset: rows {"prompt", "answer", optional "meta": {...}, optional "split": '
-        '"train" | "eval"} (centerline/up/user_task.py); unset: the toy task --task.',
+        description="Your own dataset: a JSONL file, a parquet/arrow/CSV/JSON file or a datasets save_to_disk "
+        'directory (read with the datasets library), rows {"prompt" or "messages", "answer", optional "meta": {...}, '
+        'optional "split": "train" | "eval"} (centerline/up/user_task.py); unset: the toy task --task.',
     )
     eval_dataset: Path | None = Field(
         None,
         description="Held-out rows (same format, every row used) for --dataset; unset: the rows --dataset marks "
         '"split": "eval", else none. The held-out figure is the mean reward of one sample per row.',
+    )
+    dataset_prompt_key: str = Field(
+        "prompt", min_length=1, description="The column of --dataset (and --eval-dataset) holding the prompt text."
+    )
+    dataset_answer_key: str = Field(
+        "answer", min_length=1, description="The column holding the answer, task.answer of the reward function."
+    )
+    dataset_messages_key: str = Field(
+        "messages",
+        min_length=1,
+        description="The column holding a chat prompt (a list of {role, content}, the last the user's), rendered by "
+        "the model's chat template; a row has this or the prompt column.",
     )
     chat_template: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -19,6 +19,7 @@ import orjson
 from centerline.toy.dataset import CHAT_TASKS, examples
 from centerline.up.processes import PYTHON
 from centerline.up.user_task import (
+    Keys,
     Row,
     UserTask,
     UserTaskError,
@@ -62,7 +63,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         )
     user = None
     if up.dataset is not None:
-        user = load_task(up.dataset, up.eval_dataset)
+        user = load_task(up.dataset, up.eval_dataset, Keys.of(up))
         log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
         for number, row in enumerate([*user.train, *user.heldout], 1):
             if row.environment:
@@ -96,7 +97,8 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
             ],
             check=True,
         )
-    chat = chat_template_on(up.chat_template, model, toy=up.model is None)
+    chat_rows = str(up.dataset) if user is not None and any(r.messages for r in [*user.train, *user.heldout]) else ""
+    chat = chat_template_on(up.chat_template, model, toy=up.model is None, chat_rows=chat_rows)
     dataset, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
     if user is not None:
         write_trainer_dataset(user.train, up.reward, dataset, environment)

@@ -1,19 +1,27 @@
 """A user's own task for `centerline up`: dataset rows, held-out rows, reward, chat template.
 
-A dataset is JSONL, one object per line:
+A dataset is JSONL, one object per line, or a table the ``datasets`` library reads (parquet,
+arrow, CSV, a ``save_to_disk`` directory: ``centerline/up/dataset_files.py``), one row each:
 
     {"prompt": "What is 2+3?", "answer": "5"}
     {"prompt": "What is 7+1?", "answer": "8", "meta": {"source": "drill"}, "split": "eval"}
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": "4"}
 
-``prompt`` and ``answer`` are strings (the prompt not empty); ``meta`` is an optional object handed
+``prompt`` and ``answer`` are strings (the prompt not empty; in a table, a column typed as numbers is read as its text);
+``messages``, instead of ``prompt``, is a chat prompt (a system prompt, several turns, the last
+the user's; TRL's ``prompt`` column holding such a list is read so too), rendered by the model's
+chat template with the generation prompt (the row's ``prompt`` is then its last message's
+content, and ``task.meta["messages"]`` the list); the columns are renamed by
+``--dataset-prompt-key``, ``--dataset-answer-key`` and ``--dataset-messages-key``; ``meta`` is an optional object handed
 to the reward function as ``task.meta``, and any other key of the row (an ``id``, say) joins it
 there; ``split`` is optional, ``"train"`` (the default) or ``"eval"``: a row marked ``eval`` is
 held out, never trained on; ``environment`` is optional, ``"module:function"``: the row is a
 multi-turn session of that environment (``--environment`` is the default of rows that name
 none). ``reward`` is not a row's: ``--reward`` scores every row. The held-out rows are
 ``--eval-dataset``'s (every row of that file) when it is given, else the rows the dataset marks
-``eval``, else none; the held-out figure is the mean reward of one sample per held-out row (a
-row with an environment: of one session of it, the reward it returns).
+``eval``, else a ``DatasetDict``'s ``test`` or ``validation`` split, else none; the held-out
+figure is the mean reward of one sample per held-out row (a row with an environment: of one
+session of it, the reward it returns).
 
 The reward is ``--reward``: a built-in (``exact``, ``prefix``) or ``module:function``, importable
 from the directory `centerline up` runs in, called as ``reward(response_text, task) -> float``
@@ -32,9 +40,12 @@ from pathlib import Path
 
 import orjson
 
-FIELDS = ("prompt", "answer", "meta", "split", "environment")
+from centerline.up.dataset_files import HELDOUT_SPLITS, DatasetFileError, is_jsonl, read_records
+
+FIELDS = ("prompt", "answer", "meta", "split", "environment", "messages")
 SPLITS = ("train", "eval")
-TRAINER_KEYS = ("prompt", "answer", "reward")  # a trainer dataset row's own keys; meta keys sit beside them
+TRAINER_KEYS = ("prompt", "answer", "reward", "messages")  # a trainer dataset row's own keys; meta keys beside them
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class UserTaskError(ValueError):
@@ -42,45 +53,76 @@ class UserTaskError(ValueError):
 
 
 @dataclass(frozen=True)
+class Keys:
+    """The columns of a dataset that hold the prompt, the chat messages and the answer
+    (``--dataset-prompt-key``, ``--dataset-messages-key``, ``--dataset-answer-key``)."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    messages: str = "messages"
+
+    @classmethod
+    def of(cls, up) -> Keys:
+        return cls(up.dataset_prompt_key, up.dataset_answer_key, up.dataset_messages_key)
+
+
+@dataclass(frozen=True)
 class Row:
-    prompt: str
+    prompt: str  # a chat row's: the content of its last user message
     answer: str
     meta: dict = field(default_factory=dict)
     split: str = "train"
     environment: str = ""  # "module:function": the row runs as sessions of it; "" the run's --environment
+    messages: tuple = ()  # a chat row's messages, rendered by the model's chat template; () a plain prompt
 
 
-def load_rows(path: Path) -> list[Row]:
-    """Every row of the JSONL file ``path``, checked; blank lines are skipped."""
+def load_rows(path: Path, keys: Keys = Keys()) -> list[Row]:
+    """Every row of the dataset ``path`` (``centerline/up/dataset_files.py``: JSONL, parquet, a
+    save_to_disk directory...), checked."""
+    return _load(path, keys)[0]
+
+
+def _load(path: Path, keys: Keys) -> tuple[list[Row], list[Row] | None]:
     try:
-        lines = Path(path).read_bytes().splitlines()
-    except OSError as exc:
-        raise UserTaskError(f"dataset {path}: cannot be read ({exc.strerror}); give an existing JSONL file") from None
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            rows.append(_row(line, f"{path}:{number}"))
+        records, held = read_records(path)
+    except DatasetFileError as exc:
+        raise UserTaskError(str(exc)) from None
+    typed = not is_jsonl(path)  # a table's column types are the reader's guess: a number answer is its text
+    rows = [_row(doc, where, keys, typed) for where, doc in records]
     if not rows:
         raise UserTaskError(f"dataset {path}: holds no rows; write one JSON object per line with prompt and answer")
-    return rows
+    return rows, None if held is None else [_row(doc, where, keys, typed) for where, doc in held]
 
 
-def _row(line: bytes, where: str) -> Row:
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise UserTaskError(f"{where}: not JSON ({exc}); write one JSON object per line") from None
+def _row(doc: object, where: str, keys: Keys = Keys(), typed: bool = False) -> Row:
     if not isinstance(doc, dict):
         raise UserTaskError(f"{where}: a row is {type(doc).__name__}, expected a JSON object with prompt and answer")
+    try:
+        doc = {_field(k, keys): v for k, v in doc.items()}
+    except UserTaskError as exc:
+        raise UserTaskError(f"{where}: {exc}") from None
+    if isinstance(doc.get("prompt"), list):  # TRL's conversational form: the prompt column holds the messages
+        doc["messages"] = doc.pop("prompt")
     if "reward" in doc:
         raise UserTaskError(f"{where}: field 'reward' is {doc['reward']!r}; --reward scores every row, drop the field")
-    for name in ("prompt", "answer"):
+    messages = _messages(doc, where, keys) if "messages" in doc else ()
+    if messages and "prompt" in doc:
+        raise UserTaskError(
+            f"{where}: the row has both {keys.prompt!r} and {keys.messages!r}; keep one (messages: a chat prompt)"
+        )
+    if typed and isinstance(doc.get("answer"), int | float) and not isinstance(doc.get("answer"), bool):
+        doc["answer"] = str(doc["answer"])  # a column the reader typed as numbers: the reward compares text
+    names = ("answer",) if messages else ("prompt", "answer")
+    for name in names:
         if not isinstance(doc.get(name), str):
             raise UserTaskError(
-                f"{where}: field {name!r} is {doc.get(name)!r}, expected a string (every row needs prompt and answer)"
+                f"{where}: field {_key(name, keys)!r} is {doc.get(name)!r}, expected a string (every row needs "
+                f"{_key('prompt', keys)!r} or {keys.messages!r}, and {keys.answer!r}; --dataset-{name}-key names "
+                "another column)"
             )
-    if not doc["prompt"]:
-        raise UserTaskError(f"{where}: field 'prompt' is empty; give the text the model answers")
+    prompt = messages[-1]["content"] if messages else doc["prompt"]
+    if not prompt:
+        raise UserTaskError(f"{where}: field {_key('prompt', keys)!r} is empty; give the text the model answers")
     meta = doc.get("meta", {})
     if not isinstance(meta, dict):
         raise UserTaskError(f"{where}: field 'meta' is {meta!r}, expected a JSON object (or leave it out)")
@@ -99,7 +141,52 @@ def _row(line: bytes, where: str) -> Row:
         raise UserTaskError(
             f"{where}: field 'environment' is {environment!r}, expected a string 'module:function' (or leave it out)"
         )
-    return Row(doc["prompt"], doc["answer"], meta, split, environment)
+    return Row(prompt, doc["answer"], meta, split, environment, messages)
+
+
+def _field(key: str, keys: Keys) -> str:
+    """The row's own name of a dataset column: ``prompt``, ``answer``, ``messages`` by ``keys``."""
+    mapped = {keys.prompt: "prompt", keys.answer: "answer", keys.messages: "messages"}
+    if key in mapped:
+        return mapped[key]
+    if key in ("prompt", "answer", "messages"):  # a default name the settings give another column
+        raise UserTaskError(
+            f"column {key!r} is not the row's {key} (--dataset-{key}-key {getattr(keys, key)}); drop or rename it"
+        )
+    return key
+
+
+def _key(name: str, keys: Keys) -> str:
+    return getattr(keys, name)
+
+
+def _messages(doc: dict, where: str, keys: Keys) -> tuple:
+    """A chat row's messages, checked: dicts with a role and a string content, the last one the
+    user's (or a tool's): the model answers it."""
+    messages = doc["messages"]
+    fix = (
+        "give a list of {'role': 'system' | 'user' | 'assistant' | 'tool', 'content': str}, the last one the user's"
+    )
+    if not isinstance(messages, list) or not messages:
+        raise UserTaskError(f"{where}: field {keys.messages!r} is {messages!r:.120}; {fix}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise UserTaskError(f"{where}: field {keys.messages!r}[{i}] is {message!r:.120}; {fix}")
+        message = {k: v for k, v in message.items() if v is not None}  # Arrow fills other messages' keys with None
+        if message.get("role") not in ROLES:
+            raise UserTaskError(f"{where}: field {keys.messages!r}[{i}] has role {message.get('role')!r}; {fix}")
+        if not isinstance(message.get("content"), str):
+            raise UserTaskError(
+                f"{where}: field {keys.messages!r}[{i}] has content {message.get('content')!r:.120}; {fix}"
+            )
+        out.append(message)
+    if out[-1]["role"] not in ("user", "tool"):
+        raise UserTaskError(
+            f"{where}: field {keys.messages!r} ends with a message of role {out[-1]['role']!r}; the model answers the "
+            "last message: end with the user's (an assistant's reply is what training samples)"
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -111,16 +198,18 @@ class UserTask:
     heldout_source: str  # in words, for the log and the report
 
 
-def load_task(dataset: Path, eval_dataset: Path | None) -> UserTask:
-    rows = load_rows(dataset)
+def load_task(dataset: Path, eval_dataset: Path | None, keys: Keys = Keys()) -> UserTask:
+    rows, split = _load(dataset, keys)
     train = [r for r in rows if r.split == "train"]
     if not train:
         raise UserTaskError(f"dataset {dataset}: every row is marked split 'eval'; leave some rows to train on")
     marked = [r for r in rows if r.split == "eval"]
     if eval_dataset is not None:
-        heldout, source = load_rows(eval_dataset), f"every row of --eval-dataset {eval_dataset}"
+        heldout, source = load_rows(eval_dataset, keys), f"every row of --eval-dataset {eval_dataset}"
     elif marked:
         heldout, source = marked, f'the rows of {dataset} marked "split": "eval"'
+    elif split:
+        heldout, source = split, f"the held-out split of {dataset} ({' or '.join(HELDOUT_SPLITS)}, the first there)"
     else:
         heldout, source = [], f'none: {dataset} marks no row "split": "eval" and --eval-dataset is unset'
     return UserTask(train, heldout, source)
@@ -132,6 +221,8 @@ def write_trainer_dataset(rows: list[Row], reward: str, out: Path, environment: 
     with open(out, "wb") as fh:
         for row in rows:
             doc = {"prompt": row.prompt, "answer": row.answer, "reward": reward, **row.meta}
+            if row.messages:  # the worker renders them with the model's chat template (rollout_worker/main.py)
+                doc["messages"] = list(row.messages)
             if row.environment or environment:
                 doc["environment"] = row.environment or environment
             fh.write(orjson.dumps(doc) + b"\n")
@@ -169,12 +260,23 @@ def has_chat_template(model: Path) -> bool:
     return bool(AutoTokenizer.from_pretrained(str(model)).chat_template)
 
 
-def chat_template_on(setting: str, model: Path, toy: bool) -> bool:
+def chat_template_on(setting: str, model: Path, toy: bool, chat_rows: str = "") -> bool:
     """``--chat-template``: ``auto`` is on for a ``--model`` whose tokenizer has a chat template and
-    off for the toy model (its tasks are continuations, not messages); ``on`` needs a template."""
-    if setting == "off" or (setting == "auto" and toy):
+    off for the toy model (its tasks are continuations, not messages); ``on`` needs a template.
+    ``chat_rows``: the dataset whose rows hold messages, which only a chat template renders."""
+    if chat_rows and setting == "off":
+        raise UserTaskError(
+            f"--chat-template off: rows of {chat_rows} hold messages, which the model's chat template renders; "
+            "drop --chat-template off, or give each row a plain prompt"
+        )
+    if setting == "off" or (setting == "auto" and toy and not chat_rows):
         return False
     has_template = has_chat_template(model)
+    if chat_rows and not has_template:
+        raise UserTaskError(
+            f"--dataset {chat_rows}: its rows hold messages, and the tokenizer of {model} has no chat template to "
+            "render them; give a --model whose tokenizer has one, or plain prompts"
+        )
     if setting == "on" and not has_template:
         raise UserTaskError(
             f"--chat-template on: the tokenizer of {model} has no chat template; use --chat-template off, or a "
