@@ -32,6 +32,7 @@ Failures, and what happens to the task:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -47,7 +48,7 @@ from rollout_worker.packing import Trajectory, pack_trajectories, samples_from_a
 from rollout_worker.proxy_call import post
 from rollout_worker.publish import HEADER_ROOM, PayloadTooLargeError, publish_batch
 from rollout_worker.request import chat_training_body, training_body
-from rollout_worker.rewards import RewardError, group_advantages, score
+from rollout_worker.rewards import RewardError, Scorer, group_advantages
 from shared import faults, names
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
@@ -58,7 +59,7 @@ from shared.sampling import Sampling
 from shared.settings import WorkerSettings
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
-from shared.wire import encode_batch
+from shared.wire import REWARD_COMPONENTS, encode_batch
 
 log = logging.getLogger("centerline.worker")
 
@@ -102,6 +103,7 @@ class Worker:
         self.cfg, self.settings, self.tok, self.metrics = cfg, settings, tokenizer, metrics
         self.sampling = Sampling.from_config(cfg)  # what every batch records
         self.stopping = asyncio.Event()
+        self.scorer = Scorer(settings.reward_threads, settings.reward_timeout)  # rewards off the event loop
         self.session: aiohttp.ClientSession | None = None
         self.nc = self.js = self.consumer = None
 
@@ -310,24 +312,28 @@ class Worker:
         """Sample the group (``attempt``: the task's delivery), score it, pack it as one batch and check
         it: a prompt's ``task.n`` responses, or ``task.n`` sessions of the task's environment, each one
         trajectory of the batch. Raises ``Transient`` or ``Rejected``."""
-        cache = (0, 0)
+        cache, components = (0, 0), {}
         if task.environment:  # multi-turn sessions driven by the task's environment
             trajectories, rewards, cache = await self.sample_sessions(task)
         else:
-            trajectories, rewards = await self.sample_responses(task)
+            trajectories, rewards, components = await self.sample_responses(task)
         advantages = group_advantages(rewards, std_norm=self.cfg.advantage_std_norm)
         producer = self.settings.worker_id
         batch = pack_trajectories(
             task, trajectories, rewards, advantages, attempt=attempt, producer=producer, sampling=self.sampling
         )
+        if len(components) > 1:  # each component's group mean, for the step's metrics (trainer_service/commit.py)
+            means = {name: float(np.mean(values)) for name, values in components.items()}
+            batch = dataclasses.replace(batch, extra={**batch.extra, REWARD_COMPONENTS: means})
         try:
             check_batch(batch, vocab_size=self.settings.vocab_size)
         except ContractViolation as exc:
             raise Rejected(f"batch {batch.batch_id!r} breaks the contract ({exc.rule}): {exc}", batch) from None
         return Outcome([batch], rewards, int(batch.loss_mask.sum()), later_turns_cache=cache)
 
-    async def sample_responses(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray]:
-        """``task.n`` responses to the prompt, one request through the proxy, each scored by the task's reward."""
+    async def sample_responses(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray, dict[str, list[float]]]:
+        """``task.n`` responses to the prompt, one request through the proxy, each scored by the task's reward
+        (off the event loop: ``rollout_worker/rewards.py``); and each reward component's values."""
         chat = self.cfg.rollout_endpoint == "chat"
         messages = task.meta.get("messages")  # a chat row's (centerline/up/user_task.py): its template renders them
         if messages:
@@ -346,10 +352,10 @@ class Worker:
         if aborted:  # cut off (a server stopping, requests aborted): sample the group again
             raise Transient(f"samples {aborted} were aborted by SGLang (finish_reason abort)")
         try:
-            rewards = score(task, [s.text for s in samples])
+            scores = await self.scorer.score(task, [s.text for s in samples])
         except RewardError as exc:
             raise Rejected(str(exc)) from None
-        return [Trajectory.of_sample(prompt_ids, s) for s in samples], rewards
+        return [Trajectory.of_sample(prompt_ids, s) for s in samples], scores.total, scores.components
 
     async def sample_sessions(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray, tuple[int, int]]:
         """``task.n`` sessions of the task's environment (``rollout_worker/environment.py``), each with

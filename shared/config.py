@@ -259,6 +259,7 @@ def _flag_kwargs(name: str, info, metavar: bool) -> dict:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif kind is list:
         kwargs["nargs"] = "+"
+        kwargs["action"] = "extend"  # a repeated flag adds its values: --reward a=1 --reward b=0.5
     elif _choices(info.annotation):
         kwargs["choices"] = _choices(info.annotation)
     else:

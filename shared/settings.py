@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.toy_tasks import ENVIRONMENTS, REWARDS
@@ -189,6 +189,18 @@ class WorkerSettings(Section):
         "ceil(rollout_session_max_tokens / rollout_max_new_tokens), a session of its whole token budget in "
         "turns of the longest reply, each taking the turn timeout.",
     )
+    reward_threads: int = Field(
+        8,
+        ge=1,
+        description="Threads that run plain (not async) reward functions off the event loop: at most this many "
+        "calls at once across the worker's tasks (rollout_worker/rewards.py).",
+    )
+    reward_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds one reward call (async or plain) may take on one response; past it the task is "
+        "dead-lettered, naming the reward.",
+    )
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port; unset: off.")
     metrics_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
 
@@ -263,6 +275,17 @@ class ProbeSettings(Section):
     json: bool = Field(False, description="Print the report as one JSON object.")
 
 
+def _reward_component(spec: str) -> bool:
+    """Whether ``spec`` is a reward component: a built-in or module:function, optionally ``=weight``."""
+    ref, sep, weight = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+    try:
+        finite = math.isfinite(float(weight))
+    except ValueError:
+        return False
+    module, colon, function = ref.partition(":")
+    return finite and (ref in REWARDS or bool(colon and module and function))
+
+
 class UpSettings(Section):
     """``centerline up``: the whole system on one machine (centerline/up/launcher.py). What is ``up``'s own:
     the processes it starts, the task it prepares; the trainer's steps and held-out schedule are the
@@ -312,11 +335,13 @@ class UpSettings(Section):
     sft_steps: int = Field(
         0, ge=0, description="Warm-start steps of the model (0 = the task's default in centerline/toy/sft.py)."
     )
-    reward: str = Field(
-        "exact",
+    reward: list[str] = Field(
+        ["exact"],
         description="Training reward: a built-in (exact, prefix) or module:function, importable from the directory "
-        "up runs in, called as reward(response_text, task) -> float. The toy task's held-out accuracy is always "
-        "exact match.",
+        "up runs in, called as reward(response_text, task) -> float (or async def); several weighted components: "
+        "--reward m:f=1.0 --reward m:g=0.5 (in the TOML file a list, or a table [up.reward] of function = weight), "
+        "the reward their weighted sum, each logged per step as reward/<function>. The toy task's held-out accuracy "
+        "is always exact match.",
     )
     environment: str = Field(
         "",
@@ -343,15 +368,26 @@ class UpSettings(Section):
         "", description="Extra flags for every SGLang server, one string: --sglang-args=--enable-metrics."
     )
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_forms(cls, value):
+        """One name (a TOML string, an old run's config), or a TOML table of ``function = weight``."""
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, dict):
+            return [f"{ref}={weight}" for ref, weight in value.items()]
+        return value
+
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        module, sep, function = self.reward.partition(":")
         env_module, env_sep, env_function = self.environment.partition(":")
+        bad_reward = next((r for r in self.reward if not _reward_component(r)), None)
         return [
             (
-                self.reward not in REWARDS and not (sep and module and function),
+                bad_reward is not None or not self.reward,
                 "reward",
-                self.reward,
-                f"a built-in ({', '.join(sorted(REWARDS))}) or module:function",
+                bad_reward if self.reward else "(none)",
+                f"a built-in ({', '.join(sorted(REWARDS))}) or module:function, with =weight where several are given "
+                "(--reward m:f=1.0 --reward m:g=0.5)",
             ),
             (
                 bool(self.environment)

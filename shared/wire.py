@@ -74,6 +74,11 @@ class WireError(ValueError):
     """Bytes that are not a valid v2 batch. The message names the field and what was found."""
 
 
+# An ``extra`` key: a group of weighted reward components, each component's mean over the group's
+# samples by its name (rollout_worker/rewards.py), which the trainer logs per step (trainer_service/commit.py).
+REWARD_COMPONENTS = "reward_components"
+
+
 @dataclass(slots=True)
 class Batch:
     """One candidate batch: B samples, N response tokens in all, K candidates per token.
@@ -113,7 +118,7 @@ class Batch:
     tool_calls: list[int] = field(default_factory=list)
     tool_call_parse_errors: list[int] = field(default_factory=list)
     v: int = WIRE_VERSION
-    extra: dict = field(default_factory=dict)  # unknown top-level keys, kept for tooling
+    extra: dict = field(default_factory=dict)  # unknown top-level keys, kept for tooling; written back as they are
 
     @property
     def num_samples(self) -> int:
@@ -154,6 +159,7 @@ def encode_batch(batch: Batch) -> bytes:
     for name in OPTIONAL_COUNT_FIELDS:
         if getattr(batch, name):
             head[name] = [int(n) for n in getattr(batch, name)]
+    head.update({k: v for k, v in batch.extra.items() if k not in _KNOWN_KEYS})
     return encode_map(head, {name: (getattr(batch, name), dtype) for name, dtype in ARRAY_FIELDS.items()})
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.contract import sample_turns
-from shared.wire import encode_batch
+from shared.wire import REWARD_COMPONENTS, encode_batch
 from trainer_service.gate import concat_batches
 from trainer_service.ledger import Held, ledger_entries
 from trainer_service.policy import StepCommand
@@ -121,6 +121,7 @@ def step_record(step: Step, gate: dict, timings: dict, *, weight_update: str, **
         **token_staleness([h.batch for h in step.held], step.before.version),
         "token_kv_unverified_share": kv_unverified([h.batch for h in step.held], weight_update),
         **sample_shape([h.batch for h in step.held]),
+        **reward_components([h.batch for h in step.held]),
         **gate,
         **timings,
         "batch_ids": [h.batch.batch_id for h in step.held],
@@ -153,6 +154,23 @@ def sample_shape(batches) -> dict:
         "finish": dict(sorted(finish.items())),
         **tools,
     }
+
+
+def reward_components(batches) -> dict:
+    """``reward_components``: where the step's groups were scored by weighted reward components
+    (``rollout_worker/rewards.py``), each component's mean over the step's groups, by its name
+    (one part of a task's group carries the group's means: the first of its task's parts counts)."""
+    sums, counts, seen = {}, {}, set()
+    for batch in batches:
+        means = batch.extra.get(REWARD_COMPONENTS)
+        if not isinstance(means, dict) or batch.task_id in seen:
+            continue
+        seen.add(batch.task_id)
+        for name, value in means.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                sums[name] = sums.get(name, 0.0) + float(value)
+                counts[name] = counts.get(name, 0) + 1
+    return {REWARD_COMPONENTS: {name: sums[name] / counts[name] for name in sorted(sums)}} if sums else {}
 
 
 def sample_versions(batch) -> list[int]:

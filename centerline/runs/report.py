@@ -127,6 +127,20 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
         fig.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.1, 0.12))
         plots["sessions"] = ("Sessions", _figure_png(fig))
         plt.close(fig)
+    components = sorted({name for s in steps for name in (s.get("reward_components") or {})})
+    if components:  # weighted reward components (rollout_worker/rewards.py), each its own line
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        for name in components:
+            points = [
+                (s["step"], s["reward_components"][name]) for s in steps if name in (s.get("reward_components") or {})
+            ]
+            ax.plot(*zip(*points), marker="o", markersize=3, label=name)
+        ax.set_title("Reward components (each its own value, mean over the step's groups)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        plots["reward_components"] = ("Reward components", _figure_png(fig))
+        plt.close(fig)
     gate = _gate_series(steps)
     if gate:
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
@@ -165,6 +179,9 @@ def summary(steps: list[dict], heldout: dict | None = None) -> list[tuple[str, s
         values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         if values:
             rows.append((key, f"{values[0]:.4g} → {values[-1]:.4g}"))
+    for name in sorted({name for s in steps for name in (s.get("reward_components") or {})}):
+        values = [s["reward_components"][name] for s in steps if name in (s.get("reward_components") or {})]
+        rows.append((f"reward component {name}", f"{values[0]:.4g} → {values[-1]:.4g}"))
     sessions = [s for s in trained if s.get("injected_tokens")]
     if sessions:
         turns = sum(s["turns_mean"] * s.get("samples", 0) for s in sessions) / max(

@@ -51,7 +51,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     where they came from, for the report; the toy task's ``--eval-prompts``, scored by exact match
     whatever ``--reward`` trains: its held-out accuracy); a bad row, reward or model fails here,
     before any service starts."""
-    check_reward(up.reward)  # as the workers will load it
+    reward = check_reward(up.reward)  # as the workers will load it: the one string each task carries
     environment = up.environment or ("" if up.dataset is not None else CHAT_TASKS.get(up.task, ""))
     if environment:
         check_environment(environment)
@@ -101,13 +101,13 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     chat = chat_template_on(up.chat_template, model, toy=up.model is None, chat_rows=chat_rows)
     dataset, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
     if user is not None:
-        write_trainer_dataset(user.train, up.reward, dataset, environment)
+        write_trainer_dataset(user.train, reward, dataset, environment)
         (run_dir / "heldout.json").write_bytes(
-            orjson.dumps({"rows": len(user.heldout), "source": user.heldout_source, "reward": up.reward})
+            orjson.dumps({"rows": len(user.heldout), "source": user.heldout_source, "reward": reward})
         )
         if not user.heldout:
             return Prepared(model, dataset, chat, None, user, environment)
-        write_trainer_dataset(user.heldout, up.reward, heldout, environment)
+        write_trainer_dataset(user.heldout, reward, heldout, environment)
         return Prepared(model, dataset, chat, heldout, user, environment)
     subprocess.run(
         [
@@ -122,7 +122,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
             "--seed",
             str(cfg.seed),
             "--reward",
-            up.reward,
+            reward,
             "--environment",
             environment,
             "--out",
@@ -133,5 +133,5 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     )
     rows = [Row(prompt, answer) for prompt, answer in examples(up.task, up.eval_prompts, cfg.seed, "heldout")]
     # a session's reward is its environment's; a single-turn toy task's held-out figure is exact match
-    write_trainer_dataset(rows, up.reward if environment else "exact", heldout, environment)
+    write_trainer_dataset(rows, reward if environment else "exact", heldout, environment)
     return Prepared(model, dataset, chat, heldout, environment=environment)

@@ -164,9 +164,7 @@ def _messages(doc: dict, where: str, keys: Keys) -> tuple:
     """A chat row's messages, checked: dicts with a role and a string content, the last one the
     user's (or a tool's): the model answers it."""
     messages = doc["messages"]
-    fix = (
-        "give a list of {'role': 'system' | 'user' | 'assistant' | 'tool', 'content': str}, the last one the user's"
-    )
+    fix = "give a list of {'role': 'system' | 'user' | 'assistant' | 'tool', 'content': str}, the last one the user's"
     if not isinstance(messages, list) or not messages:
         raise UserTaskError(f"{where}: field {keys.messages!r} is {messages!r:.120}; {fix}")
     out = []
@@ -228,11 +226,19 @@ def write_trainer_dataset(rows: list[Row], reward: str, out: Path, environment: 
             fh.write(orjson.dumps(doc) + b"\n")
 
 
-def check_reward(name: str):
-    """The reward function ``name``, loaded as the workers will load it, or ``UserTaskError``."""
-    from rollout_worker.rewards import load_reward
+def check_reward(names: str | list[str]) -> str:
+    """The reward spec a task carries for ``--reward``'s values (``rollout_worker/rewards.py``: one
+    reward, or weighted components), every function loaded as the workers will load it, or
+    ``UserTaskError`` naming the flag, the value and the fix."""
+    from rollout_worker.rewards import RewardError, load_components, reward_spec
 
-    return _check("--reward", name, load_reward)
+    names = [names] if isinstance(names, str) else list(names)
+    try:
+        spec = reward_spec(names)
+    except RewardError as exc:
+        raise UserTaskError(f"--reward {' '.join(names)}: {exc}") from None
+    _check("--reward", " ".join(names), lambda _: load_components(spec))
+    return spec
 
 
 def check_environment(name: str, where: str = "--environment"):

@@ -146,7 +146,10 @@ def test_the_trainer_reads_the_training_rows_with_the_reward_and_meta(tmp_path):
 
 
 def test_a_reward_that_cannot_be_imported_is_refused_by_name():
-    assert check_reward("tests.real_model.rewards:contains_answer").__name__ == "contains_answer"
+    assert check_reward("tests.real_model.rewards:contains_answer") == "tests.real_model.rewards:contains_answer"
+    assert check_reward(["exact=1", "tests.real_model.rewards:contains_answer=0.5"]) == (
+        "exact=1,tests.real_model.rewards:contains_answer=0.5"
+    )
     with pytest.raises(UserTaskError, match=r"--reward nowhere_module:f: reward 'nowhere_module:f' cannot be loaded"):
         check_reward("nowhere_module:f")
 
