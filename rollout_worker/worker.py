@@ -158,6 +158,7 @@ class Worker:
         finally:
             await self.session.close()
             await self._close_nats()
+            self.scorer.close()  # queued reward calls dropped; a running one finishes (no thread can be killed)
         log.info("worker stopped", extra={"fields": {"producer": self.settings.worker_id}})
 
     async def _close_nats(self) -> None:
