@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -143,6 +144,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory to write (created; replaced if different)")
     args = parser.parse_args(argv)
     out = args.out.expanduser()
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # the one command that needs them: an extra, not the project's dependencies
+        print(
+            f"centerline make-model: needs {' and '.join(missing)}, not installed: "
+            "pip install 'centerline[make-model]'",
+            file=sys.stderr,
+        )
+        return 1
     try:
         wrote = make(args.name, out)
     except MakeModelError as exc:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import tomllib
 from pathlib import Path
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from shared.config import ConfigError
+from shared.nats_auth import redact
 from shared.settings import TrainerSettings
 from trainer_service.step import METRICS
 
@@ -80,7 +82,12 @@ class Metrics:
         self.path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         self.run_dir, self.tensorboard, self._tb = run_dir, settings.tensorboard, None
         self.purge_from: int | None = None  # the first step this process writes (``recover``)
-        self._wandb = _wandb_run(run_dir, settings.wandb, settings.wandb_project) if settings.wandb != "off" else None
+        self.config = run_config(run_dir, settings)  # W&B's config and TensorBoard's hparams: what the run is
+        self._wandb = (
+            _wandb_run(run_dir, settings.wandb, settings.wandb_project, self.config)
+            if settings.wandb != "off"
+            else None
+        )
         self.registry = CollectorRegistry()
         self.gauges = {
             name: Gauge(f"centerline_trainer_{name}", f"last step's {name}", registry=self.registry) for name in GAUGES
@@ -214,6 +221,7 @@ class Metrics:
             # for steps it trains again, as metrics.jsonl does.
             purge = self.purge_from if self.purge_from is not None else step
             self._tb = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge)
+            _write_hparams(self._tb, self.config)
         for tag, value in values.items():
             self._tb.add_scalar(tag, value, step)
         self._tb.flush()
@@ -239,7 +247,45 @@ def _drop_partial_line(path: Path) -> list[bytes]:
     return complete
 
 
-def _wandb_run(run_dir: Path, mode: str, project: str):
+def run_config(run_dir: Path, settings: TrainerSettings) -> dict[str, str | int | float | bool]:
+    """The run's whole configuration, flat (``trainer.steps``, ``learning_rate``...): the
+    ``config.toml`` that ``centerline up`` wrote into ``run_dir`` (every table), else the trainer's
+    own settings; a list or an unset value as its JSON text."""
+    path = run_dir / "config.toml"
+    try:
+        tables = tomllib.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, tomllib.TOMLDecodeError):
+        tables = {}
+    if not tables:
+        tables = {TrainerSettings.name: settings.model_dump(mode="json")}
+    out: dict[str, str | int | float | bool] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, inner)
+        elif isinstance(value, str):
+            out[prefix] = redact(value) if "://" in value else value  # a URL's password stays out of the logs
+        elif isinstance(value, int | float | bool):
+            out[prefix] = value
+        elif isinstance(value, list):
+            out[prefix] = orjson.dumps([redact(v) if isinstance(v, str) else v for v in value]).decode()
+        else:  # unset
+            out[prefix] = orjson.dumps(value).decode()
+
+    walk("", tables)
+    return dict(sorted(out.items()))
+
+
+def _write_hparams(writer, config: dict) -> None:
+    """The run's configuration as TensorBoard's hparams (its HPARAMS tab), against the train reward."""
+    from torch.utils.tensorboard.summary import hparams
+
+    for summary in hparams(config, {"reward_mean": 0.0}):
+        writer.file_writer.add_summary(summary)
+
+
+def _wandb_run(run_dir: Path, mode: str, project: str, config: dict | None = None):
     """A W&B run named by the run directory, resumed when it exists (a restarted trainer)."""
     try:
         import wandb
@@ -248,4 +294,12 @@ def _wandb_run(run_dir: Path, mode: str, project: str):
             f"--wandb {mode} needs the wandb package, which is not installed: pip install 'centerline[wandb]' "
             "(or --wandb off)"
         ) from None
-    return wandb.init(project=project, name=run_dir.name, id=run_dir.name, dir=str(run_dir), mode=mode, resume="allow")
+    return wandb.init(
+        project=project,
+        name=run_dir.name,
+        id=run_dir.name,
+        dir=str(run_dir),
+        mode=mode,
+        resume="allow",
+        config=config or {},
+    )

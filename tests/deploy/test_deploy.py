@@ -973,10 +973,10 @@ def test_image_installs_make_setups_recipe_then_every_package_as_a_non_root_user
     text = (DEPLOY / "Dockerfile").read_text()
     assert text.startswith("#")
     # The Makefile's torch pins (from TORCH_INDEX_URL), SGLang's CPU requirements, sglang at the
-    # `gpu` extra's pin without its CUDA dependencies, the router at the `dev` extra's pin
-    # (`smg`), then the project: in that order.
+    # `gpu` extra's pin without its CUDA dependencies, the router at the project's pin (`smg`),
+    # then the project: in that order.
     torch = re.search(r"pip install --quiet (torch==\S+ torchvision==\S+)\n", (ROOT / "Makefile").read_text())[1]
-    (router,) = [r for r in PYPROJECT["project"]["optional-dependencies"]["dev"] if r.startswith("sglang-router==")]
+    (router,) = [r.split()[0] for r in PYPROJECT["project"]["dependencies"] if r.startswith("sglang-router==")]
     steps = [
         f"pip install --no-cache-dir {torch} {TORCH_INDEX_OPTION}",
         "pip install --no-cache-dir -r deploy/sglang-cpu.txt",

@@ -110,3 +110,36 @@ def test_recover_drops_a_line_a_crash_cut_short_and_keeps_the_complete_ones(tmp_
     metrics.recover({"step": 1})
     metrics.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'
+
+
+def test_the_runs_whole_configuration_is_wandbs_config_and_tensorboards_hparams(tmp_path):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    run_dir = tmp_path / "run-8"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(
+        'learning_rate = 0.0003\nnats_url = "nats://u:secret@127.0.0.1:4222"\nengine_urls = ["http://a:1"]\n'
+        '[up]\nreward = ["exact=1.0", "m:f=0.5"]\nmodel = "/m"\n[trainer]\nsteps = 300\n'
+    )
+    metrics = Metrics(TrainerSettings(run_dir=run_dir, wandb="offline", wandb_project="tests"))
+    assert metrics.config == {
+        "engine_urls": '["http://a:1"]',
+        "learning_rate": 0.0003,
+        "nats_url": "nats://u:***@127.0.0.1:4222",
+        "trainer.steps": 300,
+        "up.model": "/m",
+        "up.reward": '["exact=1.0","m:f=0.5"]',
+    }
+    metrics.step(record(1, 0.5))
+    metrics.close()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    found = {}
+    for data in events.PluginTagToContent("hparams").values():
+        parsed = plugin_data_pb2.HParamsPluginData.FromString(data)
+        if parsed.HasField("session_start_info"):
+            found = {k: getattr(v, v.WhichOneof("kind")) for k, v in parsed.session_start_info.hparams.items()}
+    assert found == {**metrics.config, "trainer.steps": 300.0, "learning_rate": 0.0003}
+    (offline,) = (run_dir / "wandb").glob("offline-run-*-run-8")
+    body = (offline / "run-run-8.wandb").read_bytes()
+    assert b"up.reward" in body and b"trainer.steps" in body and b"secret" not in body
