@@ -303,7 +303,9 @@ class UpSettings(Section):
         None,
         description="Your own dataset: a JSONL file, a parquet/arrow/CSV/JSON file or a datasets save_to_disk "
         'directory (read with the datasets library), rows {"prompt" or "messages", "answer", optional "meta": {...}, '
-        'optional "split": "train" | "eval"} (centerline/up/user_task.py); unset: the toy task --task.',
+        'optional "split": "train" | "eval"} (centerline/up/user_task.py); or reasoning-gym:NAME, a task of that '
+        "library generated (--dataset-size, --eval-prompts, --seed) and scored by its own score_answer "
+        "(centerline/up/task_library.py); unset: the toy task --task.",
     )
     eval_dataset: Path | None = Field(
         None,
@@ -359,8 +361,14 @@ class UpSettings(Section):
         "min(3, nodes) replicas unless nats_stream_replicas says otherwise.",
     )
     trainer_ranks: int = Field(2, ge=1, description="Torchrun processes of the trainer.")
-    dataset_size: int = Field(2000, ge=1, description="Training prompts.")
-    eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
+    dataset_size: int = Field(
+        2000,
+        ge=1,
+        description="Training prompts of the toy task, or of a task library's (--dataset reasoning-gym:NAME).",
+    )
+    eval_prompts: int = Field(
+        200, ge=1, description="Held-out prompts per evaluation, of the toy task or a task library's task."
+    )
     model_dir: Path = Field(Path("models"), description="Cache of init-model outputs.")
     run_dir: Path | None = Field(None, description="Run directory; unset: runs/<date-time>.")
     startup_timeout: float = Field(300.0, gt=0, description="Seconds for each service to become ready.")

@@ -17,6 +17,7 @@ from pathlib import Path
 import orjson
 
 from centerline.toy.dataset import CHAT_TASKS, examples
+from centerline.up import task_library
 from centerline.up.processes import PYTHON
 from centerline.up.user_task import (
     Keys,
@@ -26,6 +27,7 @@ from centerline.up.user_task import (
     chat_template_on,
     check_environment,
     check_reward,
+    load_library_task,
     load_task,
     write_trainer_dataset,
 )
@@ -51,7 +53,10 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     where they came from, for the report; the toy task's ``--eval-prompts``, scored by exact match
     whatever ``--reward`` trains: its held-out accuracy); a bad row, reward or model fails here,
     before any service starts."""
-    reward = check_reward(up.reward)  # as the workers will load it: the one string each task carries
+    library = up.dataset is not None and task_library.is_library(up.dataset)
+    # a task library scores with its own scorer, unless --reward names another
+    rewards = [task_library.REWARD] if library and up.reward == ["exact"] else up.reward
+    reward = check_reward(rewards)  # as the workers will load it: the one string each task carries
     environment = up.environment or ("" if up.dataset is not None else CHAT_TASKS.get(up.task, ""))
     if environment:
         check_environment(environment)
@@ -63,7 +68,10 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         )
     user = None
     if up.dataset is not None:
-        user = load_task(up.dataset, up.eval_dataset, Keys.of(up))
+        if library:
+            user = load_library_task(up.dataset, up.dataset_size, up.eval_prompts, cfg.seed, up.eval_dataset)
+        else:
+            user = load_task(up.dataset, up.eval_dataset, Keys.of(up))
         log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
         for number, row in enumerate([*user.train, *user.heldout], 1):
             if row.environment:

@@ -213,6 +213,23 @@ def load_task(dataset: Path, eval_dataset: Path | None, keys: Keys = Keys()) -> 
     return UserTask(train, heldout, source)
 
 
+def load_library_task(dataset, train: int, heldout: int, seed: int, eval_dataset: Path | None = None) -> UserTask:
+    """The rows of a built-in task library's task (``centerline/up/task_library.py``): ``train``
+    generated rows, and ``heldout`` more held out unless ``eval_dataset`` gives the held-out rows."""
+    from centerline.up.task_library import TaskLibraryError, generate
+
+    try:
+        rows, held = generate(dataset, train, heldout, seed)
+    except TaskLibraryError as exc:
+        raise UserTaskError(str(exc)) from None
+    train_rows = [_row(doc, f"{dataset} item {i}") for i, doc in enumerate(rows)]
+    if eval_dataset is not None:
+        return UserTask(train_rows, load_rows(eval_dataset), f"every row of --eval-dataset {eval_dataset}")
+    held_rows = [_row(doc, f"{dataset} item {train + i}") for i, doc in enumerate(held)]
+    source = f"{heldout} more items of {dataset} (--eval-prompts), from the generator seeded by --seed {seed}"
+    return UserTask(train_rows, held_rows, source)
+
+
 def write_trainer_dataset(rows: list[Row], reward: str, out: Path, environment: str = "") -> None:
     """The trainer's dataset (trainer_service/tasks.py): prompt, answer, reward, the row's environment
     (else ``environment``, when set), the meta keys beside them."""
