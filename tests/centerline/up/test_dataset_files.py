@@ -153,3 +153,51 @@ def test_up_stops_at_a_bad_parquet_chat_row_before_starting_anything(tmp_path):
     assert run.returncode == 1
     assert f"centerline up: {data} row 1: field 'messages' ends with a message of role 'assistant'" in run.stderr
     assert started == []  # no process (NATS, SGLang, a service, init-model) and no port
+
+
+ASYNC_REWARD = '''
+import asyncio
+
+
+async def judge(text, task):
+    """An async reward of a user's own: awaited by the worker."""
+    await asyncio.sleep(0)
+    return float(len(task.meta["messages"])) + (1.0 if task.answer in text else 0.0)
+'''
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_up_trains_a_parquet_of_chat_rows_with_an_async_reward_of_ones_own(tmp_path, toy_models):
+    import subprocess
+    import sys
+
+    import orjson
+
+    from tests.processes import ENV
+
+    (tmp_path / "myreward.py").write_text(ASYNC_REWARD)
+    data = parquet(
+        tmp_path / "chat.parquet",
+        [{"messages": CHAT, "answer": "Rome", "split": "train"}] * 3
+        + [{"messages": CHAT[:2], "answer": "Paris", "split": "eval"}],
+    )
+    run_dir = tmp_path / "run"
+    flags = ["--dataset", data, "--reward", "myreward:judge", "--steps", "2", "--workers", "1", "--trainer-ranks", "1"]
+    flags += ["--prompts-per-step", "2", "--rollout-n", "2", "--eval-every", "2", "--model-dir", str(toy_models)]
+    up = subprocess.run(
+        [sys.executable, "-m", "centerline", "up", *flags, "--run-dir", str(run_dir)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert up.returncode == 0, up.stderr[-4000:]
+    rows = [orjson.loads(line) for line in (run_dir / "train.jsonl").read_bytes().splitlines()]
+    assert [(r["prompt"], r["messages"], r["reward"]) for r in rows] == [("And of Italy?", CHAT, "myreward:judge")] * 3
+    steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["gate_rejected"] == {} for s in steps)
+    assert all(4.0 <= s["reward_mean"] <= 5.0 for s in steps)  # four messages: the async reward's 4, +1 if right
+    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and all(2.0 <= e["eval_reward"] <= 3.0 for e in evals)
