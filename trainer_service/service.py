@@ -183,8 +183,9 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         )
         metrics.weight_failures.set(engines.failures)
         metrics.weight_catch_ups.set(engines.catch_ups)
-        metrics.weights_verified.set(engines.figures()["weights_verified"])
-        metrics.weight_mismatches.set(engines.mismatches)
+        figures = engines.figures()
+        metrics.weights_verified.set(figures["weights_verified"])
+        metrics.weight_mismatches.set(figures["weight_mismatches"])
         metrics.step(record)
         state = step.after
         if heldout is not None and heldout.due(state.step, settings.steps) and not stopping.is_set():
