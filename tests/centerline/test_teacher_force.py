@@ -72,8 +72,9 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
     tmp_path, toy_models, sglang, transport
 ):
     """A short run of the chain task's sessions in flight, every service real, under the default
-    weight update and each weight transport: each sampled token whose labelled version is still on disk (0, the last three)
-    is forced through SGLang serving that version, and its recorded log-prob is the forced one to
+    weight update and each weight transport: each sampled token whose labelled version is still on
+    disk (0, the last three) is forced through SGLang serving that version, and its recorded
+    log-prob is the forced one to
     float rounding (prefill against decode: 5e-5, docs/sglang.md), far inside the 1e-3 tolerance.
     The same tokens under the neighbouring version show that the check tells versions apart."""
     run_dir = tmp_path / "run"
@@ -100,4 +101,6 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
     # and the weight update vouches for every label, by construction
     assert [s["token_kv_unverified_share"] for s in steps] == [0.0] * STEPS
     # every version reached the engine by the transport asked for, and its checksum proved it
-    assert [(s["weights_verified"], s["weight_mismatches"], s["weight_fallbacks"]) for s in steps] == [(1, 0, 0)] * STEPS
+    assert [(s["weights_verified"], s["weight_mismatches"], s["weight_fallbacks"]) for s in steps] == [
+        (1, 0, 0)
+    ] * STEPS
