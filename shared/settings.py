@@ -107,8 +107,9 @@ class TrainerSettings(Section):
         "on KV of older ones, token_kv_unverified_share counts them).",
     )
     weight_transport: Literal["disk", "distributed"] = Field(
-        "distributed",
-        description="How a weight version reaches the engines (docs/design.md section 8, transports). distributed: "
+        "disk",
+        description="How a weight version reaches the engines (docs/design.md section 8, transports; disk is the "
+        "default by `centerline bench weights`). distributed: "
         "rank 0 broadcasts it to each engine through SGLang's distributed update (gloo on the CPU, NCCL on CUDA), "
         "no file read by the engine; an engine it fails to reach loads the version from disk instead. disk: every "
         "engine loads the version's directory (the engines must mount the run directory).",
