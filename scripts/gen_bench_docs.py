@@ -151,6 +151,23 @@ def proxy(fig: dict) -> list[str]:
     return table(header, rows)
 
 
+def weights(fig: dict) -> list[str]:
+    limit = fig["limit_s"]
+    header = ["transport", "seconds a version, every engine (median)", "x limit", "proof s (every engine)"]
+    rows = [
+        [f"`{name}`", sig(t["seconds"]), f"{t['seconds'] / limit:,.1f}x", sig(t["prove_s"])]
+        for name, t in fig["transports"].items()
+    ]
+    return [
+        f"{fig['model']}, {mb(fig['version_bytes'])} a version, {fig['engines']} engines, {fig['versions']} versions "
+        f"per transport, buckets of {fig['bucket_mb']} MiB; the limit, {sig(limit)} s: the version at this machine's "
+        f"memcpy ({sig(fig['memcpy_gbps'])} GB/s) and once per engine over loopback TCP "
+        f"({sig(fig['loopback_gbps'])} GB/s), measured in the same run.",
+        "",
+        *table(header, rows),
+    ]
+
+
 def pipeline(fig: dict) -> list[str]:
     header = [
         "mode",
@@ -317,6 +334,7 @@ def sessions(fig: dict) -> list[str]:
 
 RENDER = {
     "wire": wire,
+    "weights": weights,
     "contract": contract,
     "loss": loss,
     "proxy": proxy,

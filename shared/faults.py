@@ -31,6 +31,8 @@ POINTS = {
     "trainer.after_acks": "rank 0, the step's batches are acked, the new weights not yet published",
     "trainer.weights_paused": "rank 0, an engine paused for the weight update (in_place or retract), not yet "
     "loaded or continued (@step: the version)",
+    "trainer.broadcast": "rank 0, the first bucket of a version broadcast to an engine (--weight-transport "
+    "distributed), the next not yet sent: the engine paused, in its weight update (@step: the version)",
     "trainer.stale": "rank 0, a batch found stale, its task not yet published again, nothing dead-lettered or acked",
     "trainer.rejected": "rank 0, a rejected batch is in the DLQ (a stale one's task published again), not yet acked",
     # a rollout worker (rollout_worker/worker.py); @step: the task's attempt

@@ -106,6 +106,29 @@ class TrainerSettings(Section):
         "load, continue them on the KV cache built so far (no flush: tokens labelled with a new version may rest "
         "on KV of older ones, token_kv_unverified_share counts them).",
     )
+    weight_transport: Literal["disk", "distributed"] = Field(
+        "disk",
+        description="How a weight version reaches the engines (docs/design.md section 8, transports; disk is the "
+        "default by `centerline bench weights`). distributed: "
+        "rank 0 broadcasts it to each engine through SGLang's distributed update (gloo on the CPU, NCCL on CUDA), "
+        "no file read by the engine; an engine it fails to reach loads the version from disk instead. disk: every "
+        "engine loads the version's directory (the engines must mount the run directory).",
+    )
+    weight_master_address: str = Field(
+        "127.0.0.1",
+        description="The address engines reach the trainer's rank 0 at for --weight-transport distributed (the "
+        "trainer's host name in compose or Kubernetes).",
+    )
+    weight_bucket_mb: int = Field(
+        256, ge=1, description="Most bytes (MiB) of weights in one broadcast of --weight-transport distributed."
+    )
+    weight_proof_interval: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds between proofs of every engine's weights besides the one after each update "
+        "(/weights_checker checksums held against the version's; docs/design.md section 8, proof); 0: after "
+        "updates only.",
+    )
     ack_wait: float = Field(30.0, gt=0, description="Seconds before an unacked batch is redelivered.")
     step_timeout: float = Field(300.0, description="Close a step short after this many seconds.")
     strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="How ranks share the model: DDP or FSDP2.")

@@ -124,6 +124,16 @@ class Metrics:
         self.weight_failures = Gauge(
             "centerline_trainer_weight_sync_failures", "engine weight updates that failed", registry=self.registry
         )
+        self.weights_verified = Gauge(
+            "centerline_trainer_weights_verified",
+            "engines whose /weights_checker checksum proved the latest version",
+            registry=self.registry,
+        )
+        self.weight_mismatches = Gauge(
+            "centerline_trainer_weight_mismatches",
+            "proofs that found an engine serving other weights than its label names",
+            registry=self.registry,
+        )
         self.weight_catch_ups = Gauge(
             "centerline_trainer_weight_catch_ups",
             "engines found serving an older version (restarted) and sent the latest again",

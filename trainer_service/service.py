@@ -116,14 +116,23 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         max_republishes=settings.max_republishes,
         heldout=heldout,
     )
-    engines = weights.WeightPublisher(js, cfg.engine_urls, mode=settings.weight_update)
+    engines = weights.WeightPublisher(
+        js,
+        cfg.engine_urls,
+        mode=settings.weight_update,
+        transport=settings.weight_transport,
+        master_address=settings.weight_master_address,
+        bucket_bytes=settings.weight_bucket_mb << 20,
+    )
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
     initial = weights.version_dir(settings.run_dir / "weights", state.version) if state.version else settings.model
     await engines.publish(state.version, initial)
     if heldout is not None:  # step 0's round before training; after a restart, the rounds eval.jsonl lacks
         await heldout.reopen(js, state.step, state.version)
     keep_alive = asyncio.create_task(gate.keep_alive(settings.ack_wait / 3))
-    catching_up = asyncio.create_task(engines.watch())  # an engine that restarted gets the latest weights
+    catching_up = asyncio.create_task(
+        engines.watch(proof_interval=settings.weight_proof_interval)
+    )  # an engine that restarted gets the latest weights
     target = settings.prompts_per_step * cfg.rollout_n
     log.info("run %s resumes at step %d, version %d", state.run_id, state.step, state.version)
     deadline = time.monotonic() + settings.train_seconds if settings.train_seconds else float("inf")
@@ -169,9 +178,14 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         if step.weights is not None and not stopping.is_set():
             await engines.publish(step.after.version, step.weights)
         timings = {"gather_s": t1 - t0, "weights_s": time.perf_counter() - t2, "step_s": time.perf_counter() - t0}
-        record = step_record(step, metrics.gate(gate.take_counts()), timings, weight_update=settings.weight_update)
+        record = step_record(
+            step, metrics.gate(gate.take_counts()), timings, weight_update=settings.weight_update, **engines.figures()
+        )
         metrics.weight_failures.set(engines.failures)
         metrics.weight_catch_ups.set(engines.catch_ups)
+        figures = engines.figures()
+        metrics.weights_verified.set(figures["weights_verified"])
+        metrics.weight_mismatches.set(figures["weight_mismatches"])
         metrics.step(record)
         state = step.after
         if heldout is not None and heldout.due(state.step, settings.steps) and not stopping.is_set():

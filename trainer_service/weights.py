@@ -50,13 +50,16 @@ import orjson
 from shared import admin_key, faults, names
 from shared.nats_client import PublishError, publish_acked
 from shared.response_arrays import INITIAL_VERSION
+from trainer_service import proof
 from trainer_service.checkpoint import publish_dir
 from trainer_service.distributed import is_main
 from trainer_service.model import save_model
+from trainer_service.transport import Distributed, TransportError
 
 log = logging.getLogger("centerline.trainer.weights")
 KEEP = 3  # versions kept on disk: an engine may still be loading the previous one
 WEIGHT_UPDATES = ("retract", "in_place", "drain")  # TrainerSettings.weight_update
+TRANSPORTS = ("disk", "distributed")  # TrainerSettings.weight_transport
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
@@ -112,13 +115,23 @@ class WeightPublisher:
         settle: float = 600.0,
         admin_api_key: str | None = None,
         mode: str = "retract",
+        transport: str = "disk",
+        master_address: str = "127.0.0.1",
+        bucket_bytes: int = 256 << 20,
+        broadcast_timeout: float = 60.0,
+        prove: bool = True,
     ):
         """``timeout``: seconds per update call; ``settle``: how long an engine whose call timed out
         or broke off may take to report the version anyway (draining, it waits for its generations
         in flight). ``admin_api_key`` defaults to the environment's (``shared.admin_key.key_from_env``).
-        ``mode``: the trainer's ``weight_update`` (``WEIGHT_UPDATES``)."""
+        ``mode``: the trainer's ``weight_update`` (``WEIGHT_UPDATES``); ``transport``: its
+        ``weight_transport`` (``TRANSPORTS``: ``distributed`` broadcasts from ``master_address`` in
+        buckets of ``bucket_bytes``, each collective bounded by ``broadcast_timeout``); ``prove``:
+        hold each engine's ``/weights_checker`` checksum against the version's (``trainer_service.proof``)."""
         if mode not in WEIGHT_UPDATES:
             raise ValueError(f"weight_update {mode!r} is not one of {WEIGHT_UPDATES}: set one of them")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight_transport {transport!r} is not one of {TRANSPORTS}: set one of them")
         self.js, self.engine_urls, self.attempts, self.settle = js, list(engine_urls), attempts, settle
         self.mode = mode
         key = admin_api_key or admin_key.key_from_env()
@@ -129,6 +142,16 @@ class WeightPublisher:
         self.latest: tuple[int, Path] | None = None
         self.announcing: asyncio.Task | None = None  # the last version's event, on its way to NATS
         self.locks = {url: asyncio.Lock() for url in self.engine_urls}  # one update at a time per engine
+        self.distributed = (
+            Distributed(
+                self._post, self.engine_urls, host=master_address, bucket_bytes=bucket_bytes, timeout=broadcast_timeout
+            )
+            if transport == "distributed"
+            else None
+        )
+        self.prove_weights = prove
+        self.prover = proof.Prover(self._post, self._get)
+        self.fallbacks = 0  # versions the distributed transport did not deliver, loaded from disk instead
 
     async def publish(self, version: int, path: Path) -> None:
         """Load ``version`` into every engine; then, off the caller's path, announce it on NATS."""
@@ -159,13 +182,31 @@ class WeightPublisher:
         async with self.locks[url]:
             return await self._update(url, version, path)
 
-    async def watch(self, interval: float = 5.0) -> None:
+    async def watch(self, interval: float = 5.0, proof_interval: float = 60.0) -> None:
         """Every ``interval`` seconds, send the latest version to each engine that serves an older
-        one (it restarted, or a timed-out update never landed). Runs until cancelled."""
+        one (it restarted, or a timed-out update never landed); every ``proof_interval`` seconds
+        (0: never), prove each engine's weights again (weights loaded behind the trainer's back).
+        Runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        proved = loop.time()
         while True:
             await asyncio.sleep(interval)  # polling interval of the engines' own reports
             for url in self.engine_urls:
                 await self.catch_up(url)
+            if self.prove_weights and proof_interval and loop.time() - proved >= proof_interval:
+                proved = loop.time()
+                for url in self.engine_urls:
+                    await self.reprove(url)
+
+    async def reprove(self, url: str) -> bool | None:
+        """Prove ``url``'s weights between updates; None when an update holds it or none was sent."""
+        if self.latest is None or self.locks[url].locked():
+            return None
+        async with self.locks[url]:
+            version, path = self.latest
+            if served_version(await self.serving(url)) != version:
+                return None  # behind (catch_up's) or relabelled already
+            return await self.prover.prove(url, version, path)
 
     async def catch_up(self, url: str) -> bool:
         """Send the latest version to ``url`` if it serves an older one; whether it was sent and loaded."""
@@ -173,7 +214,8 @@ class WeightPublisher:
             return False
         async with self.locks[url]:
             version, path = self.latest  # again, under the lock: a publish may have moved on
-            serving = served_version(await self.serving(url))
+            reported = await self.serving(url)
+            serving = -1 if reported == proof.UNTRUSTED else served_version(reported)  # caught: load it again
             if serving is None or serving >= version:
                 return False
             log.warning(
@@ -192,14 +234,49 @@ class WeightPublisher:
         # with requests in the batch (the refusal fails the call); retracted or drained, none is.
         body = {"model_path": str(path), "weight_version": str(version), "flush_cache": self.mode != "in_place"}
         if self.mode == "drain":
-            return await self._load(url, version, body)
+            return await self._deliver(url, version, path, body)
         paused = await self._control(url, "/pause_generation", {"mode": self.mode}, version)
         try:
             faults.hit("trainer.weights_paused", version)
-            return await self._load(url, version, body)
+            return await self._deliver(url, version, path, body)
         finally:
             if paused:
                 await self._control(url, "/continue_generation", {}, version)
+
+    async def _deliver(self, url: str, version: int, path: Path, body: dict) -> bool:
+        """Load ``version`` into ``url`` by the transport (disk when the distributed one fails),
+        then prove it: an engine whose checksum disagrees is loaded from disk once more and
+        proved again; one that still disagrees keeps the label ``proof.UNTRUSTED``."""
+        loaded = False
+        if self.distributed is not None:
+            try:
+                parts = self.distributed.prepare(version, await self._tensors(version, path))
+                await self.distributed.send(url, version, parts)
+                loaded = True
+            except (TransportError, OSError) as exc:
+                self.fallbacks += 1
+                log.warning("engine %s: version %d not broadcast (%s): loading it from disk", url, version, exc)
+        loaded = loaded or await self._load(url, version, body)
+        if not loaded or not self.prove_weights:
+            return loaded
+        if await self.prover.prove(url, version, path):
+            return True
+        return await self._load(url, version, body) and await self.prover.prove(url, version, path)
+
+    async def _tensors(self, version: int, path: Path) -> dict:
+        if self.distributed.prepared is not None and self.distributed.prepared[0] == version:
+            return {}  # made already: prepare keeps them
+        return await asyncio.to_thread(proof.load_tensors, path)
+
+    def figures(self) -> dict:
+        """The step's weight figures: ``weights_verified``, engines whose checksum proved the
+        latest version; ``weight_mismatches`` and ``weight_fallbacks`` so far."""
+        latest = self.latest[0] if self.latest else None
+        return {
+            "weights_verified": sum(v == latest for v in self.prover.verified.values()),
+            "weight_mismatches": self.prover.mismatches,
+            "weight_fallbacks": self.fallbacks,
+        }
 
     async def _post(self, url: str, endpoint: str, body: dict) -> tuple[int, object]:
         """POST ``body`` to an admin ``endpoint`` of ``url``: its status and JSON reply. A refused
@@ -274,13 +351,17 @@ class WeightPublisher:
     async def serving(self, url: str) -> str | None:
         """The weight version ``url`` reports on /model_info, None when it cannot be asked."""
         try:
-            # with the key: a server with only --api-key wants it on /model_info too
-            timeout = aiohttp.ClientTimeout(total=30)
-            async with self.session.get(url.rstrip("/") + "/model_info", headers=self.headers, timeout=timeout) as resp:
-                info = await resp.json(content_type=None)
+            info = await self._get(url, "/model_info")
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
         return info.get("weight_version") if isinstance(info, dict) else None
+
+    async def _get(self, url: str, endpoint: str):
+        """GET an ``endpoint`` of ``url`` with the key (a server with only --api-key wants it on
+        /model_info too): its JSON reply."""
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with self.session.get(url.rstrip("/") + endpoint, headers=self.headers, timeout=timeout) as resp:
+            return await resp.json(content_type=None)
 
     async def close(self, grace: float = 5.0) -> None:
         """Close the engines' HTTP session, once the last event is announced, failed to be, or
@@ -294,6 +375,8 @@ class WeightPublisher:
                     await asyncio.wait({self.announcing}, timeout=1.0)
                     log.warning("the last weights version was not announced within %gs of stopping (NATS down?)", grace)
         finally:
+            if self.distributed is not None:
+                await self.distributed.close()
             await self.session.close()
 
 

@@ -29,6 +29,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "centerline.bench.pipeline:bench_pipeline",
         "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle",
     ),
+    "weights": (
+        "centerline.bench.weights:bench_weights",
+        "seconds a weight version takes to reach every engine, by disk and by broadcast, vs the machine's limit",
+    ),
     "sessions": (
         "centerline.bench.sessions:bench_sessions",
         "multi-turn session turns vs single requests of the same token counts, prefix-cache share by router policy",

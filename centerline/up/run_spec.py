@@ -4,7 +4,7 @@ the settings object that ``up``, ``centerline experiment`` and ``centerline benc
 ``parse`` reads `centerline up`'s flags: ``UpSettings`` (what is ``up``'s own: how many engines,
 workers, NATS nodes and trainer ranks, the task, the model cache...), the shared settings and the
 trainer's ``UP_TRAINER_FLAGS`` (``--steps``, ``--prompts-per-step``, ``--train-seconds``,
-``--eval-every``, ``--weight-update``), which are the trainer's settings (table ``[trainer]``,
+``--eval-every``, ``--weight-update``, ``--weight-transport``), which are the trainer's settings (table ``[trainer]``,
 variables ``CENTERLINE_TRAINER_*``). ``compose`` resolves the shared configuration and the table of
 every command the run starts (``up``, ``trainer``, ``worker``, ``proxy``) from one source, flags >
 ``CENTERLINE_*`` environment > TOML file > a job's defaults (``UP_DEFAULTS``: ``up`` trains 300
@@ -106,7 +106,7 @@ def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Sectio
 
 
 # The trainer settings `centerline up` takes as flags too (the rest: its [trainer] table).
-UP_TRAINER_FLAGS = ("steps", "prompts_per_step", "train_seconds", "eval_every", "weight_update")
+UP_TRAINER_FLAGS = ("steps", "prompts_per_step", "train_seconds", "eval_every", "weight_update", "weight_transport")
 # Settings whose default differs for this job, by table ("cfg": the shared ones), chosen so that the
 # default run learns on 2 CPU cores (centerline/up/launcher.py says why each).
 UP_DEFAULTS = {

@@ -67,12 +67,14 @@ def test_a_run_sampled_at_another_temperature_is_refused_by_name(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["distributed", "disk"])
 def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_its_label_names(
-    tmp_path, toy_models, sglang
+    tmp_path, toy_models, sglang, transport
 ):
     """A short run of the chain task's sessions in flight, every service real, under the default
-    weight update: each sampled token whose labelled version is still on disk (0, the last three)
-    is forced through SGLang serving that version, and its recorded log-prob is the forced one to
+    weight update and each weight transport: each sampled token whose labelled version is still on
+    disk (0, the last three) is forced through SGLang serving that version, and its recorded
+    log-prob is the forced one to
     float rounding (prefill against decode: 5e-5, docs/sglang.md), far inside the 1e-3 tolerance.
     The same tokens under the neighbouring version show that the check tells versions apart."""
     run_dir = tmp_path / "run"
@@ -80,6 +82,7 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
         *("--task", "chain", "--steps", str(STEPS), "--workers", "1", "--trainer-ranks", "1", "--engines", "1"),
         *("--prompts-per-step", "4", "--rollout-n", "4", "--learning-rate", "3e-4"),
         *("--eval-prompts", "4", "--eval-every", "100", "--model-dir", str(toy_models), "--run-dir", str(run_dir)),
+        *("--weight-transport", transport),
     ]
     up = subprocess.run([sys.executable, "-m", "centerline", "up", *argv], capture_output=True, text=True, cwd=ROOT)
     assert up.returncode == 0, up.stderr[-4000:]
@@ -97,3 +100,7 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
     assert total["beyond"] == 0 and total["max"] < 1e-4, report
     # and the weight update vouches for every label, by construction
     assert [s["token_kv_unverified_share"] for s in steps] == [0.0] * STEPS
+    # every version reached the engine by the transport asked for, and its checksum proved it
+    assert [(s["weights_verified"], s["weight_mismatches"], s["weight_fallbacks"]) for s in steps] == [
+        (1, 0, 0)
+    ] * STEPS

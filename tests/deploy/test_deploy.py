@@ -607,11 +607,40 @@ def test_proxy_reaches_sglang_through_the_router_and_the_trainer_updates_each_se
     assert proxy["command"][proxy["command"].index("--upstream") + 1] == "http://sglang_router:30000"
     assert "--vocab-size" not in proxy["command"]  # learnt from SGLang
     assert proxy["depends_on"]["sglang_router"] == {"condition": "service_healthy"}
-    assert not [name for name, svc in services.items() if "networks" in svc]  # no aliases: services by name
+    assert not [n for n, svc in services.items() if isinstance(svc.get("networks"), dict)]  # no aliases
     for name in ENGINES:  # the URLs are the servers' own ports
         svc = services[name]
         port = svc["command"][svc["command"].index("--port") + 1]
         assert f"http://{name}:{port}" in ENGINE_URLS
+
+
+def networks_of(service: dict) -> set[str]:
+    """The networks a compose service joins (compose puts one that names none on ``default``)."""
+    return set(service.get("networks") or ["default"])
+
+
+@pytest.mark.parametrize("files,profiles", PROJECTS, ids=map(project_id, PROJECTS))
+def test_compose_only_the_trainer_and_the_router_reach_an_engine(files, profiles):
+    """Engines on an internal network of their own: the workers (user environment code) and the
+    proxy's clients share no network with an engine or with the router's front, so no admin
+    route, weight group or /server_info (which carries the admin key) answers them. Prometheus
+    (profile observability) scrapes both."""
+    doc = project(files, profiles)
+    services = doc["services"]
+    assert {k: doc["networks"][k] for k in ("engines", "upstream")} == {
+        "engines": {"internal": True},
+        "upstream": {"internal": True},
+    }
+    reach = {net: {n for n, svc in services.items() if net in networks_of(svc)} for net in ("engines", "upstream")}
+    scraper = {"prometheus"} if profiles else set()
+    assert reach["engines"] == {*ENGINES, "sglang_router", "trainer", *scraper}
+    assert reach["upstream"] == {"sglang_router", "router_proxy", *scraper}
+    for name in ENGINES:
+        assert networks_of(services[name]) == {"engines"}
+    # nothing that runs user code, nor the proxy's clients, is on a network with an engine
+    assert networks_of(services["rollout_worker"]) == {"default"}
+    assert networks_of(services["router_proxy"]) == {"default", "upstream"}
+    assert "ports" not in services["sglang_router"] and not any("ports" in services[n] for n in ENGINES)
 
 
 def test_compose_proxy_waits_for_the_trainer_that_creates_the_streams():
