@@ -1,10 +1,10 @@
 """The policy being trained, as every rank holds it: model, optimizer, and what each rank does
 for one step (train on the global batch, save the weights version, save the checkpoint).
 
-Rank 0 decides every step and sends it to the other ranks as a ``StepCommand``
-(``broadcast_object_list``: the encoded global batch travels as bytes); the other ranks
-sit in ``follow`` and do exactly the same collectives in the same order. A command
-without a batch tells them to stop.
+Rank 0 decides every step and sends each rank its ``StepCommand`` with that rank's shard of
+the global batch only (``trainer_service.shards``, balanced by tokens; ``scatter_object_list``:
+the encoded shard travels as bytes); the other ranks sit in ``follow`` and do exactly the same
+collectives in the same order. A command without a batch tells them to stop.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from shared import faults
 from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
-from trainer_service.distributed import broadcast_from_main, device, is_main, rank_and_world
+from trainer_service.distributed import device, is_main, rank_and_world
 from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
+from trainer_service.shards import scatter_shards
 from trainer_service.step import make_optimizer, train_step
 from trainer_service.weights import save_version
 
@@ -32,7 +33,9 @@ class StepCommand:
     step: int  # index of the step being trained (0-based); the checkpoint after it is step + 1
     version: int  # weight version once this step is done
     sync: bool  # write weights version ``version`` this step
-    batch: bytes | None  # the global batch (wire format v2, docs/design.md section 4); None = stop
+    batch: (
+        bytes | None
+    )  # the global batch, or a rank's shard of it (wire format v2, docs/design.md section 4); None = stop
 
 
 class Policy:
@@ -64,8 +67,8 @@ class Policy:
         of the weight version written this step (None without ``cmd.sync``). The checkpoint
         keeps the metrics too (``state["metrics"]``), so a crash between the checkpoint and
         the metrics line loses no line (``Metrics.recover``)."""
-        if rank_and_world()[1] > 1 and is_main():
-            broadcast_from_main(cmd)
+        if is_main():  # each rank gets its shard only; rank 0 keeps its own
+            cmd = scatter_shards(cmd)
         t0 = time.perf_counter()
         metrics = train_step(
             self.model,
@@ -74,6 +77,7 @@ class Policy:
             self.loss,
             max_grad_norm=self.settings.max_grad_norm or None,  # 0: no clipping
             micro_batch_tokens=self.settings.micro_batch_tokens,
+            local=True,
         )
         t1 = time.perf_counter()
         rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine
@@ -95,11 +99,11 @@ class Policy:
 
     def follow(self) -> None:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
-        while (cmd := broadcast_from_main(None)).batch is not None:
+        while (cmd := scatter_shards(None)).batch is not None:
             self.run(cmd)
         dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts
 
     def stop(self) -> None:
         if rank_and_world()[1] > 1:
-            broadcast_from_main(StepCommand(-1, -1, False, None))
+            scatter_shards(StepCommand(-1, -1, False, None))
             dist.barrier()
