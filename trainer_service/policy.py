@@ -23,6 +23,7 @@ from trainer_service import checkpoint
 from trainer_service.distributed import device, is_main, rank_and_world
 from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
+from trainer_service.schedule import lr_factor, set_lr
 from trainer_service.shards import scatter_shards
 from trainer_service.step import make_optimizer, train_step
 from trainer_service.weights import save_version
@@ -33,9 +34,9 @@ class StepCommand:
     step: int  # index of the step being trained (0-based); the checkpoint after it is step + 1
     version: int  # weight version once this step is done
     sync: bool  # write weights version ``version`` this step
-    batch: (
-        bytes | None
-    )  # the global batch, or a rank's shard of it (wire format v2, docs/design.md section 4); None = stop
+    # the global batch, or a rank's shard of it (wire format v2, docs/design.md section 4); None = stop
+    batch: bytes | None
+    checkpoint: bool = True  # save the checkpoint after this step (``--checkpoint-every``)
 
 
 class Policy:
@@ -47,9 +48,10 @@ class Policy:
         torch.manual_seed(cfg.seed)
         start = resume / "model" if resume else settings.model
         self.model = wrap_model(load_model(str(start), device=device()), settings.strategy)
+        self.base_lr = cfg.learning_rate  # each step's rate: trainer_service/schedule.py
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
-            checkpoint.load_optimizer(resume, self.model, self.optimizer)
+            checkpoint.load_training_state(resume, self.model, self.optimizer)
         self.loss = LossSettings.from_config(cfg)
 
     @property
@@ -69,6 +71,14 @@ class Policy:
         the metrics line loses no line (``Metrics.recover``)."""
         if is_main():  # each rank gets its shard only; rank 0 keeps its own
             cmd = scatter_shards(cmd)
+        lr = self.base_lr * lr_factor(
+            cmd.step,
+            warmup=self.settings.lr_warmup_steps,
+            schedule=self.settings.lr_schedule,
+            total=self.settings.steps,
+            min_ratio=self.settings.lr_min_ratio,
+        )
+        set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         metrics = train_step(
             self.model,
@@ -87,15 +97,16 @@ class Policy:
         if rank0:
             faults.hit("trainer.before_checkpoint", cmd.step + 1)
         state = {**state, "metrics": metrics} if state else {"step": cmd.step + 1}
-        checkpoint.save(
-            self.run_dir / "checkpoints",
-            self.model,
-            self.optimizer,
-            state,
-            weights_dir=weights,
-            keep=self.settings.keep_checkpoints,
-        )
-        return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
+        if cmd.checkpoint:
+            checkpoint.save(
+                self.run_dir / "checkpoints",
+                self.model,
+                self.optimizer,
+                state,
+                weights_dir=weights,
+                keep=self.settings.keep_checkpoints,
+            )
+        return {**metrics, "lr": lr, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
 
     def follow(self) -> None:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
