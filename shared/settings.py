@@ -347,6 +347,11 @@ class UpSettings(Section):
     sglang_args: str = Field(
         "", description="Extra flags for every SGLang server, one string: --sglang-args=--enable-metrics."
     )
+    engine_device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="Where the SGLang servers run: cpu (the CPU recipe of centerline/sglang.py) or cuda (the GPU; "
+        "give them a share of its memory with --sglang-args=--mem-fraction-static=X when the trainer shares it).",
+    )
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
         module, sep, function = self.reward.partition(":")

@@ -9,6 +9,7 @@ collectives in the same order. A command without a batch tells them to stop.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from trainer_service.schedule import lr_factor, set_lr
 from trainer_service.shards import scatter_shards
 from trainer_service.step import make_optimizer, train_step
 from trainer_service.weights import save_version
+
+log = logging.getLogger("centerline.trainer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class Policy:
         torch.manual_seed(cfg.seed)
         start = resume / "model" if resume else settings.model
         self.model = wrap_model(load_model(str(start), device=device()), settings.strategy)
+        rank, world = rank_and_world()
+        log.info("rank %d of %d trains on %s", rank, world, next(self.model.parameters()).device)
         self.base_lr = cfg.learning_rate  # each step's rate: trainer_service/schedule.py
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
