@@ -157,7 +157,8 @@ class Metrics:
         checkpoint (journalled steps, trained and logged again: their lines are dropped here),
         or come after a step's checkpoint and before its line (the line is rebuilt from the
         loss metrics the checkpoint keeps, its batches in training order from the ledger,
-        marked ``"recovered": true``; gate counts and timings of that step are gone). Every committed step then has one line.
+        marked ``"recovered": true``; gate counts and timings of that step are gone). Every
+        committed step then has one line.
         """
         complete = _drop_partial_line(self.path)
         _drop_partial_line(self.eval_path)
