@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.trainer_service.probe import served
 from tests.trainer_service.test_distributed import run_steps
@@ -30,3 +31,19 @@ def test_each_rank_binds_its_local_device_and_every_collective_is_on_a_device_it
         assert wrong == []
         # tensors on the model's device; objects through gloo in CPU memory, never staged on a GPU
         assert {d for c in rank["collectives"] for d in c["devices"]} == {rank["param_device"]} == {"cpu"}
+
+
+def test_a_local_rank_past_the_gpus_the_machine_shows_is_refused_by_name(monkeypatch):
+    from trainer_service import distributed
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    distributed.bind_device()
+    assert bound == [1] and distributed.backend() == "cpu:gloo,cuda:nccl"
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=2 but this machine shows 2 GPU\(s\).*--nproc-per-node"):
+        distributed.bind_device()
+    assert bound == [1]
