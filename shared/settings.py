@@ -159,6 +159,24 @@ class TrainerSettings(Section):
         "on it and reports it in the ADVISORIES stream; -1: no limit.",
     )
     keep_checkpoints: int = Field(2, ge=0, description="Complete checkpoints kept, newest first (0 keeps all).")
+    checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="Save the checkpoint (sharded: each rank writes its own part) every this many steps and after "
+        "the last. A step between two checkpoints writes its trained batches to the run directory's journal before "
+        "they are acked, and a restart trains those steps again from them (docs/design.md section 10).",
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="The learning rate after the warmup: constant at --learning-rate, or cosine from it down to "
+        "--lr-min-ratio of it at step --steps (docs/design.md section 6).",
+    )
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Steps whose learning rate rises linearly to --learning-rate (step s of 1..N: s/N of it)."
+    )
+    lr_min_ratio: float = Field(
+        0.0, ge=0, le=1, description="The cosine schedule's last learning rate, a share of --learning-rate."
+    )
     max_republishes: int = Field(
         3,
         ge=0,
@@ -397,6 +415,11 @@ class UpSettings(Section):
     startup_timeout: float = Field(300.0, gt=0, description="Seconds for each service to become ready.")
     sglang_args: str = Field(
         "", description="Extra flags for every SGLang server, one string: --sglang-args=--enable-metrics."
+    )
+    engine_device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="Where the SGLang servers run: cpu (the CPU recipe of centerline/sglang.py) or cuda (the GPU; "
+        "give them a share of its memory with --sglang-args=--mem-fraction-static=X when the trainer shares it).",
     )
 
     @field_validator("reward", mode="before")

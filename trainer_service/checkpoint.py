@@ -4,7 +4,8 @@ Layout under ``<run_dir>/checkpoints/``::
 
     step-000007/          the state after 7 completed steps (steps 0..6)
       model/              HF directory (config.json, model.safetensors, tokenizer files)
-      optimizer.pt        full (unsharded) optimizer state, torch.save
+      state/              model and optimizer state, torch.distributed.checkpoint: each rank
+                          writes its own shards (FSDP2) and reads them back on resume
       state.json          step, version, data cursor, run id, ledger {task_id: {attempt, step, parts}}
     .tmp-step-000008/     being written; ignored and removed at start-up
 
@@ -12,7 +13,10 @@ A checkpoint is written into ``.tmp-step-N``, every file and the directory fsync
 renamed to ``step-N`` and the parent fsynced, so a crash leaves either the old or the new
 checkpoint, never half of one. The last ``keep`` checkpoints are kept (``KEEP`` unless the
 trainer's ``--keep-checkpoints`` says otherwise). Saving is a
-collective (FSDP2 gathers the full state): every rank calls ``save``, rank 0 writes.
+collective: every rank calls ``save`` and writes its shards of ``state/``; rank 0 writes the
+rest and publishes the directory once every rank's shards are written (the save's last
+collective). A checkpoint of an older release holds ``optimizer.pt`` (the full optimizer
+state) instead of ``state/``; it is read as before.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from pathlib import Path
 
 import orjson
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from trainer_service.distributed import is_main
+from trainer_service.distributed import in_process_group, is_main
 from trainer_service.model import save_model
 
 KEEP = 2
@@ -57,11 +63,12 @@ def publish_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def optimizer_state(model, optimizer) -> dict:
-    """The unsharded optimizer state on the CPU (a collective under FSDP2)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def training_state(model, optimizer) -> dict:
+    """The model's and the optimizer's state as this rank holds them (its shards under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
 
 
 def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None = None, keep: int = KEEP) -> Path:
@@ -76,6 +83,8 @@ def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None 
     if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    if in_process_group():
+        dist.barrier()  # the directory exists before any rank writes into it
     if weights_dir is not None:
         if is_main():
             (tmp / "model").mkdir()
@@ -83,9 +92,8 @@ def save(root: Path, model, optimizer, state: dict, *, weights_dir: Path | None 
                 os.link(f, tmp / "model" / f.name)
     else:
         save_model(model, str(tmp / "model"))
-    optim = optimizer_state(model, optimizer)
+    dcp.save(training_state(model, optimizer), checkpoint_id=tmp / "state", no_dist=not in_process_group())
     if is_main():
-        torch.save(optim, tmp / "optimizer.pt")
         (tmp / "state.json").write_bytes(orjson.dumps(state))
         publish_dir(tmp, final)
         for old in complete(root)[:-keep] if keep else []:
@@ -117,9 +125,15 @@ def load_state(path: Path) -> dict:
     return orjson.loads((path / "state.json").read_bytes())
 
 
-def load_optimizer(path: Path, model, optimizer) -> None:
-    """Restore the optimizer state saved in checkpoint ``path`` (every rank reads the file)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def load_training_state(path: Path, model, optimizer) -> None:
+    """Restore the model and optimizer state of checkpoint ``path`` (every rank calls and reads
+    its own shards); an older checkpoint's ``optimizer.pt``: the optimizer state from that file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict, set_state_dict
 
-    state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    if (path / "optimizer.pt").is_file():
+        state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        return
+    state = training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=path / "state", no_dist=not in_process_group())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

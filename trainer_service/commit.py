@@ -17,6 +17,7 @@ import numpy as np
 
 from shared.contract import sample_turns
 from shared.wire import REWARD_COMPONENTS, encode_batch
+from trainer_service import journal
 from trainer_service.gate import concat_batches
 from trainer_service.ledger import Held, ledger_entries
 from trainer_service.policy import StepCommand
@@ -76,12 +77,25 @@ class Step:
 
 
 def commit_step(
-    policy, state: TrainerState, held: list[Held], *, weight_sync_interval: int, next_task_step: int
+    policy,
+    state: TrainerState,
+    held: list[Held],
+    *,
+    weight_sync_interval: int,
+    next_task_step: int,
+    checkpoint_every: int = 1,
+    last_step: int | None = None,
+    journal_dir: Path | None = None,
 ) -> Step:
     """Rank 0: train on ``held`` (every part of each of its task groups; every rank follows), write
-    the weights when the step syncs, save the checkpoint; returns the step with the state after it."""
+    the weights when the step syncs, make the step durable; returns the step with the state after it.
+
+    Durable: the checkpoint, saved every ``checkpoint_every`` steps and after ``last_step``
+    (removing the journal records it covers); between checkpoints the step's record in
+    ``journal_dir`` (trainer_service/journal.py), from which a restart trains it again."""
     step = state.step
     sync = (step + 1) % weight_sync_interval == 0
+    checkpoint = journal_dir is None or (step + 1) % checkpoint_every == 0 or step + 1 == last_step
     batch = concat_batches([h.batch for h in held], batch_id=f"{state.run_id}/step-{step}")
     after = TrainerState(
         step=step + 1,
@@ -90,7 +104,14 @@ def commit_step(
         run_id=state.run_id,
         ledger={**state.ledger, **ledger_entries(held, step)},
     )
-    metrics, weights = policy.run(StepCommand(step, after.version, sync, encode_batch(batch)), after.to_dict())
+    metrics, weights = policy.run(
+        StepCommand(step, after.version, sync, encode_batch(batch), checkpoint=checkpoint), after.to_dict()
+    )
+    if journal_dir is not None:
+        if checkpoint:
+            journal.prune(journal_dir, after.step)
+        else:
+            journal.write(journal_dir, step, next_task_step, held)
     if metrics.get("step_skipped_nonfinite"):
         ids = [h.batch.batch_id for h in held]
         log.error(

@@ -12,6 +12,7 @@ logged and the trainer goes on without it.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -169,15 +170,25 @@ class Metrics:
     def recover(self, state: dict) -> None:
         """Make ``metrics.jsonl`` agree with the checkpoint ``state`` the trainer resumes from.
 
-        A crash can cut the last line short (it is dropped) or come after a step's checkpoint
-        and before its line (the line is rebuilt from the loss metrics the checkpoint keeps,
-        its batches in training order from the ledger, marked ``"recovered": true``; gate
-        counts and timings of that step are gone). Every committed step then has one line.
+        A crash can cut the last line short (it is dropped), leave lines of steps after the
+        checkpoint (journalled steps, trained and logged again: their lines are dropped here),
+        or come after a step's checkpoint and before its line (the line is rebuilt from the
+        loss metrics the checkpoint keeps, its batches in training order from the ledger,
+        marked ``"recovered": true``; gate counts and timings of that step are gone). Every
+        committed step then has one line.
         """
         complete = _drop_partial_line(self.path)
         _drop_partial_line(self.eval_path)
         lines = [orjson.loads(line) for line in complete]
         step = state["step"]
+        later = [line["step"] for line in lines if line.get("step", 0) > step]
+        if later:  # steps journalled after the checkpoint: trained again, and logged again, from it
+            log.warning("metrics.jsonl: the lines of steps %s after checkpoint %d are dropped", later, step)
+            kept = [raw for raw, line in zip(complete, lines) if line.get("step", 0) <= step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_bytes(b"".join(raw + b"\n" for raw in kept))
+            os.replace(tmp, self.path)
+            lines = [line for line in lines if line.get("step", 0) <= step]
         self.purge_from = step + 1
         if step == 0 or "metrics" not in state or any(line.get("step") == step for line in lines):
             return

@@ -1,14 +1,15 @@
 """The policy being trained, as every rank holds it: model, optimizer, and what each rank does
 for one step (train on the global batch, save the weights version, save the checkpoint).
 
-Rank 0 decides every step and sends it to the other ranks as a ``StepCommand``
-(``broadcast_object_list``: the encoded global batch travels as bytes); the other ranks
-sit in ``follow`` and do exactly the same collectives in the same order. A command
-without a batch tells them to stop.
+Rank 0 decides every step and sends each rank its ``StepCommand`` with that rank's shard of
+the global batch only (``trainer_service.shards``, balanced by tokens; ``scatter_object_list``:
+the encoded shard travels as bytes); the other ranks sit in ``follow`` and do exactly the same
+collectives in the same order. A command without a batch tells them to stop.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,15 @@ from shared import faults
 from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
-from trainer_service.distributed import broadcast_from_main, device, is_main, rank_and_world
+from trainer_service.distributed import device, is_main, rank_and_world
 from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
+from trainer_service.schedule import lr_factor, set_lr
+from trainer_service.shards import scatter_shards
 from trainer_service.step import make_optimizer, train_step
 from trainer_service.weights import save_version
+
+log = logging.getLogger("centerline.trainer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +37,9 @@ class StepCommand:
     step: int  # index of the step being trained (0-based); the checkpoint after it is step + 1
     version: int  # weight version once this step is done
     sync: bool  # write weights version ``version`` this step
-    batch: bytes | None  # the global batch (wire format v2, docs/design.md section 4); None = stop
+    # the global batch, or a rank's shard of it (wire format v2, docs/design.md section 4); None = stop
+    batch: bytes | None
+    checkpoint: bool = True  # save the checkpoint after this step (``--checkpoint-every``)
 
 
 class Policy:
@@ -44,9 +51,12 @@ class Policy:
         torch.manual_seed(cfg.seed)
         start = resume / "model" if resume else settings.model
         self.model = wrap_model(load_model(str(start), device=device()), settings.strategy)
+        rank, world = rank_and_world()
+        log.info("rank %d of %d trains on %s", rank, world, next(self.model.parameters()).device)
+        self.base_lr = cfg.learning_rate  # each step's rate: trainer_service/schedule.py
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
-            checkpoint.load_optimizer(resume, self.model, self.optimizer)
+            checkpoint.load_training_state(resume, self.model, self.optimizer)
         self.loss = LossSettings.from_config(cfg)
 
     @property
@@ -64,8 +74,16 @@ class Policy:
         of the weight version written this step (None without ``cmd.sync``). The checkpoint
         keeps the metrics too (``state["metrics"]``), so a crash between the checkpoint and
         the metrics line loses no line (``Metrics.recover``)."""
-        if rank_and_world()[1] > 1 and is_main():
-            broadcast_from_main(cmd)
+        if is_main():  # each rank gets its shard only; rank 0 keeps its own
+            cmd = scatter_shards(cmd)
+        lr = self.base_lr * lr_factor(
+            cmd.step,
+            warmup=self.settings.lr_warmup_steps,
+            schedule=self.settings.lr_schedule,
+            total=self.settings.steps,
+            min_ratio=self.settings.lr_min_ratio,
+        )
+        set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         metrics = train_step(
             self.model,
@@ -74,6 +92,7 @@ class Policy:
             self.loss,
             max_grad_norm=self.settings.max_grad_norm or None,  # 0: no clipping
             micro_batch_tokens=self.settings.micro_batch_tokens,
+            local=True,
         )
         t1 = time.perf_counter()
         rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine
@@ -83,23 +102,24 @@ class Policy:
         if rank0:
             faults.hit("trainer.before_checkpoint", cmd.step + 1)
         state = {**state, "metrics": metrics} if state else {"step": cmd.step + 1}
-        checkpoint.save(
-            self.run_dir / "checkpoints",
-            self.model,
-            self.optimizer,
-            state,
-            weights_dir=weights,
-            keep=self.settings.keep_checkpoints,
-        )
-        return {**metrics, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
+        if cmd.checkpoint:
+            checkpoint.save(
+                self.run_dir / "checkpoints",
+                self.model,
+                self.optimizer,
+                state,
+                weights_dir=weights,
+                keep=self.settings.keep_checkpoints,
+            )
+        return {**metrics, "lr": lr, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
 
     def follow(self) -> None:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
-        while (cmd := broadcast_from_main(None)).batch is not None:
+        while (cmd := scatter_shards(None)).batch is not None:
             self.run(cmd)
         dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts
 
     def stop(self) -> None:
         if rank_and_world()[1] > 1:
-            broadcast_from_main(StepCommand(-1, -1, False, None))
+            scatter_shards(StepCommand(-1, -1, False, None))
             dist.barrier()

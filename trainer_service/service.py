@@ -5,7 +5,8 @@ The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
     publish the tasks of the steps up to max_inflight_steps ahead      tasks.py
     gather whole task groups until the step's samples arrived           gate.py
     train on their concatenation, on every rank                         commit.py, policy.py, step.py
-    save weights version v+1 and the checkpoint (with the ledger)       commit.py, weights.py, checkpoint.py
+    save weights version v+1 and the checkpoint (with the ledger),      commit.py, weights.py, checkpoint.py
+      or, between checkpoints, the step's journal record                journal.py
     ack the step's batches                                              gate.py
     load version v+1 on every engine, publish weights.updated           weights.py
     log the step                                                        metrics.py
@@ -24,8 +25,9 @@ or terminated by a worker never come). ``--train-seconds`` stops the loop, like 
 before the first step that would begin after that many seconds. SIGTERM/SIGINT: a running
 step is finished and committed (its weights are not sent to the engines), a step still
 gathering is abandoned (its batches are nak'ed, none acked), then the process exits 0.
-Left out: learning-rate schedules, and
-checkpoints less often than every step (acks wait for a checkpoint).
+With ``--checkpoint-every N`` the checkpoint is saved every N steps and after the last; a step
+between two is made durable by its journal record (trainer_service/journal.py) before its acks,
+and a restart trains the recorded steps again before anything else.
 
     centerline trainer --model runs/model --dataset runs/tasks.jsonl --run-dir runs/trainer --steps 100
     torchrun --nproc-per-node 2 -m centerline trainer --model ... --strategy fsdp2
@@ -80,6 +82,10 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     if not candidates_fit(cfg, policy.vocab_size):
         policy.stop()
         return 2
+    metrics = Metrics(settings)
+    metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
+    # The steps trained since the last checkpoint, trained again from their journal records.
+    state, replayed = await retrain_journal(settings, policy, state, metrics)
     stopping = stop_event()
     nc, js, consumer = await open_streams(cfg, settings)
     tasks = TaskPublisher(
@@ -89,11 +95,9 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         prompts_per_step=settings.prompts_per_step,
         n=cfg.rollout_n,
         # a run directory of an older release: its trainers sampled in block 0
-        blocks=AttemptBlocks(settings.run_dir / "attempt_blocks", first=1 if saved else 0),
+        blocks=AttemptBlocks(settings.run_dir / "attempt_blocks", first=1 if saved or replayed else 0),
         next_step=state.next_task_step,
     )
-    metrics = Metrics(settings)
-    metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     heldout = None
     if settings.heldout_dataset is not None:
         heldout = Evaluator(
@@ -168,9 +172,13 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             held,
             weight_sync_interval=settings.weight_sync_interval,
             next_task_step=tasks.next_step,
+            checkpoint_every=settings.checkpoint_every,
+            last_step=settings.steps,
+            journal_dir=settings.run_dir / "journal",
         )
         faults.hit("trainer.after_checkpoint", step.after.step)
-        await gate.commit(state.step)  # step, checkpoint and ledger are durable: ack its batches, drop other attempts
+        # the step is durable (its checkpoint, or its journal record): ack its batches, drop other attempts
+        await gate.commit(state.step)
         faults.hit("trainer.after_acks", step.after.step)
         t2 = time.perf_counter()
         # Stopping: the engines are being stopped too, and a new start loads this version into
@@ -209,6 +217,31 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     finally:
         policy.stop()  # last: the other ranks then leave with this one
     return 0
+
+
+async def retrain_journal(settings: TrainerSettings, policy, state, metrics):
+    """Train again the steps the journal holds past the checkpoint ``state`` came from (every
+    rank follows), each from the parts it trained on; returns the state after them and how many."""
+    from trainer_service import journal
+    from trainer_service.commit import commit_step, step_record
+
+    records = journal.pending(settings.run_dir / "journal", state.step)
+    for index, next_task_step, held in records:
+        log.warning("step %d was trained after the last checkpoint: trained again from its journal record", index + 1)
+        step = await asyncio.to_thread(
+            commit_step,
+            policy,
+            state,
+            held,
+            weight_sync_interval=settings.weight_sync_interval,
+            next_task_step=next_task_step,
+            checkpoint_every=settings.checkpoint_every,
+            last_step=settings.steps,
+            journal_dir=settings.run_dir / "journal",
+        )
+        metrics.step(step_record(step, {}, {}, weight_update=settings.weight_update, retrained=True))
+        state = step.after
+    return state, len(records)
 
 
 def candidates_fit(cfg, vocab_size: int) -> bool:

@@ -1,7 +1,9 @@
 """One training step on one global batch, on 1 process or many under `torchrun`.
 
-Every rank is given the same global ``shared.wire.Batch``; rank r trains on a contiguous
-block of its samples (``shard``). The block is cut into micro-batches of consecutive samples
+Rank r trains its shard of the global ``shared.wire.Batch``: the samples
+``trainer_service.shards.assign`` gives it, balanced by tokens; the trainer sends each rank
+only its shard (``local=True``), tests may hand every rank the global batch. The shard is cut
+into micro-batches of consecutive samples
 (``micro_batches``): as many as fit in ``micro_batch_tokens`` padded tokens, one at least.
 A micro-batch runs through the model as one padded forward, prompts left-padded and
 responses right-padded so every response starts at the same position, and the logits at the
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from shared.settings import MICRO_BATCH_TOKENS
 from trainer_service.distributed import rank_and_world
 from trainer_service.loss import LOSSES, LossSettings, TokenRows
+from trainer_service.shards import assign, take
 
 METRICS = (
     "sc_correction",
@@ -61,17 +64,6 @@ class MicroBatch:
     @property
     def trained_tokens(self) -> int:
         return int(self.rows.loss_mask.sum())
-
-
-def shard(num_samples: int, rank: int, world: int) -> range:
-    """Rank ``rank``'s contiguous block of samples; block sizes differ by at most one."""
-    if num_samples < world:
-        raise ValueError(
-            f"the batch has {num_samples} samples for {world} ranks; every rank needs at least one "
-            "(raise the rollout batch size or run fewer ranks)"
-        )
-    bounds = np.linspace(0, num_samples, world + 1).round().astype(int)
-    return range(int(bounds[rank]), int(bounds[rank + 1]))
 
 
 def micro_batches(batch, samples: range, budget: int) -> list[range]:
@@ -158,7 +150,7 @@ def _micro_batch_count(model, local: int, world: int) -> int:
     same number of micro-batches: the largest shard's. DDP communicates once, at the sync."""
     if world == 1 or not hasattr(model, "set_requires_gradient_sync"):
         return local
-    count = torch.tensor([local])
+    count = torch.tensor([local], device=next(model.parameters()).device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())
 
@@ -171,8 +163,12 @@ def train_step(
     *,
     max_grad_norm: float | None = 1.0,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    local: bool = False,
 ):
-    """One optimizer step on the global ``batch``; returns metrics identical on every rank.
+    """One optimizer step on the global batch; returns metrics identical on every rank.
+
+    ``batch``: the global batch, of which this rank trains its shard; with ``local`` it is this
+    rank's shard already (``trainer_service.shards``), and the global counts come by all-reduce.
 
     Metrics: ``loss`` (global sum / global trained tokens), ``grad_norm`` (before clipping),
     ``step_skipped_nonfinite`` (1 when the loss or ``grad_norm`` is not finite on some rank: the
@@ -183,14 +179,19 @@ def train_step(
     rank, world = rank_and_world()
     device = next(model.parameters()).device
     loss_fn = LOSSES[settings.loss]
-    mine = shard(batch.num_samples, rank, world)
+    if not local and world > 1:
+        batch = take(batch, assign(batch, world)[rank])
+    mine = range(batch.num_samples)
     inputs = [micro_batch_inputs(batch, run, device) for run in micro_batches(batch, mine, micro_batch_tokens)]
-    counts = torch.tensor([float(sum(x.trained_tokens for x in inputs))], dtype=torch.float64)
+    # Every collective's tensor lives on the rank's device, the model's (docs/design.md section 6).
+    rewards = np.asarray(batch.rewards, dtype=np.float64)
+    local_counts = [float(sum(x.trained_tokens for x in inputs)), float(batch.num_samples), float(rewards.sum())]
+    counts = torch.tensor(local_counts, dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(counts)
-    global_count = int(counts.item())
+    global_count, global_samples, reward_sum = int(counts[0].item()), int(counts[1].item()), float(counts[2].item())
     # sums[0]: loss; sums[1:]: metric * trained tokens, so the all_reduce yields global means.
-    sums = torch.zeros(1 + len(METRICS), dtype=torch.float64)
+    sums = torch.zeros(1 + len(METRICS), dtype=torch.float64, device=device)
     steps = _micro_batch_count(model, len(inputs), world)
     for j in range(steps):
         with _sync_context(model, sync=j == steps - 1):
@@ -203,7 +204,7 @@ def train_step(
             (loss * world).backward()  # DDP/FSDP2 divide the summed gradient by world
         n = inputs[j].trained_tokens
         sums[0] += float(loss.detach())
-        sums[1:] += torch.tensor([metrics.get(name, 0.0) * n for name in METRICS], dtype=torch.float64)
+        sums[1:] += torch.tensor([metrics.get(name, 0.0) * n for name in METRICS], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(sums)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm else float("inf"))
@@ -218,8 +219,8 @@ def train_step(
         "grad_norm": float(grad_norm),
         "step_skipped_nonfinite": int(skipped),
         "trained_tokens": global_count,
-        "samples": batch.num_samples,
-        "reward_mean": float(np.mean(batch.rewards)) if batch.num_samples else 0.0,
+        "samples": global_samples,
+        "reward_mean": reward_sum / global_samples if global_samples else 0.0,
     }
     for k, name in enumerate(METRICS):
         if settings.loss == "score_centering" or not name.startswith("sc_") or name == "sc_importance_weight":

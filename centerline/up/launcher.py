@@ -93,8 +93,10 @@ from shared.streams import StreamLimits
 
 
 def engine_argv(spec: RunSpec, url: str) -> list[str]:
-    """An SGLang server of the run: its model, its port, then ``up.sglang_args``."""
-    return sglang_argv(str(spec.trainer.model), url, shlex.split(spec.up.sglang_args))
+    """An SGLang server of the run: its model, its port, its device (``up.engine_device``, named
+    when not the CPU), then ``up.sglang_args``."""
+    device = ["--device", spec.up.engine_device] if spec.up.engine_device != "cpu" else []
+    return sglang_argv(str(spec.trainer.model), url, shlex.split(spec.up.sglang_args), device)
 
 
 def service_argv(spec: RunSpec, config_file: Path) -> dict[str, list[str]]:

@@ -133,9 +133,9 @@ def wait_http(url: str, what: str, proc: subprocess.Popen, log: Path, timeout: f
     raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s ({last}); see {log}")
 
 
-def sglang_argv(model: str, url: str, sglang_flags: list[str]) -> list[str]:
-    """``centerline sglang`` serving ``model`` on ``url``'s port, SGLang's own flags after ``--``
-    (no settings file)."""
+def sglang_argv(model: str, url: str, sglang_flags: list[str], own: list[str] | None = None) -> list[str]:
+    """``centerline sglang`` serving ``model`` on ``url``'s port, its ``own`` flags (``--device``),
+    SGLang's own flags after ``--`` (no settings file)."""
     return [
         PYTHON,
         "-m",
@@ -145,6 +145,7 @@ def sglang_argv(model: str, url: str, sglang_flags: list[str]) -> list[str]:
         model,
         "--port",
         url.rsplit(":", 1)[1],
+        *(own or []),
         "--",
         *sglang_flags,
     ]

@@ -72,6 +72,7 @@ PROJECTS = [(files, profiles) for files in COMPOSE_FILES for profiles in ((), ("
 ENGINES = ["sglang_0", "sglang_1"]
 ENGINE_URLS = [f"http://{name}:30000" for name in ENGINES]
 CENTERLINE_IMAGE = "centerline:dev"
+CENTERLINE_CUDA_IMAGE = "centerline:dev-cuda"  # compose-gpu's and k8s-gpu's trainer: torch from pip's index (CUDA)
 IMAGE_BUILD = {  # the build of the centerline image, with the defaults compose passes
     "context": ".",
     "dockerfile": "deploy/Dockerfile",
@@ -546,16 +547,18 @@ def test_compose_gpu_runs_the_official_sglang_image_one_gpu_per_server():
     ]
 
 
-def test_compose_gpu_replaces_only_the_engines_image_and_command():
+def test_compose_gpu_replaces_only_the_engines_image_and_command_and_the_trainers_image_and_devices():
     override = compose_yaml("deploy/compose-gpu.yml")
-    assert set(override) == {"services"} and list(override["services"]) == ENGINES
+    assert set(override) == {"services"} and list(override["services"]) == [*ENGINES, "trainer"]
     replaced = {"image", "entrypoint", "command", "environment", "ipc", "deploy", "healthcheck"}
-    assert {key for svc in override["services"].values() for key in svc} == replaced
+    assert {key for name in ENGINES for key in override["services"][name]} == replaced
+    assert set(override["services"]["trainer"]) == {"image", "build", "deploy"}
+    changed = {**dict.fromkeys(ENGINES, replaced), "trainer": {"image", "build", "deploy"}}
     base, gpu = merged_files("compose", {}), merged_files("compose-gpu", {})
     assert set(base["services"]) == set(gpu["services"]) and base["volumes"] == gpu["volumes"]
     for name, svc in gpu["services"].items():
-        kept = {k: v for k, v in svc.items() if name not in ENGINES or k not in replaced}
-        assert kept == {k: v for k, v in base["services"][name].items() if name not in ENGINES or k not in replaced}
+        kept = {k: v for k, v in svc.items() if k not in changed.get(name, ())}
+        assert kept == {k: v for k, v in base["services"][name].items() if k not in changed.get(name, ())}
         if name in ENGINES:  # the key file stays named, the entrypoint reads it
             assert svc["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
 
@@ -586,6 +589,9 @@ def test_every_centerline_service_but_the_engines_builds_the_image(files):
             assert "build" not in svc
         elif svc["image"] == CENTERLINE_IMAGE:
             assert svc["build"] == IMAGE_BUILD, name
+        elif svc["image"] == CENTERLINE_CUDA_IMAGE:
+            assert name == "trainer" and "gpu" in files, (files, name)
+            assert svc["build"] == {**IMAGE_BUILD, "args": {**IMAGE_BUILD["args"], "TORCH_INDEX_URL": ""}}
         else:
             assert "build" not in svc and "observability" in svc["profiles"], name
 
@@ -655,7 +661,7 @@ def images() -> list[tuple[str, str]]:
     """(where, image) of every container in compose (both projects, all profiles), Kubernetes
     and its GPU overlay."""
     found = [(where, svc["image"]) for where, svc in all_services().items() if "image" in svc]
-    for prefix, docs in (("k8s", k8s_documents()), ("k8s-gpu", [k8s_gpu_sglang()])):
+    for prefix, docs in (("k8s", k8s_documents()), ("k8s-gpu", [k8s_gpu_sglang(), k8s_gpu_trainer()])):
         for doc in docs:
             spec = doc.get("spec", {}).get("template", {}).get("spec", {})
             found += [
@@ -1253,14 +1259,49 @@ def apply_json_patch(doc: dict, ops: list[dict]) -> dict:
     return doc
 
 
-def k8s_gpu_sglang() -> dict:
-    """The SGLang StatefulSet as `kubectl apply -k deploy/k8s-gpu` renders it."""
+def k8s_gpu_patched(kind: str, name: str) -> dict:
+    """The base's ``kind`` ``name`` as `kubectl apply -k deploy/k8s-gpu` renders it."""
     kustomization = yaml.safe_load((DEPLOY / "k8s-gpu/kustomization.yaml").read_text())
     assert kustomization["resources"] == ["../k8s"]
-    (patch,) = kustomization["patches"]
-    assert patch["target"] == {"group": "apps", "version": "v1", "kind": "StatefulSet", "name": "sglang"}
-    (base,) = [d for d in k8s_documents() if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "sglang"]
+    assert [(p["target"]["kind"], p["target"]["name"]) for p in kustomization["patches"]] == [
+        ("StatefulSet", "sglang"),
+        ("Job", "trainer"),
+    ]
+    (patch,) = [p for p in kustomization["patches"] if (p["target"]["kind"], p["target"]["name"]) == (kind, name)]
+    (base,) = [d for d in k8s_documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert patch["target"]["group"] + "/" + patch["target"]["version"] == base["apiVersion"]
     return apply_json_patch(base, yaml.safe_load((DEPLOY / "k8s-gpu" / patch["path"]).read_text()))
+
+
+def k8s_gpu_sglang() -> dict:
+    """The SGLang StatefulSet as `kubectl apply -k deploy/k8s-gpu` renders it."""
+    return k8s_gpu_patched("StatefulSet", "sglang")
+
+
+def k8s_gpu_trainer() -> dict:
+    """The trainer Job as `kubectl apply -k deploy/k8s-gpu` renders it."""
+    return k8s_gpu_patched("Job", "trainer")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_gpu_trainer_validates_strictly(version):
+    import kubernetes_validate
+
+    kubernetes_validate.validate(k8s_gpu_trainer(), version, strict=True)
+
+
+def test_the_gpu_trainer_has_one_gpu_per_rank_and_the_cuda_image_in_compose_and_k8s():
+    (container,) = k8s_gpu_trainer()["spec"]["template"]["spec"]["containers"]
+    nproc = int(container["command"][container["command"].index("--nproc-per-node") + 1])
+    assert container["image"] == CENTERLINE_CUDA_IMAGE
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": nproc} and nproc == 2
+    trainer = project("compose-gpu")["services"]["trainer"]
+    nproc = int(trainer["command"][trainer["command"].index("--nproc-per-node") + 1])
+    (device,) = trainer["deploy"]["resources"]["reservations"]["devices"]
+    assert trainer["image"] == CENTERLINE_CUDA_IMAGE and device["capabilities"] == ["gpu"]
+    assert device["driver"] == "nvidia" and len(device["device_ids"]) == nproc == 2
+    engines = [project("compose-gpu")["services"][s]["deploy"]["resources"]["reservations"]["devices"] for s in ENGINES]
+    assert not set(device["device_ids"]) & {i for (d,) in engines for i in d["device_ids"]}  # GPUs of its own
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

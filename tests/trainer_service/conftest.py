@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from centerline.synth import make_batch
+from shared.wire import encode_batch
 
 VOCAB = 64  # larger than K = 8, so the proportional tail is exercised
 
@@ -57,3 +60,12 @@ def global_batch(samples: int = 5, tokens_per_sample: int = 6, mode: str = "sele
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    """The distributed tests' directory, tiny model, 5-sample batch file and the model's weights."""
+    tmp = tmp_path_factory.mktemp("dist")
+    batch_file = tmp / "batch.bin"
+    batch_file.write_bytes(encode_batch(global_batch(samples=5)))
+    return tmp, tiny_model_dir, batch_file, load_file(Path(tiny_model_dir) / "model.safetensors")

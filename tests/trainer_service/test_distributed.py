@@ -59,14 +59,6 @@ def run_steps(tmp: Path, model_dir: str, batch_files: list[Path], nproc: int, *e
     return load_file(out / "model.safetensors"), json.loads(metrics.read_text())
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("dist")
-    batch_file = tmp / "batch.bin"
-    batch_file.write_bytes(encode_batch(global_batch(samples=5)))
-    return tmp, tiny_model_dir, batch_file, load_file(Path(tiny_model_dir) / "model.safetensors")
-
-
 def assert_same_update(before, one, two):
     assert one.keys() == two.keys() == before.keys()
     worst = max(float((one[k] - two[k]).abs().max()) for k in one)
@@ -104,9 +96,9 @@ def test_fsdp2_on_two_gloo_ranks_updates_like_one_process(setup):
 @pytest.mark.integration
 @pytest.mark.parametrize("strategy", ("ddp", "fsdp2"))
 def test_a_step_not_finite_on_one_ranks_shard_is_skipped_on_both_and_the_next_batch_trains(setup, strategy):
-    # Sample 4 is rank 1's (samples 2-4): its advantage 3e38 makes that rank's loss inf (in float32; in
-    # float64 no float32 advantage overflows), rank 0's stays finite; both skip the step, and the good
-    # batch after it trains as on a fresh model (docs/design.md section 6).
+    # Sample 4 is rank 0's (samples 0, 2, 4: trainer_service/shards.py): its advantage 3e38 makes that
+    # rank's loss inf (in float32; in float64 no float32 advantage overflows), rank 1's stays finite;
+    # both skip the step, and the good batch after it trains as on a fresh model (docs/design.md section 6).
     tmp, model_dir, batch_file, before = setup
     batch = global_batch(samples=5)
     advantages = np.array(batch.advantages)

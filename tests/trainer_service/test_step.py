@@ -19,7 +19,6 @@ from trainer_service.step import (
     make_optimizer,
     micro_batch_inputs,
     micro_batches,
-    shard,
     train_step,
 )
 
@@ -37,18 +36,6 @@ def ragged_batch(mode: str = "selected"):
         prompt_offsets=np.concatenate([[0], np.cumsum(PROMPT_LENS)]).astype(batch.prompt_offsets.dtype),
         prompt_ids=prompts,
     )
-
-
-@pytest.mark.parametrize("num_samples, world", [(5, 2), (7, 3), (4, 4), (9, 1)])
-def test_shard_gives_each_sample_to_exactly_one_rank(num_samples, world):
-    blocks = [shard(num_samples, r, world) for r in range(world)]
-    assert [i for b in blocks for i in b] == list(range(num_samples))
-    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
-
-
-def test_shard_rejects_fewer_samples_than_ranks():
-    with pytest.raises(ValueError, match="3 samples for 4 ranks"):
-        shard(3, 0, 4)
 
 
 @pytest.mark.parametrize(

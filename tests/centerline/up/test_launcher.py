@@ -1,6 +1,7 @@
 """`centerline up`'s wiring, without starting anything: what each child process is given."""
 
 import argparse
+import dataclasses
 import os
 import sys
 import tomllib
@@ -134,6 +135,8 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
     }
     engine = launcher.engine_argv(spec, "http://127.0.0.1:5000")
     assert engine == [py, "-m", "centerline", "sglang", "--model", str(tmp_path / "model"), "--port", "5000", "--"]
+    on_gpu = dataclasses.replace(spec, up=spec.up.model_copy(update={"engine_device": "cuda"}))
+    assert launcher.engine_argv(on_gpu, "http://127.0.0.1:5000")[-4:] == ["5000", "--device", "cuda", "--"]
 
     # Each service, in the environment up gives it, resolves exactly the spec's settings.
     env = service_env(os.environ, "worker", PASSWORDS)
