@@ -23,7 +23,7 @@ from trainer_service import checkpoint
 from trainer_service.distributed import broadcast_from_main, device, is_main, rank_and_world
 from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
-from trainer_service.step import make_optimizer, train_step
+from trainer_service.step import Memory, make_optimizer, prepare_model, train_step
 from trainer_service.weights import save_version
 
 
@@ -43,7 +43,8 @@ class Policy:
         self.settings, self.initial, self.run_dir = settings, settings.model, settings.run_dir
         torch.manual_seed(cfg.seed)
         start = resume / "model" if resume else settings.model
-        self.model = wrap_model(load_model(str(start), device=device()), settings.strategy)
+        self.memory = Memory.from_settings(settings)
+        self.model = wrap_model(prepare_model(load_model(str(start), device=device()), self.memory), settings.strategy)
         self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
         if resume is not None:
             checkpoint.load_optimizer(resume, self.model, self.optimizer)
@@ -74,6 +75,7 @@ class Policy:
             self.loss,
             max_grad_norm=self.settings.max_grad_norm or None,  # 0: no clipping
             micro_batch_tokens=self.settings.micro_batch_tokens,
+            memory=self.memory,
         )
         t1 = time.perf_counter()
         rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine

@@ -37,14 +37,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shared.settings import MICRO_BATCH_TOKENS
+from shared.settings import LOSS_CHUNK_TOKENS, MICRO_BATCH_TOKENS
 from trainer_service.distributed import rank_and_world
 from trainer_service.head import HeadLogits
 from trainer_service.loss import LOSSES, LossSettings, TokenRows
 from trainer_service.model import unwrap
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: no autocast
-LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 is 0.6 GB
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,11 @@ class Memory:
     activation_checkpointing: bool = False  # applied when the model is loaded (``prepare_model``)
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     packed: bool = True
+
+    @classmethod
+    def from_settings(cls, settings) -> Memory:
+        """The memory settings of a ``shared.settings.TrainerSettings``."""
+        return cls(settings.dtype, settings.activation_checkpointing, settings.loss_chunk_tokens, settings.pack_samples)
 
 
 def prepare_model(model, memory: Memory):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shared.settings import TrainerSettings
 from tests.rounding import REORDER64_TOLERANCE
 from tests.trainer_service.conftest import VOCAB, global_batch
 from tests.trainer_service.test_step import ragged_batch
@@ -140,3 +141,11 @@ def test_tied_embeddings_get_the_dense_logits_gradient(tmp_path, packed):
 def test_an_unknown_dtype_is_refused_naming_the_setting(tiny_model_dir):
     with pytest.raises(ValueError, match=r"dtype='float16'; expected one of \('float32', 'bfloat16'\) \(--dtype\)"):
         prepare_model(load_model(tiny_model_dir), Memory(dtype="float16"))
+
+
+def test_the_trainer_settings_give_the_step_its_memory_settings():
+    settings = TrainerSettings(
+        dtype="bfloat16", activation_checkpointing=True, loss_chunk_tokens=64, pack_samples=False
+    )
+    assert Memory.from_settings(settings) == Memory("bfloat16", True, 64, False)
+    assert Memory.from_settings(TrainerSettings()) == Memory()
