@@ -12,12 +12,15 @@ trained response tokens with K = 128 candidates). Each case is one AdamW step of
   ``[tokens, vocab]`` held whole (``trainer_service.step.response_logits``), float32, no
   activation checkpointing.
 
-Peak memory is the child's peak resident set (``ru_maxrss``: every allocation, torch's
-included, which ``tracemalloc`` does not see). The floor is its resident set once the
-parameters, their gradients and AdamW's two states exist (measured before the step, the
-gradients then dropped; the step makes them again), plus the checkpointed activations (each
-decoder layer's input and the final hidden states, ``(layers + 1) x tokens x hidden`` float32,
-computed). ``above_floor_mb`` is the peak minus that floor. A case whose estimate
+Peak memory is the child's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``
+just before the step: every allocation, torch's included, which ``tracemalloc`` does not see):
+``peak_mb`` over the whole step, ``backward_peak_mb`` over the forward and backward passes
+(read when the step calls the optimizer; the optimizer's own temporaries come after, the same
+on either path). The floor is the resident set once the parameters, their gradients and
+AdamW's two states exist (measured before the step, the gradients then dropped; the step makes
+them again), plus the checkpointed activations (each decoder layer's input and the final
+hidden states, ``(layers + 1) x tokens x hidden`` float32, computed). ``above_floor_mb`` is
+``backward_peak_mb`` minus that floor: the head, the loss and the layer recomputed. A case whose estimate
 (``estimate_mb``) exceeds ``--max-gib`` or the memory available is not run: its figures say
 ``"run": false`` and why, with the estimate.
 
@@ -31,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -50,6 +52,17 @@ K = 128
 
 def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / MiB
+
+
+def _peak_mb() -> float:
+    """This process's peak resident set since the last ``_reset_peak``."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM to the current resident set (proc(5))
 
 
 def _batch(tokens: int, vocab: int):
@@ -104,6 +117,14 @@ def child(case: dict) -> dict:
     floor = _rss_mb()
     optimizer.zero_grad(set_to_none=True)
     batch = _batch(case["tokens"], case["vocab"])
+    backward_peak, real_step = [], optimizer.step
+
+    def step_after_reading_the_peak(*args, **kwargs):
+        backward_peak.append(_peak_mb())
+        return real_step(*args, **kwargs)
+
+    optimizer.step = step_after_reading_the_peak
+    _reset_peak()
     t0 = time.perf_counter()
     if dense:  # f6a6570's step: logits held whole, then the loss on them
         x = micro_batch_inputs(batch, range(1), "cpu")
@@ -116,7 +137,7 @@ def child(case: dict) -> dict:
     else:
         train_step(model, optimizer, batch, LossSettings(), micro_batch_tokens=case["tokens"], memory=memory)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = _peak_mb()
     params = sum(p.numel() for p in model.parameters())
     checkpointed = (case["layers"] + 1) * case["tokens"] * case["hidden"] * 4 / MiB
     return {
@@ -125,7 +146,8 @@ def child(case: dict) -> dict:
         "floor_mb": floor,
         "checkpointed_mb": checkpointed,
         "peak_mb": peak,
-        "above_floor_mb": peak - floor - checkpointed,
+        "backward_peak_mb": backward_peak[0],
+        "above_floor_mb": backward_peak[0] - floor - checkpointed,
         "step_s": seconds,
     }
 
