@@ -14,6 +14,7 @@ The loss is the sum of ``l`` over trained tokens divided by ``token_count``.
 
 Memory: every loss here is linear in trainer log-probs at a few ids per row, so its logit
 gradient is closed-form, ``sum_j c_j e_{id_j} - (sum_j c_j) * softmax``. ``_SparseScoreLoss``
+(trainer_service/head.py)
 computes it chunk by chunk straight into the gradient buffer, so besides the logits and
 their gradient nothing of size [N, V] is ever held; REINFORCE and TIS use the same kernel.
 Given a ``trainer_service.head.HeadLogits`` (hidden states and the LM head) instead of logits,
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
+from trainer_service.head import attach
 
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
@@ -171,7 +173,7 @@ def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     else:
         dense = torch.zeros_like(total)
         coef_h = coef_h - total[:, None] * p_h
-    loss = _attach(
+    loss = attach(
         logits,
         loss_value,
         g.ids_a,
@@ -216,7 +218,7 @@ def _sampled_token_loss(logits, rows: TokenRows, chunk_size, f):
     count = _count(rows.token_count, mask)
     loss_value = torch.where(mask, -adv * w_a * logp_a, 0.0).sum() / count
     coef_a = torch.where(mask, -adv * w_a / count, 0.0)
-    loss = _attach(logits, loss_value, g.ids_a, coef_a, None, None, -coef_a, mask, float(rows.temperature), g.chunk)
+    loss = attach(logits, loss_value, g.ids_a, coef_a, None, None, -coef_a, mask, float(rows.temperature), g.chunk)
     return loss, _sampled_metrics(logp_a, g.lq_a, w_a, mask)
 
 
@@ -394,84 +396,3 @@ def _sampled_metrics(logp_a, lq_a, w_a, mask):
     out.update(_mean(log_r.exp() - 1 - log_r, mask, "train_rollout_kl"))
     out.update(_mean((logp_a - lq_a).abs(), mask, "train_rollout_logprob_abs_diff"))
     return out
-
-
-def _attach(logits, *args):
-    """The loss value carrying the closed-form gradient: through ``_SparseScoreLoss`` for a
-    [N, V] tensor, through ``HeadLogits.attach`` (trainer_service/head.py) for hidden states."""
-    if isinstance(logits, torch.Tensor):
-        return _SparseScoreLoss.apply(logits, *args)
-    return logits.attach(*args)
-
-
-class _SparseScoreLoss(torch.autograd.Function):
-    """Returns the precomputed detached ``loss_value``; its gradient w.r.t. ``logits`` is
-
-        (1/T) * [ sum_j coef_j e_{id_j} + dense * softmax(logits/T) ]   per row,
-
-    written chunk by chunk into the gradient buffer (the only [N, V] allocation)."""
-
-    @staticmethod
-    def forward(ctx, logits, loss_value, ids_a, coef_a, cand_ids, coef_h, dense, mask, temperature, chunk):
-        ctx.save_for_backward(logits, ids_a, coef_a, dense, mask, *(() if cand_ids is None else (cand_ids, coef_h)))
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return loss_value.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, ids_a, coef_a, dense, mask, *cand = ctx.saved_tensors
-        dtype, inv_t = coef_a.dtype, 1.0 / ctx.temperature
-        terms = GradTerms(ids_a, coef_a, dense, mask, tuple(cand), grad_out.to(dtype) * inv_t, inv_t)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        buf = None
-        for s in range(0, logits.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, logits.shape[0])
-            # Work in place in the gradient buffer when the dtypes agree, else in a reused chunk buffer.
-            if logits.dtype == dtype:
-                part = grad[s:e]
-            else:
-                buf = part = (
-                    buf
-                    if buf is not None and buf.shape[0] == e - s
-                    else torch.empty((e - s, logits.shape[1]), dtype=dtype, device=logits.device)
-                )
-            terms.write(logits[s:e].detach(), part, s, e)
-            if part.data_ptr() != grad[s:e].data_ptr():
-                grad[s:e].copy_(part)
-        return grad, None, None, None, None, None, None, None, None, None
-
-
-@dataclass(frozen=True)
-class GradTerms:
-    """What the logit gradient of a loss here needs, per row: ``scale * [sum_j coef_j e_{id_j} +
-    dense * softmax(logits/T)]`` with ``scale = grad_out / T`` (docs/design.md section 6, Memory)."""
-
-    ids_a: torch.Tensor  # [N] sampled ids
-    coef_a: torch.Tensor  # [N] d loss / d log p at the sampled id
-    dense: torch.Tensor  # [N] coefficient of the softmax
-    mask: torch.Tensor  # [N] trained rows
-    cand: tuple  # () or (cand_ids [N, K], coef_h [N, K])
-    scale: torch.Tensor  # grad_out / T
-    inv_t: float
-
-    def write(self, block, part, s: int, e: int):
-        """d loss / d logits of rows ``s:e`` (``block``: their detached logits) into ``part``
-        ([e - s, V], the compute dtype; it may be ``block`` itself, overwritten)."""
-        dtype, sl = part.dtype, slice(s, e)
-        if bool((self.dense[sl] != 0).any()):
-            if self.inv_t == 1.0 and block.dtype == dtype:
-                torch.ops.aten._softmax.out(block, 1, False, out=part)
-            else:
-                torch.mul(block.to(dtype), self.inv_t, out=part)
-                # In place is safe: the kernel reduces a row (max, sum) before writing any of it.
-                torch.ops.aten._softmax.out(part, 1, False, out=part)
-            part.mul_((self.dense[sl] * self.scale)[:, None])
-            if not bool(self.mask[sl].all()):
-                part.masked_fill_(~self.mask[sl, None], 0.0)  # padded rows may hold inf/NaN logits
-        else:
-            part.zero_()
-        part.scatter_add_(1, self.ids_a[sl, None], (self.coef_a[sl] * self.scale)[:, None])
-        if self.cand:
-            cand_ids, coef_h = self.cand
-            part.scatter_add_(1, cand_ids[sl].clamp_min(0).to(torch.int64), coef_h[sl] * self.scale)
-        return part
