@@ -21,8 +21,11 @@ AdamW's two states exist (measured before the step, the gradients then dropped; 
 them again), plus the checkpointed activations (each decoder layer's input and the final
 hidden states, ``(layers + 1) x tokens x hidden`` float32, computed). ``above_floor_mb`` is
 ``backward_peak_mb`` minus that floor: the head, the loss and the layer recomputed. A case whose estimate
-(``estimate_mb``) exceeds ``--max-gib`` or the memory available is not run: its figures say
-``"run": false`` and why, with the estimate.
+(``estimate_mb``) exceeds ``--max-gib``, or the memory available less 2 GiB, is not run: its
+figures say ``"run": false`` and why, with the estimate. The estimate scales the
+forward+backward peak above the floor of the largest smaller case of the same path and dtype
+measured in the run linearly with the tokens (an upper bound: that figure grows at most
+linearly), else it is ``estimate_mb``'s generous count of tensors.
 
     centerline bench step --out docs/bench/step.json
     centerline bench step --tokens 64 --layers 1 --hidden 32 --intermediate 64 --heads 4 --kv-heads 2 \\
@@ -163,6 +166,21 @@ def estimate_mb(case: dict, params: int) -> float:
     return (floor + (layers + 1) * t * d * 4 + layer + 2 * case["chunk"] * v * 4 + 2 * v * d * 4) / MiB
 
 
+def _scaled(case: dict, results: list[dict]) -> float | None:
+    """The peak of ``case`` from the largest measured smaller case of its path and dtype, its
+    above-floor figure scaled linearly with the tokens; None without one."""
+    same = [
+        r
+        for r in results
+        if r["run"] and (r["path"], r["dtype"]) == (case["path"], case["dtype"]) and r["tokens"] < case["tokens"]
+    ]
+    if not same:
+        return None
+    r = max(same, key=lambda r: r["tokens"])
+    checkpointed = (case["layers"] + 1) * case["tokens"] * case["hidden"] * 4 / MiB
+    return r["floor_mb"] + checkpointed + max(r["above_floor_mb"], 0.0) * case["tokens"] / r["tokens"]
+
+
 def _params(case: dict) -> int:
     d, i, v, layers = case["hidden"], case["intermediate"], case["vocab"], case["layers"]
     kv = d * case["kv_heads"] // case["heads"]
@@ -199,11 +217,11 @@ def bench_step(argv: list[str]) -> int:
                 cases.append({**shape, "tokens": tokens, "path": path, "dtype": dtype})
     results = []
     for case in cases:
-        estimate = estimate_mb(case, _params(case))
-        available = psutil.virtual_memory().available / MiB
+        estimate = _scaled(case, results) or estimate_mb(case, _params(case))
+        room = min(args.max_gib * 1024, psutil.virtual_memory().available / MiB - 2048)
         out = {"tokens": case["tokens"], "path": case["path"], "dtype": case["dtype"], "estimate_mb": estimate}
-        if estimate > min(args.max_gib * 1024, available):
-            out.update(run=False, why=f"estimated {estimate:,.0f} MiB > {min(args.max_gib * 1024, available):,.0f}")
+        if estimate > room:
+            out.update(run=False, why=f"estimated {estimate:,.0f} MiB > {room:,.0f} MiB")
         else:
             proc = subprocess.run(
                 [sys.executable, "-m", "centerline", "bench", "step", "--child", json.dumps(case)],
