@@ -14,9 +14,9 @@ from centerline.runs.run_figures import digest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def centerline(*argv):
+def centerline(*argv, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "centerline", *map(str, argv)], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "centerline", *map(str, argv)], capture_output=True, text=True, cwd=ROOT, timeout=timeout
     )
 
 
@@ -127,7 +127,7 @@ def test_bench_step_measures_each_case_in_its_own_process_and_skips_what_would_n
     out = tmp_path / "step.json"
     tiny = ("--layers", "1", "--hidden", "32", "--intermediate", "64", "--heads", "4", "--kv-heads", "2")
     argv = ("bench", "step", "--tokens", "96", "--vocab", "512", "--chunk", "16", *tiny, "--out", out)
-    run = centerline(*argv, "--max-gib", "100")
+    run = centerline(*argv, "--max-gib", "100", timeout=600)  # three child interpreters, each importing torch
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert_written_with_machine(out, result)
