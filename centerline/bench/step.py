@@ -24,8 +24,9 @@ hidden states, ``(layers + 1) x tokens x hidden`` float32, computed). ``above_fl
 (``estimate_mb``) exceeds ``--max-gib``, or the memory available less 2 GiB, is not run: its
 figures say ``"run": false`` and why, with the estimate. The estimate scales the
 forward+backward peak above the floor of the largest smaller case of the same path and dtype
-measured in the run linearly with the tokens (an upper bound: that figure grows at most
-linearly), else it is ``estimate_mb``'s generous count of tensors.
+measured in the run linearly with the tokens, else it is ``estimate_mb``'s count of tensors.
+Linear scaling is no bound: without checkpointing the dense step's figure grows faster than
+its tokens (docs/results.md), so the 2 GiB kept free are the margin.
 
     centerline bench step --out docs/bench/step.json
     centerline bench step --tokens 64 --layers 1 --hidden 32 --intermediate 64 --heads 4 --kv-heads 2 \\
@@ -167,8 +168,8 @@ def estimate_mb(case: dict, params: int) -> float:
 
 
 def _scaled(case: dict, results: list[dict]) -> float | None:
-    """The peak of ``case`` from the largest measured smaller case of its path and dtype, its
-    above-floor figure scaled linearly with the tokens; None without one."""
+    """The peak of ``case`` estimated from the largest measured smaller case of its path and
+    dtype, its above-floor figure scaled linearly with the tokens; None without one."""
     same = [
         r
         for r in results
