@@ -332,11 +332,52 @@ def sessions(fig: dict) -> list[str]:
     ]
 
 
+def step(fig: dict) -> list[str]:
+    """``bench step``: peak memory of one training step per case, dense (f6a6570) and chunked."""
+    header = [
+        "tokens",
+        "path",
+        "dtype",
+        "step peak",
+        "forward+backward peak",
+        "floor",
+        "checkpointed activations",
+        "forward+backward above floor",
+        "step",
+    ]
+    rows = []
+    for c in fig["cases"]:
+        what = [f"{c['tokens']:,}", "dense logits (f6a6570)" if c["path"] == "dense" else "chunked head", c["dtype"]]
+        if not c["run"]:
+            rows.append([*what, f"not run: estimated {c['estimate_mb'] / 1024:.1f} GiB", "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                *what,
+                f"{c['peak_mb'] / 1024:.2f} GiB",
+                f"{c['backward_peak_mb'] / 1024:.2f} GiB",
+                f"{c['floor_mb'] / 1024:.2f} GiB",
+                f"{sig(c['checkpointed_mb'])} MiB",
+                f"{sig(c['above_floor_mb'])} MiB",
+                f"{sig(c['step_s'])} s",
+            ]
+        )
+    return [
+        f"{fig['layers']} decoder layers of hidden {fig['hidden']:,} (MLP {fig['intermediate']:,}), vocabulary "
+        f"{fig['vocab']:,}, tied embeddings; one session of a {fig['prompt']}-token prompt and trained response "
+        f"tokens, K = {fig['k']}; one LM-head chunk ({fig['chunk']:,} tokens) is {sig(fig['chunk_mb'])} MiB; "
+        f"a case is run when its estimate is below {fig['max_gib']:g} GiB and the memory available.",
+        "",
+        *table(header, rows),
+    ]
+
+
 RENDER = {
     "wire": wire,
     "weights": weights,
     "contract": contract,
     "loss": loss,
+    "step": step,
     "proxy": proxy,
     "pipeline": pipeline,
     "pipeline-sessions": pipeline_sessions,

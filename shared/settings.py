@@ -30,6 +30,7 @@ MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings:
 MAX_UPSTREAM_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB a token, so ~65k tokens per answer
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
+LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
 
 
 class Settings(BaseSettings):
@@ -149,9 +150,33 @@ class TrainerSettings(Section):
     micro_batch_tokens: int = Field(
         MICRO_BATCH_TOKENS,
         ge=1,
-        description="Padded tokens per forward pass: a rank runs its samples through the model in runs of "
-        "consecutive samples this large (samples x (longest prompt + longest response)), one sample at least. "
+        description="Tokens per forward pass: a rank runs its samples through the model in runs of consecutive "
+        "samples this large, one sample at least, and accumulates their gradients into the step's. Packed "
+        "(--pack-samples) a run's size is its tokens; padded, samples x (longest prompt + longest response). "
         "Lower it when activations do not fit; the step is the same to float32 rounding.",
+    )
+    pack_samples: bool = Field(
+        True,
+        description="Put a micro-batch's samples end to end in one row without padding, positions counting from "
+        "0 in each; the model's attention masks each sample off the others (docs/design.md section 6, Memory). "
+        "Off: one padded row per sample.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Training dtype. bfloat16: the model's forward and backward run under bfloat16 autocast, while "
+        "weights, gradients and optimizer state stay float32 (master weights), and the LM head and loss compute "
+        "in float32.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Keep only each decoder layer's input through the forward pass and recompute the layer in the "
+        "backward pass: activations shrink to one layer's, for about a third more compute.",
+    )
+    loss_chunk_tokens: int = Field(
+        LOSS_CHUNK_TOKENS,
+        ge=1,
+        description="Tokens per chunk of the LM head and loss, computed from the final hidden states a chunk at "
+        "a time: one [chunk, vocab] float32 buffer is all the logits ever held (docs/design.md section 6, Memory).",
     )
     max_deliver: int = Field(
         20,

@@ -14,9 +14,9 @@ from centerline.runs.run_figures import digest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def centerline(*argv):
+def centerline(*argv, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "centerline", *map(str, argv)], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "centerline", *map(str, argv)], capture_output=True, text=True, cwd=ROOT, timeout=timeout
     )
 
 
@@ -120,3 +120,27 @@ def test_bench_refuses_an_out_path_it_cannot_write_before_measuring(tmp_path):
     assert f"argument --out: {blocked / 'wire.json'}: cannot make its folder (File exists); pick a writable path" in (
         run.stderr
     )
+
+
+@pytest.mark.integration  # the bench and a child interpreter per case
+def test_bench_step_measures_each_case_in_its_own_process_and_skips_what_would_not_fit(tmp_path):
+    out = tmp_path / "step.json"
+    tiny = ("--layers", "1", "--hidden", "32", "--intermediate", "64", "--heads", "4", "--kv-heads", "2")
+    argv = ("bench", "step", "--tokens", "96", "--vocab", "512", "--chunk", "16", *tiny, "--out", out)
+    run = centerline(*argv, "--max-gib", "100", timeout=600)  # three child interpreters, each importing torch
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert_written_with_machine(out, result)
+    cases = {(c["path"], c["dtype"]): c for c in result["cases"]}
+    assert set(cases) == {("dense", "float32"), ("chunked", "float32"), ("chunked", "bfloat16")}
+    for case in cases.values():
+        assert case["run"] is True and case["tokens"] == 96
+        assert case["peak_mb"] >= case["backward_peak_mb"] >= case["floor_mb"] > 0 and case["step_s"] > 0
+        assert case["checkpointed_mb"] == 2 * 96 * 32 * 4 / 2**20
+        assert case["above_floor_mb"] == case["backward_peak_mb"] - case["floor_mb"] - case["checkpointed_mb"]
+    assert result["chunk_mb"] == 16 * 512 * 4 / 2**20
+    # A case estimated above --max-gib is reported, not run.
+    run = centerline(*argv, "--paths", "dense", "--max-gib", "0.001")
+    assert run.returncode == 0, run.stderr
+    (case,) = json.loads(run.stdout)["cases"]
+    assert case["run"] is False and case["why"] == f"estimated {case['estimate_mb']:,.0f} MiB > 1 MiB"

@@ -14,8 +14,12 @@ The loss is the sum of ``l`` over trained tokens divided by ``token_count``.
 
 Memory: every loss here is linear in trainer log-probs at a few ids per row, so its logit
 gradient is closed-form, ``sum_j c_j e_{id_j} - (sum_j c_j) * softmax``. ``_SparseScoreLoss``
+(trainer_service/head.py)
 computes it chunk by chunk straight into the gradient buffer, so besides the logits and
 their gradient nothing of size [N, V] is ever held; REINFORCE and TIS use the same kernel.
+Given a ``trainer_service.head.HeadLogits`` (hidden states and the LM head) instead of logits,
+the same gradient (``GradTerms``) is folded chunk by chunk into the hidden states' and the
+head's gradients, and no [N, V] tensor is held at all.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
+from trainer_service.head import attach
 
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
@@ -87,8 +92,9 @@ def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     """Score-centering loss (6.1) and its metrics.
 
     ``logits`` [N, V] (float32/bfloat16/float64, requires grad) are the trainer's at the N
-    ``rows`` (``TokenRows``); ``settings.is_mode`` picks ``f``. Computation is in float32
-    (float64 for float64 logits).
+    ``rows`` (``TokenRows``), or a ``trainer_service.head.HeadLogits`` that computes them chunk
+    by chunk from the final hidden states and never holds them whole; ``settings.is_mode``
+    picks ``f``. Computation is in float32 (float64 for float64 logits).
 
     Returns ``(loss, metrics)``; metrics are plain floats, means over the trained tokens of
     this call (0.0 when there are none):
@@ -167,7 +173,7 @@ def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     else:
         dense = torch.zeros_like(total)
         coef_h = coef_h - total[:, None] * p_h
-    loss = _SparseScoreLoss.apply(
+    loss = attach(
         logits,
         loss_value,
         g.ids_a,
@@ -212,9 +218,7 @@ def _sampled_token_loss(logits, rows: TokenRows, chunk_size, f):
     count = _count(rows.token_count, mask)
     loss_value = torch.where(mask, -adv * w_a * logp_a, 0.0).sum() / count
     coef_a = torch.where(mask, -adv * w_a / count, 0.0)
-    loss = _SparseScoreLoss.apply(
-        logits, loss_value, g.ids_a, coef_a, None, None, -coef_a, mask, float(rows.temperature), g.chunk
-    )
+    loss = attach(logits, loss_value, g.ids_a, coef_a, None, None, -coef_a, mask, float(rows.temperature), g.chunk)
     return loss, _sampled_metrics(logp_a, g.lq_a, w_a, mask)
 
 
@@ -305,7 +309,13 @@ def _prepare(logits, rows: TokenRows, chunk_size, *, with_candidates) -> _Gather
     with torch.no_grad():
         buf = None
         for s in range(0, n, chunk_size):
-            block = logits[s : s + chunk_size].detach()
+            if isinstance(logits, torch.Tensor):
+                block = logits[s : s + chunk_size].detach()
+            else:  # a HeadLogits block is fresh: its log-softmax may overwrite it
+                block = logits.rows(
+                    s, s + chunk_size, out=buf if buf is not None and buf.dtype == logits.dtype else None
+                )
+                buf = block if block.dtype == dtype else buf
             buf = _log_softmax_rows(block, dtype, inv_t, buf)
             logp_a[s : s + chunk_size] = buf.gather(1, ids_a[s : s + chunk_size, None]).squeeze(1)
             if with_candidates:
@@ -349,7 +359,7 @@ def _check_logits(logits, where, gathered, mask, columns):
     bad = mask[:, None] & ~torch.isfinite(gathered.reshape(mask.shape[0], -1))
     if bool(bad.any()):
         i, slot = (int(x) for x in bad.nonzero()[0])
-        row = logits[i].detach()
+        row = logits[i].detach() if isinstance(logits, torch.Tensor) else logits.rows(i, i + 1)[0]
         nan_or_inf = torch.isnan(row) | (row == torch.inf)
         j = int(nan_or_inf.nonzero()[0, 0]) if bool(nan_or_inf.any()) else int(columns[i, slot])
         raise NonFiniteInput(
@@ -386,55 +396,3 @@ def _sampled_metrics(logp_a, lq_a, w_a, mask):
     out.update(_mean(log_r.exp() - 1 - log_r, mask, "train_rollout_kl"))
     out.update(_mean((logp_a - lq_a).abs(), mask, "train_rollout_logprob_abs_diff"))
     return out
-
-
-class _SparseScoreLoss(torch.autograd.Function):
-    """Returns the precomputed detached ``loss_value``; its gradient w.r.t. ``logits`` is
-
-        (1/T) * [ sum_j coef_j e_{id_j} + dense * softmax(logits/T) ]   per row,
-
-    written chunk by chunk into the gradient buffer (the only [N, V] allocation)."""
-
-    @staticmethod
-    def forward(ctx, logits, loss_value, ids_a, coef_a, cand_ids, coef_h, dense, mask, temperature, chunk):
-        ctx.save_for_backward(logits, ids_a, coef_a, dense, mask, *(() if cand_ids is None else (cand_ids, coef_h)))
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return loss_value.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, ids_a, coef_a, dense, mask, *cand = ctx.saved_tensors
-        dtype, inv_t = coef_a.dtype, 1.0 / ctx.temperature
-        scale = grad_out.to(dtype) * inv_t
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        dense_any = bool((dense != 0).any())
-        buf = None
-        for s in range(0, logits.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, logits.shape[0])
-            # Work in place in the gradient buffer when the dtypes agree, else in a reused chunk buffer.
-            if logits.dtype == dtype:
-                part = grad[s:e]
-            else:
-                buf = part = (
-                    buf
-                    if buf is not None and buf.shape[0] == e - s
-                    else torch.empty((e - s, logits.shape[1]), dtype=dtype, device=logits.device)
-                )
-            if dense_any:
-                if inv_t == 1.0 and logits.dtype == dtype:
-                    torch.ops.aten._softmax.out(logits[s:e].detach(), 1, False, out=part)
-                else:
-                    torch.mul(logits[s:e].detach().to(dtype), inv_t, out=part)
-                    torch.ops.aten._softmax.out(part, 1, False, out=part)
-                part.mul_((dense[s:e] * scale)[:, None])
-                if not bool(mask[s:e].all()):
-                    part.masked_fill_(~mask[s:e, None], 0.0)  # padded rows may hold inf/NaN logits
-            else:
-                part.zero_()
-            part.scatter_add_(1, ids_a[s:e, None], (coef_a[s:e] * scale)[:, None])
-            if cand:
-                cand_ids, coef_h = cand
-                part.scatter_add_(1, cand_ids[s:e].clamp_min(0).to(torch.int64), coef_h[s:e] * scale)
-            if part.data_ptr() != grad[s:e].data_ptr():
-                grad[s:e].copy_(part)
-        return grad, None, None, None, None, None, None, None, None, None

@@ -26,7 +26,7 @@ from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
 from trainer_service.schedule import lr_factor, set_lr
 from trainer_service.shards import scatter_shards
-from trainer_service.step import make_optimizer, train_step
+from trainer_service.step import Memory, make_optimizer, prepare_model, train_step
 from trainer_service.weights import save_version
 
 log = logging.getLogger("centerline.trainer")
@@ -50,7 +50,8 @@ class Policy:
         self.settings, self.initial, self.run_dir = settings, settings.model, settings.run_dir
         torch.manual_seed(cfg.seed)
         start = resume / "model" if resume else settings.model
-        self.model = wrap_model(load_model(str(start), device=device()), settings.strategy)
+        self.memory = Memory.from_settings(settings)
+        self.model = wrap_model(prepare_model(load_model(str(start), device=device()), self.memory), settings.strategy)
         rank, world = rank_and_world()
         log.info("rank %d of %d trains on %s", rank, world, next(self.model.parameters()).device)
         self.base_lr = cfg.learning_rate  # each step's rate: trainer_service/schedule.py
@@ -93,6 +94,7 @@ class Policy:
             max_grad_norm=self.settings.max_grad_norm or None,  # 0: no clipping
             micro_batch_tokens=self.settings.micro_batch_tokens,
             local=True,
+            memory=self.memory,
         )
         t1 = time.perf_counter()
         rank0 = is_main()  # failpoints fire on rank 0 only, as in a crash of its machine

@@ -25,6 +25,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "proxy req/s and added latency vs direct, audit cost vs orjson parse",
     ),
     "loss": ("centerline.bench.loss:bench_loss", "score-centering loss vs REINFORCE forward+backward"),
+    "step": (
+        "centerline.bench.step:bench_step",
+        "peak memory of one training step at Qwen2.5-1.5B's head shape: chunked head and loss vs dense logits",
+    ),
     "pipeline": (
         "centerline.bench.pipeline:bench_pipeline",
         "samples/s and tokens/s of a short up run vs SGLang alone, SGLang's duty cycle",

@@ -1,5 +1,5 @@
 """trainer_service.step in one process: the step's gradient is the loss on the whole batch,
-however its samples are cut into padded micro-batches."""
+however its samples are cut into micro-batches, padded or packed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.trainer_service.conftest import VOCAB, global_batch
 from trainer_service.model import load_model
 from trainer_service.step import (
     LossSettings,
+    Memory,
     make_optimizer,
     micro_batch_inputs,
     micro_batches,
@@ -107,13 +108,14 @@ def test_the_step_batches_untrained_rows_are_a_sessions_and_pass_the_contract(mo
     assert untrained.sum() == batch.num_samples and (batch.cand_ids[untrained] == -1).all()
 
 
+@pytest.mark.parametrize("packed", (True, False))
 @pytest.mark.parametrize("micro_batch_tokens", (1, 20, 4096))
 @pytest.mark.parametrize(
     "make, mode", [(global_batch, "selected"), (global_batch, "support"), (ragged_batch, "selected")]
 )
-def test_step_update_is_minus_the_whole_batch_loss_gradient(tiny_model_dir, make, mode, micro_batch_tokens):
+def test_step_update_is_minus_the_whole_batch_loss_gradient(tiny_model_dir, make, mode, micro_batch_tokens, packed):
     # SGD with lr = 1 and no clipping: the update is exactly -grad of the loss on all tokens,
-    # whether each sample runs alone (1), padded in runs (20) or all in one forward (4096).
+    # whether each sample runs alone (1), in runs (20) or all in one forward (4096), packed or padded.
     # In float64, so the two sides differ by float64 rounding alone, on any processor.
     batch = make(mode=mode)
     model = load_model(tiny_model_dir, dtype=torch.float64)
@@ -125,6 +127,7 @@ def test_step_update_is_minus_the_whole_batch_loss_gradient(tiny_model_dir, make
         LossSettings(is_mode="tis"),
         max_grad_norm=None,
         micro_batch_tokens=micro_batch_tokens,
+        memory=Memory(packed=packed),
     )
 
     # The oracle: each sample through the model alone, unpadded, and one loss on all the rows.
