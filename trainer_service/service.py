@@ -104,7 +104,6 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             every=settings.eval_every,
             timeout=settings.eval_timeout,
             record=metrics.heldout,
-            rows_dir=settings.run_dir / "heldout",  # each row durable, its batch acked at once
         )
         heldout.recorded(metrics.eval_path)
     gate = Gate(
