@@ -154,11 +154,18 @@ async def publish_acked(
 class PullConsumer:
     """A bound durable pull consumer with explicit acks."""
 
-    def __init__(self, sub: JetStreamContext.PullSubscription):
+    def __init__(self, sub: JetStreamContext.PullSubscription, max_payload: int = 0):
         self.sub = sub
+        # nats-py drops what arrives past the subscription's pending-bytes limit (a "slow consumer"),
+        # and each drop costs the message a delivery: one fetch asks for no more messages than fit.
+        limit = getattr(sub._sub, "_pending_bytes_limit", 0) if hasattr(sub, "_sub") else 0
+        self.most = max(1, limit // max_payload) if limit > 0 and max_payload > 0 else None
 
     async def fetch(self, max_msgs: int = 1, timeout: float = 1.0) -> list:
-        """Up to ``max_msgs`` messages, fewer (or none) if ``timeout`` seconds pass first."""
+        """Up to ``max_msgs`` messages (no more than fit the client's pending-bytes limit at the server's
+        ``max_payload`` each), fewer (or none) if ``timeout`` seconds pass first."""
+        if self.most is not None:
+            max_msgs = min(max_msgs, self.most)
         try:
             return await self.sub.fetch(max_msgs, timeout=timeout)
         except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either, by code path
@@ -242,4 +249,5 @@ async def pull_consumer(
             ack_wait,
         )
     await js.add_consumer(stream, config)
-    return PullConsumer(await js.pull_subscribe_bind(durable=durable, stream=stream))
+    sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+    return PullConsumer(sub, max_payload=getattr(getattr(js, "_nc", None), "max_payload", 0) or 0)

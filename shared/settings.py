@@ -60,6 +60,9 @@ class Section(Settings):
         return []
 
 
+ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
+
+
 def _max_deliver_check(value: int) -> tuple[bool, str, object, str]:
     return (value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
 
@@ -210,8 +213,46 @@ class TrainerSettings(Section):
         "a stale batch of a task published again this many times is dead-lettered as republish_cap.",
     )
 
+    rollouts_max_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Byte cap of the ROLLOUTS stream (the oldest batches go past it; docs/design.md section 3). "
+        "Unset: --store-retention-steps steps of samples at their largest (--rollout-session-max-tokens tokens of "
+        "13 + 8K bytes each). At least --max-inflight-steps + 1 such steps, checked at start-up.",
+    )
+    dlq_max_bytes: int | None = Field(
+        None, gt=0, description="Byte cap of the DLQ stream; unset: a quarter of ROLLOUTS's, one step's at least."
+    )
+    store_retention_steps: int = Field(
+        20,
+        ge=1,
+        description="Steps of batches at their largest that ROLLOUTS keeps for replay, when --rollouts-max-bytes "
+        "is unset; with the sample size it sets the store the run needs (it must fit JetStream's max_file_store).",
+    )
+
+    def store_caps(self, cfg) -> tuple[int, int]:
+        """``(rollouts_max_bytes, dlq_max_bytes)`` of this run (``shared.streams.store_caps``)."""
+        from shared.streams import store_caps
+
+        return store_caps(
+            cfg, self.prompts_per_step, self.store_retention_steps, self.rollouts_max_bytes, self.dlq_max_bytes
+        )
+
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        return [_max_deliver_check(self.max_deliver)]
+        from shared.streams import sample_max_bytes
+
+        needed = (cfg.max_inflight_steps + 1) * self.prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
+        return [
+            _max_deliver_check(self.max_deliver),
+            (
+                self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
+                "rollouts_max_bytes",
+                self.rollouts_max_bytes,
+                f"must hold the steps in flight, --max-inflight-steps + 1 = {cfg.max_inflight_steps + 1} steps of "
+                f"{self.prompts_per_step} x {cfg.rollout_n} samples of up to {sample_max_bytes(cfg)} bytes: at least "
+                f"{needed}; raise it, or lower --rollout-session-max-tokens or K",
+            ),
+        ]
 
 
 class WorkerSettings(Section):
@@ -253,7 +294,7 @@ class WorkerSettings(Section):
         description="Seconds a task's environment may take for its n sessions together; past it they are "
         "cancelled, nothing is published and the task is dead-lettered. Unset: request_timeout x "
         "ceil(rollout_session_max_tokens / rollout_max_new_tokens), a session of its whole token budget in "
-        "turns of the longest reply, each taking the turn timeout.",
+        "turns of the longest reply, each taking the turn timeout, and 30 minutes at most.",
     )
     reward_threads: int = Field(
         8,
@@ -278,7 +319,8 @@ class WorkerSettings(Section):
         token budget of the shared ``cfg`` (docs/design.md section 12)."""
         if self.environment_timeout is not None:
             return self.environment_timeout
-        return self.request_timeout * math.ceil(cfg.rollout_session_max_tokens / cfg.rollout_max_new_tokens)
+        turns = math.ceil(cfg.rollout_session_max_tokens / cfg.rollout_max_new_tokens)
+        return min(self.request_timeout * turns, ENVIRONMENT_DEADLINE_MAX)
 
 
 class ProxySettings(Section):

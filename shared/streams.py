@@ -29,9 +29,13 @@ class StreamLimits:
     """Retention settings of the streams (docs/design.md section 3). Times in seconds, sizes in bytes, -1 = no limit."""
 
     rollouts_max_age: float = 7 * 86400.0  # batches are kept this long for replay
-    rollouts_max_bytes: int = -1
+    # Byte caps of ROLLOUTS and the DLQ (the trainer's, from its settings: ``store_caps``); past a cap
+    # the oldest messages go. None: keep what an existing stream has (no cap for a new one), as for
+    # ``replicas``: a worker or the proxy never undoes the trainer's caps.
+    rollouts_max_bytes: int | None = None
     duplicate_window: float = 600.0  # a re-publish of the same batch_id within this is dropped
     dlq_max_age: float = 30 * 86400.0
+    dlq_max_bytes: int | None = None
     audit_max_age: float = 86400.0
     audit_max_bytes: int = 1 << 30
     advisories_max_age: float = 30 * 86400.0
@@ -66,13 +70,34 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
             names.ROLLOUTS_STREAM,
             names.ROLLOUTS_SUBJECT,
             max_age=limits.rollouts_max_age,
-            max_bytes=limits.rollouts_max_bytes,
+            max_bytes=-1 if limits.rollouts_max_bytes is None else limits.rollouts_max_bytes,
         ),
-        stream(names.DLQ_STREAM, names.DLQ_SUBJECT, max_age=limits.dlq_max_age),
+        stream(
+            names.DLQ_STREAM,
+            names.DLQ_SUBJECT,
+            max_age=limits.dlq_max_age,
+            max_bytes=-1 if limits.dlq_max_bytes is None else limits.dlq_max_bytes,
+        ),
         stream(names.WEIGHTS_STREAM, names.WEIGHTS_SUBJECT, per_subject=1),
         stream(names.AUDIT_STREAM, names.AUDIT_SUBJECT, max_age=limits.audit_max_age, max_bytes=limits.audit_max_bytes),
         stream(names.ADVISORIES_STREAM, names.ADVISORIES_SUBJECTS, max_age=limits.advisories_max_age),
     ]
+
+
+def sample_max_bytes(cfg) -> int:
+    """Wire bytes of the longest sample the settings allow: a session's whole token budget
+    (``rollout_session_max_tokens``, its prompt included), each token with its id, log-probability,
+    mask, version and K candidates (13 + 8K bytes, ``rollout_worker/publish.py``)."""
+    return cfg.rollout_session_max_tokens * (13 + 8 * cfg.rollout_top_logprobs_num) + 4096
+
+
+def store_caps(cfg, prompts_per_step: int, retention_steps: int, rollouts: int | None, dlq: int | None):
+    """``(rollouts_max_bytes, dlq_max_bytes)``: the caps given, or where unset: ``retention_steps``
+    steps of samples at their largest (``sample_max_bytes``) for ROLLOUTS, a quarter of that for the DLQ
+    (docs/design.md section 3)."""
+    step = prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
+    rollouts = rollouts if rollouts is not None else retention_steps * step
+    return rollouts, dlq if dlq is not None else max(step, rollouts // 4)
 
 
 # Fields compared with an existing stream; JetStream refuses to change the first two in place.
@@ -113,6 +138,10 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
             outcome[want.name] = "created"
             continue
         compared = COMPARED_FIELDS if limits.replicas is not None else COMPARED_FIELDS[:-1]
+        if {names.ROLLOUTS_STREAM: limits.rollouts_max_bytes, names.DLQ_STREAM: limits.dlq_max_bytes}.get(
+            want.name, 0
+        ) is None:
+            compared = tuple(f for f in compared if f != "max_bytes")
         diffs = {f: (getattr(have, f), getattr(want, f)) for f in compared if getattr(have, f) != getattr(want, f)}
         if not diffs:
             outcome[want.name] = "unchanged"

@@ -32,6 +32,7 @@ trained on.
   or held whole for the step, is dropped (acked, not trained, not dead-lettered) and counted
   and logged as ``dropped:duplicate_attempt``; so are the pending parts of other attempts once
   a task is committed.
+- A whole group (``parts`` 1) is ``rollout_n`` distinct samples, else ``group_size`` (dead-lettered).
 - One attempt, one split (``split_conflict``, dead-lettered): a new part of an attempt held whole,
   and a part of a split attempt (``parts`` > 1) whose samples are already held for it, or that
   would make it hold more than ``rollout_n`` samples, or complete its parts short of them. Two
@@ -41,10 +42,16 @@ trained on.
   section 9) never reaches a step, whatever the ledger or its age: checked against the contract
   but staleness, then handed to the evaluator (``heldout.Evaluator``), which keeps it unacked until
   its round is recorded, or dropped (acked) as ``heldout_late`` or ``heldout_duplicate``.
-- An attempt still incomplete ``EXPIRE_ACK_WAITS * ack_wait`` seconds after its first part
-  arrived (its worker died between two publishes and no other attempt completed: the task
-  was given up, or its redelivery failed) is dead-lettered part by part as
-  ``incomplete_group``, so a held part never blocks the stream for long.
+- An attempt still incomplete after the gate *waited* ``EXPIRE_ACK_WAITS * ack_wait`` seconds for
+  its other parts (its worker died between two publishes and no other attempt completed) has its
+  task published again, like a stale part's (capped by ``max_republishes``, counted as
+  ``resampled``), then is dead-lettered part by part as ``incomplete_group``. The clock is the
+  time spent fetching (``Gate.waited``), not wall time: while the trainer trains, checkpoints or
+  loads weights it fetches nothing, and the other parts wait unfetched in the stream.
+- A batch of another run (its task id's first component is not this trainer's run id) is
+  dead-lettered as ``foreign_run`` before any check or hold: runs on one NATS never mix.
+- A dead letter that JetStream does not store (the DLQ full, NATS away) naks the part: it comes
+  back and is dead-lettered then; the trainer never exits over it (``rejected_unstored``).
 """
 
 from __future__ import annotations
@@ -73,7 +80,8 @@ REASON_MAX = 1024  # header bytes kept of a rejection reason
 # most); one whose worker died is superseded by the task's redelivery within the workers' ack_wait.
 EXPIRE_ACK_WAITS = 2
 DUPLICATE_ATTEMPT, INCOMPLETE_GROUP = "duplicate_attempt", "incomplete_group"
-SPLIT_CONFLICT, REPUBLISH_CAP = "split_conflict", "republish_cap"
+SPLIT_CONFLICT, REPUBLISH_CAP, FOREIGN_RUN = "split_conflict", "republish_cap", "foreign_run"
+GROUP_SIZE = "group_size"  # a whole (parts=1) batch that is not --rollout-n distinct samples
 
 
 HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
@@ -87,6 +95,21 @@ class GateSettings:
 
     vocab_size: int
     cfg: object  # shared.config.Config
+    run_id: str = ""  # this trainer's run; "" accepts every run's batches (``centerline replay``)
+
+
+def run_of(task_id: str) -> str:
+    """The run a task id belongs to: its first component (``tasks.py``, ``heldout.heldout_id``)."""
+    return task_id.partition("/")[0]
+
+
+def max_ack_pending(prompts_per_step: int, rollout_n: int, inflight_steps: int, heldout_rows: int = 0) -> int:
+    """The trainer consumer's ``max_ack_pending``, from the step's size (docs/design.md section 10): the
+    parts it may hold unacked at once are one sample each at most, for the step being gathered, the
+    pending groups of the ``inflight_steps`` published ahead, each of them twice (an attempt published
+    again beside a late one), and the held-out rows of a round being scored; never below 1,000."""
+    step_parts = prompts_per_step * rollout_n
+    return max(1000, 2 * (inflight_steps + 1) * step_parts + 2 * heldout_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +148,12 @@ def admission(
     except WireError as exc:
         return Admission(REJECT, msg_id, rule="wire", reason=str(exc))
     task, attempt, bid = batch.task_id, batch.attempt, batch.batch_id
+    if settings.run_id and run_of(task) != settings.run_id:
+        reason = (
+            f"{bid!r} is of task {task!r}, of run {run_of(task)!r}; this trainer runs {settings.run_id!r} "
+            "(a NATS shared with an earlier run still held its tasks): never trained here"
+        )
+        return Admission(REJECT, bid, batch, FOREIGN_RUN, reason)
     if heldout_step(task) is not None:  # scored, never trained: its age does not matter
         try:
             check_batch(batch, vocab_size=settings.vocab_size)
@@ -169,6 +198,13 @@ def admission(
         return Admission(REJECT, bid, batch, "shape", reason)
     if batch.parts > 1 and (reason := conflict(batch, list(held.values()), settings.cfg.rollout_n)):
         return Admission(REJECT, bid, batch, SPLIT_CONFLICT, reason)
+    n, distinct = settings.cfg.rollout_n, len(set(batch.sample_ids))
+    if batch.parts == 1 and not (batch.num_samples == distinct == n):
+        reason = (
+            f"{bid!r} is the whole group of attempt {attempt} of task {task!r} with {batch.num_samples} samples, "
+            f"{distinct} of them distinct; a group is --rollout-n {n} distinct samples"
+        )
+        return Admission(REJECT, bid, batch, GROUP_SIZE, reason)
     return Admission(HOLD, bid, batch)
 
 
@@ -248,18 +284,25 @@ class Gate:
         resample=None,
         max_republishes: int = 0,
         heldout=None,
+        run_id: str = "",
+        clock=time.monotonic,
     ):
-        """``resample(batch)``: awaited for a part rejected as stale, publishes its task again
-        (``trainer_service.tasks.TaskPublisher.resample``), True if it did; None publishes nothing.
-        ``max_republishes``: how many times one task is published again at most (the trainer's).
-        ``heldout``: the ``heldout.Evaluator`` that held-out batches go to; None drops them as late."""
+        """``resample(batch)``: awaited for a part rejected as stale or an attempt given up incomplete,
+        publishes its task again (``trainer_service.tasks.TaskPublisher.resample``), True if it did;
+        None publishes nothing. ``max_republishes``: how many times one task is published again at
+        most (the trainer's). ``heldout``: the ``heldout.Evaluator`` that held-out batches go to; None
+        drops them as late. ``run_id``: this trainer's run (others' batches are ``foreign_run``).
+        ``clock``: seconds, the gate's fetch-time clock is measured with (a test's fake clock)."""
         self.js, self.consumer, self.cfg, self.resample, self.heldout = js, consumer, cfg, resample, heldout
-        self.max_republishes = max_republishes
-        self.given_up = 0  # groups dead-lettered as republish_cap since ``gather`` last replaced them
-        self.settings = GateSettings(vocab_size, cfg)
+        self.max_republishes, self.clock = max_republishes, clock
+        self.given_up = 0  # groups given up at republish_cap since ``gather`` last took them off its target
+        self.settings = GateSettings(vocab_size, cfg, run_id)
         self.groups = Groups(ledger)
         self.expire_after = EXPIRE_ACK_WAITS * ack_wait
-        # "accepted", "duplicate", "dropped:<rule>", "rejected:<rule>", "resampled", "resample_failed" since take_counts
+        self.waited = 0.0  # seconds spent fetching: the clock an incomplete attempt expires by
+        self.parked: list = []  # training batches fetched by finish_heldout: held unacked, given back at its end
+        # "accepted", "duplicate", "dropped:<rule>", "rejected:<rule>", "resampled", "resample_failed",
+        # "rejected_unstored" since take_counts
         self.counts: Counter = Counter()
 
     @property
@@ -275,15 +318,23 @@ class Gate:
     def held_samples(self) -> int:
         return sum(h.batch.num_samples for h in self.groups.held.values())
 
+    async def fetch(self, count: int) -> list:
+        """Up to ``count`` messages within a second; the time it took runs the expiry clock (``waited``)."""
+        began = self.clock()
+        msgs = await self.consumer.fetch(count, timeout=1.0)
+        self.waited += max(0.0, self.clock() - began)
+        return msgs
+
     async def gather(
         self, target: int, version: int, timeout: float, stopping: asyncio.Event, min_samples: int = 1, starved=None
     ):
         """Hold whole groups until they carry ``target`` samples, or ``timeout`` seconds
         passed with at least ``min_samples`` held; returns their parts in arrival order. Each
         ``timeout`` that passes with fewer than ``min_samples`` held, ``starved()`` is awaited
-        (the trainer publishes one more step of tasks there); so it is at once after a group is given
-        up (``republish_cap``), which would otherwise leave its step short until the timeout."""
-        deadline = time.monotonic() + timeout
+        (the trainer publishes one more step of tasks there). A group given up (``republish_cap``)
+        never arrives: the step wants its samples less (no less than ``min_samples``), rather than
+        wait out the timeout for it or publish a whole step of new tasks for one group."""
+        deadline, full = time.monotonic() + timeout, target
         while self.held_samples < target and not stopping.is_set():
             if time.monotonic() > deadline:
                 if self.held_samples >= min_samples:
@@ -302,44 +353,63 @@ class Gate:
                     await starved()
                 deadline = time.monotonic() + timeout
             want = max(1, math.ceil((target - self.held_samples) / max(1, self.cfg.rollout_n)))
-            for msg in await self.consumer.fetch(want, timeout=1.0):
+            for msg in await self.fetch(want):
                 await self.admit(msg, version)
-            if self.given_up and starved is not None:
-                # a group given up never arrives: new tasks now, not after ``timeout`` of waiting for it
-                log.warning(
-                    "%d task groups given up (republish_cap): the next step's tasks are published now",
-                    self.given_up,
-                )
-                self.given_up = 0
-                await starved()
             await self.expire()
+            if self.given_up:
+                target = await self.short_of(target, full, min_samples, starved)
             await self.evaluated()
         return list(self.groups.held.values())
 
+    async def short_of(self, target: int, full: int, min_samples: int, starved) -> int:
+        """The step's target once ``given_up`` groups will never come: that many groups' samples less;
+        where then nothing more is awaited and fewer than ``min_samples`` are held, ``starved()`` publishes
+        the next step's tasks (the step wants ``full`` again)."""
+        lost, self.given_up = self.given_up * self.cfg.rollout_n, 0
+        target -= lost
+        if target <= self.held_samples < min_samples and starved is not None:
+            log.warning("task groups given up (republish_cap) and none held: the next step's tasks are published now")
+            await starved()
+            return full
+        log.warning("%d samples' task groups given up (republish_cap): the step wants %d", lost, target)
+        return max(target, min_samples)
+
     async def finish_heldout(self, stopping: asyncio.Event) -> None:
         """After the last step: take held-out batches until every open round is recorded or given up
-        (``eval_timeout``), or ``stopping`` is set. A training batch fetched meanwhile is left unacked:
-        no step will train it here, and it comes back after ack_wait to whichever trainer runs next."""
+        (``eval_timeout``), or ``stopping`` is set. A training batch fetched meanwhile is parked: held
+        unacked (kept alive) so that it is not delivered again and again while the rounds finish, then
+        given back (nak) once: it costs one delivery, and the next trainer of the run trains it."""
         while self.heldout is not None and self.heldout.rounds and not stopping.is_set():
-            for msg in await self.consumer.fetch(8, timeout=1.0):
+            for msg in await self.fetch(8):
                 try:
                     task_id = decode_batch(bytes(msg.data)).task_id
                 except WireError:
-                    continue
-                if heldout_step(task_id) is not None:
-                    await self.admit(msg, 0)  # a held-out batch's age is not checked
+                    task_id = ""
+                if heldout_step(task_id) is not None or (
+                    self.settings.run_id and run_of(task_id) != self.settings.run_id
+                ):
+                    await self.admit(msg, 0)  # a held-out batch's age is not checked; another run's is refused
+                else:
+                    self.parked.append(msg)
             await self.evaluated()
+        parked, self.parked = self.parked, []
+        for msg in parked:
+            await self.give_back(msg)
 
     async def evaluated(self) -> None:
-        """Record each held-out round with a result for every row, then ack its batches (a crash in
-        between: they come back, and are dropped as late, the round being in ``eval.jsonl``); give up
-        the rounds past ``eval_timeout``, acking what they held."""
+        """Ack the held-out parts whose rows are recorded (``heldout.Evaluator.settled``); record each
+        round with a result for every row, then ack its batches (a crash in between: they come back,
+        and are dropped as late, the round being in ``eval.jsonl``); give up the rounds past
+        ``eval_timeout``, acking what they held."""
         if self.heldout is None:
             return
+        for h in self.heldout.take_settled():
+            await self.settle(h.msg, h.batch.batch_id)
         now = time.monotonic()
         done, expired = self.heldout.finished(now)
         for r in done:
             self.heldout.record(self.heldout.figures(r, now))
+            self.heldout.forget(r)
             for h in r.held:
                 await self.settle(h.msg, h.batch.batch_id)
         for r in expired:
@@ -351,6 +421,7 @@ class Gate:
                 len(self.heldout.examples),
                 self.heldout.timeout,
             )
+            self.heldout.forget(r)
             for h in [*r.held, *(h for parts in r.attempts.values() for h in parts)]:
                 await self.settle(h.msg, h.batch.batch_id)
 
@@ -360,7 +431,7 @@ class Gate:
         msg_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
         verdict = admission(bytes(msg.data), seq, version, groups=self.groups, settings=self.settings, msg_id=msg_id)
         if verdict.action == HOLD:
-            self.groups.hold(Held(msg, verdict.batch, seq), time.monotonic())
+            self.groups.hold(Held(msg, verdict.batch, seq), self.waited)
             self.counts["accepted"] += 1
         elif verdict.action == DUPLICATE:  # trained and checkpointed, its ack was lost
             if await self.settle(msg, verdict.batch_id):
@@ -381,35 +452,43 @@ class Gate:
             await self.reject(msg, seq, verdict.rule, verdict.reason, verdict.batch_id)
         # IGNORE: a redelivery of a message held right now; the held copy gets acked
 
+    async def again(self, batch: Batch, rule: str) -> tuple[str, str]:
+        """Publish the task of ``batch`` again (its part stale, or its attempt given up incomplete);
+        ``(rule, why)`` to dead-letter the part under: ``rule``, or ``republish_cap`` past
+        ``max_republishes``; ``("", error)`` when the publish failed (the caller naks the parts: they
+        come back and the task is published then). Nothing when another attempt of the task is
+        trained or held whole."""
+        task = batch.task_id
+        if self.resample is None or task in self.groups.ledger or task in self.groups.whole:
+            return rule, ""
+        times = times_republished(batch.attempt)
+        if times >= self.max_republishes:
+            self.given_up += 1
+            why = (
+                f"; task {task!r} was published again {times} times already (--max-republishes "
+                f"{self.max_republishes}): it is not published again"
+            )
+            return REPUBLISH_CAP, why
+        faults.hit("trainer.stale")
+        try:
+            if await self.resample(batch):
+                self.counts["resampled"] += 1
+        # the part stays unacked either way: it comes back and its task is published then
+        except (PublishError, nats.errors.Error) as exc:
+            log.warning("task %s not published again (%s); its %s part %s is nak'ed", task, exc, rule, batch.batch_id)
+            self.counts["resample_failed"] += 1
+            return "", str(exc)
+        return rule, ""
+
     async def stale(self, msg, seq: int, batch: Batch, reason: str) -> None:
         """Publish the task of a stale part again, then dead-letter and ack the part (docs/design.md
-        section 10): unless another attempt of the task is trained or held whole, or the task was
-        published again ``max_republishes`` times (then the part's rule is ``republish_cap``). A
-        publish that fails naks the part: it comes back, and its task is published then."""
-        rule, task = "stale", batch.task_id
-        if self.resample is not None and task not in self.groups.ledger and task not in self.groups.whole:
-            times = times_republished(batch.attempt)
-            if times >= self.max_republishes:
-                rule = REPUBLISH_CAP
-                self.given_up += 1
-                reason += (
-                    f"; task {task!r} was published again {times} times already (--max-republishes "
-                    f"{self.max_republishes}): it is not published again"
-                )
-            else:
-                faults.hit("trainer.stale")
-                try:
-                    if await self.resample(batch):
-                        self.counts["resampled"] += 1
-                # the part stays unacked either way: it comes back and its task is published then
-                except (PublishError, nats.errors.Error) as exc:
-                    log.warning(
-                        "task %s not published again (%s); its stale part %s is nak'ed", task, exc, batch.batch_id
-                    )
-                    self.counts["resample_failed"] += 1
-                    await self.give_back(msg)
-                    return
-        await self.reject(msg, seq, rule, reason, batch.batch_id)
+        section 10; ``again``). A publish that fails naks the part: it comes back, and its task is
+        published then."""
+        rule, why = await self.again(batch, "stale")
+        if not rule:
+            await self.give_back(msg)
+            return
+        await self.reject(msg, seq, rule, reason + why, batch.batch_id)
 
     async def give_back(self, msg) -> None:
         """Nak ``msg``: it is redelivered now rather than after ack_wait."""
@@ -426,25 +505,46 @@ class Gate:
             log.info("batch %s dropped (%s): %s", batch_id, rule, reason)
 
     async def expire(self) -> None:
-        """Dead-letter the parts of attempts incomplete for ``expire_after`` seconds (``incomplete_group``)."""
-        for h in self.groups.expired(time.monotonic(), self.expire_after):
-            b = h.batch
+        """Give up the attempts incomplete after ``expire_after`` seconds of fetching (``waited``): publish
+        their task again (``again``), then dead-letter their parts (``incomplete_group``)."""
+        parts = self.groups.expired(self.waited, self.expire_after)
+        attempts: dict[tuple[str, int], list[Held]] = {}
+        for h in parts:
+            attempts.setdefault((h.batch.task_id, h.batch.attempt), []).append(h)
+        for held in attempts.values():
+            b = held[0].batch
+            rule, why = await self.again(b, INCOMPLETE_GROUP)
+            if not rule:  # not published again: the parts come back, form the attempt again, expire again
+                for h in held:
+                    await self.give_back(h.msg)
+                continue
             reason = (
-                f"attempt {b.attempt} of task {b.task_id!r} has {b.parts} parts and not all arrived within "
-                f"{self.expire_after:g}s ({EXPIRE_ACK_WAITS} x --ack-wait); a truncated group is never trained "
-                "(its worker died between two publishes and no other attempt of the task completed)"
+                f"attempt {b.attempt} of task {b.task_id!r} has {b.parts} parts and not all arrived while the gate "
+                f"fetched for {self.expire_after:g}s ({EXPIRE_ACK_WAITS} x --ack-wait); a truncated group is never "
+                f"trained (its worker died between two publishes and no other attempt of the task completed){why}"
             )
-            await self.reject(h.msg, h.seq, INCOMPLETE_GROUP, reason, b.batch_id)
+            for h in held:
+                await self.reject(h.msg, h.seq, rule, reason, h.batch.batch_id)
 
     async def reject(self, msg, seq: int, rule: str, reason: str, batch_id: str) -> None:
-        """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost)."""
+        """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost). A dead
+        letter JetStream does not store (the DLQ at its byte cap, NATS away) naks the part instead,
+        counted as ``rejected_unstored``: it comes back and is dead-lettered then."""
         headers = {
             "rule": rule,
             "reason": " ".join(reason.split())[:REASON_MAX],
             "batch_id": batch_id or "?",
             names.MSG_ID_HEADER: f"dlq/{seq}",
         }
-        await publish_acked(self.js, names.DLQ_SUBJECT, bytes(msg.data), headers, what=f"dead letter of {batch_id!r}")
+        try:
+            await publish_acked(
+                self.js, names.DLQ_SUBJECT, bytes(msg.data), headers, what=f"dead letter of {batch_id!r}"
+            )
+        except (PublishError, nats.errors.Error) as exc:
+            log.warning("batch %s (%s) not dead-lettered: %s; nak'ed, to be dead-lettered again", batch_id, rule, exc)
+            self.counts["rejected_unstored"] += 1
+            await self.give_back(msg)
+            return
         faults.hit("trainer.rejected")
         if await self.settle(msg, batch_id):
             self.counts[f"rejected:{rule}"] += 1
@@ -492,12 +592,13 @@ class Gate:
         """Restart the ack_wait clock of every held and pending part every ``interval`` seconds."""
         while True:
             await asyncio.sleep(interval)
-            for h in [*self.groups.every_part(), *(self.heldout.parts() if self.heldout is not None else [])]:
+            heldout = self.heldout.parts() if self.heldout is not None else []
+            for h in [*self.groups.every_part(), *heldout, *(Held(m, None, 0) for m in self.parked)]:
                 try:
                     await self.consumer.in_progress(h.msg)
                 # the redelivery that follows is dropped by the gate
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("in-progress ack for %s failed: %s", h.batch.batch_id, exc)
+                    log.warning("in-progress ack for %s failed: %s", h.batch.batch_id if h.batch else "a batch", exc)
 
     def take_counts(self) -> Counter:
         counts, self.counts = self.counts, Counter()

@@ -12,11 +12,15 @@ scored, never trained (``trainer_service/gate.py``).
 A round is one step's evaluation. Each row counts once: the first complete attempt of its task
 gives its reward; other attempts and redeliveries are dropped. Once every row has a reward the
 round is recorded (``Metrics.heldout``: ``eval.jsonl``, TensorBoard, Prometheus) as the held-out
-figure of the step that scheduled it, labelled with the weight versions that sampled it, and only
-then are its batches acked: a trainer that dies before the record gets them again, and reopens
-the rounds of the steps it had trained whose figure ``eval.jsonl`` lacks (``Evaluator.reopen``).
-A round still short of rows ``eval_timeout`` seconds after it was scheduled is given up, logged,
-and not recorded; its late batches are dropped.
+figure of the step that scheduled it, labelled with the weight versions that sampled it. With a
+rows directory (the trainer's ``<run-dir>/heldout``), each row's result is written there (fsynced)
+as it comes and its batch acked at once, so a round of any size holds no batch unacked for long
+(the consumer's ``max_ack_pending`` never stalls it); without one, a round's batches are acked once
+it is recorded. A trainer restarted at step ``s`` reopens the round of ``s`` if it is due and
+``eval.jsonl`` lacks it (its rows written so far count); a round of an earlier step is given up,
+never recorded: its rows would now be sampled by weights newer than the step it names
+(``Evaluator.reopen``). A round still short of rows ``eval_timeout`` seconds after it was scheduled
+is given up, logged, and not recorded; its late batches are dropped.
 
 The figure is ``eval_accuracy`` where every row is single-turn and scored by exact match (the toy
 tasks' held-out accuracy), else ``eval_reward``: the mean reward of one sample per row.
@@ -25,8 +29,10 @@ tasks' held-out accuracy), else ``eval_reward``: the mean reward of one sample p
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
 
@@ -75,12 +81,55 @@ class Evaluator:
     """The held-out rounds of one trainer process; ``record(step, figures)`` writes one round's figures."""
 
     def __init__(
-        self, examples: list[Example], *, run_id: str, attempts_before: int, every: int, timeout: float, record
+        self,
+        examples: list[Example],
+        *,
+        run_id: str,
+        attempts_before: int,
+        every: int,
+        timeout: float,
+        record,
+        rows_dir: Path | None = None,
     ):
         self.examples, self.run_id, self.attempts_before = examples, run_id, attempts_before
         self.every, self.timeout, self.record, self.name = every, timeout, record, figure_name(examples)
+        self.rows_dir = rows_dir  # each row's result, durable before its batch is acked; None: acked per round
         self.rounds: dict[int, Round] = {}  # open rounds by step
         self.closed: set[int] = set()  # steps recorded or given up by this process, and those eval.jsonl holds
+        self.settled: list[Held] = []  # parts of rows written to rows_dir, for the gate to ack
+
+    def rows_path(self, step: int) -> Path | None:
+        return None if self.rows_dir is None else self.rows_dir / f"{step}.jsonl"
+
+    def write_row(self, step: int, task_id: str, reward: float, version: int) -> None:
+        path = self.rows_path(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as fh:
+            fh.write(orjson.dumps({"task_id": task_id, "reward": reward, "version": version}) + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def load_rows(self, round_: Round) -> None:
+        """The rows of ``round_`` written before a restart (a line cut short by a crash is left out)."""
+        path = self.rows_path(round_.step)
+        if path is None or not path.exists():
+            return
+        for line in path.read_bytes().splitlines():
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            round_.results[row["task_id"]] = (row["reward"], row["version"])
+
+    def take_settled(self) -> list[Held]:
+        settled, self.settled = self.settled, []
+        return settled
+
+    def forget(self, round_: Round) -> None:
+        """A round recorded or given up: its rows file goes (eval.jsonl, or nothing, says what it was)."""
+        path = self.rows_path(round_.step)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def tasks(self, step: int) -> list[PromptTask]:
         return [
@@ -95,6 +144,7 @@ class Evaluator:
         if step in self.closed or step in self.rounds:
             return
         self.rounds[step] = Round(step, version, time.monotonic())
+        self.load_rows(self.rounds[step])
         for task in self.tasks(step):
             await publish_acked(
                 js, names.PROMPTS_SUBJECT, task.to_bytes(), {names.MSG_ID_HEADER: task.task_id}, what="held-out task"
@@ -113,10 +163,25 @@ class Evaluator:
         return step % self.every == 0 or step == last
 
     async def reopen(self, js, step: int, version: int) -> None:
-        """A trainer (re)started at ``step`` completed steps: schedule every round due up to it that
-        ``eval.jsonl`` does not hold (the first start: step 0's, before training)."""
-        for s in range(0, step + 1, self.every):
-            await self.schedule(js, s, version)
+        """A trainer (re)started at ``step`` completed steps: schedule the round of ``step`` if it is
+        due and ``eval.jsonl`` does not hold it (the first start: step 0's, before training). An
+        earlier round ``eval.jsonl`` lacks is given up: weights ``version`` would sample it, not those
+        of the step it names."""
+        for s in range(0, step, self.every):
+            if s not in self.closed:
+                log.warning(
+                    "held-out evaluation of step %d given up: the trainer restarted at step %d, and weights newer "
+                    "than step %d's would sample its rows; no figure recorded for it",
+                    s,
+                    step,
+                    s,
+                )
+                self.closed.add(s)
+                path = self.rows_path(s)
+                if path is not None:
+                    path.unlink(missing_ok=True)
+        if step % self.every == 0:
+            await self.schedule(js, step, version)
 
     def admit(self, held: Held) -> str:
         """Keep a held-out part for its round: "" when kept (or a redelivery of a kept one), else the
@@ -139,8 +204,13 @@ class Evaluator:
             return ""
         del round_.attempts[key]
         rewards = [float(r) for h in parts for r in h.batch.rewards]
-        round_.results[batch.task_id] = (sum(rewards) / len(rewards), max(h.batch.weight_version for h in parts))
-        round_.held.extend(parts)
+        result = (sum(rewards) / len(rewards), max(h.batch.weight_version for h in parts))
+        round_.results[batch.task_id] = result
+        if self.rows_dir is None:
+            round_.held.extend(parts)
+        else:
+            self.write_row(round_.step, batch.task_id, *result)
+            self.settled.extend(parts)
         return ""
 
     def finished(self, now: float) -> tuple[list[Round], list[Round]]:

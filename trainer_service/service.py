@@ -87,7 +87,8 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     # The steps trained since the last checkpoint, trained again from their journal records.
     state, replayed = await retrain_journal(settings, policy, state, metrics)
     stopping = stop_event()
-    nc, js, consumer = await open_streams(cfg, settings)
+    heldout_rows = load_dataset(settings.heldout_dataset) if settings.heldout_dataset is not None else []
+    nc, js, consumer = await open_streams(cfg, settings, heldout_rows=len(heldout_rows))
     tasks = TaskPublisher(
         load_dataset(settings.dataset),
         run_id=state.run_id,
@@ -101,7 +102,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     heldout = None
     if settings.heldout_dataset is not None:
         heldout = Evaluator(
-            load_dataset(settings.heldout_dataset),
+            heldout_rows,
             run_id=state.run_id,
             attempts_before=tasks.attempts_before,
             every=settings.eval_every,
@@ -119,6 +120,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         resample=lambda batch: tasks.resample(js, batch),  # a stale batch's task is sampled again
         max_republishes=settings.max_republishes,
         heldout=heldout,
+        run_id=state.run_id,  # another run's batches are foreign_run
     )
     engines = weights.WeightPublisher(
         js,
@@ -273,15 +275,20 @@ def stop_event() -> asyncio.Event:
     return stopping
 
 
-async def open_streams(cfg, settings: TrainerSettings):
-    """Connect, make sure the streams exist, bind the trainer's durable consumer of batches."""
+async def open_streams(cfg, settings: TrainerSettings, heldout_rows: int = 0):
+    """Connect, make sure the streams exist (byte caps from the settings: ``TrainerSettings.store_caps``),
+    bind the trainer's durable consumer of batches (``max_ack_pending`` from the step's size:
+    ``gate.max_ack_pending``)."""
     from shared import names
     from shared.nats_client import connect, pull_consumer
     from shared.streams import StreamLimits, ensure_streams
+    from trainer_service.gate import max_ack_pending
 
     nc = await connect(cfg.nats_url, name="centerline-trainer")
     js = nc.jetstream()
-    await ensure_streams(js, StreamLimits(replicas=cfg.nats_stream_replicas))
+    rollouts_bytes, dlq_bytes = settings.store_caps(cfg)
+    limits = StreamLimits(replicas=cfg.nats_stream_replicas, rollouts_max_bytes=rollouts_bytes, dlq_max_bytes=dlq_bytes)
+    await ensure_streams(js, limits)
     consumer = await pull_consumer(
         js,
         names.ROLLOUTS_STREAM,
@@ -289,6 +296,7 @@ async def open_streams(cfg, settings: TrainerSettings):
         filter_subject=names.ROLLOUTS_SUBJECT,
         ack_wait=settings.ack_wait,
         max_deliver=settings.max_deliver,
+        max_ack_pending=max_ack_pending(settings.prompts_per_step, cfg.rollout_n, cfg.max_inflight_steps, heldout_rows),
     )
     return nc, js, consumer
 

@@ -9,9 +9,10 @@ from shared.config import Config, add_arguments, parse_args
 from shared.settings import WorkerSettings
 
 
-def test_the_default_deadline_is_the_turn_timeout_times_the_budgets_longest_turns():
+def test_the_default_deadline_is_the_turn_timeout_times_the_budgets_longest_turns_at_most_30_minutes():
     cfg = Config(rollout_max_new_tokens=16, rollout_session_max_tokens=1024)
-    assert WorkerSettings().environment_deadline(cfg) == 600.0 * 64
+    assert WorkerSettings().environment_deadline(cfg) == 1800.0  # 600 s x 64 turns, bounded to 30 minutes
+    assert WorkerSettings(request_timeout=20).environment_deadline(cfg) == 20.0 * 64
     assert (
         WorkerSettings(request_timeout=3).environment_deadline(
             Config(rollout_max_new_tokens=16, rollout_session_max_tokens=40)

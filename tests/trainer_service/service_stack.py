@@ -62,13 +62,12 @@ def task_batch(task: PromptTask, version: int, vocab: int):
         vocab_size=vocab,
         seed=zlib.crc32(task.task_id.encode()),
         weight_version=version,
-        batch_id=f"batch/{task.task_id}",
+        batch_id=task.task_id,  # a worker's first attempt (rollout_worker/packing.py batch_id_of)
         prompt_len=4,
     )
     rewards = np.asarray(batch.rewards, np.float32)
     batch.group_ids = [task.group_id] * task.n
-    if task.purpose == "heldout":  # named by its task, as a worker's batch is (the training ones: their own)
-        batch.task_id = task.task_id
+    batch.task_id = task.task_id  # named by its task, as a worker's batch is: the trainer refuses other runs
     return replace(batch, advantages=(rewards - rewards.mean()).astype(np.float32))
 
 

@@ -168,12 +168,17 @@ def test_a_round_short_of_rows_past_its_timeout_is_given_up_unrecorded(monkeypat
     assert 0 in ev.closed
 
 
-def test_a_restarted_trainer_reopens_the_rounds_eval_jsonl_lacks(tmp_path):
+def test_a_restarted_trainer_reopens_only_its_own_steps_round_never_an_older_one_with_new_weights(tmp_path):
     path = tmp_path / "eval.jsonl"
     path.write_bytes(b'{"step": 0, "eval_accuracy": 0.5}\n{"step": 2, "eval_accuracy": 0.5}\n{"step": 4, "eva')
     ev, rec = evaluator([]), Recorder()
     ev.recorded(path)
     asyncio.run(ev.reopen(rec, 5, version=5))
-    assert sorted(ev.rounds) == [4]  # 0 and 2 recorded; 4's line was cut short by the crash
-    assert {orjson.loads(d)["task_id"] for _, d, _ in rec.published} == {"r1/heldout/4/0", "r1/heldout/4/1"}
+    # 0 and 2 recorded; 4's line was cut short by the crash, but weights of version 5 would sample it now
+    assert ev.rounds == {} and rec.published == [] and 4 in ev.closed
+    ev2, rec2 = evaluator([]), Recorder()
+    ev2.recorded(path)
+    asyncio.run(ev2.reopen(rec2, 6, version=6))  # restarted at a due step: that step's round, at its own weights
+    assert sorted(ev2.rounds) == [6] and ev2.rounds[6].version == 6
+    assert {orjson.loads(d)["task_id"] for _, d, _ in rec2.published} == {"r1/heldout/6/0", "r1/heldout/6/1"}
     assert [ev.due(s, 5) for s in range(6)] == [True, False, True, False, True, True]

@@ -79,7 +79,7 @@ def faulty_run(stack, sglang_server):
                 await worker.publish_raw(bad.batch_id, encode(bad), bad.batch_id)
                 injected[bad.batch_id] = EXPECTED_RULES[kind]
         if (step, index) == (1, 1):  # step 1 holds batch (1, 0) and waits for this task's batch
-            held = "batch/" + task.task_id.replace("/1/1", "/1/0")
+            held = task.task_id.replace("/1/1", "/1/0")
             await worker.publish_raw(held, worker.published[held], held + "/again")
             injected[held + "/again"] = "duplicate_batch"
         if (step, index) == (2, 0):
@@ -87,7 +87,7 @@ def faulty_run(stack, sglang_server):
             bad = fault(batch, "stale", version=0)
             await worker.publish_raw(bad.batch_id, encode(bad), bad.batch_id)
             injected[bad.batch_id] = "stale"
-            first = "batch/" + task.task_id.replace("/2/0", "/0/0")  # trained in step 0: in the ledger now
+            first = task.task_id.replace("/2/0", "/0/0")  # trained in step 0: in the ledger now
             await worker.publish_raw(first, worker.published[first], first + "/again")
             injected[first + "/again"] = "duplicate_batch"
 
@@ -149,7 +149,7 @@ def test_batch_published_twice_is_trained_once(faulty_run):
     trained = [bid for m in metrics_lines(run_dir) for bid in m["batch_ids"]]
     for bid in again:
         assert trained.count(bid) == 1
-        assert final_state(run_dir)["ledger"][bid]["step"] == int(bid.split("/")[2])  # in its own step, not again later
+        assert final_state(run_dir)["ledger"][bid]["step"] == int(bid.split("/")[1])  # in its own step, not again later
 
 
 def test_sigkill_mid_step_resumes_with_ledger_intact(stack, sglang):
