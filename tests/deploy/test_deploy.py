@@ -403,6 +403,8 @@ def canonical(doc: dict) -> dict:
             )
         if "build" in svc:
             svc["build"]["context"] = str((ROOT / svc["build"]["context"]).resolve())
+        if "networks" in svc:  # a list of names, or a map of them (docker-compose 1.29 writes one)
+            svc["networks"] = sorted(svc["networks"])
         for key in ("interval", "timeout", "start_period"):
             if key in svc.get("healthcheck", {}):
                 svc["healthcheck"][key] = duration_s(svc["healthcheck"][key])
