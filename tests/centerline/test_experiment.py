@@ -201,6 +201,7 @@ def test_a_finished_run_of_the_same_settings_is_kept_and_any_other_is_run(tmp_pa
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # several seeds of training; a full suite beside it slows it down
 def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_path, toy_models):
     out = tmp_path / "exp"
     argv = [

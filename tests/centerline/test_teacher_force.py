@@ -67,6 +67,7 @@ def test_a_run_sampled_at_another_temperature_is_refused_by_name(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 6 minutes alone on 2 cores; a full suite beside it slows it down
 @pytest.mark.parametrize("transport", ["distributed", "disk"])
 def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_its_label_names(
     tmp_path, toy_models, sglang, transport

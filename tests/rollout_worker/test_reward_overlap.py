@@ -64,7 +64,6 @@ def test_a_slow_reward_runs_off_the_loop_while_the_other_task_finishes(proxy, mo
     # by construction (events, no timing): the fast reward waits for the slow one to begin, the slow
     # one for the fast one to run; on the loop the slow one would end "other scored: False" after 30 s
     assert events.index(started) < events.index(ran) < events.index(ended)
-    assert done["fast/0/1"] < done["slow/0/0"]  # the fast task finished while the slow reward ran
     assert slow_out.rewards.tolist() == [1.0, 1.0]
     (batch,) = fast_out.batches
     texts = [hf.decode(batch.response_ids[batch.sample_slice(i)]) for i in range(2)]
