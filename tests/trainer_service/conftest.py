@@ -17,7 +17,7 @@ from shared.wire import encode_batch
 VOCAB = 64  # larger than K = 8, so the proportional tail is exercised
 
 
-def save_tiny_llama(path, seed: int = 0) -> str:
+def save_tiny_llama(path, seed: int = 0, tied: bool = False) -> str:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -27,7 +27,7 @@ def save_tiny_llama(path, seed: int = 0) -> str:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)

@@ -8,11 +8,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.settings import TrainerSettings
 from tests.rounding import REORDER64_TOLERANCE
-from tests.trainer_service.conftest import VOCAB, global_batch
+from tests.trainer_service.conftest import global_batch, save_tiny_llama
 from tests.trainer_service.test_step import ragged_batch
 from trainer_service.loss import LOSSES
 from trainer_service.model import load_model
@@ -104,25 +103,9 @@ def test_the_loss_chunk_size_does_not_change_the_step(tiny_model_dir):
         assert torch.allclose(many_grads[name], g, rtol=0, atol=REORDER64_TOLERANCE), name
 
 
-def save_tied_llama(path) -> str:
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("packed", (True, False))
 def test_tied_embeddings_get_the_dense_logits_gradient(tmp_path, packed):
-    model_dir = save_tied_llama(tmp_path / "tied")
+    model_dir = save_tiny_llama(tmp_path / "tied", seed=1, tied=True)
     batch = ragged_batch()
     model = load_model(model_dir, dtype=torch.float64)
     assert model.lm_head.weight is model.model.embed_tokens.weight
