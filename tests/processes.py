@@ -22,6 +22,14 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 ADMIN_KEY = "k3y-under-test"  # the admin key of the session's second SGLang server (tests/conftest.py)
 
 
+def fresh_peak_rss(argv: list[str]) -> list[str]:
+    """``argv`` started through a shell's background child. Linux carries a process's peak RSS across
+    exec, so a command started straight from a test worker (a gigabyte once models are loaded)
+    would report the worker's peak as its own: libFuzzer's ``-rss_limit_mb`` then fails at once.
+    The shell's child is forked from the small shell, and counts from nothing."""
+    return ["sh", "-c", '"$@" & wait $!', "sh", *argv]
+
+
 def http(method: str, url: str, body=None, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, object]:
     """One HTTP request with a JSON body; returns (status, parsed JSON or text)."""
     data = None if body is None else json.dumps(body).encode()

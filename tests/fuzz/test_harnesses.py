@@ -21,7 +21,7 @@ from centerline.synth import native_response
 from fuzz import fuzz_proxy_audit, fuzz_wire
 from router_proxy import answer, sglang_response
 from shared import response_arrays
-from tests.processes import ENV, REPO
+from tests.processes import ENV, REPO, fresh_peak_rss
 
 HARNESSES = {"fuzz.fuzz_wire": fuzz_wire, "fuzz.fuzz_proxy_audit": fuzz_proxy_audit}
 RUNS = {"fuzz.fuzz_wire": 400, "fuzz.fuzz_proxy_audit": 2000}
@@ -31,20 +31,32 @@ RUNS = {"fuzz.fuzz_wire": 400, "fuzz.fuzz_proxy_audit": 2000}
 @pytest.mark.parametrize("module", sorted(HARNESSES))
 def test_harness_runs_under_atheris(module, tmp_path):
     corpus = tmp_path / "corpus"
-    cmd = [
-        sys.executable,
-        "-m",
-        module,
-        f"-runs={RUNS[module]}",
-        "-rss_limit_mb=1024",
-        "-timeout=10",
-        f"-artifact_prefix={tmp_path}/",
-        str(corpus),
-    ]
+    cmd = fresh_peak_rss(
+        [
+            sys.executable,
+            "-m",
+            module,
+            f"-runs={RUNS[module]}",
+            "-rss_limit_mb=1024",
+            "-timeout=10",
+            f"-artifact_prefix={tmp_path}/",
+            str(corpus),
+        ]
+    )
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"Done {RUNS[module]} runs" in out.stderr
     assert len(list(corpus.iterdir())) >= len(HARNESSES[module].seeds())  # seeded, then grown by libFuzzer
+
+
+def test_a_harness_counts_its_peak_memory_from_nothing_under_a_big_worker():
+    """The harness's ``-rss_limit_mb`` is its own memory, not the peak of the worker that started it."""
+    peak = "import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)"
+    held = np.ones(256 * 2**20, np.uint8)  # 256 MiB touched in this process
+    straight = int(subprocess.run([sys.executable, "-c", peak], capture_output=True, text=True).stdout)
+    fresh = int(subprocess.run(fresh_peak_rss([sys.executable, "-c", peak]), capture_output=True, text=True).stdout)
+    assert held.sum() == 256 * 2**20
+    assert straight >= 256 > 64 > fresh  # an interpreter alone is a few dozen MiB
 
 
 @st.composite
