@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the whole system on a toy task: NATS, SGLang, its router, proxy, workers, trainer",
     ),
     "experiment": (
-        "centerline.experiment:main",
+        "centerline.experiments.staleness:main",
         "compare score centering with REINFORCE and TIS as staleness grows (runs up repeatedly)",
     ),
     "report": ("centerline.runs.report:main", "write a run's HTML report and PNG plots from its metrics"),

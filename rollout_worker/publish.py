@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from shared import names
+from shared.batch_algebra import select_samples
 from shared.nats_client import publish_acked
 from shared.wire import Batch, decode_batch, encode_batch
 
@@ -26,57 +27,6 @@ HEADER_ROOM = 4096
 
 class PayloadTooLargeError(ValueError):
     """A single sample cannot fit in one message; the message names ``max_payload``."""
-
-
-def select_samples(batch: Batch, indices: slice | list[int] | np.ndarray) -> Batch:
-    """The samples ``indices`` of ``batch`` as a new batch, offsets rebased to start at 0.
-
-    A step-1 slice returns views of ``batch``'s per-token arrays; other selections copy.
-    Batch-level fields (``batch_id`` included) are unchanged.
-    """
-    count = batch.num_samples
-    if isinstance(indices, slice) and indices.step in (None, 1):
-        start, stop, _ = indices.indices(count)
-        idx = np.arange(start, max(start, stop))
-        offsets = np.asarray(batch.offsets[start : start + len(idx) + 1], dtype=np.int64)
-        prompt_offsets = np.asarray(batch.prompt_offsets[start : start + len(idx) + 1], dtype=np.int64)
-        tok, prm = slice(int(offsets[0]), int(offsets[-1])), slice(int(prompt_offsets[0]), int(prompt_offsets[-1]))
-        offsets, prompt_offsets = offsets - offsets[0], prompt_offsets - prompt_offsets[0]
-    else:
-        idx = np.arange(count)[indices] if isinstance(indices, slice) else np.asarray(indices, dtype=np.int64)
-        tok, offsets = _gather(np.asarray(batch.offsets, dtype=np.int64), idx)
-        prm, prompt_offsets = _gather(np.asarray(batch.prompt_offsets, dtype=np.int64), idx)
-    return replace(
-        batch,
-        sample_ids=[batch.sample_ids[i] for i in idx.tolist()],
-        group_ids=[batch.group_ids[i] for i in idx.tolist()],
-        finish_reasons=[batch.finish_reasons[i] for i in idx.tolist()] if batch.finish_reasons else [],
-        tool_calls=[batch.tool_calls[i] for i in idx.tolist()] if batch.tool_calls else [],
-        tool_call_parse_errors=[batch.tool_call_parse_errors[i] for i in idx.tolist()]
-        if batch.tool_call_parse_errors
-        else [],
-        rewards=batch.rewards[idx],
-        advantages=batch.advantages[idx],
-        offsets=offsets,
-        prompt_offsets=prompt_offsets,
-        prompt_ids=batch.prompt_ids[prm],
-        response_ids=batch.response_ids[tok],
-        sampled_logprobs=batch.sampled_logprobs[tok],
-        loss_mask=batch.loss_mask[tok],
-        token_versions=batch.token_versions[tok],
-        cand_ids=batch.cand_ids[tok],
-        cand_logprobs=batch.cand_logprobs[tok],
-        extra=dict(batch.extra),
-    )
-
-
-def _gather(offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat element indices of the segments ``idx`` of ``offsets``, and the rebased offsets."""
-    starts, lengths = offsets[idx], offsets[idx + 1] - offsets[idx]
-    new_offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=new_offsets[1:])
-    flat = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1], dtype=np.int64)
-    return flat, new_offsets
 
 
 class Part(NamedTuple):

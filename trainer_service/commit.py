@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.batch_algebra import concat_batches
 from shared.contract import sample_turns
 from shared.wire import REWARD_COMPONENTS, encode_batch
 from trainer_service import journal
-from trainer_service.gate import concat_batches
 from trainer_service.ledger import Held, ledger_entries
 from trainer_service.policy import StepCommand
 

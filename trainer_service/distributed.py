@@ -8,6 +8,10 @@ which DDP's ``device_ids``, FSDP2's device mesh and NCCL's object staging read, 
 own GPU, never cuda:0 on every rank. The group is ``cpu:gloo,cuda:nccl``: CUDA tensors go
 through NCCL, CPU tensors through gloo, and object collectives (a step's command and shard)
 travel through gloo in CPU memory, never staged on a GPU. Without CUDA the group is gloo.
+
+Shards (docs/design.md section 6, "Shards"): rank 0 cuts the step's global batch
+(``shared.batch_algebra.assign_shards``, balanced by tokens) and sends each rank only its shard
+(``scatter_shards``); a rank never holds the whole batch unless it is rank 0.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from shared.batch_algebra import assign_shards, select_samples
+from shared.wire import decode_batch, encode_batch
 
 
 def in_process_group() -> bool:
@@ -78,6 +86,22 @@ def scatter_from_main(values: list | None):
     box = [None]
     dist.scatter_object_list(box, values if is_main() else None, src=0)
     return box[0]
+
+
+def scatter_shards(cmd):
+    """This rank's copy of rank 0's step command ``cmd`` (a dataclass whose ``batch`` is the
+    encoded global batch, or None to stop), its ``batch`` replaced by the rank's shard: rank 0
+    passes ``cmd``, the other ranks None, and each receives its own shard only."""
+    world = rank_and_world()[1]
+    if world == 1:
+        return cmd
+    if not is_main():
+        return scatter_from_main(None)
+    if cmd.batch is None:
+        return scatter_from_main([cmd] * world)
+    batch = decode_batch(cmd.batch)
+    shards = [select_samples(batch, samples) for samples in assign_shards(batch, world)]
+    return scatter_from_main([replace(cmd, batch=encode_batch(s)) for s in shards])
 
 
 def in_world(body, *, timeout: timedelta | None = None) -> int:

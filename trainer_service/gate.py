@@ -1,55 +1,26 @@
-"""The gate: what a candidate batch must pass to reach a training step, and what it does with
-the ledger of task groups already trained (``ledger.py``; docs/design.md section 10: exactly
-once per task group).
+"""The gate's NATS side (docs/design.md section 10: exactly once per task group): rank 0 pulls
+``rollouts.batches`` through the durable consumer ``names.TRAINER_CONSUMER``, asks
+``admission.admission`` about each message, and acts on the answer and on the ledger:
 
-Rank 0 pulls ``rollouts.batches`` through the durable consumer ``names.TRAINER_CONSUMER``
-and runs the whole completeness contract (``shared.contract.check_batch``: vocabulary from
-the model config, staleness against the trainer's current weight version), plus one
-trainer-only rule, ``settings``: the batch was sampled with the mode, K, temperature, top-p
-and top-k this trainer is configured for (a global batch has one of each).
-
-A batch is one part of one attempt of a task (``task_id``, ``attempt``, ``parts``). The gate
-admits a task's group only when every part of one attempt is there; a truncated group is never
-trained on.
-
-- A rejected part is published to ``rollouts.dlq`` as the same bytes, with ``rule``,
-  ``reason`` and ``batch_id`` headers, then acked: it never blocks the stream.
-  The DLQ message id is ``dlq/<stream sequence>``, so a redelivered reject is stored once.
-  A part rejected as ``stale`` has its task published again (``resample``) *before* it is
-  dead-lettered and acked: its prompt is one the dataset meant to train, and a crash or a failed
-  publish in between leaves the part unacked (a failed publish naks it), to come back and be
-  published again. A task published again ``max_republishes`` times is not published again: its
-  stale part is dead-lettered as ``republish_cap``.
-- An accepted part is *held* (unacked): *pending* while its attempt is incomplete, then in
-  the step once the attempt is whole, until the step that trains it, the checkpoint and the
-  ledger holding it are durable (``commit``). While held, ``keep_alive`` tells the server
-  every ``ack_wait / 3`` that the trainer is still working on it.
-- The ledger maps ``task_id`` to ``{"attempt", "step", "parts": {batch_id: stream sequence}}``.
-  A redelivery of a trained part (same stream sequence: a crash between checkpoint and ack) is
-  normal and is acked silently, counted as ``duplicate``. A *different* message carrying a
-  trained or held ``batch_id`` (re-published outside the duplicate window) is a producer defect
-  and goes to the DLQ as ``duplicate_batch``. A part of *another* attempt of a task trained,
-  or held whole for the step, is dropped (acked, not trained, not dead-lettered) and counted
-  and logged as ``dropped:duplicate_attempt``; so are the pending parts of other attempts once
-  a task is committed.
-- A whole group (``parts`` 1) is ``rollout_n`` distinct samples, else ``group_size`` (dead-lettered).
-- One attempt, one split (``split_conflict``, dead-lettered): a new part of an attempt held whole,
-  and a part of a split attempt (``parts`` > 1) whose samples are already held for it, or that
-  would make it hold more than ``rollout_n`` samples, or complete its parts short of them. Two
-  samplings never share an attempt number (``tasks.py``); should they, one group is
-  trained from one of them, never from both.
-- A held-out batch (its task is one of a held-out evaluation's, ``heldout.heldout_step``; docs/design.md
-  section 9) never reaches a step, whatever the ledger or its age: checked against the contract
-  but staleness, then handed to the evaluator (``heldout.Evaluator``), which keeps it unacked until
-  its round is recorded, or dropped (acked) as ``heldout_late`` or ``heldout_duplicate``.
+- A rejected part is published to ``rollouts.dlq`` as the same bytes, with ``rule``, ``reason``
+  and ``batch_id`` headers, then acked: it never blocks the stream. The DLQ message id is
+  ``dlq/<stream sequence>``, so a redelivered reject is stored once. A part rejected as ``stale``
+  has its task published again (``resample``) *before* it is dead-lettered and acked: a crash or a
+  failed publish in between leaves the part unacked (a failed publish naks it), to come back and be
+  published again; past ``max_republishes`` the part is dead-lettered as ``republish_cap``.
+- An accepted part is *held* (unacked): *pending* while its attempt is incomplete, then in the step
+  once the attempt is whole, until the step, its checkpoint and ledger are durable (``commit``);
+  ``keep_alive`` marks it in progress every ``ack_wait / 3``.
+- A redelivery of a trained part is acked, counted as ``duplicate``; a part of another attempt is
+  acked, counted and logged as ``dropped:duplicate_attempt``, as are the pending parts of other
+  attempts once a task is committed.
+- A held-out batch goes to the evaluator (``heldout.Evaluator``), which keeps it unacked until
+  its round is recorded, or it is dropped (acked) as ``heldout_late`` or ``heldout_duplicate``.
 - An attempt still incomplete after the gate *waited* ``EXPIRE_ACK_WAITS * ack_wait`` seconds for
-  its other parts (its worker died between two publishes and no other attempt completed) has its
-  task published again, like a stale part's (capped by ``max_republishes``, counted as
-  ``resampled``), then is dead-lettered part by part as ``incomplete_group``. The clock is the
-  time spent fetching (``Gate.waited``), not wall time: while the trainer trains, checkpoints or
-  loads weights it fetches nothing, and the other parts wait unfetched in the stream.
-- A batch of another run (its task id's first component is not this trainer's run id) is
-  dead-lettered as ``foreign_run`` before any check or hold: runs on one NATS never mix.
+  its other parts (its worker died between two publishes) has its task published again, like a
+  stale part's, then is dead-lettered part by part as ``incomplete_group``. The clock is the time
+  spent fetching (``Gate.waited``): while the trainer trains it fetches nothing, and the other
+  parts wait unfetched in the stream.
 - A dead letter that JetStream does not store (the DLQ full, NATS away) naks the part: it comes
   back and is dead-lettered then; the trainer never exits over it (``rejected_unstored``).
 """
@@ -61,15 +32,23 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import nats.errors
-import numpy as np
 
 from shared import faults, names
-from shared.contract import ContractViolation, check_batch
 from shared.nats_client import PublishError, publish_acked
-from shared.wire import ARRAY_FIELDS, Batch, WireError, decode_batch
+from shared.wire import Batch, WireError, decode_batch
+from trainer_service.admission import (
+    DROP,
+    DUPLICATE,
+    DUPLICATE_ATTEMPT,
+    HELDOUT,
+    HOLD,
+    REJECT,
+    GateSettings,
+    admission,
+    run_of,
+)
 from trainer_service.heldout import LATE, heldout_step
 from trainer_service.ledger import Groups, Held
 from trainer_service.tasks import times_republished
@@ -79,28 +58,7 @@ REASON_MAX = 1024  # header bytes kept of a rejection reason
 # A live worker publishes an attempt's parts back to back (its publish retries take 3 x 10 s at
 # most); one whose worker died is superseded by the task's redelivery within the workers' ack_wait.
 EXPIRE_ACK_WAITS = 2
-DUPLICATE_ATTEMPT, INCOMPLETE_GROUP = "duplicate_attempt", "incomplete_group"
-SPLIT_CONFLICT, REPUBLISH_CAP, FOREIGN_RUN = "split_conflict", "republish_cap", "foreign_run"
-GROUP_SIZE = "group_size"  # a whole (parts=1) batch that is not --rollout-n distinct samples
-
-
-HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
-HELDOUT = "heldout"  # a held-out evaluation's batch: to the evaluator, never to a step
-
-
-@dataclass(frozen=True, slots=True)
-class GateSettings:
-    """What the contract checks a batch against besides the ledger: the model's vocabulary
-    and the trainer's configuration (sampling settings, ``max_staleness``)."""
-
-    vocab_size: int
-    cfg: object  # shared.config.Config
-    run_id: str = ""  # this trainer's run; "" accepts every run's batches (``centerline replay``)
-
-
-def run_of(task_id: str) -> str:
-    """The run a task id belongs to: its first component (``tasks.py``, ``heldout.heldout_id``)."""
-    return task_id.partition("/")[0]
+INCOMPLETE_GROUP, REPUBLISH_CAP = "incomplete_group", "republish_cap"
 
 
 def max_ack_pending(prompts_per_step: int, rollout_n: int, inflight_steps: int, heldout_rows: int = 0) -> int:
@@ -110,163 +68,6 @@ def max_ack_pending(prompts_per_step: int, rollout_n: int, inflight_steps: int, 
     again beside a late one), and the held-out rows of a round being scored; never below 1,000."""
     step_parts = prompts_per_step * rollout_n
     return max(1000, 2 * (inflight_steps + 1) * step_parts + 2 * heldout_rows)
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """The gate's decision on one message; acting on it (hold, ack, drop, dead-letter) is the caller's."""
-
-    # HOLD | DUPLICATE (a redelivery of a trained part) | IGNORE (of a held one) | DROP (another attempt) | REJECT
-    # | HELDOUT (a held-out evaluation's)
-    action: str
-    batch_id: str
-    batch: Batch | None = None  # None when the bytes are not a batch
-    rule: str = ""  # DROP: duplicate_attempt; REJECT: the contract rule, or "wire"
-    reason: str = ""
-
-
-def admission(
-    data: bytes, seq: int, version: int, *, groups: Groups, settings: GateSettings, msg_id: str = ""
-) -> Admission:
-    """Decide what the gate does with the message ``data`` at stream sequence ``seq`` when the
-    trainer holds weight version ``version``; a pure function of the message, ``groups`` (the
-    ledger, held and pending parts) and the settings, shared by the trainer and
-    ``centerline replay --train``.
-
-    A part of a trained task is a redelivery (DUPLICATE) when it is of the trained attempt and
-    the very message that was trained (same sequence; sequence 0 is a message recorded from the
-    subject, which has none, and counts as that message); of another attempt it is DROP
-    (``duplicate_attempt``), as is a part of another attempt of a task held whole for the step.
-    A held or pending batch id with the same sequence is a redelivery of the held message
-    (IGNORE). Any other repeat of a batch id is the contract's ``duplicate_batch`` (REJECT); a
-    part that does not fit its attempt's held parts is ``split_conflict`` (REJECT, ``conflict``).
-    Whatever the batch's age: the ledger is asked before the contract. A held-out evaluation's
-    batch is HELDOUT, or REJECT where it breaks the contract (staleness aside) or ``settings``.
-    """
-    try:
-        batch = decode_batch(data)
-    except WireError as exc:
-        return Admission(REJECT, msg_id, rule="wire", reason=str(exc))
-    task, attempt, bid = batch.task_id, batch.attempt, batch.batch_id
-    if settings.run_id and run_of(task) != settings.run_id:
-        reason = (
-            f"{bid!r} is of task {task!r}, of run {run_of(task)!r}; this trainer runs {settings.run_id!r} "
-            "(a NATS shared with an earlier run still held its tasks): never trained here"
-        )
-        return Admission(REJECT, bid, batch, FOREIGN_RUN, reason)
-    if heldout_step(task) is not None:  # scored, never trained: its age does not matter
-        try:
-            check_batch(batch, vocab_size=settings.vocab_size)
-            check_settings(batch, settings.cfg)
-        except ContractViolation as exc:
-            return Admission(REJECT, bid, batch, exc.rule, str(exc))
-        return Admission(HELDOUT, bid, batch)
-    trained = groups.ledger.get(task)
-    if trained is not None:
-        if trained["attempt"] != attempt:
-            reason = f"task {task!r} was trained from attempt {trained['attempt']} at step {trained['step']}"
-            return Admission(DROP, bid, batch, DUPLICATE_ATTEMPT, f"{bid!r} is of attempt {attempt}; {reason}")
-        if trained["parts"].get(bid) == seq or (seq == 0 and bid in trained["parts"]):
-            return Admission(DUPLICATE, bid, batch)
-        return Admission(REJECT, bid, batch, "duplicate_batch", _repeat(bid, trained["parts"].get(bid), seq, task))
-    whole = groups.whole.get(task)
-    if whole is not None and whole != attempt:
-        reason = f"{bid!r} is of attempt {attempt}; attempt {whole} of task {task!r} is held whole for this step"
-        return Admission(DROP, bid, batch, DUPLICATE_ATTEMPT, reason)
-    held = groups.parts(task, attempt)
-    same = held.get(bid)
-    if same is not None:
-        if same.seq == seq != 0:
-            return Admission(IGNORE, bid, batch)
-        return Admission(REJECT, bid, batch, "duplicate_batch", _repeat(bid, same.seq, seq, task))
-    if whole == attempt:
-        reason = (
-            f"{bid!r} is a part of attempt {attempt} of task {task!r}, held whole for this step as {sorted(held)}: "
-            "two samplings carried one attempt number"
-        )
-        return Admission(REJECT, bid, batch, SPLIT_CONFLICT, reason)
-    try:
-        check(batch, version, settings=settings)
-    except ContractViolation as exc:
-        return Admission(REJECT, bid, batch, exc.rule, str(exc))
-    known = next(iter(held.values()), None)
-    if known is not None and known.batch.parts != batch.parts:
-        reason = (
-            f"{bid!r} says attempt {attempt} of task {task!r} has {batch.parts} parts, its part "
-            f"{known.batch.batch_id!r} says {known.batch.parts}; one attempt's parts come from one split"
-        )
-        return Admission(REJECT, bid, batch, "shape", reason)
-    if batch.parts > 1 and (reason := conflict(batch, list(held.values()), settings.cfg.rollout_n)):
-        return Admission(REJECT, bid, batch, SPLIT_CONFLICT, reason)
-    n, distinct = settings.cfg.rollout_n, len(set(batch.sample_ids))
-    if batch.parts == 1 and not (batch.num_samples == distinct == n):
-        reason = (
-            f"{bid!r} is the whole group of attempt {attempt} of task {task!r} with {batch.num_samples} samples, "
-            f"{distinct} of them distinct; a group is --rollout-n {n} distinct samples"
-        )
-        return Admission(REJECT, bid, batch, GROUP_SIZE, reason)
-    return Admission(HOLD, bid, batch)
-
-
-def conflict(batch: Batch, held: list[Held], n: int) -> str:
-    """Why part ``batch`` cannot join the parts ``held`` of its attempt as one split of one group
-    of ``n`` samples, or ""; the first part of a sampling to arrive decides which split is held."""
-    where = f"{batch.batch_id!r} (attempt {batch.attempt} of task {batch.task_id!r}, {batch.num_samples} samples)"
-    others = f"its parts {[h.batch.batch_id for h in held]}"
-    ids = {s for h in held for s in h.batch.sample_ids}
-    twice = sorted(ids.intersection(batch.sample_ids))
-    if twice:
-        return f"{where} carries samples {twice} already held from {others}: two splits of the attempt"
-    total = len(ids) + batch.num_samples
-    if total > n:
-        return f"{where} would make {others} hold {total} samples, above --rollout-n {n}: two splits of the attempt"
-    if len(held) + 1 == batch.parts and total < n:
-        return (
-            f"{where} would complete the {batch.parts} parts of the attempt with {total} of its --rollout-n {n} "
-            f"samples, with {others}: two splits of the attempt"
-        )
-    return ""
-
-
-def _repeat(bid: str, first: int | None, seq: int, task: str) -> str:
-    return (
-        f"batch_id {bid!r} (task {task!r}) was already admitted from stream sequence {first}; the message at "
-        f"sequence {seq} re-publishes it outside JetStream's duplicate window"
-    )
-
-
-def check(batch: Batch, version: int, *, settings: GateSettings) -> None:
-    """Raise ``ContractViolation`` unless ``batch`` may join the current step: the whole
-    contract (staleness against ``version``) and ``settings``."""
-    check_batch(
-        batch,
-        vocab_size=settings.vocab_size,
-        current_version=version,
-        max_staleness=settings.cfg.max_staleness,
-    )
-    check_settings(batch, settings.cfg)
-
-
-def check_settings(batch: Batch, cfg) -> None:
-    """The trainer-only rule ``settings``: the batch was sampled as this trainer is configured."""
-    want = {
-        "mode": (cfg.rollout_logprobs_mode, "--rollout-logprobs-mode"),
-        "k": (cfg.rollout_top_logprobs_num, "--rollout-top-logprobs-num"),
-        "temperature": (cfg.rollout_temperature, "--rollout-temperature"),
-        "top_p": (cfg.rollout_top_p, "--rollout-top-p"),
-        "top_k": (cfg.rollout_top_k, "--rollout-top-k"),
-    }
-    for name, (value, flag) in want.items():
-        found = getattr(batch, name)
-        if found != value and not (isinstance(value, float) and math.isclose(found, value, rel_tol=1e-6)):
-            raise ContractViolation(
-                "settings",
-                f"batch {batch.batch_id!r} was sampled with {name}={found!r}, the "
-                f"trainer runs {flag} {value!r}; start workers and trainer with the same "
-                "configuration",
-                expected=value,
-                found=found,
-            )
 
 
 class Gate:
@@ -603,37 +404,3 @@ class Gate:
     def take_counts(self) -> Counter:
         counts, self.counts = self.counts, Counter()
         return counts
-
-
-def concat_batches(batches: list[Batch], batch_id: str) -> Batch:
-    """One global batch from accepted batches (same mode, K and sampling settings, which the
-    gate enforces); offsets are rebased, ``extra["batch_ids"]`` lists the parts in order. It
-    belongs to no task: ``task_id`` is ``batch_id``, one attempt, one part."""
-    first = batches[0]
-    arrays = {}
-    for name in ARRAY_FIELDS:
-        if name in ("offsets", "prompt_offsets"):
-            continue
-        arrays[name] = np.concatenate([getattr(b, name) for b in batches])
-    for name, _per_token in (("offsets", "response_ids"), ("prompt_offsets", "prompt_ids")):
-        lengths = np.concatenate([np.diff(getattr(b, name)) for b in batches])
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        arrays[name] = offsets
-    return Batch(
-        batch_id=batch_id,
-        producer="trainer",
-        task_id=batch_id,
-        attempt=1,
-        parts=1,
-        weight_version=max(b.weight_version for b in batches),  # the newest token's, as in every batch
-        mode=first.mode,
-        k=first.k,
-        temperature=first.temperature,
-        top_p=first.top_p,
-        top_k=first.top_k,
-        sample_ids=[s for b in batches for s in b.sample_ids],
-        group_ids=[g for b in batches for g in b.group_ids],
-        extra={"batch_ids": [b.batch_id for b in batches]},
-        **arrays,
-    )

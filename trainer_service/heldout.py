@@ -7,7 +7,7 @@ held-out row (``--heldout-dataset``, the format of ``--dataset``): ``n`` 1, ``pu
 task, so the same workers, proxy, router and engines sample it at the rollout settings (a row
 naming an environment is one session of it). Its batch comes back on ``rollouts.batches``; the
 gate knows it by its task id (``heldout_step``) and brings it here, whatever its age: it is
-scored, never trained (``trainer_service/gate.py``).
+scored, never trained (``trainer_service/admission.py``).
 
 A round is one step's evaluation. Each row counts once: the first complete attempt of its task
 gives its reward; other attempts and redeliveries are dropped. Once every row has a reward the

@@ -1,6 +1,6 @@
 """The ledger of trained task groups and the parts the gate holds, without I/O: exactly once per
-task group (docs/design.md section 10), shared by the trainer's gate (``gate.py``) and
-``centerline replay --train``.
+task group (docs/design.md section 10), shared by the trainer's gate (``admission.py``, ``gate.py``)
+and ``centerline replay --train``.
 
 A batch is one part of one attempt of a task (``task_id``, ``attempt``, ``parts``). An
 attempt's parts are *pending* until all of them are there, then held *whole* for the step;

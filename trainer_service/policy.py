@@ -21,11 +21,10 @@ from shared import faults
 from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
-from trainer_service.distributed import device, is_main, rank_and_world
+from trainer_service.distributed import device, is_main, rank_and_world, scatter_shards
 from trainer_service.loss import LossSettings
 from trainer_service.model import load_model, unwrap, wrap_model
 from trainer_service.schedule import lr_factor, set_lr
-from trainer_service.shards import scatter_shards
 from trainer_service.step import Memory, make_optimizer, prepare_model, train_step
 from trainer_service.weights import save_version
 

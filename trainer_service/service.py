@@ -3,7 +3,7 @@
 The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
 
     publish the tasks of the steps up to max_inflight_steps ahead      tasks.py
-    gather whole task groups until the step's samples arrived           gate.py
+    gather whole task groups until the step's samples arrived           gate.py, admission.py
     train on their concatenation, on every rank                         commit.py, policy.py, step.py
     save weights version v+1 and the checkpoint (with the ledger),      commit.py, weights.py, checkpoint.py
       or, between checkpoints, the step's journal record                journal.py

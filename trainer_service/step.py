@@ -1,7 +1,7 @@
 """One training step on one global batch, on 1 process or many under `torchrun`.
 
 Rank r trains its shard of the global ``shared.wire.Batch``: the samples
-``trainer_service.shards.assign`` gives it, balanced by tokens; the trainer sends each rank
+``shared.batch_algebra.assign_shards`` gives it, balanced by tokens; the trainer sends each rank
 only its shard (``local=True``), tests may hand every rank the global batch. The shard is cut
 into micro-batches of consecutive samples
 (``micro_batches``): as many as fit in ``micro_batch_tokens`` tokens, one at least; their
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.batch_algebra import assign_shards, select_samples
 from shared.settings import LOSS_CHUNK_TOKENS, MICRO_BATCH_TOKENS
 from trainer_service.distributed import rank_and_world
 from trainer_service.head import HeadLogits
 from trainer_service.loss import LOSSES, LossSettings, TokenRows
 from trainer_service.model import unwrap
-from trainer_service.shards import assign, take
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: no autocast
 
@@ -270,7 +270,7 @@ def train_step(
     device = next(model.parameters()).device
     loss_fn = LOSSES[settings.loss]
     if not local and world > 1:
-        batch = take(batch, assign(batch, world)[rank])
+        batch = select_samples(batch, assign_shards(batch, world)[rank])
     mine = range(batch.num_samples)
     runs = micro_batches(batch, mine, micro_batch_tokens, memory.packed)
     inputs = [micro_batch_inputs(batch, run, device, memory.packed) for run in runs]

@@ -7,7 +7,7 @@ steps offline, or printed for people.
 - ``--jsonl``: one summary line per message (subject, seq, headers, batch summary).
 - ``--train``: the trainer's steps on exactly the recorded batches, with no NATS and no
   engine: the checkpoint's model, optimizer and state (version, ledger), the trainer's
-  admission (``trainer_service.gate.admission``: contract, staleness against the replayed
+  admission (``trainer_service.admission.admission``: contract, staleness against the replayed
   version, ledger, settings) and its commit of a step (``trainer_service.commit``), under
   torchrun as many ranks as the trainer had (rank 0 reads the file and sends each step, as
   in the trainer). Steps are grouped as
@@ -273,8 +273,8 @@ def replay_steps(
     with its admission and its commit of a step; no DLQ, no acks, no engines."""
     from collections import Counter
 
+    from trainer_service.admission import DROP, DUPLICATE, HOLD, REJECT, GateSettings, admission
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
-    from trainer_service.gate import DROP, DUPLICATE, HOLD, REJECT, GateSettings, admission
     from trainer_service.ledger import Groups, Held
     from trainer_service.metrics import Metrics
 

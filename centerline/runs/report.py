@@ -21,14 +21,20 @@ offline) and comparisons across runs (`centerline experiment` writes its own pag
 from __future__ import annotations
 
 import argparse
-import base64
 import html
-import io
 import sys
 from pathlib import Path
 
 import orjson
 
+from centerline.runs.page import figure_png, image, page, pyplot, row, write_plots
+
+STYLE = (
+    "body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
+    "img{max-width:100%}table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
+    ".grid{display:grid;grid-template-columns:1fr 1fr;gap:1em}"
+    "pre{background:#f6f6f6;padding:1em}"
+)
 # (file name, title, [(metric key, legend label)]) for each line plot, in page order.
 LINE_PLOTS = [
     ("reward", "Reward (mean over the step's samples)", [("reward_mean", "train reward")]),
@@ -78,19 +84,9 @@ def load_steps(run_dir: Path) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def _figure_png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
-
-
 def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
     """name -> (title, PNG bytes) for every plot that has data."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     plots = {}
     for name, title, series in LINE_PLOTS:
         lines = [
@@ -109,7 +105,7 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
         ax.grid(alpha=0.3)
         if len(lines) > 1:
             ax.legend(fontsize=8)
-        plots[name] = (title, _figure_png(fig))
+        plots[name] = (title, figure_png(fig))
         plt.close(fig)
     sessions = [s for s in steps if s.get("injected_tokens")]
     if sessions:  # a run on multi-turn sessions
@@ -125,7 +121,7 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
         ax.set_title("Sessions: turns; sampled (trained) and injected tokens", fontsize=10)
         ax.set_xlabel("step")
         fig.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.1, 0.12))
-        plots["sessions"] = ("Sessions", _figure_png(fig))
+        plots["sessions"] = ("Sessions", figure_png(fig))
         plt.close(fig)
     components = sorted({name for s in steps for name in (s.get("reward_components") or {})})
     if components:  # weighted reward components (rollout_worker/rewards.py), each its own line
@@ -139,7 +135,7 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        plots["reward_components"] = ("Reward components", _figure_png(fig))
+        plots["reward_components"] = ("Reward components", figure_png(fig))
         plt.close(fig)
     gate = _gate_series(steps)
     if gate:
@@ -152,7 +148,7 @@ def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
         ax.set_title("Batches at the gate: accepted, and rejected by rule", fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-        plots["gate"] = ("Batches at the gate", _figure_png(fig))
+        plots["gate"] = ("Batches at the gate", figure_png(fig))
         plt.close(fig)
     return plots
 
@@ -210,32 +206,20 @@ def write_report(run_dir: Path) -> Path:
     if not steps:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no steps yet")
     plots = render_plots(steps)
-    (run_dir / "plots").mkdir(exist_ok=True)
-    for name, (_, png) in plots.items():
-        (run_dir / "plots" / f"{name}.png").write_bytes(png)
+    write_plots(run_dir, plots)
     config = run_dir / "config.toml"
     heldout = orjson.loads((run_dir / "heldout.json").read_bytes()) if (run_dir / "heldout.json").exists() else None
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>centerline run report</title>",
-        "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
-        "img{max-width:100%}table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
-        ".grid{display:grid;grid-template-columns:1fr 1fr;gap:1em}"
-        "pre{background:#f6f6f6;padding:1em}</style></head><body>",
+    body = [
         f"<h1>centerline run: {html.escape(run_dir.name)}</h1><table>",
-        *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary(steps, heldout)),
+        *(row(cells) for cells in summary(steps, heldout)),
         "</table><div class='grid'>",
-        *(
-            f"<figure><img alt='{html.escape(title)}' "
-            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'></figure>"
-            for title, png in plots.values()
-        ),
+        *(f"<figure>{image(title, png)}</figure>" for title, png in plots.values()),
         "</div>",
     ]
     if config.exists():
-        parts.append(f"<h2>Resolved configuration</h2><pre>{html.escape(config.read_text())}</pre>")
-    parts.append("</body></html>")
+        body.append(f"<h2>Resolved configuration</h2><pre>{html.escape(config.read_text())}</pre>")
     out = run_dir / "report.html"
-    out.write_text("\n".join(parts))
+    out.write_text(page("centerline run report", STYLE, body))
     return out
 
 

@@ -11,6 +11,7 @@ A bad row, reward, environment or model fails here, as ``UserTaskError``.
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,6 @@ import orjson
 
 from centerline.toy.dataset import CHAT_TASKS, examples
 from centerline.up import task_library
-from centerline.up.processes import PYTHON
 from centerline.up.user_task import (
     Keys,
     Row,
@@ -89,7 +89,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         log(f"run directory {run_dir}; model {model} (made once, then cached)")
         subprocess.run(
             [
-                PYTHON,
+                sys.executable,
                 "-m",
                 "centerline",
                 "init-model",
@@ -119,7 +119,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         return Prepared(model, dataset, chat, heldout, user, environment)
     subprocess.run(
         [
-            PYTHON,
+            sys.executable,
             "-m",
             "centerline",
             "dataset",

@@ -3,7 +3,7 @@
 JSON list. The harness of test_distributed.py, which compares 1 and 2 ranks.
 
 ``--scatter``: rank 0 alone reads the batches and sends each rank its shard the way the
-trainer does (``trainer_service.shards.scatter_shards``). ``--probe DIR``: each rank writes
+trainer does (``trainer_service.distributed.scatter_shards``). ``--probe DIR``: each rank writes
 ``DIR/rank-R.json``, what it did towards devices and collectives (``tests.trainer_service.probe``):
 the device it bound, the backend it asked for, the device of every tensor of every collective,
 and the sample ids it trained.
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from shared.batch_algebra import assign_shards, select_samples
 from shared.wire import decode_batch
-from trainer_service.distributed import device, in_world, is_main, rank_and_world
+from trainer_service.distributed import device, in_world, is_main, rank_and_world, scatter_shards
 from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
 from trainer_service.policy import StepCommand
-from trainer_service.shards import assign, scatter_shards, take
 from trainer_service.step import LossSettings, make_optimizer, train_step
 
 
@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                 batch = decode_batch(Path(path).read_bytes())
             if probe is not None:  # the samples this rank trains
                 rank, world = rank_and_world()
-                probe.trained(batch.sample_ids if args.scatter else take(batch, assign(batch, world)[rank]).sample_ids)
+                probe.trained(
+                    batch.sample_ids
+                    if args.scatter
+                    else select_samples(batch, assign_shards(batch, world)[rank]).sample_ids
+                )
             local = {"local": True} if args.scatter else {}  # a shard already
             metrics.append(train_step(model, optimizer, batch, LossSettings(), max_grad_norm=1.0, **local))
         save_model(model, args.out)

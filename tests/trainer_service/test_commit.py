@@ -9,7 +9,7 @@ import pytest
 from centerline.synth import make_batch
 from shared.wire import decode_batch
 from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
-from trainer_service.gate import Held
+from trainer_service.ledger import Held
 
 
 class FakePolicy:

@@ -96,7 +96,7 @@ def test_fsdp2_on_two_gloo_ranks_updates_like_one_process(setup):
 @pytest.mark.integration
 @pytest.mark.parametrize("strategy", ("ddp", "fsdp2"))
 def test_a_step_not_finite_on_one_ranks_shard_is_skipped_on_both_and_the_next_batch_trains(setup, strategy):
-    # Sample 4 is rank 0's (samples 0, 2, 4: trainer_service/shards.py): its advantage 3e38 makes that
+    # Sample 4 is rank 0's (samples 0, 2, 4: shared/batch_algebra.py): its advantage 3e38 makes that
     # rank's loss inf (in float32; in float64 no float32 advantage overflows), rank 1's stays finite;
     # both skip the step, and the good batch after it trains as on a fresh model (docs/design.md section 6).
     tmp, model_dir, batch_file, before = setup

@@ -15,19 +15,9 @@ from rollout_worker.packing import batch_id_of
 from rollout_worker.publish import select_samples
 from shared import names
 from shared.config import Config
-from shared.contract import check_batch
 from shared.wire import decode_batch, encode_batch
-from trainer_service.gate import (
-    DROP,
-    DUPLICATE,
-    HOLD,
-    IGNORE,
-    REJECT,
-    Gate,
-    GateSettings,
-    admission,
-    concat_batches,
-)
+from trainer_service.admission import DROP, DUPLICATE, HOLD, IGNORE, REJECT, GateSettings, admission
+from trainer_service.gate import Gate
 from trainer_service.ledger import Groups, Held
 from trainer_service.tasks import attempts_base
 
@@ -182,25 +172,6 @@ def test_commit_records_the_ledger_and_acks_every_held_message():
         "b-1": {"attempt": 1, "step": 5, "parts": {"b-1": 11}},
     }
     assert rec.acked == msgs and g.held == {}
-
-
-def test_concat_batches_is_one_valid_global_batch():
-    parts = [
-        batch("a", seed=1),
-        make_batch(samples=2, tokens_per_sample=5, k=K, vocab_size=VOCAB, batch_id="b", seed=2, prompt_len=2),
-    ]
-    whole = concat_batches(parts, batch_id="step-0")
-    check_batch(whole, vocab_size=VOCAB)
-    assert whole.num_samples == 6 and whole.num_tokens == 4 * 3 + 2 * 5
-    assert whole.offsets.tolist() == [0, 3, 6, 9, 12, 17, 22]
-    assert whole.prompt_offsets.tolist() == [0, 3, 6, 9, 12, 14, 16]
-    assert whole.extra["batch_ids"] == ["a", "b"]
-    for i, (part, j) in enumerate([(parts[0], j) for j in range(4)] + [(parts[1], j) for j in range(2)]):
-        assert np.array_equal(whole.cand_ids[whole.sample_slice(i)], part.cand_ids[part.sample_slice(j)])
-        assert np.array_equal(
-            whole.prompt_ids[whole.prompt_offsets[i] : whole.prompt_offsets[i + 1]],
-            part.prompt_ids[part.prompt_offsets[j] : part.prompt_offsets[j + 1]],
-        )
 
 
 def test_keep_alive_marks_every_held_message_in_progress():

@@ -16,7 +16,8 @@ from shared.nats_client import PullConsumer
 from shared.wire import encode_batch
 from tests.trainer_service.test_gate import CFG, VOCAB, Msg, Recorder, attempt_parts, batch
 from tests.trainer_service.test_heldout import ROWS, heldout_batch
-from trainer_service.gate import REJECT, Gate, GateSettings, admission, max_ack_pending
+from trainer_service.admission import REJECT, GateSettings, admission
+from trainer_service.gate import Gate, max_ack_pending
 from trainer_service.heldout import Evaluator
 from trainer_service.ledger import Groups
 from trainer_service.tasks import Example, attempts_base

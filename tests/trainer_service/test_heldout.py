@@ -15,7 +15,8 @@ from shared import names
 from shared.task import PromptTask, TaskError
 from shared.wire import encode_batch
 from tests.trainer_service.test_gate import CFG, VOCAB, K, Msg, Recorder, batch
-from trainer_service.gate import HELDOUT, HOLD, REJECT, Gate, GateSettings, admission
+from trainer_service.admission import HELDOUT, HOLD, REJECT, GateSettings, admission
+from trainer_service.gate import Gate
 from trainer_service.heldout import Evaluator, figure_name, heldout_id, heldout_step
 from trainer_service.ledger import Groups
 from trainer_service.tasks import Example

@@ -1,5 +1,6 @@
-"""Each rank's shard of a global batch (trainer_service/shards.py): samples balanced by tokens,
-longest first; rank 0 sends each rank its shard only, and the step is the one-process step."""
+"""Each rank's shard of a global batch (``shared/batch_algebra.py``): samples balanced by tokens,
+longest first; rank 0 sends each rank its shard only (``trainer_service/distributed.py``), and the
+step is the one-process step."""
 
 from __future__ import annotations
 
@@ -9,23 +10,23 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from shared.batch_algebra import assign_shards, select_samples
 from shared.wire import encode_batch
 from tests.trainer_service.test_distributed import assert_same_metrics, assert_same_update, run_steps
 from tests.trainer_service.test_step import PROMPT_LENS, RESPONSE_LENS, ragged_batch
-from trainer_service.shards import assign, sample_tokens, split, take
 
 TOKENS = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]  # 5, 7, 8, 11, 14
 
 
 def test_samples_go_longest_first_to_the_rank_with_fewest_tokens():
     batch = ragged_batch()
-    assert sample_tokens(batch).tolist() == TOKENS
+    assert (np.diff(batch.prompt_offsets) + np.diff(batch.offsets)).tolist() == TOKENS
     # 14 (s4) -> r0; 11 (s3) -> r1; 8 (s2) -> r1 (11 < 14): 19; 7 (s1) -> r0: 21; 5 (s0) -> r1: 24
-    assert assign(batch, 2) == [[1, 4], [0, 2, 3]]
+    assert assign_shards(batch, 2) == [[1, 4], [0, 2, 3]]
     # 14 -> r0, 11 -> r1, 8 -> r2, 7 -> r2 (15), 5 -> r1 (16)
-    assert assign(batch, 3) == [[4], [0, 3], [1, 2]]
-    assert assign(batch, 1) == [[0, 1, 2, 3, 4]]
-    assert assign(batch, 5) == [[4], [3], [2], [1], [0]]
+    assert assign_shards(batch, 3) == [[4], [0, 3], [1, 2]]
+    assert assign_shards(batch, 1) == [[0, 1, 2, 3, 4]]
+    assert assign_shards(batch, 5) == [[4], [3], [2], [1], [0]]
 
 
 def test_balance_is_by_tokens_not_by_sample_count():
@@ -44,17 +45,17 @@ def test_balance_is_by_tokens_not_by_sample_count():
         cand_ids=batch.cand_ids[rows],
         cand_logprobs=batch.cand_logprobs[rows],
     )
-    assert assign(long, 2) == [[0], [1, 2, 3, 4]]
+    assert assign_shards(long, 2) == [[0], [1, 2, 3, 4]]
 
 
 def test_rejects_fewer_samples_than_ranks():
     with pytest.raises(ValueError, match="the batch has 5 samples for 6 ranks"):
-        assign(ragged_batch(), 6)
+        assign_shards(ragged_batch(), 6)
 
 
 def test_a_shard_holds_its_samples_rows_and_prompts_exactly():
     batch = ragged_batch()
-    shard = take(batch, [1, 3])
+    shard = select_samples(batch, [1, 3])
     assert shard.sample_ids == [batch.sample_ids[1], batch.sample_ids[3]]
     rows = np.r_[batch.sample_slice(1), batch.sample_slice(3)]
     for name in ("response_ids", "sampled_logprobs", "loss_mask", "token_versions", "cand_ids", "cand_logprobs"):
@@ -64,7 +65,6 @@ def test_a_shard_holds_its_samples_rows_and_prompts_exactly():
     assert shard.prompt_ids.tolist() == batch.prompt_ids[3:4].tolist() + batch.prompt_ids[9:11].tolist()
     assert shard.advantages.tolist() == [batch.advantages[1], batch.advantages[3]]
     assert (shard.mode, shard.k, shard.batch_id) == (batch.mode, batch.k, batch.batch_id)
-    assert [s.sample_ids for s in split(batch, 2)] == [[batch.sample_ids[i] for i in r] for r in assign(batch, 2)]
 
 
 @pytest.mark.integration

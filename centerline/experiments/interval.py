@@ -4,11 +4,17 @@ For n values with mean m and sample standard deviation s (n - 1 in the denominat
 two-sided interval at confidence c is ``m +- t * s / sqrt(n)``, with t the (1 + c) / 2 quantile
 of Student's t with n - 1 degrees of freedom. That quantile is found by bisection on the
 closed-form t distribution for integer degrees of freedom (Abramowitz and Stegun 26.7.3-4).
+
+An experiment reports each number as ``interval``'s ``{"mean", "low", "high"}`` at
+``CONFIDENCE``, written ``0.424 [0.390, 0.460]`` (``format_interval``).
 """
 
 from __future__ import annotations
 
 import math
+
+CONFIDENCE = 0.95
+INTERVAL = "mean over seeds and its 95% Student-t interval, mean +- t(0.975, n-1) * sd / sqrt(n)"
 
 
 def two_sided_mass(t: float, df: int) -> float:
@@ -61,3 +67,22 @@ def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float,
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile(confidence, n - 1) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+def interval(values: list, confidence: float = CONFIDENCE) -> dict | None:
+    """``{"mean", "low", "high"}`` of the values that are not None (``low`` and ``high`` None for one
+    value); None if there are none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    mean, low, high = mean_interval(values, confidence)
+    return {"mean": mean, "low": low, "high": high}
+
+
+def format_interval(value: dict | None) -> str:
+    """``0.424 [0.390, 0.460]``, the mean alone for one value, ``–`` for none."""
+    if value is None:
+        return "–"
+    if value["low"] is None:
+        return f"{value['mean']:.3f}"
+    return f"{value['mean']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from centerline.interval import mean_interval, t_quantile
+from centerline.experiments.interval import format_interval, interval, mean_interval, t_quantile
 
 
 def test_t_quantile_has_the_closed_forms_of_one_and_two_degrees_of_freedom():
@@ -35,3 +35,16 @@ def test_mean_interval_of_one_seed_has_no_interval():
 
 def test_mean_interval_of_equal_values_is_a_point():
     assert mean_interval([0.25, 0.25, 0.25]) == (0.25, 0.25, 0.25)
+
+
+def test_interval_leaves_missing_values_out_and_is_none_without_any():
+    half = math.sqrt(2 * 0.9025 / 0.0975 / 3)
+    assert interval([1.0, None, 2.0, 3.0]) == pytest.approx({"mean": 2.0, "low": 2.0 - half, "high": 2.0 + half})
+    assert interval([None, 0.4]) == {"mean": 0.4, "low": None, "high": None}
+    assert interval([None]) is None and interval([]) is None
+
+
+def test_an_interval_is_written_to_three_decimals_the_mean_alone_for_one_seed_a_dash_for_none():
+    assert format_interval({"mean": 0.4242, "low": 0.39, "high": 0.46}) == "0.424 [0.390, 0.460]"
+    assert format_interval({"mean": 0.4, "low": None, "high": None}) == "0.400"
+    assert format_interval(None) == "–"
