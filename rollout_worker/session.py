@@ -55,7 +55,7 @@ Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays
 # point depends on a few tokens before it (a UTF-8 character split over byte tokens, a prefix space), not on
 # the whole history, so a turn decodes O(new) tokens; where the window disagrees, the whole history decides.
 DECODE_CONTEXT = 8
-# A turn's stages, each in seconds, in ``Session.turn_stages`` (the endpoint adds "endpoint").
+# A turn's stages, each in seconds, in ``Session.turn_stages`` (``SessionChat`` adds "endpoint").
 STAGES = ("history", "render", "tokenize", "generate", "reply")
 
 
@@ -231,7 +231,8 @@ def message_key(message) -> dict:
 
 class Session:
     """One trajectory of chat turns; ``generate(input_ids, max_new_tokens, stop)`` samples one turn
-    (the audited response as arrays) through the proxy. ``between_turns(n)``, if given, runs as
+    (the audited response as arrays) through the proxy (the worker's: ``ProxyTurn.generate``,
+    ``rollout_worker/environment.py``). ``between_turns(n)``, if given, runs as
     turn ``n`` (2 and later) arrives, before anything of it is done (a worker's failpoint)."""
 
     def __init__(

@@ -366,7 +366,8 @@ class Worker:
         between = functools.partial(faults.hit, "worker.between_turns")
         deadline = self.settings.environment_deadline(self.cfg)
         timeout = self.settings.request_timeout
-        played = await play(self.cfg, self.session, self.tok.chat, task, task.n, timeout, between, deadline)
+        transport = self.settings.session_transport
+        played = await play(self.cfg, self.session, self.tok.chat, task, task.n, timeout, between, deadline, transport)
         caches = [c for c in (s.later_turns_cache() for s, _ in played) if c is not None]
         cache = (sum(p for p, _ in caches), sum(c for _, c in caches))
         return [s.trajectory() for s, _ in played], np.asarray([r for _, r in played], np.float64), cache

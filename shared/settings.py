@@ -296,6 +296,12 @@ class WorkerSettings(Section):
         "ceil(rollout_session_max_tokens / rollout_max_new_tokens), a session of its whole token budget in "
         "turns of the longest reply, each taking the turn timeout, and 30 minutes at most.",
     )
+    session_transport: Literal["in-process", "loopback"] = Field(
+        "in-process",
+        description="How an environment's OpenAI client reaches its session: in-process, a transport that hands "
+        "each request to the session in the worker (no socket); loopback, an HTTP endpoint on 127.0.0.1 per task, "
+        "for an environment that gives its client's base_url to an agent out of process (a CLI agent).",
+    )
     reward_threads: int = Field(
         8,
         ge=1,

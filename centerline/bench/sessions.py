@@ -1,7 +1,7 @@
-"""`centerline bench sessions [--json]`: multi-turn sessions through the session endpoint beside
-single requests of the same token counts, in one run; the prefix cache's share of the later
-turns' prompts with session affinity (smg ``--policy manual --assignment-mode min_group``, what ``up``
-runs: ``centerline/sglang.py:router_argv``) and without.
+"""`centerline bench sessions [--json]`: multi-turn sessions, over the loopback endpoint and in
+process, beside single requests of the same token counts, in one run; the prefix cache's share of
+the later turns' prompts with session affinity (smg ``--policy manual --assignment-mode
+min_group``, what ``up`` runs: ``centerline/sglang.py:router_argv``) and without.
 
 The stack, every part real: ``--engines`` SGLang servers of ``--model`` (``centerline sglang``,
 the CPU recipe, ``--enable-metrics``; default: the random seed-0 toy model, written by init-model
@@ -10,10 +10,12 @@ into ``--model-dir`` once), and per ``--policies`` entry the SGLang router (``sm
 (``centerline proxy``, K = ``--k``) in front of the router.
 
 Phase 1, sessions, once per policy: ``--sessions`` sessions of ``--turns`` turns, ``--concurrency``
-at a time, each on the worker's session endpoint (``rollout_worker/environment.py``
-``SessionEndpoint``: history check, chat template, native /generate through the proxy with
-``X-SMG-Routing-Key: <session id>``), driven by the real ``openai.AsyncOpenAI`` client as an
-environment drives it: a user message of ``--user-tokens`` random letters (one token each with
+at a time, each driven by the real ``openai.AsyncOpenAI`` client as a worker makes it for an
+environment (``rollout_worker/session_transport.py``: history check, chat template, native /generate
+through the proxy with ``X-SMG-Routing-Key: <session id>``), over each of ``--transports`` for the
+first policy (``transports``: ``loopback``, the aiohttp endpoint, before; ``in-process``, the
+worker's default, after; each with its own random text) and over the last for the others
+(``policies``), as an environment drives it: a user message of ``--user-tokens`` random letters (one token each with
 the byte-level toy model), the reply with ``max_tokens`` ``--max-tokens``, the next user message.
 A turn's time is the client's, request to answer; its cached tokens are what the answer's
 ``usage.prompt_tokens_details.cached_tokens`` says (SGLang's ``meta_info.cached_tokens``, carried
@@ -32,8 +34,8 @@ key: as many random prompt ids as the turn's prompt tokens (nothing of them in a
 ``max_new_tokens`` = the tokens the turn sampled, with ``ignore_eos``, as many at a time as phase 1
 had sessions in flight (``--concurrency``, at most ``--sessions``); ``request_ms_by_turn``: their mean
 time by the turn they replay.
-``overhead_ms_per_turn`` = a session turn's mean time less a single request's: the session
-endpoint, the template and the OpenAI client, less what the prefix cache saves in prefill.
+``overhead_ms_per_turn`` = a session turn's mean time less a single request's: the OpenAI client
+and its transport, the template and the session, less what the prefix cache saves in prefill.
 ``tokens_per_s`` counts sampled tokens over each phase's wall time; ``*_ratio`` is sessions over
 single requests. ``*_per_engine``: requests each engine counted in the phase
 (``sglang:num_requests_total``; null for a server without ``--enable-metrics``): single
@@ -45,8 +47,9 @@ worker's stages from the session's own clock (``Session.turn_stages``): ``endpoi
 request, writing the answer), ``history`` (the history check), ``render`` (the chat template),
 ``tokenize`` (the new messages' ids and their check in context), ``reply`` (the reply decoded in
 context and parsed); ``client``, the client's time less the endpoint's (the OpenAI client, its
-request transform and answer parsing, loopback HTTP, and waits for the one event loop all of it
-shares); past the worker, from the histograms the servers export, read before and after the phase:
+request transform and answer parsing, the transport: loopback HTTP or the in-process hand-over,
+and waits for the one event loop all of it shares); past the worker, from the histograms the
+servers export, read before and after the phase:
 ``proxy`` (the proxy's own time, ``centerline_proxy_added_latency_seconds``), ``engine_queue``
 (``sglang:queue_time_seconds``), ``engine`` (``sglang:e2e_request_latency_seconds`` less the
 queue), and ``router_and_hops`` (the worker's round trip to the proxy less those: smg, the HTTP
@@ -135,16 +138,17 @@ def words(rng: np.random.Generator, n: int) -> str:
     return "".join(rng.choice(letters, n)).strip() or "a"
 
 
-async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
-    """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns; their turns' figures."""
-    import aiohttp
-    import httpx
-    import openai
+async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: str) -> dict:
+    """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns, each driven by its
+    OpenAI client over ``transport`` as a worker makes it; their turns' figures."""
+    import importlib
 
-    from rollout_worker.environment import SessionEndpoint, proxy_generate, session_http_client
+    import aiohttp
+
+    from rollout_worker.environment import ProxyTurn
     from rollout_worker.main import load_tokenizer
-    from rollout_worker.request import generate_body
     from rollout_worker.session import ChatTemplate, Session
+    from rollout_worker.session_transport import SessionChat, SessionClients
     from shared.config import Config
 
     cfg = Config(
@@ -160,30 +164,16 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
     turns: list[dict] = []
     kept: dict[int, list] = {}  # each session's messages, as its client last sent them and the reply
     gate = asyncio.Semaphore(args.concurrency)
-    endpoint = SessionEndpoint(cfg)
-    await endpoint.start()
-    pool = httpx.AsyncHTTPTransport()
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
 
-        def new_session(i: int) -> Session:
-            sid = f"bench-{seed}-{i}"
-
-            async def generate(input_ids, max_new_tokens, stop):
-                body = generate_body(cfg, input_ids, max_new_tokens=max_new_tokens, stop=stop)
-                return await proxy_generate(http, proxy_url, body, routing_key=sid)
-
-            return Session(sid, template, generate, k=args.k, budget=args.session_max_tokens)
-
-        async def one(i: int) -> None:
+        async def one(clients: SessionClients, i: int) -> None:
             async with gate:
-                session = new_session(i)
-                client = openai.AsyncOpenAI(
-                    base_url=endpoint.open(session),
-                    api_key="unused",
-                    max_retries=0,
-                    http_client=session_http_client(pool, 600),  # as the worker's sessions have it
+                sid = f"bench-{seed}-{i}"
+                session = Session(
+                    sid, template, ProxyTurn(cfg, http, sid).generate, k=args.k, budget=args.session_max_tokens
                 )
+                client = clients.client(session)
                 messages, held = [], 0  # held: the session's tokens before the turn
                 try:
                     for t in range(args.turns):
@@ -214,15 +204,13 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int) -> dict:
 
         # the client imports its chat resource on first use (about half a second here, once a process):
         # done before the clock starts, so the first turns measured are turns, not the import
-        warm = openai.AsyncOpenAI(base_url=endpoint.url, api_key="unused", http_client=session_http_client(pool, 600))
-        warm.chat.completions  # noqa: B018 (the attribute's import is the point)
-        started = time.perf_counter()
-        try:
-            await asyncio.gather(*(one(i) for i in range(args.sessions)))
-        finally:
-            await endpoint.close()
-            await pool.aclose()
-        wall = time.perf_counter() - started
+        importlib.import_module("openai.resources.chat")
+        async with SessionClients(SessionChat(cfg), transport, 600, sessions=args.concurrency) as clients:
+            started = time.perf_counter()
+            await asyncio.gather(*(one(clients, i) for i in range(args.sessions)))
+            wall = time.perf_counter() - started
+            if clients.failures:
+                raise RuntimeError(f"a session's turn failed ({transport}): {clients.failures[0]}")
     return {"turns": turns, "wall_s": wall, "transform_s": await client_transform(kept[0], args)}
 
 
@@ -329,6 +317,8 @@ def session_figures(found: dict, per_engine: list[int], before: dict, after: dic
 
 def bench_sessions(argv: list[str]) -> int:
     """Session turns vs single requests of the same token counts; prefix-cache share with and without affinity."""
+    from rollout_worker.session_transport import TRANSPORTS
+
     parser = argparse.ArgumentParser(prog="centerline bench sessions", description=bench_sessions.__doc__)
     parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
     parser.add_argument("--engines", type=int, default=2, help="SGLang servers started, behind each router")
@@ -344,6 +334,12 @@ def bench_sessions(argv: list[str]) -> int:
         default="manual,cache_aware,round_robin",
         help=f"router policies, in this order, comma-separated, of {', '.join(POLICIES)}; manual (session "
         "affinity) is what up runs, round_robin none; the first one's turns are replayed as single requests",
+    )
+    parser.add_argument(
+        "--transports",
+        default="loopback,in-process",
+        help=f"session transports (the worker's session_transport: {', '.join(TRANSPORTS)}), in this order, "
+        "comma-separated: the first policy's sessions run once over each, the other policies' over the last",
     )
     parser.add_argument("--sessions", type=int, default=16, help="sessions per policy")
     parser.add_argument("--turns", type=int, default=4, help="turns per session")
@@ -375,6 +371,9 @@ def bench_sessions(argv: list[str]) -> int:
             f"--policies {args.policies}: distinct names from {', '.join(POLICIES)}, or manual:MODE with MODE one "
             f"of {', '.join(ASSIGNMENT_MODES)}"
         )
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not transports or set(transports) - set(TRANSPORTS) or len(set(transports)) != len(transports):
+        parser.error(f"--transports {args.transports}: distinct names from {', '.join(TRANSPORTS)}")
     for name in ("engines", "sessions", "turns", "user_tokens", "max_tokens", "concurrency", "k"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
@@ -386,7 +385,7 @@ def bench_sessions(argv: list[str]) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     supervisor = Supervisor(run_dir / "logs", {})
     try:
-        result = run(args, policies, model, vocab, supervisor, run_dir / "logs")
+        result = run(args, policies, transports, model, vocab, supervisor, run_dir / "logs")
     except RuntimeError as exc:
         print(f"centerline bench sessions: {exc}", file=sys.stderr)
         return 1
@@ -406,7 +405,9 @@ def toy_model(model_dir: Path) -> Path:
     return out
 
 
-def run(args, policies: list[str], model: str, vocab: int, supervisor: Supervisor, logs: Path) -> dict:
+def run(
+    args, policies: list[str], transports: list[str], model: str, vocab: int, supervisor: Supervisor, logs: Path
+) -> dict:
     started = time.monotonic()
     engines = []
     for i in range(0 if args.engine_urls else args.engines):
@@ -429,17 +430,23 @@ def run(args, policies: list[str], model: str, vocab: int, supervisor: Superviso
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "k": args.k,
+        "transports": {},
         "policies": {},
     }
-    found_by_policy = {}
+    found_by_run, seeds = {}, iter(range(1 << 20))
     for n, policy in enumerate(policies):
         proxy_url = start_router_and_proxy(supervisor, logs, urls, policy, vocab, args.k)
-        before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
-        found = asyncio.run(run_sessions(args, proxy_url, model, seed=n))
-        after = [engine_requests(u) for u in urls]
-        figures = session_figures(found, counted(before, after), timed, timings(urls, proxy_url))
-        result["policies"][policy], found_by_policy[policy] = figures, found
-        progress("sessions", policy=policy, **figures)
+        for transport in transports if n == 0 else transports[-1:]:
+            before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
+            found = asyncio.run(run_sessions(args, proxy_url, model, next(seeds), transport))
+            after = [engine_requests(u) for u in urls]
+            figures = {"transport": transport}
+            figures.update(session_figures(found, counted(before, after), timed, timings(urls, proxy_url)))
+            found_by_run[id(figures)] = found
+            if n == 0:
+                result["transports"][transport] = figures
+            progress("sessions", policy=policy, **figures)
+        result["policies"][policy] = figures  # the last transport's
         if n == 0:
             shapes = [{k: t[k] for k in ("turn", "prompt_tokens", "completion_tokens")} for t in found["turns"]]
             before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
@@ -463,8 +470,8 @@ def run(args, policies: list[str], model: str, vocab: int, supervisor: Superviso
             }
             progress("single", **result["single"])
     single = result["single"]
-    for policy, figures in result["policies"].items():
-        found = found_by_policy[policy]
+    for figures in {id(f): f for f in [*result["transports"].values(), *result["policies"].values()]}.values():
+        found = found_by_run[id(figures)]
         figures.update(growth(found["turns"], found["transform_s"], single["request_ms_by_turn"]))
         figures["overhead_ms_per_turn"] = round(figures["turn_ms_mean"] - single["request_ms_mean"], 3)
         figures["tokens_per_s_ratio"] = round(figures["tokens_per_s"] / single["tokens_per_s"], 4)

@@ -74,8 +74,8 @@ def ms(seconds: float | None) -> float | None:
 
 
 def session_stages(turns: list[dict], before: dict, after: dict) -> dict:
-    """Milliseconds per turn in each stage, mean over the turns: the OpenAI client and the loopback
-    HTTP (the client's time less the endpoint's), the endpoint's own, the session's (history check,
+    """Milliseconds per turn in each stage, mean over the turns: the OpenAI client and its transport
+    (the client's time less the endpoint's), the endpoint's own, the session's (history check,
     template, tokenization, the reply's decoding and parsing), then past the worker (``stage_table``)."""
     stages = [t["stages"] for t in turns]
     worker = {name: statistics.fmean(st[name] for st in stages) for name in ("generate", *WORKER_STAGES)}

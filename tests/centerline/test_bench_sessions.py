@@ -1,7 +1,8 @@
-"""`centerline bench sessions`: sessions through the session endpoint, then single requests of the
-same token counts, one JSON object. Tiny sizes on two engines (``--engine-urls``): the session's
-shared SGLang server and the session's second one, with ``--enable-metrics``, whose request
-count shows the routing, behind a real router (``--policy manual``) and proxy the bench starts."""
+"""`centerline bench sessions`: sessions over the loopback endpoint and in process, then single
+requests of the same token counts, one JSON object. Tiny sizes on two engines (``--engine-urls``):
+the session's shared SGLang server and the session's second one, with ``--enable-metrics``, whose
+request count shows the routing, behind a real router (``--policy manual``) and proxy the bench
+starts."""
 
 import json
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS, TURNS, USER, MAX_TOKENS = 4, 3, 8, 4
 FIGURES = {
+    "transport",
     "turns",
     "turn_ms_mean",
     "turn_ms_p50",
@@ -62,7 +64,7 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     phases = [json.loads(line)["phase"] for line in run.stderr.splitlines() if line.startswith('{"bench"')]
-    assert phases == ["engines_ready", "stack_ready", "sessions", "single"]
+    assert phases == ["engines_ready", "stack_ready", "sessions", "sessions", "single"]  # loopback, in-process
     (line,) = run.stdout.splitlines()
     result = json.loads(line)
     written = json.loads((tmp_path / "sessions.json").read_text())
@@ -77,6 +79,13 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     }
     manual, single = result["policies"]["manual"], result["single"]
     assert set(manual) == FIGURES and manual["turns"] == single["requests"] == SESSIONS * TURNS
+    # before and after: the same sessions' figures over the loopback endpoint and in process, the
+    # policy's over the worker's default
+    loopback, in_process = result["transports"]["loopback"], result["transports"]["in-process"]
+    assert list(result["transports"]) == ["loopback", "in-process"] and in_process == manual
+    assert (loopback["transport"], in_process["transport"]) == ("loopback", "in-process")
+    assert set(loopback) == FIGURES and loopback["turns"] == SESSIONS * TURNS
+    assert loopback["overhead_ms_per_turn"] == round(loopback["turn_ms_mean"] - single["request_ms_mean"], 3)
     # the same token counts both ways: what the sessions sent and sampled, the single requests did
     assert (single["prompt_tokens"], single["sampled_tokens"]) == (manual["prompt_tokens"], manual["sampled_tokens"])
     assert SESSIONS * TURNS <= manual["sampled_tokens"] <= SESSIONS * TURNS * MAX_TOKENS
@@ -111,7 +120,8 @@ def test_bench_sessions_times_each_stage_of_a_turn_and_each_turn_of_a_session(
     and the engine's only where every engine exports SGLang's (the shared one has no --enable-metrics)."""
     argv = [sys.executable, "-m", "centerline", "bench", "sessions", "--json"]
     argv += ["--engine-urls", sglang.url, counting_server.url, "--model", str(model_dir)]
-    argv += ["--policies", "manual:min_load", "--sessions", "2", "--turns", "5", "--user-tokens", "4"]
+    argv += ["--policies", "manual:min_load", "--transports", "in-process", "--sessions", "2", "--turns", "5"]
+    argv += ["--user-tokens", "4"]
     argv += ["--max-tokens", "2", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "sessions.json")]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -128,3 +128,34 @@ async def calls_a_tool(client: openai.AsyncOpenAI, task) -> float:
     TOOL_TURNS.append(answers)
     content = answers[-1].choices[0].message.content or ""
     return float(total is not None and str(total) in content)
+
+
+BASE_URLS: list[str] = []  # each session's base URL, as its environment saw it
+AGENT = """
+import json, sys, urllib.request
+body = json.dumps({"model": "default", "messages": [{"role": "user", "content": sys.argv[2]}]}).encode()
+request = urllib.request.Request(sys.argv[1] + "chat/completions", body, {"Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(request))["choices"][0]["message"]["content"])
+"""
+
+
+async def records_its_base_url(client: openai.AsyncOpenAI, task) -> float:
+    BASE_URLS.append(str(client.base_url))
+    return await one_turn(client, task)
+
+
+async def hands_its_base_url_to_an_agent(client: openai.AsyncOpenAI, task) -> float:
+    """Gives its session's base URL to an agent in another process (Python's urllib, as a CLI agent
+    would get it: ``session_transport = "loopback"``); the reward is the length of the agent's answer."""
+    import asyncio
+    import sys
+
+    base = str(client.base_url)
+    BASE_URLS.append(base)
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", AGENT, base, task.prompt, stdout=asyncio.subprocess.PIPE
+    )
+    said, _ = await agent.communicate()
+    if agent.returncode != 0:
+        raise RuntimeError(f"the agent exited {agent.returncode}")
+    return float(len(said.decode().rstrip("\n")))

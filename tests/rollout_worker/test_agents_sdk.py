@@ -14,7 +14,11 @@ from tests.rollout_worker.test_tool_calls import run, tok  # noqa: F401 (the mod
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
-def test_an_agents_sdk_agent_calls_its_tool_through_the_session_and_trains_exactly_the_sampled_ids(tok, monkeypatch):  # noqa: F811
+def test_an_agents_sdk_agent_calls_its_tool_through_the_session_and_trains_exactly_the_sampled_ids(
+    tok,  # noqa: F811
+    monkeypatch,
+    transport,
+):
     calls = []
     real = agents_sdk.add.on_invoke_tool
 
@@ -30,7 +34,7 @@ def test_an_agents_sdk_agent_calls_its_tool_through_the_session_and_trains_exact
         return await agents_sdk.adder(client, task)
 
     reward, s, engine, endpoint = run(
-        tok, [(ids, "stop") for ids in sampled], requests, Config(rollout_max_new_tokens=48)
+        tok, [(ids, "stop") for ids in sampled], requests, Config(rollout_max_new_tokens=48), transport
     )
     assert reward == 1.0 and calls == ['{"a": 2, "b": 3}']  # the SDK ran the tool on the sampled call
     assert endpoint.failures == [] and s.turns == 2 and (s.tool_calls, s.tool_call_parse_errors) == (1, 0)

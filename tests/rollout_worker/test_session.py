@@ -13,7 +13,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from centerline.toy.tokenizer import save_tokenizer
-from rollout_worker.environment import SessionEndpoint
 from rollout_worker.packing import pack_trajectories
 from rollout_worker.session import (
     ChatTemplate,
@@ -22,6 +21,7 @@ from rollout_worker.session import (
     SessionHistoryError,
     SessionTemplateError,
 )
+from rollout_worker.session_transport import SessionChat, SessionClients
 from rollout_worker.worker import Rejected, Transient
 from shared.config import Config
 from shared.contract import check_batch
@@ -232,23 +232,23 @@ def test_a_reply_ended_by_another_special_token_keeps_it_and_the_template_still_
 # ---------------------------------------------------------------------------- the chat endpoint
 
 
-def serve(template, engine, cfg: Config | None = None, budget: int = 1024):
-    """``(endpoint, session, client)`` inside a running loop."""
+def serve(template, engine, cfg: Config | None = None, budget: int = 1024, transport: str = "in-process"):
+    """``(endpoint, session, client)`` inside a running loop: the task's clients over ``transport``
+    (``failures``, ``close()``) as the worker makes them, and one session's client."""
 
     async def start():
-        endpoint = SessionEndpoint(cfg or Config(rollout_max_new_tokens=16))
+        endpoint = SessionClients(SessionChat(cfg or Config(rollout_max_new_tokens=16)), transport, timeout=60)
         await endpoint.start()
         s = session(template, engine, budget)
-        client = openai.AsyncOpenAI(base_url=endpoint.open(s), api_key="unused", max_retries=0)
-        return endpoint, s, client
+        return endpoint, s, endpoint.client(s)
 
     return start()
 
 
-def test_an_openai_client_drives_a_session_through_the_endpoint(template):
+def test_an_openai_client_drives_a_session_through_the_endpoint(template, transport):
     async def go():
         endpoint, s, client = await serve(
-            template, Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("yo"), "length")])
+            template, Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("yo"), "length")]), transport=transport
         )
         try:
             messages = [{"role": "user", "content": "a"}]
@@ -270,13 +270,13 @@ def test_an_openai_client_drives_a_session_through_the_endpoint(template):
     assert s.turns == 2
 
 
-def test_each_turn_says_the_prompt_tokens_sglangs_prefix_cache_served(template):
+def test_each_turn_says_the_prompt_tokens_sglangs_prefix_cache_served(template, transport):
     """SGLang's cached_tokens of each turn: in the answer's usage (OpenAI's prompt_tokens_details) and on
     the session, whose turns 2 and later are what session affinity is measured by."""
 
     async def go():
         engine = Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("yo"), "length")], cached=[0, 9])
-        endpoint, s, client = await serve(template, engine)
+        endpoint, s, client = await serve(template, engine, transport=transport)
         try:
             messages = [{"role": "user", "content": "a"}]
             first = await client.chat.completions.create(model="default", messages=messages)
@@ -299,10 +299,10 @@ def test_each_turn_says_the_prompt_tokens_sglangs_prefix_cache_served(template):
     assert quiet.turn_cached_tokens == [None, None] and quiet.later_turns_cache() is None
 
 
-def test_the_endpoint_passes_the_per_turn_limit_and_stop_strings_and_refuses_other_sampling(template):
+def test_the_endpoint_passes_the_per_turn_limit_and_stop_strings_and_refuses_other_sampling(template, transport):
     async def go():
         engine = Engine([(text_ids("hi"), "length")])
-        endpoint, s, client = await serve(template, engine)
+        endpoint, s, client = await serve(template, engine, transport=transport)
         try:
             await client.chat.completions.create(
                 model="default", messages=[{"role": "user", "content": "a"}], max_completion_tokens=99, stop="."
@@ -325,9 +325,11 @@ def test_the_endpoint_passes_the_per_turn_limit_and_stop_strings_and_refuses_oth
     assert "temperature: is 0.5, the run samples at 1.0" in refusals[0].body["message"]
 
 
-def test_an_engine_failure_is_answered_503_and_kept_for_the_task(template):
+def test_an_engine_failure_is_answered_503_and_kept_for_the_task(template, transport):
     async def go():
-        endpoint, _, client = await serve(template, Engine([], fail=Transient("proxy unreachable")))
+        endpoint, _, client = await serve(
+            template, Engine([], fail=Transient("proxy unreachable")), transport=transport
+        )
         try:
             with pytest.raises(openai.InternalServerError) as err:
                 await client.chat.completions.create(model="default", messages=[{"role": "user", "content": "a"}])
@@ -341,9 +343,9 @@ def test_an_engine_failure_is_answered_503_and_kept_for_the_task(template):
     assert [str(f) for f in endpoint.failures] == ["proxy unreachable"]
 
 
-def test_a_turn_past_the_budget_is_openais_context_length_exceeded(template):
+def test_a_turn_past_the_budget_is_openais_context_length_exceeded(template, transport):
     async def go():
-        endpoint, s, client = await serve(template, Engine([]), budget=20)
+        endpoint, s, client = await serve(template, Engine([]), budget=20, transport=transport)
         try:
             with pytest.raises(openai.BadRequestError) as err:
                 await client.chat.completions.create(model="default", messages=[{"role": "user", "content": "a"}])
@@ -362,9 +364,19 @@ def test_a_turn_past_the_budget_is_openais_context_length_exceeded(template):
 ENVS = "tests.rollout_worker.session_environments"
 
 
-def process(template, monkeypatch, env: str, engine: Engine, n: int = 2, prompt: str = "a", answer: str = ""):
+def process(
+    template,
+    monkeypatch,
+    env: str,
+    engine: Engine,
+    n: int = 2,
+    prompt: str = "a",
+    answer: str = "",
+    transport: str = "in-process",
+):
     """The worker's ``process`` of a task naming ``env`` (a function of session_environments.py, or a
-    built-in environment), its turns answered by ``engine``."""
+    built-in environment), its turns answered by ``engine``, its sessions' clients over ``transport``
+    (the worker's ``session_transport``)."""
     from rollout_worker import environment
     from rollout_worker.worker import Tokenizer, Worker
     from shared.settings import WorkerSettings
@@ -376,7 +388,8 @@ def process(template, monkeypatch, env: str, engine: Engine, n: int = 2, prompt:
 
     monkeypatch.setattr(environment, "proxy_generate", fake)
     cfg = Config(rollout_top_logprobs_num=K, rollout_max_new_tokens=16, rollout_n=n)
-    worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=VOCAB), Tokenizer(None, None, chat=template.tok))
+    settings = WorkerSettings(worker_id="w", vocab_size=VOCAB, session_transport=transport)
+    worker = Worker(cfg, settings, Tokenizer(None, None, chat=template.tok))
     from shared.toy_tasks import ENVIRONMENTS
 
     environment = env if env in ENVIRONMENTS else f"{ENVS}:{env}"
@@ -384,9 +397,11 @@ def process(template, monkeypatch, env: str, engine: Engine, n: int = 2, prompt:
     return asyncio.run(worker.process(task, attempt=3))
 
 
-def test_a_task_naming_an_environment_runs_n_sessions_into_one_batch_with_group_advantages(template, monkeypatch):
+def test_a_task_naming_an_environment_runs_n_sessions_into_one_batch_with_group_advantages(
+    template, monkeypatch, transport
+):
     engine = Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("hello") + [IM_END], "stop")])
-    outcome = process(template, monkeypatch, "one_turn", engine)
+    outcome = process(template, monkeypatch, "one_turn", engine, transport=transport)
     (batch,) = outcome.batches
     check_batch(batch, vocab_size=VOCAB)
     assert (batch.task_id, batch.attempt, batch.parts, batch.num_samples) == ("run/0/4", 3, 1, 2)
@@ -426,9 +441,17 @@ def test_the_chain_environment_scores_each_step_and_restates_the_sum_after_a_wro
     assert sample_turns(batch) == [3] and batch.finish_reasons == ["length"]
 
 
-def test_an_engine_failure_in_a_turn_fails_the_task_as_transient_whatever_the_environment_does(template, monkeypatch):
+def test_an_engine_failure_in_a_turn_fails_the_task_as_transient_whatever_the_environment_does(
+    template, monkeypatch, transport
+):
     with pytest.raises(Transient, match="proxy unreachable"):
-        process(template, monkeypatch, "shrugs_off_errors", Engine([], fail=Transient("proxy unreachable")))
+        process(
+            template,
+            monkeypatch,
+            "shrugs_off_errors",
+            Engine([], fail=Transient("proxy unreachable")),
+            transport=transport,
+        )
 
 
 @pytest.mark.parametrize(
@@ -443,14 +466,14 @@ def test_an_engine_failure_in_a_turn_fails_the_task_as_transient_whatever_the_en
     ],
 )
 def test_an_environment_that_fails_or_gives_no_reward_or_no_turn_rejects_the_task_by_name(
-    template, monkeypatch, env, refused, message
+    template, monkeypatch, env, refused, message, transport
 ):
     from rollout_worker.worker import Rejected
 
     replies = [(text_ids("hi") + [IM_END], "stop")] * 2
     engine = Engine(replies, fail=Rejected("the proxy refused it") if refused else None)
     with pytest.raises(Rejected, match=message):
-        process(template, monkeypatch, env, engine)
+        process(template, monkeypatch, env, engine, transport=transport)
 
 
 def test_a_session_budget_that_leaves_no_room_for_a_turn_is_refused_naming_both_settings():
@@ -617,11 +640,11 @@ def test_a_tokenizer_with_a_dummy_prefix_space_is_refused_in_context_and_replies
     assert len(engine.inputs) == 1  # nothing sent
 
 
-def endpoint_request(template, engine, cfg: Config | None = None, budget: int = 1024, **kwargs):
-    """``(endpoint, error or completion)`` of one request with ``kwargs`` through a session's endpoint."""
+def endpoint_request(template, engine, cfg: Config | None = None, budget: int = 1024, transport="in-process", **kwargs):
+    """``(endpoint, error or completion)`` of one request with ``kwargs`` through a session's client."""
 
     async def go():
-        endpoint, _, client = await serve(template, engine, cfg, budget)
+        endpoint, _, client = await serve(template, engine, cfg, budget, transport)
         try:
             try:
                 return endpoint, await client.chat.completions.create(
@@ -676,10 +699,10 @@ def endpoint_request(template, engine, cfg: Config | None = None, budget: int = 
     ],
 )
 def test_a_request_the_endpoint_does_not_honour_is_refused_by_name_and_kept_to_fail_the_task(
-    template, kwargs, code, message
+    template, kwargs, code, message, transport
 ):
     engine = Engine([])
-    endpoint, err = endpoint_request(template, engine, **kwargs)
+    endpoint, err = endpoint_request(template, engine, transport=transport, **kwargs)
     assert (err.status_code, err.code) == (400, code)
     assert err.body["message"].startswith(message) and err.body["message"].endswith("; the task will be rejected")
     assert engine.inputs == []  # nothing sampled
@@ -691,7 +714,7 @@ def test_a_request_the_endpoint_does_not_honour_is_refused_by_name_and_kept_to_f
     )
 
 
-def test_neutral_and_run_settings_are_accepted_and_chat_template_kwargs_reach_the_template(tmp_path):
+def test_neutral_and_run_settings_are_accepted_and_chat_template_kwargs_reach_the_template(tmp_path, transport):
     """What a harness sends by default (OpenAI's neutral values, the run's own sampling, who calls)
     takes the turn as if unset; ``chat_template_kwargs`` are the template's variables."""
     save_tokenizer(tmp_path)
@@ -720,13 +743,13 @@ def test_neutral_and_run_settings_are_accepted_and_chat_template_kwargs_reach_th
         safety_identifier="u",
     )
     extra = {"top_k": -1, "min_tokens": 0, "repetition_penalty": 1.0, "chat_template_kwargs": {"persona": "terse"}}
-    endpoint, reply = endpoint_request(ChatTemplate(tok), engine, extra_body=extra, **neutral)
+    endpoint, reply = endpoint_request(ChatTemplate(tok), engine, transport=transport, extra_body=extra, **neutral)
     assert reply.choices[0].message.content == "hi" and endpoint.failures == []
     assert engine.inputs[0][0][:15] == [257, *text_ids("system\nterse"), IM_END, *text_ids("\n")]
 
 
-def test_any_exception_inside_a_turn_is_answered_as_a_named_json_error_and_kept_to_fail_the_task(template):
-    endpoint, err = endpoint_request(template, Engine([], fail=RuntimeError("the stand-in broke")))
+def test_any_exception_inside_a_turn_is_answered_as_a_named_json_error_and_kept_to_fail_the_task(template, transport):
+    endpoint, err = endpoint_request(template, Engine([], fail=RuntimeError("the stand-in broke")), transport=transport)
     assert (type(err), err.status_code, err.code) == (openai.InternalServerError, 500, "internal_error")
     reason = "session s1: the turn failed: RuntimeError: the stand-in broke"
     assert err.body["message"] == reason + "; the task will be rejected"
@@ -734,14 +757,14 @@ def test_any_exception_inside_a_turn_is_answered_as_a_named_json_error_and_kept_
     assert isinstance(endpoint.failures[0], Rejected)
 
 
-def test_a_history_and_a_budget_refusal_are_logged_and_leave_the_session_trainable(template, caplog):
+def test_a_history_and_a_budget_refusal_are_logged_and_leave_the_session_trainable(template, caplog, transport):
     """The environment may catch these and go on or finish: nothing is kept to fail the task."""
 
     async def go():
         engine = Engine([(text_ids("hi") + [IM_END], "stop")])
         first = [{"role": "user", "content": "a"}]
         budget = len(template.encode(template.render(first))) + 3 + 30
-        endpoint, s, client = await serve(template, engine, budget=budget)
+        endpoint, s, client = await serve(template, engine, budget=budget, transport=transport)
         codes = []
         try:
             reply = await client.chat.completions.create(model="default", messages=first)

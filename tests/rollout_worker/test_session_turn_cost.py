@@ -97,10 +97,10 @@ def test_a_failed_turn_leaves_the_session_as_its_last_complete_turn(template):
     assert after.loss_mask.tolist() == before.loss_mask.tolist() and after.cand_ids.shape == before.cand_ids.shape
 
 
-def test_each_turn_records_the_seconds_of_its_stages_and_the_endpoints_own(template):
+def test_each_turn_records_the_seconds_of_its_stages_and_the_endpoints_own(template, transport):
     async def go():
         engine = Engine([(text_ids("hi") + [IM_END], "stop"), (text_ids("yo"), "length")])
-        endpoint, s, client = await serve(template, engine)
+        endpoint, s, client = await serve(template, engine, transport=transport)
         try:
             messages = [{"role": "user", "content": "a"}]
             first = await client.chat.completions.create(model="default", messages=messages)
@@ -139,7 +139,9 @@ async def closes_its_client(client: openai.AsyncOpenAI, task) -> float:
     return 2.0
 
 
-def test_a_session_that_closes_its_client_leaves_the_other_sessions_of_the_task_theirs(template, monkeypatch):
+def test_a_session_that_closes_its_client_leaves_the_other_sessions_of_the_task_theirs(
+    template, monkeypatch, transport
+):
     """A task's sessions share one connection pool (no CA certificates loaded per session); an
     environment closing its client closes its own only."""
     from rollout_worker import environment
@@ -156,7 +158,8 @@ def test_a_session_that_closes_its_client_leaves_the_other_sessions_of_the_task_
     monkeypatch.setattr(environment, "proxy_generate", fake)
     CLOSED.clear()
     cfg = Config(rollout_top_logprobs_num=K, rollout_max_new_tokens=16, rollout_n=2)
-    worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=VOCAB), Tokenizer(None, None, chat=template.tok))
+    settings = WorkerSettings(worker_id="w", vocab_size=VOCAB, session_transport=transport)
+    worker = Worker(cfg, settings, Tokenizer(None, None, chat=template.tok))
     task = PromptTask("run/0/4", "run/g4", "a", "", "exact", 2, 0, environment=f"{__name__}:closes_its_client")
     outcome = asyncio.run(worker.process(task, attempt=1))
     (batch,) = outcome.batches

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from centerline.runs.report import summary
 from centerline.toy.tokenizer import save_tokenizer
-from rollout_worker.environment import SessionEndpoint
 from rollout_worker.session import ChatTemplate, Session
+from rollout_worker.session_transport import SessionChat, SessionClients
 from shared.config import Config
 from shared.contract import check_batch
 from shared.wire import WireError, decode_batch, encode_batch
@@ -35,17 +35,18 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(out))
 
 
-def run(tok, replies, requests, cfg: Config | None = None):
-    """Drive one session through the endpoint with the real client: ``requests(client)`` is a coroutine
-    function given the client; returns ``(its result, the session, the engine)``."""
+def run(tok, replies, requests, cfg: Config | None = None, transport: str = "in-process"):
+    """Drive one session with the real client over ``transport``, as the worker makes it:
+    ``requests(client)`` is a coroutine function given the client; returns ``(its result, the
+    session, the engine, the task's clients)``."""
     cfg = cfg or Config(rollout_max_new_tokens=48)
     engine = Engine(replies)
 
     async def go():
-        endpoint = SessionEndpoint(cfg)
+        endpoint = SessionClients(SessionChat(cfg), transport, timeout=60)
         await endpoint.start()
         s = Session("s1", ChatTemplate.for_run(tok, cfg), engine, k=K, budget=1024)
-        client = openai.AsyncOpenAI(base_url=endpoint.open(s), api_key="unused", max_retries=0)
+        client = endpoint.client(s)
         try:
             return await requests(client), s, endpoint
         finally:
@@ -60,11 +61,11 @@ def ask(client, messages, **kwargs):
     return client.chat.completions.create(model="default", messages=messages, tools=[ADD], **kwargs)
 
 
-def test_a_reply_that_calls_a_tool_is_answered_with_openais_tool_calls_and_null_content(tok):
+def test_a_reply_that_calls_a_tool_is_answered_with_openais_tool_calls_and_null_content(tok, transport):
     async def requests(client):
         return await ask(client, [{"role": "user", "content": "2+3?"}])
 
-    reply, s, _, _ = run(tok, [(text_ids(CALL) + [IM_END], "stop")], requests)
+    reply, s, _, _ = run(tok, [(text_ids(CALL) + [IM_END], "stop")], requests, transport=transport)
     choice = reply.choices[0]
     assert (choice.finish_reason, choice.message.content, choice.message.role) == ("tool_calls", None, "assistant")
     (call,) = choice.message.tool_calls
@@ -74,16 +75,18 @@ def test_a_reply_that_calls_a_tool_is_answered_with_openais_tool_calls_and_null_
     assert not hasattr(choice, "tool_call_error") and (s.tool_calls, s.tool_call_parse_errors) == (1, 0)
 
 
-def test_content_before_a_call_is_the_text_without_its_markup(tok):
+def test_content_before_a_call_is_the_text_without_its_markup(tok, transport):
     async def requests(client):
         return await ask(client, [{"role": "user", "content": "2+3?"}])
 
-    reply, _, _, _ = run(tok, [(text_ids("Adding.\n" + CALL) + [IM_END], "stop")], requests)
+    reply, _, _, _ = run(tok, [(text_ids("Adding.\n" + CALL) + [IM_END], "stop")], requests, transport=transport)
     message = reply.choices[0].message
     assert (message.content, [c.function.name for c in message.tool_calls]) == ("Adding.", ["add"])
 
 
-def test_the_history_sent_back_with_tool_calls_and_tool_results_extends_the_session_and_trains_the_sampled_ids(tok):
+def test_the_history_sent_back_with_tool_calls_and_tool_results_extends_the_session_and_trains_the_sampled_ids(
+    tok, transport
+):
     sampled = [text_ids(CALL) + [IM_END], text_ids("It is 5.") + [IM_END]]
 
     async def requests(client):
@@ -94,7 +97,9 @@ def test_the_history_sent_back_with_tool_calls_and_tool_results_extends_the_sess
         second = await ask(client, messages)
         return first, second, [*messages, second.choices[0].message.model_dump()]
 
-    (first, second, final), s, engine, endpoint = run(tok, [(ids, "stop") for ids in sampled], requests)
+    (first, second, final), s, engine, endpoint = run(
+        tok, [(ids, "stop") for ids in sampled], requests, transport=transport
+    )
     assert (second.choices[0].message.content, second.choices[0].finish_reason) == ("It is 5.", "stop")
     assert endpoint.failures == [] and s.turns == 2
     t = s.trajectory()
@@ -134,7 +139,7 @@ def test_the_history_sent_back_with_tool_calls_and_tool_results_extends_the_sess
     ],
 )
 def test_a_call_that_does_not_parse_is_answered_as_text_with_the_failure_named_and_counted(
-    tok, text, finish, code, message
+    tok, text, finish, code, message, transport
 ):
     async def requests(client):
         messages = [{"role": "user", "content": "2+3?"}]
@@ -144,7 +149,7 @@ def test_a_call_that_does_not_parse_is_answered_as_text_with_the_failure_named_a
 
     closing = [IM_END] if finish == "stop" else []
     replies = [(text_ids(text) + closing, finish), (text_ids(CALL) + [IM_END], "stop")]
-    (first, second), s, _, endpoint = run(tok, replies, requests)
+    (first, second), s, _, endpoint = run(tok, replies, requests, transport=transport)
     choice = first.choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, finish)
     assert choice.tool_call_error["code"] == code and choice.tool_call_error["message"].startswith(message)
@@ -154,7 +159,7 @@ def test_a_call_that_does_not_parse_is_answered_as_text_with_the_failure_named_a
     assert (t.tool_calls, t.tool_call_parse_errors) == (1, 1)
 
 
-def test_a_template_that_renders_a_past_call_differently_from_what_was_sampled_is_refused_by_name(tok):
+def test_a_template_that_renders_a_past_call_differently_from_what_was_sampled_is_refused_by_name(tok, transport):
     """Sampled without spaces, the call parses; the template writes it back with spaces, which the
     tokens held are not: never re-tokenized, the task is rejected (docs/design.md section 12)."""
     tight = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
@@ -168,7 +173,7 @@ def test_a_template_that_renders_a_past_call_differently_from_what_was_sampled_i
             await ask(client, messages)
         return first, refused.value
 
-    (first, refused), _, _, endpoint = run(tok, [(text_ids(tight) + [IM_END], "stop")], requests)
+    (first, refused), _, _, endpoint = run(tok, [(text_ids(tight) + [IM_END], "stop")], requests, transport=transport)
     assert first.choices[0].message.tool_calls[0].function.arguments == '{"a": 2, "b": 3}'
     assert refused.code == "session_template"
     said = refused.body["message"]
@@ -177,7 +182,7 @@ def test_a_template_that_renders_a_past_call_differently_from_what_was_sampled_i
     assert 'the template \' "add", "arguments": {"a": 2, "b": 3}}' in said and len(endpoint.failures) == 1
 
 
-def test_a_template_that_drops_a_past_think_block_is_refused_by_name(tok):
+def test_a_template_that_drops_a_past_think_block_is_refused_by_name(tok, transport):
     """--rollout-reasoning-parser: the think block is the answer's reasoning_content; the toy template,
     like Qwen3's for past turns, renders a past reply without it."""
 
@@ -191,7 +196,7 @@ def test_a_template_that_drops_a_past_think_block_is_refused_by_name(tok):
 
     cfg = Config(rollout_max_new_tokens=48, rollout_reasoning_parser="deepseek-r1")
     replies = [(text_ids("<think>2 and 3</think>It is 5.") + [IM_END], "stop")]
-    (first, refused), _, _, _ = run(tok, replies, requests, cfg)
+    (first, refused), _, _, _ = run(tok, replies, requests, cfg, transport=transport)
     message = first.choices[0].message
     assert (message.reasoning_content, message.content) == ("2 and 3", "It is 5.")
     assert (
@@ -225,7 +230,7 @@ def test_a_template_that_drops_a_past_think_block_is_refused_by_name(tok):
         (Config(), {"tools": [{"type": "function"}]}, "invalid_request", "tools: tools[0] is not a function tool"),
     ],
 )
-def test_tools_the_run_cannot_parse_are_refused_by_name(tok, cfg, kwargs, code, message):
+def test_tools_the_run_cannot_parse_are_refused_by_name(tok, cfg, kwargs, code, message, transport):
     async def requests(client):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(
@@ -233,17 +238,17 @@ def test_tools_the_run_cannot_parse_are_refused_by_name(tok, cfg, kwargs, code, 
             )
         return refused.value
 
-    refused, s, engine, endpoint = run(tok, [], requests, cfg)
+    refused, s, engine, endpoint = run(tok, [], requests, cfg, transport=transport)
     assert refused.code == code and refused.body["message"].startswith(message), refused.body["message"]
     assert engine.inputs == [] and len(endpoint.failures) == 1  # fatal: nothing sampled, the task rejected
 
 
 @pytest.mark.parametrize("choice, calls", [("none", 0), ({"type": "function", "function": {"name": "add"}}, 1)])
-def test_tool_choice_none_answers_text_and_a_named_function_parses_calls_to_it(tok, choice, calls):
+def test_tool_choice_none_answers_text_and_a_named_function_parses_calls_to_it(tok, choice, calls, transport):
     async def requests(client):
         return await ask(client, [{"role": "user", "content": "2+3?"}], tool_choice=choice)
 
-    reply, s, engine, _ = run(tok, [(text_ids(CALL) + [IM_END], "stop")], requests)
+    reply, s, engine, _ = run(tok, [(text_ids(CALL) + [IM_END], "stop")], requests, transport=transport)
     assert len(reply.choices[0].message.tool_calls or []) == s.tool_calls == calls
     assert b"<tools>" in bytes(i for i in engine.inputs[0][0] if i < 256)  # the template got the tools either way
 

@@ -1,5 +1,7 @@
-"""A session turn's request: which OpenAI chat-completions fields the endpoint honours, accepts or
-refuses (docs/design.md section 12).
+"""The OpenAI chat-completions shapes of a session's turn, both ways (docs/design.md section 12):
+the request a turn takes (``parse_request``), the answer it gives (``completion``) and the error
+it answers with (``error_body``), whichever transport carries them
+(``rollout_worker/session_transport.py``).
 
 The run's sampling is the one trained on, and a session answers one sampled reply at a time, so every
 field of OpenAI's chat-completions request is one of:
@@ -14,16 +16,22 @@ field of OpenAI's chat-completions request is one of:
 - no effect on what is sampled (``NO_EFFECT``: who calls, what to cache): accepted as it is.
 
 Any other field is refused by name: nothing a request says is silently ignored.
+
+The answer is OpenAI's ``chat.completion``: ``choices[0].message`` (``content``, ``tool_calls``,
+``reasoning_content``), ``finish_reason``, ``usage`` with ``prompt_tokens_details.cached_tokens``
+where SGLang said, and ``choices[0].tool_call_error`` for a call that did not parse. An error is
+``{"error": {"message", "type", "code", "param"}}``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import orjson
 
-from rollout_worker.session import SessionRequestError, UnsupportedSettingError
+from rollout_worker.session import Reply, SessionRequestError, UnsupportedSettingError
 from rollout_worker.tool_calls import offered_tools
 from shared.config import Config
 from shared.sampling import NEUTRAL, Sampling
@@ -213,3 +221,31 @@ def _is_int(value) -> bool:
 def _same(value, accepted) -> bool:
     """``value == accepted``, where True is not 1 and 1.0 is."""
     return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+
+
+def completion(reply: Reply, *, answer_id: str, model: str, cached_tokens: int | None) -> dict:
+    """A turn's ``reply`` as OpenAI's ``chat.completion``; ``cached_tokens``: the prompt tokens SGLang's
+    prefix cache served (``usage.prompt_tokens_details``, left out where SGLang did not say)."""
+    answer = {
+        "id": answer_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": reply.message(), "finish_reason": reply.finish_reason, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": reply.prompt_tokens,
+            "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+        },
+    }
+    if reply.parsed.error is not None:  # a call that did not parse: the reply is text, the failure named
+        answer["choices"][0]["tool_call_error"] = reply.parsed.error.answer()
+    if cached_tokens is not None:
+        answer["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return answer
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    """OpenAI's error object, as the client reads it into ``APIStatusError.code`` and ``.body``."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": code, "param": None}})
