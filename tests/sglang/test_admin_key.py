@@ -11,6 +11,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -90,12 +91,43 @@ def test_generation_needs_no_key(keyed):
 
 def test_server_info_shows_the_admin_key_to_anyone(keyed):
     """SGLang 0.5.23 reports its arguments, the key among them, on the unauthenticated /server_info
-    and /get_server_info: whoever reaches a server's HTTP port can read the key, so nothing in
-    front of a server may pass those paths through."""
+    and /get_server_info (its ``launch_command`` is the arguments merged from the --config file):
+    whoever reaches a server's HTTP port can read the key, so nothing in front of a server may pass
+    those paths through, and only the trainer and the router reach one (docs/design.md section 11)."""
     for path in ("/server_info", "/get_server_info"):
         status, info = http("GET", keyed.url + path)
         assert (status, info["admin_api_key"]) == (200, KEY)
-        assert f"--admin-api-key={KEY}" in info["launch_command"].split()
+        words = info["launch_command"].split()
+        assert words[words.index("--admin-api-key") + 1] == KEY
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of the process group ``pgid`` (field 5 of /proc/PID/stat, after the name)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone since the listing
+            continue
+        if int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_the_key_is_on_no_command_line_of_the_server(keyed):
+    """`centerline sglang` hands SGLang the key in a --config file, not as a flag: no process of
+    the server (SGLang, its scheduler and detokenizer, the watchdog) shows it in /proc/PID/cmdline,
+    which every user of the machine may read, nor does the server's environment hold it; the file
+    is removed once the server answers."""
+    members = group_members(keyed.proc.pid)
+    assert keyed.proc.pid in members and len(members) >= 3, members
+    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in members}
+    assert not [pid for pid, argv in cmdlines.items() if any(KEY.encode() in arg for arg in argv)], cmdlines
+    assert KEY.encode() not in Path(f"/proc/{keyed.proc.pid}/environ").read_bytes()
+    server = [arg.decode() for arg in cmdlines[keyed.proc.pid]]
+    config = Path(server[server.index("--config") + 1])
+    assert config.name == "sglang-admin.yaml"
+    wait_until(lambda: not config.parent.exists(), 30, "the key's --config file removed", keyed.proc)
 
 
 @pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
