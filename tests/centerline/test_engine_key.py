@@ -47,6 +47,14 @@ def test_sglang_reads_back_the_key_the_config_file_gives(sglang_reads, key):
         engine_key.forget(config)
 
 
+def test_sglang_cannot_read_a_key_beginning_with_a_dash_from_its_config_file(sglang_reads, tmp_path, capsys):
+    """Why such a key is refused below: SGLang turns the file into ``--admin-api-key -k3y``."""
+    (tmp_path / "admin.yaml").write_text('admin-api-key: "-k3y"\n')
+    with pytest.raises(SystemExit) as info:
+        sglang_reads(tmp_path / "admin.yaml")
+    assert info.value.code == 2 and "argument --admin-api-key: expected one argument" in capsys.readouterr().err
+
+
 def test_a_key_sglang_would_read_as_a_flag_is_refused():
     with pytest.raises(admin_key.AdminKeyError) as info:
         engine_key.sglang_config("-k3y")
