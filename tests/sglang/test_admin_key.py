@@ -130,38 +130,40 @@ def test_the_key_is_on_no_command_line_of_the_server(keyed):
     wait_until(lambda: not config.parent.exists(), 30, "the key's --config file removed", keyed.proc)
 
 
-@pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
-def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
-    """Whoever reaches the proxy is a rollout client, not the trainer: the proxy answers 403 and no
-    answer of it may carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
+@pytest.fixture(scope="module")
+def keyed_proxy(keyed_sglang, tmp_path_factory):
+    """`centerline proxy` in front of the keyed server: what a worker reaches."""
     port = free_port()
-    proxy = Process(
-        [
-            sys.executable,
-            "-m",
-            "centerline",
-            "proxy",
-            "--upstream",
-            keyed.url,
-            "--port",
-            str(port),
-            "--rollout-top-logprobs-num",
-            "8",
-            "--vocab-size",
-            "260",
-        ],
-        tmp_path / "proxy.log",
-    )
+    argv = [sys.executable, "-m", "centerline", "proxy", "--upstream", keyed_sglang.url, "--port", str(port)]
+    argv += ["--rollout-top-logprobs-num", "8", "--vocab-size", "260"]
+    proxy = Process(argv, tmp_path_factory.mktemp("proxy") / "proxy.log")
     try:
-        wait_until(
-            lambda: http("GET", f"http://127.0.0.1:{port}/liveness", timeout=2)[0] == 200, 60, "proxy", proxy.proc
-        )
-        status, body = call("GET", f"http://127.0.0.1:{port}{path}")
+        wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/ready", timeout=2)[0] == 200, 120, "proxy", proxy.proc)
+        yield f"http://127.0.0.1:{port}"
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
+def test_the_proxy_never_passes_the_admin_key_on(keyed_proxy, path):
+    """Whoever reaches the proxy is a rollout client, not the trainer: the proxy answers 403 and no
+    answer of it may carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
+    status, body = call("GET", keyed_proxy + path)
     assert KEY.encode() not in body, (status, body[:300])
     message = f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"
     assert (status, json.loads(body)) == (403, {"error": {"rule": "admin_forbidden", "message": message}})
+
+
+def test_no_answer_of_the_proxy_carries_the_key(keyed_proxy):
+    """Every route the proxy serves a worker, the ones it forwards and its own, and a sampling
+    request: each answers, and none with the engines' key."""
+    gets = ["/health", "/health_generate", "/v1/models", "/model_info", "/get_model_info", "/ready", "/liveness"]
+    gets += ["/capabilities", "/metrics"]
+    answers = {path: call("GET", keyed_proxy + path) for path in gets}
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "top_logprobs_num": 8}
+    answers["/generate"] = call("POST", keyed_proxy + "/generate", json.dumps(body).encode())
+    assert {path: status for path, (status, _) in answers.items()} == dict.fromkeys(answers, 200)
+    assert [path for path, (_, text) in answers.items() if KEY.encode() in text] == []
 
 
 def test_weight_publisher_with_the_key_updates_the_server(keyed, other_model_dir):
