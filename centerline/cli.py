@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "centerline.nats_users:main",
         "write random NATS passwords for compose or Kubernetes (keeps existing ones)",
     ),
+    "engine-key": (
+        "centerline.engine_key:main",
+        "write the engines' admin key for compose, and SGLang's --config file of it (keeps an existing key)",
+    ),
     "init-model": ("centerline.toy.model_init:main", "write the default small byte-level model as an HF directory"),
     "make-model": (
         "centerline.make_model:main",

@@ -6,8 +6,10 @@ nothing of SGLang is re-implemented here.
 Always set: ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` (log-probs are ``log_softmax(logits / T)``
 over the whole vocabulary, before top-k/top-p/min-p, which the loss assumes), and the
 engines' admin key, read from ``CENTERLINE_ENGINE_ADMIN_API_KEY`` or the file
-``CENTERLINE_ENGINE_ADMIN_API_KEY_FILE`` (``shared/admin_key.py``), as ``--admin-api-key``.
-SGLang takes keys as flags only, so the key shows in the server's command line, never in this one's.
+``CENTERLINE_ENGINE_ADMIN_API_KEY_FILE`` (``shared/admin_key.py``), given to SGLang in a private
+``--config`` file, removed once the server answers (``centerline/engine_key.py``): never on a
+command line, and never in the server's environment. The flags after ``--`` may hold neither
+``--config`` (SGLang takes one, this one) nor ``--admin-api-key``.
 
 The CPU recipe (``--device cpu``, docs/sglang.md): ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU
 switch), ``OMP_NUM_THREADS`` 1 unless set, ``--max-total-tokens 2048
@@ -17,7 +19,8 @@ none of that applies. The dtype is the trainer's, float32, on both (SGLang's ``a
 serve a float32 model in float16, and the sampler's log-probs would then differ from the
 trainer's by the rounding); ``--dtype`` changes it.
 
-The watchdog: before the exec, a small process is forked that asks the server's ``/ready``
+The watchdog: before the exec, a small process is forked that (after removing the key's file)
+asks the server's ``/ready``
 every second (SGLang answers 503 while generation is paused) and, once the server has been
 ready, sends ``/continue_generation`` (with the admin key) to a server that has stayed paused
 ``--continue-after`` seconds (default 10; 0: no watchdog). The trainer pauses an engine only
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import sys
 import time
 import urllib.error
@@ -44,6 +46,7 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from centerline import engine_key
 from shared import admin_key
 
 # The engines' admin key's variables: only the engine and the trainer may hold them.
@@ -80,14 +83,9 @@ def server_argv(
     return argv + list(extra)
 
 
-def new_admin_key() -> str:
-    """A random engine admin key (256 bits, URL-safe text), one per `centerline up` run."""
-    return secrets.token_urlsafe(32)
-
-
 def server_env(base: Mapping[str, str], device: str) -> dict[str, str]:
-    """The server's environment: ``base`` without the project's secrets (the admin key goes on
-    the command line SGLang reads), plus the recipe's variables."""
+    """The server's environment: ``base`` without the project's secrets (the admin key goes in
+    the ``--config`` file SGLang reads), plus the recipe's variables."""
     env = {k: v for k, v in base.items() if k not in ADMIN_KEY_VARIABLES}
     env |= {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if device == "cpu":
@@ -226,8 +224,10 @@ def watchdog(url: str, key: str | None, continue_after: float, server_pid: int, 
         time.sleep(1.0)  # polling interval of the server's own report
 
 
-def start_watchdog(host: str, port: int, key: str | None, continue_after: float) -> None:
-    """Fork the watchdog of the server this process is about to become (its pid stays the same)."""
+def start_watchdog(host: str, port: int, key: str | None, continue_after: float, config: Path | None) -> None:
+    """Fork the helper of the server this process is about to become (its pid stays the same):
+    it removes the key's ``config`` once the server has read it, then is its watchdog (none when
+    ``continue_after`` is 0)."""
     server_pid = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -235,9 +235,25 @@ def start_watchdog(host: str, port: int, key: str | None, continue_after: float)
         try:
             address = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
             address = f"[{address}]" if ":" in address else address
-            watchdog(f"http://{address}:{port}", key, continue_after, server_pid)
+            if config is not None:
+                engine_key.forget_once_read(f"http://{address}:{port}", config, server_pid)
+            if continue_after:
+                watchdog(f"http://{address}:{port}", key, continue_after, server_pid)
         finally:
             os._exit(0)
+
+
+def flags_left_to_us(extra: list[str]) -> str | None:
+    """Why the SGLang flags ``extra`` cannot be passed on, or None: ``--config`` (SGLang reads one
+    file, the key's) and ``--admin-api-key`` (a key on a command line) are this command's."""
+    for flag in ("--config", "--admin-api-key"):
+        if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
+            return (
+                f"{flag} after --: the admin key reaches SGLang in the --config file this command writes; "
+                f"set {admin_key.KEY_ENV} or {admin_key.KEY_FILE_ENV} and pass SGLang's other flags after -- "
+                "one by one"
+            )
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -266,19 +282,22 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(ours)
     if args.continue_after < 0:
         parser.error(f"--continue-after {args.continue_after}: must be >= 0 (0 turns the watchdog off)")
-    try:
-        key = admin_key.key_from_env()
-    except admin_key.AdminKeyError as exc:
-        parser.error(str(exc))
+    if (problem := flags_left_to_us(extra)) is not None:
+        parser.error(problem)
     if not (args.model / "config.json").is_file():
         parser.error(
             f"--model {args.model}: no config.json there; make one with `centerline init-model --out {args.model}`"
         )
+    try:  # the key's file last: nothing may fail between its writing and the exec
+        key = admin_key.key_from_env()
+        config = engine_key.private_config(key) if key else None
+    except admin_key.AdminKeyError as exc:
+        parser.error(str(exc))
     command = server_argv(args.model, args.host, args.port, args.device, extra, args.dtype)
-    if key:
-        command.append(f"--admin-api-key={key}")  # one argument: a key may begin with "-"
-    if args.continue_after:
-        start_watchdog(args.host, args.port, key, args.continue_after)
+    if config is not None:
+        command += ["--config", str(config)]
+    if config is not None or args.continue_after:
+        start_watchdog(args.host, args.port, key, args.continue_after, config)
     sys.stdout.flush()
     os.execve(command[0], command, server_env(os.environ, args.device))
     return 0  # not reached

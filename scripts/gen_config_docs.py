@@ -92,13 +92,14 @@ def render() -> str:
         "",
         "Not settings either. The SGLang servers' admin endpoints (weight updates, cache flushes) need",
         "`Authorization: Bearer <key>` when the server has a key (SGLang's `--admin-api-key`): `centerline",
-        "sglang` passes it to SGLang, the trainer sends it. An SGLang router or server started with",
+        "sglang` passes it to SGLang in a private `--config` file, never as a flag (`centerline/engine_key.py`),",
+        "the trainer sends it. An SGLang router or server started with",
         "`--api-key` needs that key on every request: the proxy and `centerline probe` send their own",
         "(`shared/admin_key.py`; `docs/operations.md`, section Security).",
         "",
         "| variable | meaning |",
         "|---|---|",
-        f"| `{admin_key.KEY_ENV}` | the admin key: `centerline sglang` gives it to SGLang as `--admin-api-key`, the "
+        f"| `{admin_key.KEY_ENV}` | the admin key: `centerline sglang` gives it to SGLang in its `--config` file, the "
         "trainer sends it; unset = none |",
         f"| `{admin_key.KEY_FILE_ENV}` | a file holding the admin key (a mounted secret), instead of the above |",
         f"| `{upstream.UPSTREAM_KEY_ENV}` | the upstream's `--api-key`, sent by the proxy and the probe; unset = none "

@@ -3,16 +3,17 @@
 As SGLang's ``--admin-api-key`` (0.5.23, ``sglang/srt/utils/auth.py``): with a key set, an
 admin endpoint answers 401 ``{"error": "Unauthorized"}`` unless the request carries
 ``Authorization: Bearer <key>``; health, readiness and metrics never need it
-(``tests/sglang/test_admin_key.py``). ``centerline sglang`` passes the key to SGLang; the trainer, the one client of
-those endpoints,
-sends the key (``trainer_service/weights.py``); the proxy refuses admin paths and never
-forwards an ``Authorization`` header (``router_proxy/server.py``, docs/design.md section 7).
+(``tests/sglang/test_admin_key.py``). ``centerline sglang`` passes the key to SGLang in a
+private ``--config`` file, never on a command line (``centerline/engine_key.py``); the trainer,
+the one client of those endpoints, sends the key (``trainer_service/weights.py``); the proxy
+refuses admin paths and never forwards an ``Authorization`` header (``router_proxy/server.py``,
+docs/design.md section 7).
 
 A secret, so not a ``shared.config`` setting (the resolved configuration is written beside
 every run and printed by ``centerline config``, and flags show in ``ps``): engine and trainer
 read it from ``CENTERLINE_ENGINE_ADMIN_API_KEY``, or from the file named by
 ``CENTERLINE_ENGINE_ADMIN_API_KEY_FILE`` (a mounted secret). ``centerline up`` makes one per
-run and gives it to the engine and the trainer only (``centerline/sglang.py``: ``new_admin_key``).
+run and gives it to the engine and the trainer only (``centerline/engine_key.py``: ``new_key``).
 The proxy's upstream API key is read the same way (``router_proxy/upstream.py``).
 """
 

@@ -81,6 +81,7 @@ from pathlib import Path
 import orjson
 
 from centerline import nats_users, sglang
+from centerline.engine_key import new_key
 from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
 from centerline.up import run_spec
@@ -188,7 +189,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     spec.write(config_file)  # once, every table: no service writes it again
     argv = service_argv(spec, config_file)
 
-    engine_key = sglang.new_admin_key()  # weight updates and cache flushes: the trainer's alone
+    engine_key = new_key()  # weight updates and cache flushes: the trainer's alone
     start_serving(spec, supervisor, addresses, argv["proxy"], engine_key)
     log(
         f"SGLang {' '.join(addresses.engines)} behind the router {addresses.router}, proxy {addresses.proxy} "

@@ -168,6 +168,48 @@ def test_each_service_holds_only_its_own_secrets(stack):
         assert exec_in(service, "sh", "-c", listing).split() == mounted, service
 
 
+# Run inside a container: the status of each URL given (POST for the admin routes), or
+# "unreachable" when nothing answers (a name no network of the container resolves, a refusal).
+PROBE = """
+import json, sys, urllib.error, urllib.request
+found = {}
+for url in sys.argv[1:]:
+    post = url.endswith(("/update_weights_from_disk", "/flush_cache"))
+    request = urllib.request.Request(url, data=b"{}" if post else None, method="POST" if post else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            found[url] = [resp.status, resp.read().decode()]
+    except urllib.error.HTTPError as exc:
+        found[url] = [exc.code, exc.read().decode()]
+    except OSError:
+        found[url] = "unreachable"
+print(json.dumps(found))
+"""
+ADMIN_PATHS = ("/server_info", "/get_server_info", "/update_weights_from_disk", "/flush_cache", "/health")
+
+
+def test_a_worker_reaches_no_engine_and_the_proxy_gives_it_no_key(stack):
+    """Workers run user environment code: no engine and not the router's front answers them
+    (docs/design.md section 11), and the proxy, which they do reach, refuses /server_info."""
+    key = exec_in("trainer", "cat", "/run/centerline/engine-admin/admin-api-key")
+    hosts = ("sglang_0:30000", "sglang_1:30000", "sglang_router:30000")
+    urls = [f"http://{host}{path}" for host in hosts for path in ADMIN_PATHS]
+    proxy = "http://router_proxy:30010/server_info"
+    found = json.loads(exec_in("rollout_worker", "python", "-c", PROBE, *urls, proxy))
+    assert {url: found[url] for url in urls} == dict.fromkeys(urls, "unreachable")
+    assert found[proxy][0] == 403 and key not in found[proxy][1]
+
+
+def test_no_engine_process_shows_the_key_on_its_command_line(stack):
+    """The key reaches SGLang in a --config file (centerline/engine_key.py), removed once the
+    server answers: no process of an engine container carries it in /proc/PID/cmdline."""
+    key = exec_in("trainer", "cat", "/run/centerline/engine-admin/admin-api-key")
+    for engine in ("sglang_0", "sglang_1"):
+        cmdlines = exec_in(engine, "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\000' ' '")
+        assert "sglang.launch_server" in cmdlines and "--config" in cmdlines and key not in cmdlines, engine
+        assert exec_in(engine, "sh", "-c", "ls -d /tmp/centerline-sglang-* 2>/dev/null || true").strip() == ""
+
+
 def test_scaled_workers_take_tasks(stack):
     sh(SCALE)
     containers = sh("docker-compose ps -q rollout_worker").split()

@@ -59,6 +59,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 (SGLANG_PIN,) = PYPROJECT["project"]["optional-dependencies"]["gpu"]  # "sglang==X"
 SGLANG_IMAGE = "lmsysorg/sglang:v" + SGLANG_PIN.removeprefix("sglang==")
 ADMIN_KEY_FILE = "/run/centerline/engine-admin/admin-api-key"
+ADMIN_CONFIG_FILE = "/run/centerline/engine-admin/sglang-admin.yaml"  # the key as SGLang's --config file
 
 # The compose projects: docker-compose.yml alone, with the GPU override, with the three-node
 # NATS cluster, with both (`-f ... -f ...`, in this order).
@@ -540,6 +541,8 @@ def test_compose_gpu_runs_the_official_sglang_image_one_gpu_per_server():
             "--dtype",
             "float32",
             "--enable-metrics",
+            "--config",
+            ADMIN_CONFIG_FILE,
         ]
         assert svc["environment"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
         assert svc["ipc"] == "host"
@@ -565,26 +568,26 @@ def test_compose_gpu_replaces_only_the_engines_image_and_command_and_the_trainer
     for name, svc in gpu["services"].items():
         kept = {k: v for k, v in svc.items() if k not in changed.get(name, ())}
         assert kept == {k: v for k, v in base["services"][name].items() if k not in changed.get(name, ())}
-        if name in ENGINES:  # the key file stays named, the entrypoint reads it
+        if name in ENGINES:  # the base's variable stays (environments merge); SGLang reads --config
             assert svc["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
 
 
-def test_compose_gpu_entrypoint_hands_sglang_the_command_and_the_admin_key(tmp_path):
-    svc = project("compose-gpu")["services"]["sglang_0"]
-    entrypoint = svc["entrypoint"]
-    assert entrypoint[:2] == ["python3", "-c"] and entrypoint[-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"]
-    # Run it with a module that prints its argv in place of sglang.launch_server.
-    (tmp_path / "argv_of.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    (tmp_path / "key").write_text("the-key\n")
-    out = subprocess.run(
-        [*entrypoint[:2], entrypoint[2], str(tmp_path / "key"), "argv_of", *svc["command"]],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [*svc["command"], "--admin-api-key=the-key"]
+def test_compose_gpu_engines_read_the_admin_key_from_sglangs_config_file():
+    """The official image runs SGLang itself, the key in the --config file the one-shot writes
+    beside the key file: on no command line (centerline/engine_key.py)."""
+    for name in ENGINES:
+        svc = project("compose-gpu")["services"][name]
+        assert svc["entrypoint"] == ["python3", "-m", "sglang.launch_server"]
+        assert svc["command"][-2:] == ["--config", ADMIN_CONFIG_FILE]
+        (target,) = [m["target"] for m in mounts(svc) if m["source"] == "engine-admin-key"]
+        assert str(Path(ADMIN_CONFIG_FILE).parent) == target
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_no_compose_command_carries_an_admin_key(files):
+    for name, svc in project(files, ("observability",))["services"].items():
+        argv = svc.get("entrypoint", []) + svc.get("command", [])
+        assert not [a for a in argv if a.startswith("--admin-api-key")], (name, argv)
 
 
 @pytest.mark.parametrize("files", COMPOSE_FILES)
@@ -683,6 +686,7 @@ def test_sglang_image_is_pyprojects_sglang_pin_and_no_image_is_latest():
     assert sglang == [
         ("compose-gpu:sglang_0", SGLANG_IMAGE),
         ("compose-gpu:sglang_1", SGLANG_IMAGE),
+        ("k8s-gpu:sglang/admin-key-config", SGLANG_IMAGE),
         ("k8s-gpu:sglang/sglang", SGLANG_IMAGE),
     ]
     untagged = [
@@ -882,23 +886,31 @@ def test_compose_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothin
     gpu = "deploy/compose-gpu.yml" in COMPOSE_FILES[files]
     for name in ["trainer"] + ([] if gpu else ENGINES):  # `centerline sglang` reads the file
         assert services[name]["environment"]["CENTERLINE_ENGINE_ADMIN_API_KEY_FILE"] == ADMIN_KEY_FILE
-    if gpu:  # SGLang takes the key as --admin-api-key, read from the file by the entrypoint
+    if gpu:  # SGLang reads the key from its --config file, written beside the key
         for name in ENGINES:
-            assert services[name]["entrypoint"][-2:] == [ADMIN_KEY_FILE, "sglang.launch_server"]
+            assert services[name]["command"][-2:] == ["--config", ADMIN_CONFIG_FILE]
     for name, svc in services.items():
         assert not any(k.startswith("CENTERLINE_ENGINE_ADMIN_API_KEY") for k in svc.get("environment", {})) or (
             name in holders
         ), name
-    # The one-shot writes a random key, owner-only, where the holders read it; a second run keeps it.
+    # The one-shot writes a random key and SGLang's file of it, owner-only, where the holders read
+    # them; a second run keeps the key.
     init = services["engine_admin_key"]["command"]
-    assert init[:2] == ["python", "-c"] and init[3:] == ["/credentials/admin-api-key"]
-    assert holders["trainer"][0] + "/admin-api-key" == ADMIN_KEY_FILE
-    key = tmp_path / "admin-api-key"
-    subprocess.run([sys.executable, "-c", init[2], str(key)], check=True, timeout=60)
-    first = key.read_text()
-    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(first) >= 43
-    subprocess.run([sys.executable, "-c", init[2], str(key)], check=True, timeout=60)
-    assert key.read_text() == first
+    assert init == ["centerline", "engine-key", "/credentials"]
+    assert {holders["trainer"][0] + "/admin-api-key", holders["trainer"][0] + "/sglang-admin.yaml"} == {
+        ADMIN_KEY_FILE,
+        ADMIN_CONFIG_FILE,
+    }
+    run = [sys.executable, "-m", "centerline", "engine-key", str(tmp_path)]
+    subprocess.run(run, check=True, timeout=60, cwd=ROOT, capture_output=True)
+    first = (tmp_path / "admin-api-key").read_text()
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {
+        "admin-api-key": 0o600,
+        "sglang-admin.yaml": 0o600,
+    }
+    assert yaml.safe_load((tmp_path / "sglang-admin.yaml").read_text()) == {"admin-api-key": first}
+    subprocess.run(run, check=True, timeout=60, cwd=ROOT, capture_output=True)
+    assert (tmp_path / "admin-api-key").read_text() == first and len(first) == 64
 
 
 def test_k8s_services_log_in_as_their_own_nats_user_with_only_their_password():
@@ -933,12 +945,77 @@ def test_k8s_sglang_servers_and_trainer_hold_the_engine_admin_key_and_nothing_el
         "valueFrom": {"secretKeyRef": {"name": "engine-admin-key", "key": "admin-api-key"}},
     }
     assert holders == {"sglang": ref, "trainer": ref}
-    # The GPU overlay keeps the key in the environment and hands it to SGLang as a flag.
-    (gpu,) = k8s_gpu_sglang()["spec"]["template"]["spec"]["containers"]
-    assert ref in gpu["env"] and gpu["args"][-1] == "--admin-api-key=$(CENTERLINE_ENGINE_ADMIN_API_KEY)"
+    # The GPU overlay's server reads the key from SGLang's --config file, which its init container
+    # writes from the Secret: the server's environment and command line hold no key.
+    spec = k8s_gpu_sglang()["spec"]["template"]["spec"]
+    (gpu,) = spec["containers"]
+    assert gpu["env"] == [{"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "0"}]
+    assert gpu["args"][-2:] == ["--config", ADMIN_CONFIG_FILE]
+    assert not [a for a in gpu["command"] + gpu["args"] if a.startswith("--admin-api-key")]
+    (init,) = [c for c in spec["initContainers"] if c["name"] == "admin-key-config"]
+    assert init["env"] == [ref] and init["command"][-1] == ADMIN_CONFIG_FILE
+    memory = {"name": "engine-admin", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    assert memory in spec["volumes"]
+    assert {"name": "engine-admin", "mountPath": str(Path(ADMIN_CONFIG_FILE).parent)} in init["volumeMounts"]
+    assert {"name": "engine-admin", "mountPath": str(Path(ADMIN_CONFIG_FILE).parent), "readOnly": True} in gpu[
+        "volumeMounts"
+    ]
     kustomization = yaml.safe_load((DEPLOY / "k8s/kustomization.yaml").read_text())
     assert {"name": "engine-admin-key", "envs": ["engine-admin-key.env"]} in kustomization["secretGenerator"]
     assert "deploy/k8s/engine-admin-key.env" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def run_admin_key_config(tmp_path: Path, key: str) -> subprocess.CompletedProcess:
+    """The GPU overlay's init container's command, run here, writing into ``tmp_path``."""
+    (init,) = [
+        c for c in k8s_gpu_sglang()["spec"]["template"]["spec"]["initContainers"] if c["name"] == "admin-key-config"
+    ]
+    assert init["command"][:2] == ["python3", "-c"]
+    argv = [sys.executable, "-c", init["command"][2], str(tmp_path / "sglang-admin.yaml")]
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={"CENTERLINE_ENGINE_ADMIN_API_KEY": key}
+    )
+
+
+@pytest.mark.parametrize("key", ["k3y", "0x10", "yes", 'q"\\'])
+def test_k8s_gpu_init_container_writes_the_file_centerline_sglang_would(tmp_path, key):
+    from centerline import engine_key
+
+    out = run_admin_key_config(tmp_path, key)
+    assert out.returncode == 0, out.stderr
+    written = tmp_path / "sglang-admin.yaml"
+    assert (written.read_text(), stat.S_IMODE(written.stat().st_mode)) == (engine_key.sglang_config(key), 0o600)
+
+
+@pytest.mark.parametrize("key", ["", "-k3y"])
+def test_k8s_gpu_init_container_refuses_a_key_sglang_cannot_take(tmp_path, key):
+    out = run_admin_key_config(tmp_path, key)
+    assert out.returncode == 1 and not (tmp_path / "sglang-admin.yaml").exists()
+    assert out.stderr.strip() == (
+        "CENTERLINE_ENGINE_ADMIN_API_KEY is empty or begins with '-', which SGLang reads back as a flag: "
+        "make a new key (deploy/README.md)"
+    )
+
+
+def test_k8s_trainer_tells_engines_its_pod_address_for_the_weight_group():
+    from shared.config import env_name
+    from shared.settings import TrainerSettings
+
+    (job,) = [d for d in k8s_documents() if d["kind"] == "Job" and d["metadata"]["name"] == "trainer"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (address,) = [e for e in container["env"] if e["name"] == env_name("weight_master_address", TrainerSettings)]
+    assert address == {
+        "name": "CENTERLINE_TRAINER_WEIGHT_MASTER_ADDRESS",
+        "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+    }
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILES)
+def test_compose_trainer_tells_engines_its_name_on_their_network_for_the_weight_group(files):
+    services = project(files)["services"]
+    trainer = services["trainer"]["command"]
+    assert trainer[trainer.index("--weight-master-address") + 1] == "trainer"
+    assert "engines" in networks_of(services["trainer"])
 
 
 def test_centerline_toml_files_resolve():
@@ -1335,7 +1412,8 @@ def test_k8s_gpu_overlay_runs_the_official_sglang_image_one_gpu_per_server():
         "--dtype",
         "float32",
         "--enable-metrics",
-        "--admin-api-key=$(CENTERLINE_ENGINE_ADMIN_API_KEY)",
+        "--config",
+        ADMIN_CONFIG_FILE,
     ]
     assert {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "0"} in container["env"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
@@ -1718,6 +1796,65 @@ def test_k8s_overlay_builds_with_kubectl_kustomize_as_these_tests_render_it(name
     assert sorted(built, key=key) == sorted(k8s_overlay(name), key=key)
 
 
+def built_overlay(name: str, tmp_path: Path) -> list[dict]:
+    """The documents `kubectl kustomize deploy/<name>` renders (``k8s`` the base), Secrets left out."""
+    assert kustomize_build(tmp_path) is not None, "kubectl or kustomize is needed (scripts/install_kubectl.py)"
+    if name != "k8s":
+        shutil.copytree(DEPLOY / name, tmp_path / name)
+    shutil.copytree(DEPLOY / "k8s", tmp_path / "k8s", ignore=shutil.ignore_patterns("nats-credentials", "*.env"))
+    (tmp_path / "k8s/nats-credentials").mkdir()
+    (tmp_path / "k8s/nats-credentials/nats.env").write_text("CENTERLINE_NATS_ADMIN_PASSWORD=a\n")
+    (tmp_path / "k8s/engine-admin-key.env").write_text("admin-api-key=k\n")
+    out = subprocess.run(kustomize_build(tmp_path / name), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] != "Secret"]
+
+
+@pytest.mark.parametrize("name", ["k8s", "k8s-gpu"])
+def test_k8s_only_the_trainer_and_the_router_reach_an_engine(name, tmp_path):
+    """The NetworkPolicy, as kustomize renders it: the engine pods (the StatefulSet's template)
+    admit the trainer's pods on every port (weight updates, and the weight group's run-time
+    ports) and the router's on the engine's port alone; every other pod (workers, proxy) is
+    refused. Each selector matches the labels of the pods it means, and only theirs."""
+    docs = built_overlay(name, tmp_path)
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy == {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "sglang-ingress", "namespace": "centerline"},
+        "spec": {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "sglang"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "trainer"}}}]},
+                {
+                    "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sglang-router"}}}],
+                    "ports": [{"protocol": "TCP", "port": 30000}],
+                },
+            ],
+        },
+    }
+
+    def selected(selector: dict) -> set[str]:
+        return {
+            f"{d['kind']}/{d['metadata']['name']}"
+            for d in docs
+            if "template" in d.get("spec", {})
+            and selector["matchLabels"].items() <= d["spec"]["template"]["metadata"].get("labels", {}).items()
+        }
+
+    (trainer_rule, router_rule) = policy["spec"]["ingress"]
+    assert selected(policy["spec"]["podSelector"]) == {"StatefulSet/sglang"}
+    assert selected(trainer_rule["from"][0]["podSelector"]) == {"Job/trainer"}
+    assert selected(router_rule["from"][0]["podSelector"]) == {"Deployment/sglang-router"}
+    (engine,) = by_kind[("StatefulSet", "sglang")]["spec"]["template"]["spec"]["containers"]
+    assert [p["containerPort"] for p in engine["ports"]] == [router_rule["ports"][0]["port"]]
+    # The pods refused are there to be refused: the selections above are exact.
+    workloads = {f"{d['kind']}/{d['metadata']['name']}" for d in docs if "template" in d.get("spec", {})}
+    assert {"Deployment/rollout-worker", "Deployment/router-proxy", "Job/model-init"} <= workloads
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_k8s_nats_cluster_overlay_validates_strictly(version):
     import kubernetes_validate
@@ -1900,7 +2037,7 @@ def test_every_service_subcommand_is_deployed():
     from centerline.cli import COMMANDS
 
     subs = {argv[0] for _, argv in CENTERLINE_COMMANDS}
-    assert subs == {"nats-credentials", "init-model", "dataset", "sglang", "proxy", "worker", "trainer"}
+    assert subs == {"nats-credentials", "engine-key", "init-model", "dataset", "sglang", "proxy", "worker", "trainer"}
     assert subs <= set(COMMANDS), f"not registered in centerline.cli.COMMANDS: {sorted(subs - set(COMMANDS))}"
 
 
@@ -1939,10 +2076,10 @@ def test_sglang_router_flags_are_the_routers(where, argv):
 
 
 def sglang_servers() -> list[tuple[str, list[str]]]:
-    """(where, flags) of every official-image SGLang server: compose-gpu.yml's (the entrypoint
-    adds --admin-api-key) and the Kubernetes GPU overlay."""
+    """(where, flags) of every official-image SGLang server: compose-gpu.yml's and the Kubernetes
+    GPU overlay."""
     found = [
-        (where, svc["command"] + ["--admin-api-key"])
+        (where, svc["command"])
         for where, svc in all_services().items()
         if svc.get("image", "").startswith("lmsysorg/sglang")
     ]

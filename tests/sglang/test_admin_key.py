@@ -11,6 +11,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -90,46 +91,79 @@ def test_generation_needs_no_key(keyed):
 
 def test_server_info_shows_the_admin_key_to_anyone(keyed):
     """SGLang 0.5.23 reports its arguments, the key among them, on the unauthenticated /server_info
-    and /get_server_info: whoever reaches a server's HTTP port can read the key, so nothing in
-    front of a server may pass those paths through."""
+    and /get_server_info (its ``launch_command`` is the arguments merged from the --config file):
+    whoever reaches a server's HTTP port can read the key, so nothing in front of a server may pass
+    those paths through, and only the trainer and the router reach one (docs/design.md section 11)."""
     for path in ("/server_info", "/get_server_info"):
         status, info = http("GET", keyed.url + path)
         assert (status, info["admin_api_key"]) == (200, KEY)
-        assert f"--admin-api-key={KEY}" in info["launch_command"].split()
+        words = info["launch_command"].split()
+        assert words[words.index("--admin-api-key") + 1] == KEY
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of the process group ``pgid`` (field 5 of /proc/PID/stat, after the name)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone since the listing
+            continue
+        if int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_the_key_is_on_no_command_line_of_the_server(keyed):
+    """`centerline sglang` hands SGLang the key in a --config file, not as a flag: no process of
+    the server (SGLang, its scheduler and detokenizer, the watchdog) shows it in /proc/PID/cmdline,
+    which every user of the machine may read, nor does the server's environment hold it; the file
+    is removed once the server answers."""
+    members = group_members(keyed.proc.pid)
+    assert keyed.proc.pid in members and len(members) >= 3, members
+    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in members}
+    assert not [pid for pid, argv in cmdlines.items() if any(KEY.encode() in arg for arg in argv)], cmdlines
+    assert KEY.encode() not in Path(f"/proc/{keyed.proc.pid}/environ").read_bytes()
+    server = [arg.decode() for arg in cmdlines[keyed.proc.pid]]
+    config = Path(server[server.index("--config") + 1])
+    assert config.name == "sglang-admin.yaml"
+    wait_until(lambda: not config.parent.exists(), 30, "the key's --config file removed", keyed.proc)
+
+
+@pytest.fixture(scope="module")
+def keyed_proxy(keyed_sglang, tmp_path_factory):
+    """`centerline proxy` in front of the keyed server: what a worker reaches."""
+    port = free_port()
+    argv = [sys.executable, "-m", "centerline", "proxy", "--upstream", keyed_sglang.url, "--port", str(port)]
+    argv += ["--rollout-top-logprobs-num", "8", "--vocab-size", "260"]
+    proxy = Process(argv, tmp_path_factory.mktemp("proxy") / "proxy.log")
+    try:
+        wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/ready", timeout=2)[0] == 200, 120, "proxy", proxy.proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proxy.stop()
 
 
 @pytest.mark.parametrize("path", ["/server_info", "/get_server_info"])
-def test_the_proxy_never_passes_the_admin_key_on(keyed, tmp_path, path):
+def test_the_proxy_never_passes_the_admin_key_on(keyed_proxy, path):
     """Whoever reaches the proxy is a rollout client, not the trainer: the proxy answers 403 and no
     answer of it may carry the engines' key (docs/design.md section 7: admin powers are never reachable through it)."""
-    port = free_port()
-    proxy = Process(
-        [
-            sys.executable,
-            "-m",
-            "centerline",
-            "proxy",
-            "--upstream",
-            keyed.url,
-            "--port",
-            str(port),
-            "--rollout-top-logprobs-num",
-            "8",
-            "--vocab-size",
-            "260",
-        ],
-        tmp_path / "proxy.log",
-    )
-    try:
-        wait_until(
-            lambda: http("GET", f"http://127.0.0.1:{port}/liveness", timeout=2)[0] == 200, 60, "proxy", proxy.proc
-        )
-        status, body = call("GET", f"http://127.0.0.1:{port}{path}")
-    finally:
-        proxy.stop()
+    status, body = call("GET", keyed_proxy + path)
     assert KEY.encode() not in body, (status, body[:300])
     message = f"{path} is an engine admin endpoint and is not reachable through the proxy; call each engine directly"
     assert (status, json.loads(body)) == (403, {"error": {"rule": "admin_forbidden", "message": message}})
+
+
+def test_no_answer_of_the_proxy_carries_the_key(keyed_proxy):
+    """Every route the proxy serves a worker, the ones it forwards and its own, and a sampling
+    request: each answers, and none with the engines' key."""
+    gets = ["/health", "/health_generate", "/v1/models", "/model_info", "/get_model_info", "/ready", "/liveness"]
+    gets += ["/capabilities", "/metrics"]
+    answers = {path: call("GET", keyed_proxy + path) for path in gets}
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "top_logprobs_num": 8}
+    answers["/generate"] = call("POST", keyed_proxy + "/generate", json.dumps(body).encode())
+    assert {path: status for path, (status, _) in answers.items()} == dict.fromkeys(answers, 200)
+    assert [path for path, (_, text) in answers.items() if KEY.encode() in text] == []
 
 
 def test_weight_publisher_with_the_key_updates_the_server(keyed, other_model_dir):

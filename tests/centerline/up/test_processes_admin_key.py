@@ -2,7 +2,7 @@
 
 import sys
 
-from centerline import sglang
+from centerline import engine_key
 from centerline.up.processes import Supervisor
 from shared import admin_key
 
@@ -30,5 +30,5 @@ def test_only_the_processes_given_the_key_hold_it(tmp_path, monkeypatch):
 
 
 def test_each_run_gets_a_new_random_key():
-    keys = {sglang.new_admin_key() for _ in range(3)}
-    assert len(keys) == 3 and all(len(k) == 43 for k in keys)  # 32 random bytes, URL-safe base64
+    keys = {engine_key.new_key() for _ in range(3)}
+    assert len(keys) == 3 and all(len(k) == 64 for k in keys)  # 32 random bytes, hex
