@@ -67,17 +67,17 @@ def test_a_run_sampled_at_another_temperature_is_refused_by_name(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # about 6 minutes alone on 2 cores; a full suite beside it slows it down
-@pytest.mark.parametrize("transport", ["distributed", "disk"])
+@pytest.mark.timeout(900)  # a few minutes alone on 2 cores; a full suite beside it slows it down
 def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_its_label_names(
-    tmp_path, toy_models, sglang, transport
+    tmp_path, toy_models, sglang
 ):
     """A short run of the chain task's sessions in flight, every service real, under the default
-    weight update and each weight transport: each sampled token whose labelled version is still on
-    disk (0, the last three) is forced through SGLang serving that version, and its recorded
-    log-prob is the forced one to
+    weight update and the distributed weight transport (the disk one, the default, is the shared
+    run's below): each sampled token whose labelled version is still on disk (0, the last three) is
+    forced through SGLang serving that version, and its recorded log-prob is the forced one to
     float rounding (prefill against decode: 5e-5, docs/sglang.md), far inside the 1e-3 tolerance.
     The same tokens under the neighbouring version show that the check tells versions apart."""
+    transport = "distributed"
     run_dir = tmp_path / "run"
     argv = [
         *("--task", "chain", "--steps", str(STEPS), "--workers", "1", "--trainer-ranks", "1", "--engines", "1"),
@@ -105,3 +105,18 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
     assert [(s["weights_verified"], s["weight_mismatches"], s["weight_fallbacks"]) for s in steps] == [
         (1, 0, 0)
     ] * STEPS
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_every_token_of_the_shared_run_is_sampled_by_the_version_its_label_names(up_run, sglang):
+    """The shared run (tests/conftest.py ``up_run``: weights by disk, the default; two workers, a
+    two-rank trainer, every version on disk): each trained token's recorded log-prob is the one
+    SGLang gives it under the version its label names, and every version's checksum was proven."""
+    steps = [orjson.loads(line) for line in (up_run.run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    assert [(s["weights_verified"], s["weight_mismatches"], s["weight_fallbacks"]) for s in steps] == [(1, 0, 0)] * 3
+    report = teacher_force.check_run(up_run.run_dir, sglang.url)
+    total = report["total"]
+    assert total["tokens"] >= 50 and len(report["versions"]) >= 2 and report["skipped_tokens"] == 0, report
+    assert total["beyond"] == 0 and total["max"] < 1e-4, report
+    assert report["wrong_label"]["total"]["tokens"] == total["tokens"], report
