@@ -28,6 +28,9 @@ trained on. The ledger (``ledger.py``) maps ``task_id`` to ``{"attempt", "step",
   the contract but staleness, then ``HELDOUT``, for the evaluator.
 - A batch of another run (its task id's first component is not this trainer's run id) is
   ``foreign_run`` before any check: runs on one NATS never mix.
+- A part of a task published before the oldest task step the ledger keeps (``ledger.py``) is
+  ``expired_task``, before the ledger is asked: whether it was trained is no longer known, so it is
+  never trained and its task never published again.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ from dataclasses import dataclass
 from shared.contract import ContractViolation, check_batch
 from shared.wire import Batch, WireError, decode_batch
 from trainer_service.heldout import heldout_step
-from trainer_service.ledger import Groups, Held
+from trainer_service.ledger import Groups, Held, task_step
 
 DUPLICATE_ATTEMPT = "duplicate_attempt"
 SPLIT_CONFLICT, FOREIGN_RUN = "split_conflict", "foreign_run"
 GROUP_SIZE = "group_size"  # a whole (parts=1) batch that is not --rollout-n distinct samples
+EXPIRED_TASK = "expired_task"  # a part of a task older than the ledger keeps
 
 
 HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
@@ -113,6 +117,13 @@ def admission(
         except ContractViolation as exc:
             return Admission(REJECT, bid, batch, exc.rule, str(exc))
         return Admission(HELDOUT, bid, batch)
+    published = task_step(task)
+    if published is not None and published < groups.first_step:
+        reason = (
+            f"{bid!r} is of task {task!r}, published for task step {published}; the ledger keeps the tasks of "
+            f"task step {groups.first_step} on, so whether it was trained is no longer known: never trained"
+        )
+        return Admission(REJECT, bid, batch, EXPIRED_TASK, reason)
     trained = groups.ledger.get(task)
     if trained is not None:
         if trained["attempt"] != attempt:

@@ -19,7 +19,7 @@ from shared.batch_algebra import concat_batches
 from shared.contract import sample_turns
 from shared.wire import REWARD_COMPONENTS, encode_batch
 from trainer_service import journal
-from trainer_service.ledger import Held, ledger_entries
+from trainer_service.ledger import Held, kept_entries, ledger_entries
 from trainer_service.policy import StepCommand
 
 log = logging.getLogger("centerline.trainer")
@@ -83,6 +83,7 @@ def commit_step(
     *,
     weight_sync_interval: int,
     next_task_step: int,
+    first_task_step: int = 0,
     checkpoint_every: int = 1,
     last_step: int | None = None,
     journal_dir: Path | None = None,
@@ -92,7 +93,8 @@ def commit_step(
 
     Durable: the checkpoint, saved every ``checkpoint_every`` steps and after ``last_step``
     (removing the journal records it covers); between checkpoints the step's record in
-    ``journal_dir`` (trainer_service/journal.py), from which a restart trains it again."""
+    ``journal_dir`` (trainer_service/journal.py), from which a restart trains it again. The ledger
+    after it keeps the tasks of ``first_task_step`` on (trainer_service/ledger.py)."""
     step = state.step
     sync = (step + 1) % weight_sync_interval == 0
     checkpoint = journal_dir is None or (step + 1) % checkpoint_every == 0 or step + 1 == last_step
@@ -102,7 +104,7 @@ def commit_step(
         version=state.version + sync,
         next_task_step=next_task_step,
         run_id=state.run_id,
-        ledger={**state.ledger, **ledger_entries(held, step)},
+        ledger=kept_entries({**state.ledger, **ledger_entries(held, step)}, first_task_step),
     )
     metrics, weights = policy.run(
         StepCommand(step, after.version, sync, encode_batch(batch), checkpoint=checkpoint), after.to_dict()

@@ -42,6 +42,7 @@ from trainer_service.admission import (
     DROP,
     DUPLICATE,
     DUPLICATE_ATTEMPT,
+    EXPIRED_TASK,
     HELDOUT,
     HOLD,
     REJECT,
@@ -81,6 +82,7 @@ class Gate:
         vocab_size: int,
         cfg,
         ledger: dict[str, dict],
+        first_task_step: int = 0,
         ack_wait: float = 30.0,
         resample=None,
         max_republishes: int = 0,
@@ -93,12 +95,13 @@ class Gate:
         None publishes nothing. ``max_republishes``: how many times one task is published again at
         most (the trainer's). ``heldout``: the ``heldout.Evaluator`` that held-out batches go to; None
         drops them as late. ``run_id``: this trainer's run (others' batches are ``foreign_run``).
+        ``first_task_step``: the oldest task step whose tasks ``ledger`` keeps (``ledger.py``).
         ``clock``: seconds, the gate's fetch-time clock is measured with (a test's fake clock)."""
         self.js, self.consumer, self.cfg, self.resample, self.heldout = js, consumer, cfg, resample, heldout
         self.max_republishes, self.clock = max_republishes, clock
         self.given_up = 0  # groups given up at republish_cap since ``gather`` last took them off its target
         self.settings = GateSettings(vocab_size, cfg, run_id)
-        self.groups = Groups(ledger)
+        self.groups = Groups(ledger, first_task_step)
         self.expire_after = EXPIRE_ACK_WAITS * ack_wait
         self.waited = 0.0  # seconds spent fetching: the clock an incomplete attempt expires by
         self.parked: list = []  # training batches fetched by finish_heldout: held unacked, given back at its end
@@ -363,9 +366,10 @@ class Gate:
             log.warning("ack of batch %s failed (%s); it will be redelivered and settled again", batch_id, exc)
             return False
 
-    async def commit(self, step: int) -> None:
+    async def commit(self, step: int, first_task_step: int = 0) -> None:
         """The step, its checkpoint and ledger are durable: ack every held part, drop the pending
-        parts of other attempts of the tasks it trained."""
+        parts of other attempts of the tasks it trained; the ledger forgets the tasks published
+        before ``first_task_step`` and the pending parts of those are dead-lettered (``expired_task``)."""
         trained, superseded = self.groups.commit(step)
         for h in trained:
             try:
@@ -383,6 +387,13 @@ class Gate:
                 f"attempt {entry['attempt']} at step {entry['step']}"
             )
             await self.drop(h.msg, b.batch_id, DUPLICATE_ATTEMPT, reason)
+        for h in self.groups.forget_before(first_task_step):
+            b = h.batch
+            reason = (
+                f"{b.batch_id!r} is a pending part of task {b.task_id!r}, older than task step {first_task_step}, "
+                "the oldest the ledger keeps: never trained"
+            )
+            await self.reject(h.msg, h.seq, EXPIRED_TASK, reason, b.batch_id)
 
     async def release(self) -> None:
         """Abandon the current step: ask for redelivery of every held and pending part, ack none."""

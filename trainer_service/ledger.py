@@ -6,6 +6,11 @@ A batch is one part of one attempt of a task (``task_id``, ``attempt``, ``parts`
 attempt's parts are *pending* until all of them are there, then held *whole* for the step;
 the step's commit writes each task to the ledger, ``task_id -> {"attempt", "step", "parts":
 {batch_id: stream sequence}}``, saved in every checkpoint.
+
+The ledger is bounded: it keeps the tasks of the last ``kept_task_steps`` task steps (a training
+task's id names the step it was published for, ``run/step/index``: ``tasks.py``), far past the life
+of a task's parts. A part of a task older than that is refused by name (``expired_task``,
+``admission.py``), never looked up, so forgetting its entry cannot train it twice.
 """
 
 from __future__ import annotations
@@ -32,6 +37,34 @@ class Attempt:
     first: float = 0.0  # time.monotonic() when its first part arrived
 
 
+# The fewest task steps the ledger keeps (``kept_task_steps``): a task's parts arrive within the steps in
+# flight and its republishes, a few steps; these are hundreds.
+LEDGER_TASK_STEPS = 256
+
+
+def kept_task_steps(max_inflight_steps: int, max_staleness: int, weight_sync_interval: int = 1) -> int:
+    """How many task steps of trained tasks the ledger keeps: ``LEDGER_TASK_STEPS``, or eight times
+    the steps a task's parts may take to arrive (published ``max_inflight_steps`` ahead, stale
+    ``max_staleness`` versions later), whichever is more."""
+    return max(LEDGER_TASK_STEPS, 8 * (max_inflight_steps + 1 + (max_staleness + 1) * weight_sync_interval))
+
+
+def first_kept_step(next_task_step: int, kept: int) -> int:
+    """The oldest task step whose tasks the ledger keeps, with tasks published up to ``next_task_step``."""
+    return max(0, next_task_step - kept)
+
+
+def task_step(task_id: str) -> int | None:
+    """The task step a training task was published for (``run/step/index``), None for any other id."""
+    parts = task_id.split("/")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def kept_entries(ledger: dict[str, dict], first_step: int) -> dict[str, dict]:
+    """``ledger`` without the tasks published before task step ``first_step`` (ids of no step stay)."""
+    return {t: e for t, e in ledger.items() if (s := task_step(t)) is None or s >= first_step}
+
+
 def ledger_entries(held: list[Held], step: int) -> dict[str, dict]:
     """The ledger entries of the complete attempts ``held`` (every part of each), trained at ``step``."""
     out: dict[str, dict] = {}
@@ -45,8 +78,9 @@ class Groups:
     """The ledger of trained tasks, the parts of the attempts held whole for the current step, and
     those of attempts still incomplete."""
 
-    def __init__(self, ledger: dict[str, dict]):
+    def __init__(self, ledger: dict[str, dict], first_step: int = 0):
         self.ledger = ledger  # task_id -> {"attempt", "step", "parts": {batch_id: seq}}, saved in every checkpoint
+        self.first_step = first_step  # parts of tasks published before this task step are expired_task
         self.held: dict[str, Held] = {}  # batch_id -> part, of the attempts held whole, in arrival order
         self.whole: dict[str, int] = {}  # task_id -> the attempt held whole for the step
         self.pending: dict[tuple[str, int], Attempt] = {}  # (task_id, attempt) -> its parts so far
@@ -78,6 +112,14 @@ class Groups:
         dropped = [h for key in superseded for h in self.pending.pop(key).parts.values()]
         self.held, self.whole = {}, {}
         return trained, dropped
+
+    def forget_before(self, first_step: int) -> list[Held]:
+        """Keep only the tasks of task step ``first_step`` on (``kept_entries``); returns the pending
+        parts of older tasks, which the gate refuses as ``expired_task`` like any part of them."""
+        self.first_step = max(self.first_step, first_step)
+        self.ledger = kept_entries(self.ledger, self.first_step)
+        old = [key for key in self.pending if (s := task_step(key[0])) is not None and s < self.first_step]
+        return [h for key in old for h in self.pending.pop(key).parts.values()]
 
     def expired(self, now: float, after: float) -> list[Held]:
         """Remove and return the parts of the attempts incomplete ``after`` seconds after their first part."""

@@ -69,6 +69,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
     from trainer_service.gate import Gate
     from trainer_service.heldout import Evaluator
+    from trainer_service.ledger import first_kept_step, kept_task_steps
     from trainer_service.metrics import Metrics
     from trainer_service.tasks import AttemptBlocks, TaskPublisher, load_dataset
 
@@ -85,7 +86,9 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     metrics = Metrics(settings)
     metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # The steps trained since the last checkpoint, trained again from their journal records.
-    state, replayed = await retrain_journal(settings, policy, state, metrics)
+    # the ledger keeps the tasks of the last `kept` task steps (trainer_service/ledger.py)
+    kept = kept_task_steps(cfg.max_inflight_steps, cfg.max_staleness, settings.weight_sync_interval)
+    state, replayed = await retrain_journal(settings, policy, state, metrics, kept)
     stopping = stop_event()
     heldout_rows = load_dataset(settings.heldout_dataset) if settings.heldout_dataset is not None else []
     nc, js, consumer = await open_streams(cfg, settings, heldout_rows=len(heldout_rows))
@@ -116,6 +119,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         vocab_size=policy.vocab_size,
         cfg=cfg,
         ledger=dict(state.ledger),
+        first_task_step=first_kept_step(state.next_task_step, kept),
         ack_wait=settings.ack_wait,
         resample=lambda batch: tasks.resample(js, batch),  # a stale batch's task is sampled again
         max_republishes=settings.max_republishes,
@@ -174,13 +178,14 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             held,
             weight_sync_interval=settings.weight_sync_interval,
             next_task_step=tasks.next_step,
+            first_task_step=first_kept_step(tasks.next_step, kept),
             checkpoint_every=settings.checkpoint_every,
             last_step=settings.steps,
             journal_dir=settings.run_dir / "journal",
         )
         faults.hit("trainer.after_checkpoint", step.after.step)
         # the step is durable (its checkpoint, or its journal record): ack its batches, drop other attempts
-        await gate.commit(state.step)
+        await gate.commit(state.step, first_kept_step(tasks.next_step, kept))
         faults.hit("trainer.after_acks", step.after.step)
         t2 = time.perf_counter()
         # Stopping: the engines are being stopped too, and a new start loads this version into
@@ -221,11 +226,13 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     return 0
 
 
-async def retrain_journal(settings: TrainerSettings, policy, state, metrics):
+async def retrain_journal(settings: TrainerSettings, policy, state, metrics, kept: int):
     """Train again the steps the journal holds past the checkpoint ``state`` came from (every
-    rank follows), each from the parts it trained on; returns the state after them and how many."""
+    rank follows), each from the parts it trained on, the ledger keeping ``kept`` task steps; returns
+    the state after them and how many."""
     from trainer_service import journal
     from trainer_service.commit import commit_step, step_record
+    from trainer_service.ledger import first_kept_step
 
     records = journal.pending(settings.run_dir / "journal", state.step)
     for index, next_task_step, held in records:
@@ -237,6 +244,7 @@ async def retrain_journal(settings: TrainerSettings, policy, state, metrics):
             held,
             weight_sync_interval=settings.weight_sync_interval,
             next_task_step=next_task_step,
+            first_task_step=first_kept_step(next_task_step, kept),
             checkpoint_every=settings.checkpoint_every,
             last_step=settings.steps,
             journal_dir=settings.run_dir / "journal",

@@ -273,9 +273,9 @@ def replay_steps(
     with its admission and its commit of a step; no DLQ, no acks, no engines."""
     from collections import Counter
 
-    from trainer_service.admission import DROP, DUPLICATE, HOLD, REJECT, GateSettings, admission
+    from trainer_service.admission import DROP, DUPLICATE, EXPIRED_TASK, HOLD, REJECT, GateSettings, admission
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
-    from trainer_service.ledger import Groups, Held
+    from trainer_service.ledger import Groups, Held, first_kept_step, kept_task_steps
     from trainer_service.metrics import Metrics
 
     try:
@@ -283,7 +283,8 @@ def replay_steps(
     except LedgerFormatError as exc:
         raise ReplayError(str(exc)) from None
     settings = GateSettings(policy.vocab_size, cfg)
-    groups, counts = Groups(dict(state.ledger)), Counter()
+    kept = kept_task_steps(cfg.max_inflight_steps, cfg.max_staleness, trainer.weight_sync_interval)
+    groups, counts = Groups(dict(state.ledger), first_kept_step(state.next_task_step, kept)), Counter()
     metrics = Metrics(trainer)
     stream = iter(messages)
     for n in range(len(groups_of) if groups_of is not None else sys.maxsize):
@@ -321,14 +322,24 @@ def replay_steps(
             if held:
                 log.info("%d batches left over, fewer than --batches-per-step %d: not trained", len(held), want)
             break
+        next_task_step = max(state.next_task_step, state.step + 1)
         step = commit_step(
             policy,
             state,
             held,
             weight_sync_interval=trainer.weight_sync_interval,
-            next_task_step=max(state.next_task_step, state.step + 1),
+            next_task_step=next_task_step,
+            first_task_step=first_kept_step(next_task_step, kept),
         )
         groups.commit(state.step)  # the ledger now equals step.after's; other attempts' pending parts are gone
+        for h in groups.forget_before(first_kept_step(next_task_step, kept)):
+            counts[f"rejected:{EXPIRED_TASK}"] += 1
+            log.warning(
+                "batch %s (seq %d) rejected (%s): pending, older than the ledger keeps",
+                h.batch.batch_id,
+                h.seq,
+                EXPIRED_TASK,
+            )
         gate, counts = metrics.gate(counts), Counter()
         timings = {"step_s": time.perf_counter() - t0}
         metrics.step(step_record(step, gate, timings, weight_update=trainer.weight_update, replay_of=str(file)))

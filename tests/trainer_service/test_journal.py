@@ -17,7 +17,7 @@ from shared.settings import TrainerSettings
 from tests.trainer_service.conftest import global_batch
 from trainer_service import checkpoint, journal
 from trainer_service.commit import TrainerState, commit_step
-from trainer_service.ledger import Held
+from trainer_service.ledger import LEDGER_TASK_STEPS, Held
 from trainer_service.metrics import Metrics
 from trainer_service.policy import Policy
 from trainer_service.schedule import lr_factor
@@ -98,7 +98,7 @@ def test_a_restart_between_checkpoints_trains_the_journalled_steps_again_and_not
 
     policy = Policy(crashed, CFG, resume)
     metrics = Metrics(crashed)
-    state, retrained = asyncio.run(retrain_journal(crashed, policy, saved, metrics))
+    state, retrained = asyncio.run(retrain_journal(crashed, policy, saved, metrics, LEDGER_TASK_STEPS))
     assert retrained == 1 and state.step == 4 and state.next_task_step == 4
     assert state.ledger == {
         **saved.ledger,
