@@ -103,7 +103,7 @@ from centerline import sglang
 from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
 from centerline.ports import free_port
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
@@ -391,7 +391,7 @@ def bench_sessions(argv: list[str]) -> int:
         return 1
     finally:
         supervisor.stop()
-    emit(result, args.out, indent=None if args.json else 2)
+    write_bench_figures(result, args.out, indent=None if args.json else 2)
     return 0
 
 
