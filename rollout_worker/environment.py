@@ -4,7 +4,7 @@
     async def environment(client: openai.AsyncOpenAI, task: PromptTask) -> float
 
 A task that names an environment (``PromptTask.environment``, ``"module:function"`` or a built-in
-of ``shared/toy_tasks.py``, ``chain``; loaded by ``rollout_worker/user_code.py``) runs
+of ``shared/toy_tasks.py``, ``chain`` or ``calc``; loaded by ``rollout_worker/user_code.py``) runs
 ``task.n`` sessions of it at once. Each gets a real ``openai.AsyncOpenAI`` whose base URL is its own
 session (``/sessions/<id>/v1``) and whose transport hands each request to the session in this
 process (the worker's ``session_transport``, ``in-process``; ``loopback`` serves the sessions on a

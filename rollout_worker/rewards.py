@@ -1,7 +1,7 @@
 """Reward functions by name, scored off the event loop, and GRPO group advantages (docs/design.md section 6).
 
 A task names its reward (``PromptTask.reward``): a built-in of the toy tasks (``exact``,
-``prefix``; ``shared/toy_tasks.py``) or ``"module:function"`` importable by the worker, or several
+``prefix``; ``shared/rewards.py``) or ``"module:function"`` importable by the worker, or several
 weighted components, ``"module:f=1.0,module:g=0.5"`` (``reward_spec``; ``centerline up --reward
 module:f=1.0 --reward module:g=0.5``): the reward is the weighted sum, and each component's own
 value is kept per sample (``Scores.components``, by the function's name) for the step's metrics.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout_worker.user_code import load_function
+from shared.rewards import REWARDS
 from shared.task import PromptTask
-from shared.toy_tasks import REWARDS
 
 RewardFn = Callable[[str, PromptTask], float]
 

@@ -306,15 +306,15 @@ class Session:
                 f"{max_new_tokens} for the reply would pass the session token budget of {self.budget} "
                 "(--rollout-session-max-tokens); the session ends after its last complete turn"
             )
-        found = await self.generate(self.ids + new_ids, max_new_tokens, stop)  # its own list: the caller may keep it
+        answer = await self.generate(self.ids + new_ids, max_new_tokens, stop)  # its own list: the caller may keep it
         t4 = clock()
-        sample = _one_sample(found)
+        sample = _one_sample(answer)
         sampled = self.decode_after(text, new_ids, sample.response_ids.tolist())
         finish = sample.finish_reason or "stop"
         parsed = self.template.parser.parse(self.reply_text(sample, sampled), call_tools, finish)
         prompt_tokens = held + len(new_ids)
         self.turn_prompt_tokens.append(prompt_tokens)
-        self.turn_cached_tokens.append(found.cached_tokens[0] if found.cached_tokens else None)
+        self.turn_cached_tokens.append(answer.cached_tokens[0] if answer.cached_tokens else None)
         if not held:
             self.prompt_len = len(new_ids)
         self._append_rendered(new_ids)
@@ -457,8 +457,8 @@ class Session:
         )
 
 
-def _one_sample(found: ResponseArrays) -> Sample:
-    samples = samples_from_arrays(found)
+def _one_sample(answer: ResponseArrays) -> Sample:
+    samples = samples_from_arrays(answer)
     if len(samples) != 1:
         raise Transient(f"the proxy returned {len(samples)} samples for one session turn")
     if samples[0].finish_reason == "abort":  # cut off (a server stopping): the task is sampled again, whole

@@ -67,17 +67,17 @@ class SessionChat:
 
     async def handle(self, method: str, path: str, raw: bytes) -> tuple[int, bytes]:
         """The answer to one HTTP request: its status and JSON body."""
-        found = CHAT_ROUTE.match(path)
-        if found is None:
+        route = CHAT_ROUTE.match(path)
+        if route is None:
             message = f"{method} {path}: the session endpoint serves only POST /sessions/<id>/v1/chat/completions"
             return 404, error_body(404, message, "not_found")
         if method != "POST":
             return 405, error_body(
                 405, f"{method} {path}: send POST (a chat-completions request)", "method_not_allowed"
             )
-        session = self.sessions.get(found["sid"])
+        session = self.sessions.get(route["sid"])
         if session is None:
-            return 404, error_body(404, f"no session {found['sid']!r} on this worker", "session_not_found")
+            return 404, error_body(404, f"no session {route['sid']!r} on this worker", "session_not_found")
         return await self.turn(session, raw)
 
     async def turn(self, session: Session, raw: bytes) -> tuple[int, bytes]:

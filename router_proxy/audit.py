@@ -133,9 +133,9 @@ def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, array
         built = to_wire_dtypes(to_arrays(metas, mode=mode, k=k), mode=mode)
     if not arrays:
         return AuditResult(samples=len(metas), tokens=tokens)
-    found = answer.from_parsed(doc, metas, endpoint, mode=mode, k=k, arrays=built)
+    answered = answer.from_parsed(doc, metas, endpoint, mode=mode, k=k, arrays=built)
     try:
-        reply = response_arrays.encode(found)
+        reply = response_arrays.encode(answered)
     except OverflowError as exc:  # msgpack: an int beyond 64 bits
         raise malformed(f"the response cannot be put in arrays ({exc})") from None
     return AuditResult(samples=len(metas), tokens=tokens, reply=reply)
@@ -144,9 +144,9 @@ def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, array
 def checked_arrays(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> tuple:
     """``to_arrays(metas)`` in the wire dtypes (``to_wire_dtypes``) once ``check_rows`` passed them as such;
     raises the first defect."""
-    found = to_wire_dtypes(to_arrays(metas, mode=mode, k=k), mode=mode)
-    check_rows(*found[:5], mode=mode, k=k, vocab_size=vocab_size, offsets=found[5])
-    return found
+    arrays = to_wire_dtypes(to_arrays(metas, mode=mode, k=k), mode=mode)
+    check_rows(*arrays[:5], mode=mode, k=k, vocab_size=vocab_size, offsets=arrays[5])
+    return arrays
 
 
 def quick_accept(metas: list[dict], *, mode: str, k: int, vocab_size: int) -> int | None:

@@ -1,6 +1,6 @@
 """Audit events and metrics of the proxy: one NATS event and one Prometheus count per audited request.
 
-The NATS side never stalls a request: ``AuditPublisher.emit`` only puts the event on a bounded
+The NATS side never stalls a request: ``AuditPublisher.enqueue`` only puts the event on a bounded
 queue; a background task connects (with reconnects), publishes on ``audit.proxy`` (captured
 by the AUDIT stream) and drops the oldest work when NATS is slower than the traffic,
 counting what it dropped.
@@ -86,7 +86,7 @@ class ProxyMetrics:
 
 
 class AuditPublisher:
-    """Publishes audit events to NATS from a background task; ``emit`` never waits."""
+    """Publishes audit events to NATS from a background task; ``enqueue`` never waits."""
 
     def __init__(self, url: str | None, metrics: ProxyMetrics, *, queue_size: int = 10_000):
         self.url = url
@@ -104,7 +104,7 @@ class AuditPublisher:
         """False without NATS: callers then skip building the event at all."""
         return self.task is not None
 
-    def emit(self, event: dict) -> None:
+    def enqueue(self, event: dict) -> None:
         if self.task is None:
             return
         try:

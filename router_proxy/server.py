@@ -297,7 +297,7 @@ class Proxy:
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
         blocked = violation is not None and self.cfg.proxy_audit_mode == "enforce"
         if self.publisher.enabled:
-            self.publisher.emit(
+            self.publisher.enqueue(
                 {
                     "ts": time.time(),
                     "path": req.path.decode("latin-1"),
@@ -329,8 +329,8 @@ class Proxy:
 
     def _unchecked_arrays(self, endpoint: str, body: bytes) -> bytes | None:
         try:
-            found = answer.from_body(body, endpoint, mode=self.contract.mode, k=self.contract.k)
-            return response_arrays.encode(found)
+            answered = answer.from_body(body, endpoint, mode=self.contract.mode, k=self.contract.k)
+            return response_arrays.encode(answered)
         except Exception:  # noqa: BLE001 - unreadable as arrays: the client gets the JSON and the verdict header
             return None
 

@@ -1,8 +1,8 @@
-"""The toy tasks' built-in rewards and multi-turn environment, which the rollout worker runs on
-the rows ``centerline dataset`` writes (``centerline/toy/dataset.py``, the problems and the split).
+"""The toy tasks' multi-turn environments, which the rollout worker runs on the rows ``centerline
+dataset`` writes (``centerline/toy/dataset.py``, the problems and the split); their single-turn
+rows are scored by the built-in rewards of ``shared/rewards.py``.
 
-The policy continues a prompt with the answer and then ``<|endoftext|>`` (token 256 of the byte
-model). ``chain`` ("3+4 +5 +2" -> "7 2 4", a running sum's last digit over 2-4 chat turns) is
+``chain`` ("3+4 +5 +2" -> "7 2 4", a running sum's last digit over 2-4 chat turns) is
 multi-turn: its rows run as sessions of the built-in environment ``chain`` (``ENVIRONMENTS``;
 ``centerline up --task chain --environment chain``). Turn 1's user message is the prompt's
 first word ("3+4"), each later one the next word ("+5"); the model answers each with the last
@@ -10,49 +10,17 @@ digit of the running sum ("7", then "2", 12's). The next message depends on the 
 after a wrong one the user restates the true value ("7+5" instead of "+5"), so the truth is
 always in the conversation, an error does not compound and every step is judged against the
 answer's word. The reward is the share of steps answered exactly (the reply, its
-``<|im_end|>`` cut, equals the digit).
+``<|im_end|>`` cut, equals the digit). ``calc`` is a three-digit sum through one tool, ``add``.
 
-Used by the rollout worker (the built-in rewards and environment) and by the SFT warm start
-(``centerline/toy/sft.py``: ``chain_turns``). Rewards compare the response (the engine already cuts
-it at the stop token; anything from a literal ``<|endoftext|>`` on is cut here too):
-
-    exact   1.0 if the response equals the answer, else 0.0
-    prefix  partial credit: (length of the common prefix) / max(len(answer), len(response))
+Used by the rollout worker (the built-in environments) and by the SFT warm start
+(``centerline/toy/sft.py``: ``chain_turns``, the ``calc`` tool and budgets).
 """
 
 from __future__ import annotations
 
 import json
 
-EOS_TEXT = "<|endoftext|>"
-
-
-def response_answer(response: str) -> str:
-    """The response up to a literal end-of-text marker (the engine normally strips it already)."""
-    cut = response.find(EOS_TEXT)
-    return response if cut < 0 else response[:cut]
-
-
-def exact(response: str, task) -> float:
-    """1.0 if the response is exactly the answer, else 0.0. ``task`` is a ``shared.task.PromptTask``."""
-    return 1.0 if response_answer(response) == task.answer else 0.0
-
-
-def prefix(response: str, task) -> float:
-    """Partial credit: common-prefix length over the longer of response and answer (1.0 = exact)."""
-    got, want = response_answer(response), task.answer
-    longest = max(len(got), len(want))
-    if longest == 0:
-        return 1.0
-    same = 0
-    for a, b in zip(got, want):
-        if a != b:
-            break
-        same += 1
-    return same / longest
-
-
-REWARDS = {"exact": exact, "prefix": prefix}
+from shared import rewards
 
 
 def chain_turns(prompt: str, answer: str) -> list[tuple[str, str, str]]:
@@ -138,3 +106,5 @@ async def calc(client, task) -> float:
 
 
 ENVIRONMENTS = {"chain": chain, "calc": calc}
+# shared/settings.py still imports the built-in rewards from here; once it names shared.rewards, this goes.
+REWARDS = rewards.REWARDS

@@ -22,7 +22,7 @@ from shared.wire import Batch
 
 @dataclass(slots=True)
 class Held:
-    """An accepted part and the message to ack once its step is committed."""
+    """A part the gate holds: accepted, not yet trained, and the message to ack once its step is committed."""
 
     msg: object
     batch: Batch
@@ -75,8 +75,8 @@ def ledger_entries(held: list[Held], step: int) -> dict[str, dict]:
 
 
 class Groups:
-    """The ledger of trained tasks, the parts of the attempts held whole for the current step, and
-    those of attempts still incomplete."""
+    """Every task group the gate knows, by state: trained (the ledger), held whole for the current
+    step, and pending (attempts still incomplete)."""
 
     def __init__(self, ledger: dict[str, dict], first_step: int = 0):
         self.ledger = ledger  # task_id -> {"attempt", "step", "parts": {batch_id: seq}}, saved in every checkpoint

@@ -3,7 +3,7 @@ for one step (train on the global batch, save the weights version, save the chec
 
 Rank 0 decides every step and sends each rank its ``StepCommand`` with that rank's shard of
 the global batch only (``trainer_service.shards``, balanced by tokens; ``scatter_object_list``:
-the encoded shard travels as bytes); the other ranks sit in ``follow`` and do exactly the same
+the encoded shard travels as bytes); the other ranks sit in ``follow_rank0`` and do exactly the same
 collectives in the same order. A command without a batch tells them to stop.
 """
 
@@ -114,7 +114,7 @@ class Policy:
             )
         return {**metrics, "lr": lr, "train_s": t1 - t0, "save_s": time.perf_counter() - t1}, weights
 
-    def follow(self) -> None:
+    def follow_rank0(self) -> None:
         """Ranks other than 0: run each step rank 0 sends until it sends stop."""
         while (cmd := scatter_shards(None)).batch is not None:
             self.run(cmd)

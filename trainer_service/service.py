@@ -361,7 +361,7 @@ def main(argv: list[str]) -> int:
         if not main_rank:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop and tells this rank
-            policy.follow()
+            policy.follow_rank0()
             return 0
         return asyncio.run(drive(settings, cfg, policy, resume))
 

@@ -25,7 +25,7 @@ of the safetensors files in name order). How an engine takes the version is the 
 The continue is sent whatever happened after the pause; a trainer killed between the two leaves
 the engine to ``centerline sglang``'s watchdog, which continues an engine paused longer than its
 ``--continue-after`` seconds. A call that times out or breaks off is not yet a failure:
-the engine's own /model_info decides (``comes_to``).
+the engine's own /model_info decides (``serves_within_settle``).
 An engine that fails after a few tries is logged and counted, and training
 goes on: batches it samples with old weights are then rejected by the gate as ``stale``.
 ``watch`` brings such an engine back: every few seconds it asks each engine which version it
@@ -326,7 +326,7 @@ class WeightPublisher:
                 problem = f"{type(exc).__name__}: {exc}"
                 # Draining, SGLang finishes the generations in flight before it loads: a timed-out or
                 # broken-off call may still have been carried out. The engine's own word decides.
-                if await self.comes_to(url, version):
+                if await self.serves_within_settle(url, version):
                     return True
             log.warning(
                 "engine %s did not load version %d (attempt %d/%d): %s", url, version, attempt, self.attempts, problem
@@ -336,8 +336,8 @@ class WeightPublisher:
         log.error("engine %s keeps serving old weights; its batches will be rejected as stale", url)
         return False
 
-    async def comes_to(self, url: str, version: int) -> bool:
-        """Whether ``url`` comes to report ``version`` within ``settle`` seconds, asked every
+    async def serves_within_settle(self, url: str, version: int) -> bool:
+        """Whether ``url`` reports serving ``version`` within ``settle`` seconds, asked every
         second; False at once when it does not answer (a dead engine carries nothing out)."""
         deadline = asyncio.get_running_loop().time() + self.settle
         while True:

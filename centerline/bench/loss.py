@@ -31,7 +31,7 @@ import time
 import torch
 
 from centerline.bench import add_out_flag
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from trainer_service.loss import LossSettings, TokenRows, reinforce_loss, score_centering_loss
 
 
@@ -154,5 +154,5 @@ def bench_loss(argv: list[str]) -> int:
             {"ref": (autograd_reinforce, reinforce)}, logits, rows, max(1, args.repeats // 2)
         )["ref"]
         figures["autograd_reinforce_peak_mb"] = peak_mb(autograd_reinforce, logits, rows, reinforce)
-    emit(figures, args.out)
+    write_bench_figures(figures, args.out)
     return 0

@@ -105,7 +105,7 @@ import orjson
 
 from centerline.bench import add_out_flag
 from centerline.ports import free_port
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from centerline.up import run_spec
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
@@ -547,5 +547,5 @@ def bench_pipeline(argv: list[str]) -> int:
         "modes": results,
         **alone,
     }
-    emit(result, args.out, indent=None if args.json else 2)
+    write_bench_figures(result, args.out, indent=None if args.json else 2)
     return 0

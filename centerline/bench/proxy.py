@@ -41,7 +41,7 @@ import orjson
 
 from centerline.bench import add_out_flag
 from centerline.ports import free_port
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from centerline.synth import native_response
 from router_proxy.audit import audit_body
 
@@ -326,7 +326,7 @@ def bench_proxy(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     audit = {"audit": [audit_cost(args.repeats, int(n)) for n in args.audit_tokens.split(",") if n]}
     if args.audit_only:
-        emit(audit, args.out, indent=None if args.json else 2)
+        write_bench_figures(audit, args.out, indent=None if args.json else 2)
         return 0
     vocab = 64
     result: dict = {
@@ -404,7 +404,7 @@ def bench_proxy(argv: list[str]) -> int:
     result["throughput_ratio_c32"] = statistics.median(result["throughput_ratio_c32_rounds"])
     result["added_p50_ms_c1"] = statistics.median(result["added_p50_ms_c1_rounds"])
     result.update(audit)
-    emit(result, args.out, indent=None if args.json else 2)
+    write_bench_figures(result, args.out, indent=None if args.json else 2)
     return 0
 
 

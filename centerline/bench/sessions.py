@@ -103,7 +103,7 @@ from centerline import sglang
 from centerline.bench import add_out_flag
 from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
 from centerline.ports import free_port
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")
@@ -270,8 +270,8 @@ async def run_single(args, proxy_url: str, shapes: list[dict], vocab: int) -> di
                     if resp.status != 200 or resp.content_type != response_arrays.MEDIA_TYPE:
                         raise RuntimeError(f"{proxy_url}/generate answered {resp.status}: {answer[:300]!r}")
                 seconds = time.perf_counter() - started
-                found = response_arrays.decode(answer)
-                tokens, cached = int(found.response_ids.shape[0]), (found.cached_tokens or [0])[0] or 0
+                decoded = response_arrays.decode(answer)
+                tokens, cached = int(decoded.response_ids.shape[0]), (decoded.cached_tokens or [0])[0] or 0
                 requests.append({"turn": turn, "seconds": seconds, "tokens": tokens, "cached": cached})
 
         started = time.perf_counter()
@@ -285,8 +285,8 @@ def single_by_turn(requests: list[dict]) -> list[float]:
     return [mean_ms([r["seconds"] for r in requests if r["turn"] == t]) for t in sorted({r["turn"] for r in requests})]
 
 
-def session_figures(found: dict, per_engine: list[int], before: dict, after: dict) -> dict:
-    turns = found["turns"]
+def session_figures(played: dict, per_engine: list[int], before: dict, after: dict) -> dict:
+    turns = played["turns"]
     later = [t for t in turns if t["turn"] > 0]
     prompt = sum(t["prompt_tokens"] for t in later)
     cached = sum(t["cached_tokens"] or 0 for t in later)
@@ -302,7 +302,7 @@ def session_figures(found: dict, per_engine: list[int], before: dict, after: dic
         "later_turn_ms_mean": mean_ms([t["seconds"] for t in later]),
         "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
         "sampled_tokens": tokens,
-        "tokens_per_s": round(tokens / found["wall_s"], 3),
+        "tokens_per_s": round(tokens / played["wall_s"], 3),
         "later_turns_prompt_tokens": prompt,
         "later_turns_cached_tokens": cached,
         "cache_share_later_turns": round(cached / prompt, 4) if prompt else 0.0,
@@ -310,7 +310,7 @@ def session_figures(found: dict, per_engine: list[int], before: dict, after: dic
         "history_cache_share_later_turns": round(cached / held, 4) if held else 0.0,
         "same_engine_share_later_turns": round(stayed / len(later), 4) if later else 0.0,
         "requests_per_engine": per_engine,
-        "wall_s": round(found["wall_s"], 3),
+        "wall_s": round(played["wall_s"], 3),
         "stages_ms": session_stages(turns, before, after),
     }
 
@@ -391,7 +391,7 @@ def bench_sessions(argv: list[str]) -> int:
         return 1
     finally:
         supervisor.stop()
-    emit(result, args.out, indent=None if args.json else 2)
+    write_bench_figures(result, args.out, indent=None if args.json else 2)
     return 0
 
 
@@ -433,22 +433,22 @@ def run(
         "transports": {},
         "policies": {},
     }
-    found_by_run, seeds = {}, iter(range(1 << 20))
+    played_by_run, seeds = {}, iter(range(1 << 20))
     for n, policy in enumerate(policies):
         proxy_url = start_router_and_proxy(supervisor, logs, urls, policy, vocab, args.k)
         for transport in transports if n == 0 else transports[-1:]:
             before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
-            found = asyncio.run(run_sessions(args, proxy_url, model, next(seeds), transport))
+            played = asyncio.run(run_sessions(args, proxy_url, model, next(seeds), transport))
             after = [engine_requests(u) for u in urls]
             figures = {"transport": transport}
-            figures.update(session_figures(found, counted(before, after), timed, timings(urls, proxy_url)))
-            found_by_run[id(figures)] = found
+            figures.update(session_figures(played, counted(before, after), timed, timings(urls, proxy_url)))
+            played_by_run[id(figures)] = played
             if n == 0:
                 result["transports"][transport] = figures
             progress("sessions", policy=policy, **figures)
         result["policies"][policy] = figures  # the last transport's
         if n == 0:
-            shapes = [{k: t[k] for k in ("turn", "prompt_tokens", "completion_tokens")} for t in found["turns"]]
+            shapes = [{k: t[k] for k in ("turn", "prompt_tokens", "completion_tokens")} for t in played["turns"]]
             before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
             single = asyncio.run(run_single(args, proxy_url, shapes, vocab))
             after = [engine_requests(u) for u in urls]
@@ -471,8 +471,8 @@ def run(
             progress("single", **result["single"])
     single = result["single"]
     for figures in {id(f): f for f in [*result["transports"].values(), *result["policies"].values()]}.values():
-        found = found_by_run[id(figures)]
-        figures.update(growth(found["turns"], found["transform_s"], single["request_ms_by_turn"]))
+        played = played_by_run[id(figures)]
+        figures.update(growth(played["turns"], played["transform_s"], single["request_ms_by_turn"]))
         figures["overhead_ms_per_turn"] = round(figures["turn_ms_mean"] - single["request_ms_mean"], 3)
         figures["tokens_per_s_ratio"] = round(figures["tokens_per_s"] / single["tokens_per_s"], 4)
     return result

@@ -47,7 +47,7 @@ import numpy as np
 import psutil
 
 from centerline.bench import add_out_flag
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 
 MiB = 2**20
 PROMPT = 64
@@ -244,5 +244,5 @@ def bench_step(argv: list[str]) -> int:
         "max_gib": args.max_gib,
         "cases": results,
     }
-    emit(figures, args.out)
+    write_bench_figures(figures, args.out)
     return 0

@@ -39,7 +39,7 @@ import numpy as np
 from centerline.bench import add_out_flag
 from centerline.bench.sessions import toy_model
 from centerline.ports import free_port
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from centerline.up.processes import Supervisor, sglang_argv, wait_http
 from trainer_service import proof
 from trainer_service.weights import TRANSPORTS, WeightPublisher
@@ -170,5 +170,5 @@ def bench_weights(argv: list[str]) -> int:
         "transports": by,
         "speedup_distributed": by["disk"]["seconds"] / by["distributed"]["seconds"],
     }
-    emit(result, args.out, indent=None if args.json else 2)
+    write_bench_figures(result, args.out, indent=None if args.json else 2)
     return 0

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from centerline.bench import add_out_flag
-from centerline.runs.run_figures import emit
+from centerline.runs.run_figures import write_bench_figures
 from centerline.synth import make_batch
 from shared.contract import check_batch
 from shared.wire import decode_batch, encode_batch
@@ -99,7 +99,7 @@ def bench_wire(argv: list[str]) -> int:
         wire_figures(make_batch(samples=4, tokens_per_sample=n // 4, k=args.k, vocab_size=args.vocab), args.repeats)
         for n in sizes
     ]
-    emit(result, args.out)
+    write_bench_figures(result, args.out)
     return 0
 
 
@@ -131,5 +131,5 @@ def bench_contract(argv: list[str]) -> int:
         "mb_per_s": batch.nbytes() / 2**20 / seconds,
         "support_ms_per_batch": support_s * 1e3,
     }
-    emit(result, args.out)
+    write_bench_figures(result, args.out)
     return 0

@@ -187,7 +187,7 @@ def print_summary(msg: Message) -> None:
 # ---------------------------------------------------------------------------- sources
 
 
-async def quiet(exc: Exception) -> None:
+async def ignore_client_errors(exc: Exception) -> None:
     """NATS client error callback: a tool reports one clear error, not nats-py's tracebacks."""
 
 
@@ -198,7 +198,7 @@ async def record_stream(url: str, stream: str, first: int | None, last: int | No
 
     from shared.nats_client import connect
 
-    nc = await connect(url, name="centerline-record", max_reconnect_attempts=3, error_cb=quiet)
+    nc = await connect(url, name="centerline-record", max_reconnect_attempts=3, error_cb=ignore_client_errors)
     try:
         js = nc.jetstream()
         try:
@@ -243,7 +243,9 @@ async def record_live(url: str, subject: str, count: int | None, timeout: float 
     async def closed() -> None:  # reconnects gave up: the recording ends with what it has
         done.set()
 
-    nc = await connect(url, name="centerline-record", max_reconnect_attempts=10, error_cb=quiet, closed_cb=closed)
+    nc = await connect(
+        url, name="centerline-record", max_reconnect_attempts=10, error_cb=ignore_client_errors, closed_cb=closed
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, done.set)
 

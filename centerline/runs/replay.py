@@ -43,7 +43,7 @@ from pathlib import Path
 
 import orjson
 
-from centerline.runs.record import Message, RecordFileError, print_summary, quiet, read_record
+from centerline.runs.record import Message, RecordFileError, ignore_client_errors, print_summary, read_record
 from shared import config as shared_config
 from shared import logs
 from shared.nats_auth import CredentialsError
@@ -147,7 +147,7 @@ async def republish(messages: list[Message], url: str, subject: str | None) -> d
     from shared.nats_client import connect
     from shared.streams import ensure_streams
 
-    nc = await connect(url, name="centerline-replay", max_reconnect_attempts=3, error_cb=quiet)
+    nc = await connect(url, name="centerline-replay", max_reconnect_attempts=3, error_cb=ignore_client_errors)
     try:
         js = nc.jetstream()
         await ensure_streams(js)
@@ -237,7 +237,7 @@ def train(file: Path, settings: ReplaySettings, cfg, trainer: TrainerSettings) -
             return 2
         policy = Policy(trainer, cfg, resume=settings.checkpoint)
         if not main_rank:
-            policy.follow()
+            policy.follow_rank0()
             return 0
         try:
             replay_steps(file, settings, trainer, cfg, policy, *plan)

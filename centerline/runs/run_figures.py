@@ -1,6 +1,6 @@
 """Figures as data, stamped by the code that measured them: a finished run's headline figures
 (``RUN_DIR/figures.json``, written by ``centerline up`` at the end of a run, beside
-``report.html``) and every bench's (``centerline bench <target> --out FILE``, through ``emit``).
+``report.html``) and every bench's (``centerline bench <target> --out FILE``, through ``write_bench_figures``).
 
 Each file holds its figures and its provenance: ``command`` (what ran), ``commit`` (the code's
 ``git rev-parse HEAD``), ``machine`` (host, CPU model, CPUs, UTC time) and ``digest``, the sha256
@@ -149,7 +149,7 @@ def write_run_figures(run_dir: Path, argv: list[str] | None = None) -> Path:
     return out
 
 
-def emit(result: dict, out: Path, *, indent: int | None = None) -> None:
+def write_bench_figures(result: dict, out: Path, *, indent: int | None = None) -> None:
     """A bench's figures: print ``result`` as one JSON object, and write it stamped to ``out``."""
     print(json.dumps(result, indent=indent))
     out.write_text(json.dumps(stamped(result, this_command()), indent=2) + "\n")

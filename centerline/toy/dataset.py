@@ -2,7 +2,7 @@
 on a CPU, and deterministic JSONL datasets of them (rows for the trainer's task publisher).
 
 Each task maps a random problem to ``(prompt, answer)``; the rewards and the multi-turn
-environment that judge the answers are the worker's (``shared/toy_tasks.py``):
+environments that judge the answers are the worker's (``shared/rewards.py``, ``shared/toy_tasks.py``):
 
     reverse  "rev abc="    -> "cba"     (3-5 lowercase letters)
     copy     "copy abc="   -> "abc"

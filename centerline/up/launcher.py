@@ -170,7 +170,7 @@ def launch(spec: RunSpec, stopping: list[str] | None = None) -> Path:
 def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster, stopping: list) -> None:
     """One run, each job in turn: prepare what it trains, start NATS and its streams, choose the
     addresses and write ``config.toml``, start the engines, router and proxy, then the workers and
-    the trainer, follow the trainer to its last step and last held-out evaluation, write the report.
+    the trainer, watch the run (``watch_run``) to its last step and last held-out evaluation, write the report.
     ``launch`` stops every process afterwards, whatever happened."""
     up, run_dir = spec.up, spec.up.run_dir
     task = prepare(up, spec.cfg, run_dir, log)
@@ -200,7 +200,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     for i in range(up.workers):
         supervisor.start(f"worker-{i}", argv[f"worker-{i}"], nats_user="worker")
     trainer = supervisor.start("trainer", argv["trainer"], nats_user="trainer", engine_key=engine_key)
-    follow(trainer, spec, supervisor, nats, progress, stopping)
+    watch_run(trainer, spec, supervisor, nats, progress, stopping)
 
     if progress.tty:
         print()
@@ -256,7 +256,7 @@ def start_serving(
     wait_http(f"{addresses.proxy}/ready", "proxy", proxy, logs / "proxy.log", timeout)
 
 
-def follow(
+def watch_run(
     trainer: subprocess.Popen,
     spec: RunSpec,
     supervisor: Supervisor,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from centerline.runs.run_figures import commit, digest, emit, run_figures, stamped
+from centerline.runs.run_figures import commit, digest, run_figures, stamped, write_bench_figures
 
 
 def step(n: int, **over) -> dict:
@@ -97,7 +97,7 @@ def test_stamped_figures_carry_their_provenance_and_a_digest_of_it_all():
 
 def test_a_bench_prints_its_figures_and_writes_them_stamped(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["centerline", "bench", "loss", "--out", str(tmp_path / "loss.json")])
-    emit({"reinforce_ms": 220.5}, tmp_path / "loss.json")
+    write_bench_figures({"reinforce_ms": 220.5}, tmp_path / "loss.json")
     assert json.loads(capsys.readouterr().out) == {"reinforce_ms": 220.5}
     written = json.loads((tmp_path / "loss.json").read_text())
     assert written["reinforce_ms"] == 220.5 and written["digest"] == digest(written)

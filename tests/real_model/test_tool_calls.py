@@ -74,9 +74,9 @@ def test_an_agent_calling_a_tool_on_the_real_model_gets_what_the_hermes_parser_p
     real = environment.proxy_generate
 
     async def recording(http, url, body, routing_key):
-        found = await real(http, url, body, routing_key)
-        turns.setdefault(routing_key, []).append((body["input_ids"], found.response_ids.tolist()))
-        return found
+        arrays = await real(http, url, body, routing_key)
+        turns.setdefault(routing_key, []).append((body["input_ids"], arrays.response_ids.tolist()))
+        return arrays
 
     monkeypatch.setattr(environment, "proxy_generate", recording)
     task = PromptTask(

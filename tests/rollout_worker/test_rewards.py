@@ -29,11 +29,11 @@ def test_prefix_reward_is_common_prefix_over_the_longer_string():
 
 
 def test_a_module_function_reward_is_imported_by_name():
-    assert load_reward("shared.toy_tasks:exact") is load_reward("exact")
-    assert score(task(reward="shared.toy_tasks:prefix"), ["ABC", "A"]).tolist() == [1.0, pytest.approx(1 / 3)]
+    assert load_reward("shared.rewards:exact") is load_reward("exact")
+    assert score(task(reward="shared.rewards:prefix"), ["ABC", "A"]).tolist() == [1.0, pytest.approx(1 / 3)]
 
 
-@pytest.mark.parametrize("name", ["nope", "shared.toy_tasks:nope", "no_such_module_xyz:f", ":f"])
+@pytest.mark.parametrize("name", ["nope", "shared.rewards:nope", "no_such_module_xyz:f", ":f"])
 def test_an_unknown_reward_raises_reward_error(name):
     with pytest.raises(RewardError, match=name.split(":")[-1] or "module:function"):
         load_reward(name)

@@ -31,8 +31,8 @@ def test_a_long_sessions_replies_read_as_the_whole_conversation_decodes_them(pro
     outcome, turns, hf = run_task(proxy.url, model_dir, f"{__name__}:twenty_turns", monkeypatch)
     assert len(outcome.batches) == 1 and sorted(len(t) for t in turns.values()) == [TURNS, TURNS]
     for sid, answers in turns.items():
-        for t, (input_ids, found) in enumerate(answers):
-            sampled = found.response_ids.tolist()
+        for t, (input_ids, arrays) in enumerate(answers):
+            sampled = arrays.response_ids.tolist()
             before = hf.decode(input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             whole = hf.decode(input_ids + sampled, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             assert whole.startswith(before)

@@ -76,9 +76,9 @@ def run_task(
     real = environment.proxy_generate
 
     async def recording(http, url, body, routing_key):
-        found = await real(http, url, body, routing_key)
-        turns.setdefault(routing_key, []).append((body["input_ids"], found))
-        return found
+        arrays = await real(http, url, body, routing_key)
+        turns.setdefault(routing_key, []).append((body["input_ids"], arrays))
+        return arrays
 
     monkeypatch.setattr(environment, "proxy_generate", recording)
     task = PromptTask("s/0/0", "s/g0", "Say hi.", "", "exact", n, 0, environment=env)
@@ -121,8 +121,8 @@ def check_three_turns(outcome, turns, hf, *, vocab: int, im_end: int) -> None:
         ids = prompt + response
         session_turns = by_tokens[tuple(ids)]
         sampled = []
-        for inputs, found in session_turns:
-            returned = found.response_ids.tolist()
+        for inputs, arrays in session_turns:
+            returned = arrays.response_ids.tolist()
             assert ids[: len(inputs)] == inputs  # each turn continued every token so far, none re-tokenized
             assert ids[len(inputs) : len(inputs) + len(returned)] == returned
             sampled += returned
@@ -167,9 +167,9 @@ def test_a_proxy_killed_mid_session_fails_the_task_as_transient_and_the_retry_ru
     real, answered = environment.proxy_generate, []
 
     async def recording(http, url, body, routing_key):  # every turn the proxy answered, by routing key
-        found = await real(http, url, body, routing_key)
+        arrays = await real(http, url, body, routing_key)
         answered.append(routing_key)
-        return found
+        return arrays
 
     monkeypatch.setattr(environment, "proxy_generate", recording)
     try:
@@ -203,7 +203,7 @@ def check_retried_whole(outcome, turns, lost: set) -> None:
         part = batch.sample_slice(i)
         ids = sample_ids(batch, i)
         (session_turns,) = [t for t in turns.values() if tuple(ids) == tuple(t[-1][0] + t[-1][1].response_ids.tolist())]
-        sampled = [tok for _, found in session_turns for tok in found.response_ids.tolist()]
+        sampled = [tok for _, arrays in session_turns for tok in arrays.response_ids.tolist()]
         assert batch.response_ids[part][batch.loss_mask[part].astype(bool)].tolist() == sampled
 
 
@@ -230,9 +230,9 @@ def test_an_engine_killed_mid_session_fails_the_task_as_transient_and_the_retry_
         real, answered = environment.proxy_generate, []
 
         async def recording(http, url, body, routing_key):  # every turn the proxy answered, by routing key
-            found = await real(http, url, body, routing_key)
+            arrays = await real(http, url, body, routing_key)
             answered.append(routing_key)
-            return found
+            return arrays
 
         monkeypatch.setattr(environment, "proxy_generate", recording)
         # the proxy's answer for an upstream that failed the turn: unreachable (refused, cut off) or the router's 5xx

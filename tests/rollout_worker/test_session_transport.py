@@ -91,9 +91,9 @@ def test_a_turn_past_the_clients_timeout_goes_on_and_the_tasks_end_cancels_what_
             except asyncio.CancelledError:
                 events.append("cancelled")
                 raise
-            found = await super().__call__(input_ids, max_new_tokens, stop)
+            arrays = await super().__call__(input_ids, max_new_tokens, stop)
             self.answered.set()
-            return found
+            return arrays
 
     async def go():
         engine = Held([(text_ids("hi") + [IM_END], "stop")])

@@ -34,8 +34,8 @@ def test_a_tool_agent_on_the_toy_model_gets_what_hermes_parses_and_trains_the_sa
     calls = errors = 0
     for record in environments.TOOL_SESSIONS:
         sid = record["answers"][0].id.split("-")[1]  # chatcmpl-<session id>-<turn>: the routing key
-        for answer, (_, found) in zip(record["answers"], turns[sid], strict=True):
-            sampled = found.response_ids.tolist()
+        for answer, (_, arrays) in zip(record["answers"], turns[sid], strict=True):
+            sampled = arrays.response_ids.tolist()
             text = hf.decode(sampled[:-1] if sampled[-1] == IM_END else sampled, skip_special_tokens=False)
             normal, parsed = FunctionCallParser([Tool.model_validate(environments.ADD)], "hermes").parse_non_stream(
                 text
@@ -64,5 +64,5 @@ def test_a_tool_agent_on_the_toy_model_gets_what_hermes_parses_and_trains_the_sa
         ids = batch.prompt_ids[batch.prompt_offsets[i] : batch.prompt_offsets[i + 1]].tolist()
         ids += batch.response_ids[part].tolist()
         (session_turns,) = [t for t in turns.values() if ids == t[-1][0] + t[-1][1].response_ids.tolist()]
-        returned = sum((found.response_ids.tolist() for _, found in session_turns), [])
+        returned = sum((arrays.response_ids.tolist() for _, arrays in session_turns), [])
         assert batch.response_ids[part][batch.loss_mask[part].astype(bool)].tolist() == returned
