@@ -98,7 +98,7 @@ def finite_reward(result) -> float | None:
     return value if math.isfinite(value) else None
 
 
-async def play(
+async def play_sessions(
     cfg: Config,
     http: aiohttp.ClientSession,
     tokenizer,

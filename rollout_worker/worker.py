@@ -42,7 +42,7 @@ import aiohttp
 import nats.errors
 import numpy as np
 
-from rollout_worker.environment import play
+from rollout_worker.environment import play_sessions
 from rollout_worker.failures import Rejected, Transient
 from rollout_worker.packing import Trajectory, pack_trajectories, samples_from_arrays
 from rollout_worker.proxy_call import post
@@ -367,7 +367,9 @@ class Worker:
         deadline = self.settings.environment_deadline(self.cfg)
         timeout = self.settings.request_timeout
         transport = self.settings.session_transport
-        played = await play(self.cfg, self.session, self.tok.chat, task, task.n, timeout, between, deadline, transport)
+        played = await play_sessions(
+            self.cfg, self.session, self.tok.chat, task, task.n, timeout, between, deadline, transport
+        )
         caches = [c for c in (s.later_turns_cache() for s, _ in played) if c is not None]
         cache = (sum(p for p, _ in caches), sum(c for _, c in caches))
         return [s.trajectory() for s, _ in played], np.asarray([r for _, r in played], np.float64), cache
