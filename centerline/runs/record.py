@@ -145,6 +145,33 @@ def _message(where: str, offset: int, doc: dict) -> Message:
     return Message(doc["subject"], doc["seq"], float(doc["time"]), doc["headers"], doc["data"])
 
 
+def joined(messages: list[Message]) -> list[Message]:
+    """``messages`` with the pieces of each part larger than a message put together (docs/design.md
+    section 3): one message where its last piece was, with its first piece's sequence and the part's
+    batch_id as ``Nats-Msg-Id``, as the gate admits it. Pieces that make no whole stay as they are: the
+    gate's rules (``wire``) refuse them."""
+    from types import SimpleNamespace
+
+    from trainer_service.pieces import Broken, Pieces, Whole
+
+    gathering, out, views = Pieces(max_bytes=1 << 62), [], {}
+    for msg in messages:
+        seq = SimpleNamespace(stream=msg.seq)
+        view = SimpleNamespace(
+            headers=msg.headers, data=msg.data, metadata=SimpleNamespace(sequence=seq, num_delivered=1)
+        )
+        views[id(view)] = msg
+        got = gathering.add(view, 0.0)
+        if isinstance(got, Whole):
+            first = views[id(got.pieces[0])]
+            out.append(Message(msg.subject, first.seq, msg.time, got.headers, got.data))
+        elif isinstance(got, Broken):
+            out += [views[id(v)] for v in got.msgs]
+        elif got is view:
+            out.append(msg)
+    return out + [views[id(v)] for v in gathering.release()]
+
+
 def summary(msg: Message) -> dict:
     """One message for people: where it came from and, for a wire-format batch, what it holds."""
     from shared.contract import oldest_trained_version, sample_turns

@@ -396,3 +396,24 @@ def read_training_state(path, tmp) -> dict:
 
     walk("", state)
     return flat
+
+
+def test_a_recorded_part_in_pieces_is_joined_for_replay_where_its_last_piece_was():
+    from centerline.runs.record import joined
+    from shared.pieces import cut
+
+    part, other, broken = os.urandom(2500), os.urandom(900), os.urandom(1500)
+
+    def pieces(data: bytes, batch_id: str, first: int) -> list[Message]:
+        return [
+            Message("rollouts.batches", first + i, 1.0, h, d) for i, (_, d, h) in enumerate(cut(data, batch_id, 1000))
+        ]
+
+    a = pieces(part, "t/1/a", 1)
+    bad = pieces(broken, "t/1/c", 10)
+    bad[1] = Message(bad[1].subject, bad[1].seq, 1.0, bad[1].headers, b"x" + bad[1].data[1:])
+    lone = pieces(os.urandom(2500), "t/1/d", 20)[:2]  # its last piece never stored
+    plain = Message("rollouts.batches", 5, 1.0, {"Nats-Msg-Id": "t/1/b"}, other)
+    out = joined([a[0], a[1], plain, a[2], *bad, *lone])
+    assert out[:2] == [plain, Message("rollouts.batches", 1, 1.0, {"Nats-Msg-Id": "t/1/a"}, part)]
+    assert out[2:] == [*bad, *lone]  # no whole: left for the gate's rules to refuse
