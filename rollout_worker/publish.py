@@ -21,10 +21,8 @@ from shared import names, pieces
 from shared.batch_algebra import select_samples
 from shared.config import MAX_SAMPLE_BYTES
 from shared.nats_client import publish_acked
+from shared.pieces import HEADER_ROOM
 from shared.wire import Batch, decode_batch, encode_batch
-
-# Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
-HEADER_ROOM = 4096
 
 
 class PayloadTooLargeError(ValueError):
@@ -124,7 +122,7 @@ async def publish_batch(
                 f"{max_sample_bytes}: the trainer would never take it; raise --max-sample-bytes (on workers and "
                 "trainer alike), or lower --rollout-session-max-tokens or K"
             )
-        if len(part.data) <= limit:
+        if pieces.pieces_per_part(len(part.data), max_payload) == 1:
             messages.append((part.batch_id, part.data, {names.MSG_ID_HEADER: part.batch_id}))
         else:
             messages += pieces.cut(part.data, part.batch_id, limit)

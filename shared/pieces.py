@@ -18,6 +18,13 @@ from typing import NamedTuple
 
 PIECE_HEADER, OF_HEADER, SUM_HEADER = "Centerline-Piece", "Centerline-Piece-Of", "Centerline-Piece-Sum"
 MSG_ID_HEADER = "Nats-Msg-Id"
+# Bytes of a message kept free for headers (Nats-Msg-Id, the pieces', DLQ reasons): max_payload counts them too.
+HEADER_ROOM = 4096
+
+
+def pieces_per_part(part_bytes: int, max_payload: int) -> int:
+    """Messages a part of ``part_bytes`` bytes takes at the server's ``max_payload``: 1 where it fits."""
+    return max(1, -(-part_bytes // (max_payload - HEADER_ROOM)))
 
 
 class Piece(NamedTuple):

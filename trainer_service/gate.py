@@ -68,13 +68,16 @@ EXPIRE_ACK_WAITS = 2
 INCOMPLETE_GROUP, REPUBLISH_CAP = "incomplete_group", "republish_cap"
 
 
-def max_ack_pending(prompts_per_step: int, rollout_n: int, inflight_steps: int, heldout_rows: int = 0) -> int:
+def max_ack_pending(
+    prompts_per_step: int, rollout_n: int, inflight_steps: int, heldout_rows: int = 0, pieces: int = 1
+) -> int:
     """The trainer consumer's ``max_ack_pending``, from the step's size (docs/design.md section 10): the
-    parts it may hold unacked at once are one sample each at most, for the step being gathered, the
-    pending groups of the ``inflight_steps`` published ahead, each of them twice (an attempt published
-    again beside a late one), and the held-out rows of a round being scored; never below 1,000."""
-    step_parts = prompts_per_step * rollout_n
-    return max(1000, 2 * (inflight_steps + 1) * step_parts + 2 * heldout_rows)
+    parts it may hold unacked at once are one sample each at most, each in ``pieces`` messages at most
+    (``shared.pieces.pieces_per_part``), for the step being gathered, the pending groups of the
+    ``inflight_steps`` published ahead, each of them twice (an attempt published again beside a late
+    one), and the held-out rows of a round being scored; never below 1,000."""
+    step_parts = prompts_per_step * rollout_n * pieces
+    return max(1000, 2 * (inflight_steps + 1) * step_parts + 2 * heldout_rows * pieces)
 
 
 class Gate:

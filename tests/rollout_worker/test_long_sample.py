@@ -40,8 +40,9 @@ class Sampled(Worker):
         return Outcome([batch], np.zeros(N, np.float32), N * self.tokens)
 
 
-def handle_one(tmp_path, tokens: int, max_sample_bytes: int):
-    """Publish ``TASK``, have a worker handle its one delivery; the streams and the consumer after."""
+def handle_one(tmp_path, tokens: int, max_sample_bytes: int, terminated: int = 0):
+    """Publish ``TASK``, have a worker handle its one delivery; the streams and the consumer after (once
+    JetStream's ``terminated`` advisories are stored)."""
 
     async def main():
         with EmbeddedNats(tmp_path / "nats", max_payload=MAX_PAYLOAD) as server:
@@ -57,29 +58,35 @@ def handle_one(tmp_path, tokens: int, max_sample_bytes: int):
             )
             (msg,) = await consumer.fetch(1, timeout=5.0)
             await worker.handle(msg)
+            await worker.nc.flush()
             info = await worker.js.consumer_info(names.PROMPTS_STREAM, names.WORKERS_CONSUMER)
+            while info.num_ack_pending and info.num_redelivered == 0:  # a TERM is not acknowledged: until applied
+                info = await worker.js.consumer_info(names.PROMPTS_STREAM, names.WORKERS_CONSUMER)
+            advisories = await stored_messages(server.url, names.ADVISORIES_STREAM)
+            while len(advisories) < terminated:  # JetStream stores its advisory once it applied the TERM
+                advisories = await stored_messages(server.url, names.ADVISORIES_STREAM)
             rollouts = await stored_messages(server.url, names.ROLLOUTS_STREAM)
             letters = await stored_messages(server.url, names.DLQ_STREAM)
             await worker.nc.close()
-            return info, rollouts, letters
+            return info, rollouts, letters, advisories
 
-    return asyncio.run(main())
+    return asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_a_sample_above_max_payload_is_published_in_pieces_and_its_task_acked(tmp_path):
-    info, rollouts, letters = handle_one(tmp_path, tokens=1200, max_sample_bytes=1 << 20)
+    info, rollouts, letters, advisories = handle_one(tmp_path, tokens=1200, max_sample_bytes=1 << 20)
     assert [m.headers["Nats-Msg-Id"] for m in rollouts] == [
         "r1/0/0/a1/0-1#0/2",
         "r1/0/0/a1/0-1#1/2",
         "r1/0/0/a1/1-2#0/2",
         "r1/0/0/a1/1-2#1/2",
     ]
-    assert all(len(m.data) <= MAX_PAYLOAD for m in rollouts) and letters == []
+    assert all(len(m.data) <= MAX_PAYLOAD for m in rollouts) and letters == [] and advisories == []
     assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
 
 
 def test_a_sample_above_max_sample_bytes_is_dead_lettered_and_termed_once_by_name(tmp_path):
-    info, rollouts, letters = handle_one(tmp_path, tokens=1200, max_sample_bytes=50_000)
+    info, rollouts, letters, advisories = handle_one(tmp_path, tokens=1200, max_sample_bytes=50_000, terminated=1)
     assert rollouts == []  # nothing of the batch published
     (letter,) = letters
     assert letter.data == TASK.to_bytes() and letter.headers["Centerline-Kind"] == "task"
@@ -87,3 +94,4 @@ def test_a_sample_above_max_sample_bytes_is_dead_lettered_and_termed_once_by_nam
     assert "above --max-sample-bytes 50000" in letter.headers["Centerline-Reason"]
     # TERMed: not pending, not waiting for an ack, never delivered again
     assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
+    assert [m.subject.split(".")[4] for m in advisories] == ["MSG_TERMINATED"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import shutil
 
 import aiohttp
@@ -116,7 +115,7 @@ def test_a_session_with_a_long_tool_result_over_20_mib_is_trained_exactly_once(l
     size = len(bytes(h.msg.data))
     assert size > 20 << 20 and batch.num_tokens > TOOL_RESULT  # the sample: more than 20 MiB at K = 128
     assert [m.headers[pieces.PIECE_HEADER] for m in stored] == [f"{i}/{len(stored)}" for i in range(len(stored))]
-    assert len(stored) == math.ceil(size / (max_payload - 4096)) and all(len(m.data) <= max_payload for m in stored)
+    assert len(stored) == pieces.pieces_per_part(size, max_payload) and all(len(m.data) <= max_payload for m in stored)
     mask = batch.loss_mask.astype(bool)
     assert mask.sum() <= 16 and (batch.cand_ids[~mask] == -1).all()  # two replies trained, the tool's answer not
     assert metrics["samples"] == 1 and metrics["trained_tokens"] == int(mask.sum())

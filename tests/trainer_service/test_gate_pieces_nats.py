@@ -104,7 +104,7 @@ def test_a_sample_over_max_payload_travels_in_pieces_and_is_trained_whole_once(t
 def test_a_part_short_of_a_piece_or_with_a_corrupt_one_is_dead_lettered_by_name_never_trained(tmp_path):
     batch = long_group("r1/0/0")
     parts = split_batch(batch, MAX_PAYLOAD)
-    limit = MAX_PAYLOAD - 4096  # publish_batch's HEADER_ROOM
+    limit = MAX_PAYLOAD - pieces.HEADER_ROOM
 
     async def main():
         with EmbeddedNats(tmp_path / "nats", max_payload=MAX_PAYLOAD) as server:

@@ -8,7 +8,7 @@ import hashlib
 import os
 from types import SimpleNamespace
 
-from shared.pieces import cut
+from shared.pieces import HEADER_ROOM, cut, pieces_per_part
 from trainer_service.pieces import (
     DUPLICATE_PIECE,
     INCOMPLETE_SAMPLE,
@@ -175,3 +175,8 @@ def test_release_gives_back_every_piece_held():
     a, b, _ = delivered(DATA, "t/1/b", 1)
     p.add(a, 0.0), p.add(b, 0.0)
     assert p.release() == [a, b] and p.open == {}
+
+
+def test_a_part_takes_as_many_messages_as_its_bytes_need_at_max_payload_less_header_room():
+    limit = (8 << 20) - HEADER_ROOM
+    assert [pieces_per_part(n, 8 << 20) for n in (1, limit, limit + 1, 21 << 20)] == [1, 1, 2, 3]
