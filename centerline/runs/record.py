@@ -5,8 +5,9 @@ messages or ``--timeout`` seconds. ``--stream``: a JetStream sequence range, rea
 message at a time with the stream's message-get API (no consumer, so nothing is acked or
 redelivered and the trainer's durable consumer is untouched; deleted sequences are
 skipped; a ``--to-seq`` past the stream's last sequence stops there, and says so on
-stderr). ``--jsonl`` prints one summary line per message (``summary``) as well, or
-instead when no ``--out`` is given. Replay a file with ``centerline replay``.
+stderr). ``--jsonl`` prints one summary line per message (``summary``; a part carried in
+pieces as one batch, at its last piece) as well, or instead when no ``--out`` is given; the
+record file keeps every piece as stored. Replay a file with ``centerline replay``.
 
     centerline record --stream ROLLOUTS --from-seq 1 --to-seq 40 --out seg.clrec --nats-url nats://127.0.0.1:4222
     centerline record --subject rollouts.batches --out live.clrec --count 100
@@ -211,6 +212,35 @@ def print_summary(msg: Message) -> None:
     sys.stdout.flush()
 
 
+class JoinedSummaries:
+    """``print_summary`` of each message as it comes, but a part carried in pieces once, as its batch,
+    when its last piece comes (``joined``); ``close`` prints the pieces that made no whole."""
+
+    def __init__(self):
+        from shared.pieces import OF_HEADER
+
+        self.of, self.pending = OF_HEADER, {}
+
+    def __call__(self, msg: Message) -> None:
+        bid = msg.headers.get(self.of)
+        if bid is None:
+            print_summary(msg)
+            return
+        got = self.pending.setdefault(bid, [])
+        got.append(msg)
+        out = joined(got)
+        if any(self.of not in m.headers for m in out):  # the part, whole
+            del self.pending[bid]
+            for m in out:
+                print_summary(m)
+
+    def close(self) -> None:
+        for rest in self.pending.values():
+            for m in rest:
+                print_summary(m)
+        self.pending = {}
+
+
 # ---------------------------------------------------------------------------- sources
 
 
@@ -319,12 +349,13 @@ def main(argv: list[str]) -> int:
         else {"subject": args.subject}
     ) | {"nats_url": redact(args.nats_url)}
     writer = RecordWriter(args.out, source) if args.out else None
+    summaries = JoinedSummaries()
 
     def sink(msg: Message) -> None:
         if writer is not None:
             writer.write(msg)
         if args.jsonl:
-            print_summary(msg)
+            summaries(msg)
 
     from nats.errors import NoServersError
 
@@ -340,6 +371,7 @@ def main(argv: list[str]) -> int:
         print(f"centerline record: {exc}", file=sys.stderr)
         return 1
     finally:
+        summaries.close()
         if writer is not None:
             writer.close()
     if writer is not None:

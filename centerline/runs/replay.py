@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
             return train(args.file, settings, *run_settings(args))
         _, messages = read_record(args.file)
         if args.jsonl:
-            for msg in messages:
+            for msg in joined(messages):
                 print_summary(msg)
             return 0
         from nats.errors import NoServersError

@@ -417,3 +417,34 @@ def test_a_recorded_part_in_pieces_is_joined_for_replay_where_its_last_piece_was
     out = joined([a[0], a[1], plain, a[2], *bad, *lone])
     assert out[:2] == [plain, Message("rollouts.batches", 1, 1.0, {"Nats-Msg-Id": "t/1/a"}, part)]
     assert out[2:] == [*bad, *lone]  # no whole: left for the gate's rules to refuse
+
+
+def test_a_stream_read_back_with_jsonl_summarizes_a_part_in_pieces_once_as_its_batch(tmp_path, capsys):
+    from dataclasses import replace
+
+    from centerline.runs.record import JoinedSummaries
+    from centerline.synth import make_batch
+    from rollout_worker.publish import publish_batch
+
+    long = make_batch(samples=1, tokens_per_sample=1200, k=8, batch_id="r1/0/0")  # ~93 KB: two pieces
+    long = replace(long, task_id="r1/0/0")
+    short = replace(make_batch(samples=1, k=8, batch_id="r1/0/1"), task_id="r1/0/1")
+
+    async def publish_then_read(url: str) -> None:
+        nc = await connect(url)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        for batch in (long, short):
+            await publish_batch(js, batch, max_payload=nc.max_payload)
+        await nc.close()
+        summaries = JoinedSummaries()
+        await record_stream(url, names.ROLLOUTS_STREAM, None, None, summaries)
+        summaries.close()
+
+    with EmbeddedNats(tmp_path / "nats", max_payload=64 << 10) as server:
+        asyncio.run(publish_then_read(server.url))
+    lines = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(s["seq"], s["headers"], s["batch"]["batch_id"], s["batch"]["tokens"]) for s in lines] == [
+        (1, {"Nats-Msg-Id": "r1/0/0/0-1"}, "r1/0/0/0-1", 1200),  # one sample alone: a part of its own
+        (3, {"Nats-Msg-Id": "r1/0/1"}, "r1/0/1", 8),
+    ]
