@@ -25,7 +25,7 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict, routing_key: s
     router that routes by key keeps the session on one engine. Raises ``Transient`` for what another
     attempt may not meet (the proxy or upstream unreachable, HTTP 5xx including the proxy's 502 audit
     verdict, an answer that is not arrays) and ``Rejected`` for a request refused as such (400, 413,
-    422: asking again cannot help)."""
+    422) or an answer above the proxy's cap (502 ``upstream_too_large``): asking again cannot help."""
     headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
     if routing_key is not None:
         headers[ROUTING_KEY_HEADER] = routing_key
@@ -37,6 +37,12 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict, routing_key: s
         raise Transient(f"{url}: {exc!r}") from None
     if status in (400, 413, 422):
         raise Rejected(f"the proxy refused the request with {status}: {answer[:1000].decode(errors='replace')}")
+    if status == 502 and _rule(answer) == "upstream_too_large":  # the same request makes the same answer again
+        raise Rejected(
+            f"the proxy cut off an upstream answer above its --max-upstream-response-bytes: "
+            f"{answer[:1000].decode(errors='replace')}; raise it on the proxy, or lower --rollout-max-new-tokens, "
+            "--rollout-n or K"
+        )
     if status != 200:
         raise Transient(f"{url} answered {status}: {answer[:500].decode(errors='replace')}")
     if ctype != response_arrays.MEDIA_TYPE:  # an observe-mode proxy passing a response it could not read
@@ -48,3 +54,12 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict, routing_key: s
         return response_arrays.decode(answer)
     except WireError as exc:
         raise Transient(f"unusable response from the proxy: {exc}") from None
+
+
+def _rule(answer: bytes) -> str:
+    """The rule of the proxy's error answer ``{"error": {"rule": ...}}``, or ""."""
+    try:
+        error = orjson.loads(answer).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    return error.get("rule", "") if isinstance(error, dict) else ""

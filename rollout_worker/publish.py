@@ -2,9 +2,10 @@
 each part with ``Nats-Msg-Id`` = its ``batch_id`` and a PubAck awaited.
 
 docs/design.md section 3: a message never exceeds the server's ``max_payload``; a producer splits a
-group across messages by sample, and a single sample too large for one message is an error
-that names the setting to raise. The split is deterministic, so a re-published batch
-produces the same message ids and JetStream deduplicates it.
+group across messages by sample, and a single sample too large for one message is a part of its own
+carried in pieces (``shared/pieces.py``), which the trainer puts back together before the contract
+sees it. A part above ``max_sample_bytes`` is an error that names the setting. The split is
+deterministic, so a re-published batch produces the same message ids and JetStream deduplicates it.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ import numpy as np
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from shared import names
+from shared import names, pieces
 from shared.batch_algebra import select_samples
+from shared.config import MAX_SAMPLE_BYTES
 from shared.nats_client import publish_acked
+from shared.pieces import HEADER_ROOM
 from shared.wire import Batch, decode_batch, encode_batch
-
-# Bytes of a message kept free for headers (Nats-Msg-Id, DLQ reasons): max_payload counts them too.
-HEADER_ROOM = 4096
 
 
 class PayloadTooLargeError(ValueError):
-    """A single sample cannot fit in one message; the message names ``max_payload``."""
+    """A part of one sample exceeds ``max_sample_bytes``: never sent; the message names the setting."""
 
 
 class Part(NamedTuple):
@@ -41,7 +41,8 @@ def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
     are packed greedily and part ``[a, b)`` gets ``batch_id = f"{batch_id}/{a}-{b}"``: the
     same batch always splits the same way, so a re-publish deduplicates part by part. Each
     part then says how many its attempt publishes: ``parts`` is the batch's times the split's.
-    Raises ``PayloadTooLargeError`` when a single sample cannot fit.
+    A sample that cannot fit alone is a part of its own, larger than ``max_bytes``: ``publish_batch``
+    sends it in pieces.
     """
     whole = encode_batch(batch)
     if len(whole) <= max_bytes:
@@ -52,23 +53,21 @@ def split_batch(batch: Batch, max_bytes: int) -> list[Part]:
     fixed = len(encode_batch(select_samples(batch, slice(0, 0)))) + 11 * (3 + 2 * 9) + 2 * 4 + 9
     parts, start, size = [], 0, fixed
     for i, c in enumerate(cost.tolist()):
-        if fixed + c > max_bytes:
-            raise PayloadTooLargeError(
-                f"sample {batch.sample_ids[i]!r} (index {i} of batch {batch.batch_id!r}) needs about {fixed + c} bytes "
-                f"in one message, above the limit of {max_bytes} bytes per message (the NATS server's max_payload "
-                "less room for headers); raise max_payload in the nats-server config (`centerline nats "
-                "--max-payload`, at most 64MB) or send shorter responses or a smaller K"
-            )
-        if size + c > max_bytes:
+        if size + c > max_bytes and i > start:
             parts.append((start, i))
             start, size = i, fixed
         size += c
-    parts.append((start, len(cost)))
+        if size > max_bytes:  # a sample that cannot fit alone: a part of its own, sent in pieces
+            parts.append((start, i + 1))
+            start, size = i + 1, fixed
+    if start < len(cost):
+        parts.append((start, len(cost)))
     out = []
     for a, b in parts:
         part = replace(select_samples(batch, slice(a, b)), batch_id=f"{batch.batch_id}/{a}-{b}")
         data = encode_batch(replace(part, parts=batch.parts * len(parts)))
-        assert len(data) <= max_bytes, (a, b, len(data), max_bytes)  # the bound above is an upper bound
+        # the bound above is an upper bound
+        assert len(data) <= max_bytes or b - a == 1, (a, b, len(data), max_bytes)
         out.append(Part(f"{batch.batch_id}/{a}-{b}", data))
     return out
 
@@ -93,6 +92,7 @@ async def publish_batch(
     timeout: float = 10.0,
     attempts: int = 3,
     between=None,
+    max_sample_bytes: int = MAX_SAMPLE_BYTES,
 ) -> list[PubAck]:
     """Publish a batch with ``Nats-Msg-Id = batch_id`` and wait for each PubAck (acked = fsynced).
 
@@ -102,7 +102,9 @@ async def publish_batch(
     A publish without PubAck within ``timeout`` is repeated with the same id, ``attempts``
     times in all, then raises ``PublishError``. Returns one PubAck per message;
     ``ack.duplicate`` is True where JetStream already held that id, which is a successful
-    publish, not an error. ``between()``, if given, is called between two parts' publishes (the
+    publish, not an error. A part larger than a message goes as pieces (``shared.pieces.cut``), one
+    PubAck each; one larger than ``max_sample_bytes`` raises ``PayloadTooLargeError`` before anything
+    of the batch is published. ``between()``, if given, is called between two messages' publishes (the
     worker's failpoint ``worker.between_parts``).
     """
     limit = max_payload - HEADER_ROOM
@@ -112,19 +114,25 @@ async def publish_batch(
         parts = [Part(batch_id or decode_batch(batch).batch_id, bytes(batch))]
     else:
         parts = split_batch(decode_batch(batch), limit)
+    messages = []
+    for part in parts:
+        if len(part.data) > max_sample_bytes:
+            raise PayloadTooLargeError(
+                f"part {part.batch_id!r} of one sample is {len(part.data)} bytes, above --max-sample-bytes "
+                f"{max_sample_bytes}: the trainer would never take it; raise --max-sample-bytes (on workers and "
+                "trainer alike), or lower --rollout-session-max-tokens or K"
+            )
+        if pieces.pieces_per_part(len(part.data), max_payload) == 1:
+            messages.append((part.batch_id, part.data, {names.MSG_ID_HEADER: part.batch_id}))
+        else:
+            messages += pieces.cut(part.data, part.batch_id, limit)
     acks = []
-    for i, part in enumerate(parts):
+    for i, (msg_id, data, headers) in enumerate(messages):
         if i and between is not None:
             between()
         acks.append(
             await publish_acked(
-                js,
-                subject,
-                part.data,
-                {names.MSG_ID_HEADER: part.batch_id},
-                what=f"batch {part.batch_id!r}",
-                timeout=timeout,
-                attempts=attempts,
+                js, subject, data, headers, what=f"batch {msg_id!r}", timeout=timeout, attempts=attempts
             )
         )
     return acks

@@ -19,7 +19,8 @@ Failures, and what happens to the task:
   the next attempt, and the trainer drops that attempt's batch as ``duplicate_attempt``;
 - deterministic (a task that does not parse, a request the proxy refuses with 400, a reward
   function that fails, a packed batch that breaks the contract, an environment past
-  ``environment_timeout``): TERM, after logging the reason and publishing to ``rollouts.dlq``,
+  ``environment_timeout``, a sample above ``max_sample_bytes``, an upstream answer above the
+  proxy's cap): TERM, after logging the reason and publishing to ``rollouts.dlq``,
   with the reason in headers, the batch that breaks the contract (the task instead where the
   batch exceeds ``max_payload``), else the task. Redelivering these would fail the same way
   forever and block the queue;
@@ -196,7 +197,13 @@ class Worker:
             for batch in outcome.batches:
                 # a fault test kills the worker here: some parts of the attempt stored, the others not
                 between = functools.partial(faults.hit, "worker.between_parts", batch.attempt)
-                await publish_batch(self.js, batch, max_payload=self.nc.max_payload, between=between)
+                await publish_batch(
+                    self.js,
+                    batch,
+                    max_payload=self.nc.max_payload,
+                    between=between,
+                    max_sample_bytes=self.cfg.max_sample_bytes,
+                )
             acked = await self._ack(msg, task, outcome)
         except asyncio.CancelledError:
             await msg.nak()  # shutting down: hand the task to another worker now
@@ -207,7 +214,10 @@ class Worker:
             await msg.nak(delay=self.retry_delay(msg))
             self._count("nak")
             return
-        except (PublishError, PayloadTooLargeError, nats.errors.Error) as exc:
+        except PayloadTooLargeError as exc:  # the same task samples the same sizes again: once, by name
+            await self._term(msg, task, str(exc))
+            return
+        except (PublishError, nats.errors.Error) as exc:
             log.warning(
                 "publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}}
             )

@@ -28,8 +28,11 @@ from pydantic import Field, ValidationError
 from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
 from shared.settings import SECTIONS, Section, Settings
+from shared.streams import sample_max_bytes
 
 ENV_PREFIX = "CENTERLINE_"
+# The largest part of a batch the trainer puts together from pieces and holds: a sample of 250k tokens at K=128.
+MAX_SAMPLE_BYTES = 256 << 20
 S = TypeVar("S", bound=Section)
 M = TypeVar("M", bound=Settings)
 # The importance-weight options' defaults, here once: Config's fields below, and the keyword
@@ -78,6 +81,12 @@ class Config(Settings):
         1024,
         description="A multi-turn session's token budget: its first prompt and every token after it. A turn that "
         "could pass it is not run; the session ends after its last complete turn.",
+    )
+    max_sample_bytes: int = Field(
+        MAX_SAMPLE_BYTES,
+        description="Largest encoded part of a batch (one sample at least) carried to the trainer: above "
+        "max_payload it travels in pieces, above this it is dead-lettered as sample_too_large. It must hold "
+        "--rollout-session-max-tokens tokens of 13 + 8K bytes each, checked at start-up.",
     )
     rollout_n: int = Field(4, description="Samples per prompt group (GRPO group size).")
     rollout_tool_call_parser: str = Field(
@@ -211,6 +220,13 @@ def validate(cfg: Config) -> Config:
             "score_centering_mis_low",
             cfg.score_centering_mis_low,
             "needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
+        ),
+        (
+            cfg.max_sample_bytes < sample_max_bytes(cfg),
+            "max_sample_bytes",
+            cfg.max_sample_bytes,
+            f"a sample of --rollout-session-max-tokens {cfg.rollout_session_max_tokens} tokens at K={k} is up to "
+            f"{sample_max_bytes(cfg)} bytes and could never be trained; raise it, or lower the budget or K",
         ),
         (cfg.max_staleness < 0, "max_staleness", cfg.max_staleness, "must be >= 0"),
         (cfg.max_inflight_steps < 1, "max_inflight_steps", cfg.max_inflight_steps, "must be >= 1"),

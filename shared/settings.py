@@ -347,7 +347,11 @@ class ProxySettings(Section):
         MAX_REQUEST_BODY_BYTES, gt=0, description="Larger request bodies are refused with 413."
     )
     max_upstream_response_bytes: int = Field(
-        MAX_UPSTREAM_RESPONSE_BYTES, gt=0, description="Larger upstream answers are cut off and become 502."
+        MAX_UPSTREAM_RESPONSE_BYTES,
+        gt=0,
+        description="Larger upstream answers are cut off and become 502 upstream_too_large (a worker dead-letters "
+        "the task, never retries it). Checked at start-up against --rollout-n x --rollout-max-new-tokens tokens of "
+        "K + 1 entries of ~30 bytes.",
     )
     max_top_logprobs_num: int = Field(
         MAX_TOP_LOGPROBS_NUM,
@@ -357,13 +361,22 @@ class ProxySettings(Section):
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
         k = cfg.rollout_top_logprobs_num
+        # one request's n answers of the longest reply, each token's K + 1 entries of ~30 JSON bytes
+        answer = cfg.rollout_n * cfg.rollout_max_new_tokens * 30 * (k + 1)
         return [
+            (
+                answer > self.max_upstream_response_bytes,
+                "max_upstream_response_bytes",
+                self.max_upstream_response_bytes,
+                f"an answer of --rollout-n {cfg.rollout_n} x --rollout-max-new-tokens {cfg.rollout_max_new_tokens} "
+                f"tokens at K={k} is about {answer} bytes and would be cut off every time; raise it, or lower them",
+            ),
             (
                 k > self.max_top_logprobs_num,
                 "rollout_top_logprobs_num",
                 k,
                 f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
-            )
+            ),
         ]
 
 

@@ -134,6 +134,8 @@ ONE_USER_NAMES = {
         "response_arrays",
         "encode",
     ): "the proxy's half of the binary answer; the worker decodes it (one format, one file)",
+    ("pieces", "cut"): "the worker's half of the pieces of a part; the gate parses them (one format, one file)",
+    ("pieces", "parse"): "the gate's half of the pieces of a part; the worker cuts them (one format, one file)",
     ("config", "main"): "`centerline config` prints the resolution as every command sees it (config's own _build)",
     ("batch_algebra", "concat_batches"): "the trainer's step batch; batch algebra is one module, the worker selects",
     ("batch_algebra", "assign_shards"): "the trainer's shards; batch algebra is one module, the worker selects",

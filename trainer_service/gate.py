@@ -21,6 +21,11 @@
   stale part's, then is dead-lettered part by part as ``incomplete_group``. The clock is the time
   spent fetching (``Gate.waited``): while the trainer trains it fetches nothing, and the other
   parts wait unfetched in the stream.
+- A part larger than a message arrives in pieces (``trainer_service/pieces.py``): each is held unacked until
+  every piece is there and the whole matches its digest, then the whole is admitted as one message
+  (acked, nak'ed, kept alive and dead-lettered piece by piece). A piece whose part can never be whole
+  is dead-lettered: ``piece_digest`` (corrupt, or two parts under one id), ``sample_too_large`` (above
+  ``max_sample_bytes``), ``incomplete_sample`` (a piece still missing after the expiry above).
 - A dead letter that JetStream does not store (the DLQ full, NATS away) naks the part: it comes
   back and is dead-lettered then; the trainer never exits over it (``rejected_unstored``).
 """
@@ -37,6 +42,7 @@ import nats.errors
 
 from shared import faults, names
 from shared.nats_client import PublishError, publish_acked
+from shared.pieces import OF_HEADER
 from shared.wire import Batch, WireError, decode_batch
 from trainer_service.admission import (
     DROP,
@@ -52,6 +58,7 @@ from trainer_service.admission import (
 )
 from trainer_service.heldout import LATE, heldout_step
 from trainer_service.ledger import Groups, Held
+from trainer_service.pieces import Broken, Pieces, Whole
 from trainer_service.tasks import times_republished
 
 log = logging.getLogger("centerline.trainer.gate")
@@ -62,13 +69,16 @@ EXPIRE_ACK_WAITS = 2
 INCOMPLETE_GROUP, REPUBLISH_CAP = "incomplete_group", "republish_cap"
 
 
-def max_ack_pending(prompts_per_step: int, rollout_n: int, inflight_steps: int, heldout_rows: int = 0) -> int:
+def max_ack_pending(
+    prompts_per_step: int, rollout_n: int, inflight_steps: int, heldout_rows: int = 0, pieces: int = 1
+) -> int:
     """The trainer consumer's ``max_ack_pending``, from the step's size (docs/design.md section 10): the
-    parts it may hold unacked at once are one sample each at most, for the step being gathered, the
-    pending groups of the ``inflight_steps`` published ahead, each of them twice (an attempt published
-    again beside a late one), and the held-out rows of a round being scored; never below 1,000."""
-    step_parts = prompts_per_step * rollout_n
-    return max(1000, 2 * (inflight_steps + 1) * step_parts + 2 * heldout_rows)
+    parts it may hold unacked at once are one sample each at most, each in ``pieces`` messages at most
+    (``shared.pieces.pieces_per_part``), for the step being gathered, the pending groups of the
+    ``inflight_steps`` published ahead, each of them twice (an attempt published again beside a late
+    one), and the held-out rows of a round being scored; never below 1,000."""
+    step_parts = prompts_per_step * rollout_n * pieces
+    return max(1000, 2 * (inflight_steps + 1) * step_parts + 2 * heldout_rows * pieces)
 
 
 class Gate:
@@ -102,6 +112,7 @@ class Gate:
         self.given_up = 0  # groups given up at republish_cap since ``gather`` last took them off its target
         self.settings = GateSettings(vocab_size, cfg, run_id)
         self.groups = Groups(ledger, first_task_step)
+        self.pieces = Pieces(cfg.max_sample_bytes)  # parts larger than a message, being put together
         self.expire_after = EXPIRE_ACK_WAITS * ack_wait
         self.waited = 0.0  # seconds spent fetching: the clock an incomplete attempt expires by
         self.parked: list = []  # training batches fetched by finish_heldout: held unacked, given back at its end
@@ -185,6 +196,9 @@ class Gate:
         given back (nak) once: it costs one delivery, and the next trainer of the run trains it."""
         while self.heldout is not None and self.heldout.rounds and not stopping.is_set():
             for msg in await self.fetch(8):
+                msg = await self.whole(msg)
+                if msg is None:
+                    continue
                 try:
                     task_id = decode_batch(bytes(msg.data)).task_id
                 except WireError:
@@ -229,8 +243,29 @@ class Gate:
             for h in [*r.held, *(h for parts in r.attempts.values() for h in parts)]:
                 await self.settle(h.msg, h.batch.batch_id)
 
+    async def whole(self, msg):
+        """``msg``, or where it is a piece: the ``Whole`` it completes, else None (held, or dead-lettered
+        with the other pieces of its part). A piece of a part held whole is a redelivery: its held copy
+        is acked with the part."""
+        bid = (msg.headers or {}).get(OF_HEADER)
+        if bid is not None and (bid in self.groups.held or any(bid in a.parts for a in self.groups.pending.values())):
+            return None
+        got = self.pieces.add(msg, self.waited)
+        if isinstance(got, Broken):
+            await self.broken(got)
+            return None
+        return got
+
+    async def broken(self, b: Broken) -> None:
+        """Dead-letter each piece of a part that can never be whole."""
+        for m in b.msgs:
+            await self.reject(m, m.metadata.sequence.stream, b.rule, b.reason, b.batch_id)
+
     async def admit(self, msg, version: int) -> None:
         """Hold ``msg``'s part, or dead-letter it, or drop a redelivery or another attempt of a trained task."""
+        msg = await self.whole(msg)
+        if msg is None:
+            return
         seq = msg.metadata.sequence.stream
         msg_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
         verdict = admission(bytes(msg.data), seq, version, groups=self.groups, settings=self.settings, msg_id=msg_id)
@@ -311,6 +346,8 @@ class Gate:
     async def expire(self) -> None:
         """Give up the attempts incomplete after ``expire_after`` seconds of fetching (``waited``): publish
         their task again (``again``), then dead-letter their parts (``incomplete_group``)."""
+        for b in self.pieces.expired(self.waited, self.expire_after):
+            await self.broken(b)
         parts = self.groups.expired(self.waited, self.expire_after)
         attempts: dict[tuple[str, int], list[Held]] = {}
         for h in parts:
@@ -333,17 +370,24 @@ class Gate:
     async def reject(self, msg, seq: int, rule: str, reason: str, batch_id: str) -> None:
         """Dead-letter the unchanged bytes, then ack (after the DLQ PubAck, so nothing is lost). A dead
         letter JetStream does not store (the DLQ at its byte cap, NATS away) naks the part instead,
-        counted as ``rejected_unstored``: it comes back and is dead-lettered then."""
+        counted as ``rejected_unstored``: it comes back and is dead-lettered then. A ``Whole`` is
+        dead-lettered piece by piece, each with its piece headers, so the DLQ can put it together again."""
         headers = {
             "rule": rule,
             "reason": " ".join(reason.split())[:REASON_MAX],
             "batch_id": batch_id or "?",
-            names.MSG_ID_HEADER: f"dlq/{seq}",
         }
+        letters = msg.dead_letters() if isinstance(msg, Whole) else [(seq, msg, bytes(msg.data))]
         try:
-            await publish_acked(
-                self.js, names.DLQ_SUBJECT, bytes(msg.data), headers, what=f"dead letter of {batch_id!r}"
-            )
+            for at, m, data in letters:
+                piece = {k: v for k, v in (m.headers or {}).items() if k.startswith("Centerline-Piece")}
+                await publish_acked(
+                    self.js,
+                    names.DLQ_SUBJECT,
+                    data,
+                    {**headers, **piece, names.MSG_ID_HEADER: f"dlq/{at}"},
+                    what=f"dead letter of {batch_id!r}",
+                )
         except (PublishError, nats.errors.Error) as exc:
             log.warning("batch %s (%s) not dead-lettered: %s; nak'ed, to be dead-lettered again", batch_id, rule, exc)
             self.counts["rejected_unstored"] += 1
@@ -399,13 +443,16 @@ class Gate:
         """Abandon the current step: ask for redelivery of every held and pending part, ack none."""
         for h in [*self.groups.release(), *(self.heldout.parts() if self.heldout is not None else [])]:
             await self.give_back(h.msg)
+        for m in self.pieces.release():
+            await self.give_back(m)
 
     async def keep_alive(self, interval: float) -> None:
         """Restart the ack_wait clock of every held and pending part every ``interval`` seconds."""
         while True:
             await asyncio.sleep(interval)
             heldout = self.heldout.parts() if self.heldout is not None else []
-            for h in [*self.groups.every_part(), *heldout, *(Held(m, None, 0) for m in self.parked)]:
+            parked = [Held(m, None, 0) for m in [*self.parked, *self.pieces.messages()]]
+            for h in [*self.groups.every_part(), *heldout, *parked]:
                 try:
                     await self.consumer.in_progress(h.msg)
                 # the redelivery that follows is dropped by the gate

@@ -289,7 +289,8 @@ async def open_streams(cfg, settings: TrainerSettings, heldout_rows: int = 0):
     ``gate.max_ack_pending``)."""
     from shared import names
     from shared.nats_client import connect, pull_consumer
-    from shared.streams import StreamLimits, ensure_streams
+    from shared.pieces import pieces_per_part
+    from shared.streams import StreamLimits, ensure_streams, sample_max_bytes
     from trainer_service.gate import max_ack_pending
 
     nc = await connect(cfg.nats_url, name="centerline-trainer")
@@ -304,7 +305,13 @@ async def open_streams(cfg, settings: TrainerSettings, heldout_rows: int = 0):
         filter_subject=names.ROLLOUTS_SUBJECT,
         ack_wait=settings.ack_wait,
         max_deliver=settings.max_deliver,
-        max_ack_pending=max_ack_pending(settings.prompts_per_step, cfg.rollout_n, cfg.max_inflight_steps, heldout_rows),
+        max_ack_pending=max_ack_pending(
+            settings.prompts_per_step,
+            cfg.rollout_n,
+            cfg.max_inflight_steps,
+            heldout_rows,
+            pieces_per_part(sample_max_bytes(cfg), nc.max_payload),
+        ),
     )
     return nc, js, consumer
 

@@ -5,8 +5,9 @@ messages or ``--timeout`` seconds. ``--stream``: a JetStream sequence range, rea
 message at a time with the stream's message-get API (no consumer, so nothing is acked or
 redelivered and the trainer's durable consumer is untouched; deleted sequences are
 skipped; a ``--to-seq`` past the stream's last sequence stops there, and says so on
-stderr). ``--jsonl`` prints one summary line per message (``summary``) as well, or
-instead when no ``--out`` is given. Replay a file with ``centerline replay``.
+stderr). ``--jsonl`` prints one summary line per message (``summary``; a part carried in
+pieces as one batch, at its last piece) as well, or instead when no ``--out`` is given; the
+record file keeps every piece as stored. Replay a file with ``centerline replay``.
 
     centerline record --stream ROLLOUTS --from-seq 1 --to-seq 40 --out seg.clrec --nats-url nats://127.0.0.1:4222
     centerline record --subject rollouts.batches --out live.clrec --count 100
@@ -145,6 +146,33 @@ def _message(where: str, offset: int, doc: dict) -> Message:
     return Message(doc["subject"], doc["seq"], float(doc["time"]), doc["headers"], doc["data"])
 
 
+def joined(messages: list[Message]) -> list[Message]:
+    """``messages`` with the pieces of each part larger than a message put together (docs/design.md
+    section 3): one message where its last piece was, with its first piece's sequence and the part's
+    batch_id as ``Nats-Msg-Id``, as the gate admits it. Pieces that make no whole stay as they are: the
+    gate's rules (``wire``) refuse them."""
+    from types import SimpleNamespace
+
+    from trainer_service.pieces import Broken, Pieces, Whole
+
+    gathering, out, views = Pieces(max_bytes=1 << 62), [], {}
+    for msg in messages:
+        seq = SimpleNamespace(stream=msg.seq)
+        view = SimpleNamespace(
+            headers=msg.headers, data=msg.data, metadata=SimpleNamespace(sequence=seq, num_delivered=1)
+        )
+        views[id(view)] = msg
+        got = gathering.add(view, 0.0)
+        if isinstance(got, Whole):
+            first = views[id(got.pieces[0])]
+            out.append(Message(msg.subject, first.seq, msg.time, got.headers, got.data))
+        elif isinstance(got, Broken):
+            out += [views[id(v)] for v in got.msgs]
+        elif got is view:
+            out.append(msg)
+    return out + [views[id(v)] for v in gathering.release()]
+
+
 def summary(msg: Message) -> dict:
     """One message for people: where it came from and, for a wire-format batch, what it holds."""
     from shared.contract import oldest_trained_version, sample_turns
@@ -182,6 +210,35 @@ def summary(msg: Message) -> dict:
 def print_summary(msg: Message) -> None:
     sys.stdout.buffer.write(orjson.dumps(summary(msg)) + b"\n")
     sys.stdout.flush()
+
+
+class JoinedSummaries:
+    """``print_summary`` of each message as it comes, but a part carried in pieces once, as its batch,
+    when its last piece comes (``joined``); ``close`` prints the pieces that made no whole."""
+
+    def __init__(self):
+        from shared.pieces import OF_HEADER
+
+        self.of, self.pending = OF_HEADER, {}
+
+    def __call__(self, msg: Message) -> None:
+        bid = msg.headers.get(self.of)
+        if bid is None:
+            print_summary(msg)
+            return
+        got = self.pending.setdefault(bid, [])
+        got.append(msg)
+        out = joined(got)
+        if any(self.of not in m.headers for m in out):  # the part, whole
+            del self.pending[bid]
+            for m in out:
+                print_summary(m)
+
+    def close(self) -> None:
+        for rest in self.pending.values():
+            for m in rest:
+                print_summary(m)
+        self.pending = {}
 
 
 # ---------------------------------------------------------------------------- sources
@@ -294,12 +351,13 @@ def main(argv: list[str]) -> int:
         else {"subject": args.subject}
     ) | {"nats_url": redact(args.nats_url)}
     writer = RecordWriter(args.out, source) if args.out else None
+    summaries = JoinedSummaries()
 
     def sink(msg: Message) -> None:
         if writer is not None:
             writer.write(msg)
         if args.jsonl:
-            print_summary(msg)
+            summaries(msg)
 
     from nats.errors import NoServersError
 
@@ -315,6 +373,7 @@ def main(argv: list[str]) -> int:
         print(f"centerline record: {exc}", file=sys.stderr)
         return 1
     finally:
+        summaries.close()
         if writer is not None:
             writer.close()
     if writer is not None:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import orjson
 
-from centerline.runs.record import Message, RecordFileError, ignore_client_errors, print_summary, read_record
+from centerline.runs.record import Message, RecordFileError, ignore_client_errors, joined, print_summary, read_record
 from shared import config as shared_config
 from shared import logs
 from shared.nats_auth import CredentialsError
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
             return train(args.file, settings, *run_settings(args))
         _, messages = read_record(args.file)
         if args.jsonl:
-            for msg in messages:
+            for msg in joined(messages):
                 print_summary(msg)
             return 0
         from nats.errors import NoServersError
@@ -259,7 +259,7 @@ def plan_replay(file: Path, settings: ReplaySettings, run_dir: Path):
             f"{settings.checkpoint} is not a complete checkpoint (no state.json); "
             "expected <run_dir>/checkpoints/step-NNNNNN"
         )
-    _, messages = read_record(file)
+    messages = joined(read_record(file)[1])
     state = checkpoint.load_state(settings.checkpoint)
     groups = step_groups(messages, state, settings.steps_from, settings.steps) if settings.steps_from else None
     run_dir.mkdir(parents=True, exist_ok=True)

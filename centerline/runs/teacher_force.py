@@ -206,7 +206,7 @@ def check(batches, versions: dict[int, Path], engine: str, tolerance: float = TO
 async def read_batches(run_dir: Path) -> list:
     """Every batch of the run's ROLLOUTS stream, its NATS store served again for the read."""
     from centerline.nats_server import EmbeddedNats
-    from centerline.runs.record import record_stream
+    from centerline.runs.record import joined, record_stream
     from shared.names import ROLLOUTS_STREAM
     from shared.wire import decode_batch
 
@@ -219,7 +219,7 @@ async def read_batches(run_dir: Path) -> list:
         await record_stream(nats.url, ROLLOUTS_STREAM, None, None, messages.append)
     finally:
         nats.stop()
-    return [decode_batch(m.data) for m in messages]
+    return [decode_batch(m.data) for m in joined(messages)]
 
 
 def check_run(run_dir: Path, engine: str | None = None, tolerance: float = TOLERANCE) -> dict:

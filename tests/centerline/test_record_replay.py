@@ -396,3 +396,55 @@ def read_training_state(path, tmp) -> dict:
 
     walk("", state)
     return flat
+
+
+def test_a_recorded_part_in_pieces_is_joined_for_replay_where_its_last_piece_was():
+    from centerline.runs.record import joined
+    from shared.pieces import cut
+
+    part, other, broken = os.urandom(2500), os.urandom(900), os.urandom(1500)
+
+    def pieces(data: bytes, batch_id: str, first: int) -> list[Message]:
+        return [
+            Message("rollouts.batches", first + i, 1.0, h, d) for i, (_, d, h) in enumerate(cut(data, batch_id, 1000))
+        ]
+
+    a = pieces(part, "t/1/a", 1)
+    bad = pieces(broken, "t/1/c", 10)
+    bad[1] = Message(bad[1].subject, bad[1].seq, 1.0, bad[1].headers, b"x" + bad[1].data[1:])
+    lone = pieces(os.urandom(2500), "t/1/d", 20)[:2]  # its last piece never stored
+    plain = Message("rollouts.batches", 5, 1.0, {"Nats-Msg-Id": "t/1/b"}, other)
+    out = joined([a[0], a[1], plain, a[2], *bad, *lone])
+    assert out[:2] == [plain, Message("rollouts.batches", 1, 1.0, {"Nats-Msg-Id": "t/1/a"}, part)]
+    assert out[2:] == [*bad, *lone]  # no whole: left for the gate's rules to refuse
+
+
+def test_a_stream_read_back_with_jsonl_summarizes_a_part_in_pieces_once_as_its_batch(tmp_path, capsys):
+    from dataclasses import replace
+
+    from centerline.runs.record import JoinedSummaries
+    from centerline.synth import make_batch
+    from rollout_worker.publish import publish_batch
+
+    long = make_batch(samples=1, tokens_per_sample=1200, k=8, batch_id="r1/0/0")  # ~93 KB: two pieces
+    long = replace(long, task_id="r1/0/0")
+    short = replace(make_batch(samples=1, k=8, batch_id="r1/0/1"), task_id="r1/0/1")
+
+    async def publish_then_read(url: str) -> None:
+        nc = await connect(url)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        for batch in (long, short):
+            await publish_batch(js, batch, max_payload=nc.max_payload)
+        await nc.close()
+        summaries = JoinedSummaries()
+        await record_stream(url, names.ROLLOUTS_STREAM, None, None, summaries)
+        summaries.close()
+
+    with EmbeddedNats(tmp_path / "nats", max_payload=64 << 10) as server:
+        asyncio.run(publish_then_read(server.url))
+    lines = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(s["seq"], s["headers"], s["batch"]["batch_id"], s["batch"]["tokens"]) for s in lines] == [
+        (1, {"Nats-Msg-Id": "r1/0/0/0-1"}, "r1/0/0/0-1", 1200),  # one sample alone: a part of its own
+        (3, {"Nats-Msg-Id": "r1/0/1"}, "r1/0/1", 8),
+    ]

@@ -1,10 +1,12 @@
-"""Splitting a batch by sample to fit max_payload: offsets rebased, every sample once, deterministic."""
+"""Splitting a batch by sample to fit max_payload: offsets rebased, every sample once, deterministic; a
+sample that cannot fit alone is a part of its own (sent in pieces), up to max_sample_bytes."""
 
+import asyncio
 import dataclasses
 
 import pytest
 
-from rollout_worker.publish import PayloadTooLargeError, split_batch
+from rollout_worker.publish import HEADER_ROOM, PayloadTooLargeError, publish_batch, split_batch
 from shared.batch_algebra import select_samples
 from shared.contract import check_batch
 from shared.wire import Batch, decode_batch, encode_batch
@@ -43,8 +45,20 @@ def test_a_batch_over_the_limit_is_split_by_sample_into_parts_that_fit_with_ever
     assert split_batch(batch, limit) == parts  # deterministic, so a re-publish deduplicates
 
 
-def test_a_single_sample_over_the_limit_raises_naming_max_payload():
+def test_a_single_sample_over_the_limit_is_a_part_of_its_own_to_be_sent_in_pieces():
     batch = ragged_batch([2, 200, 3], k=16)
-    with pytest.raises(PayloadTooLargeError, match=r"max_payload") as err:
-        split_batch(batch, 8000)
-    assert "rb:s1" in str(err.value) and "8000" in str(err.value)
+    parts = split_batch(batch, 8000)
+    assert [p.batch_id for p in parts] == ["rb/0-1", "rb/1-2", "rb/2-3"]
+    assert [len(p.data) > 8000 for p in parts] == [False, True, False]
+    decoded = [decode_batch(p.data) for p in parts]
+    assert [(d.sample_ids, d.parts) for d in decoded] == [(["rb:s0"], 3), (["rb:s1"], 3), (["rb:s2"], 3)]
+    assert split_batch(batch, 8000) == parts
+
+
+def test_a_part_above_max_sample_bytes_is_refused_by_name_before_anything_is_published():
+    batch = ragged_batch([2, 200, 3], k=16)
+    big = len(split_batch(batch, 8000)[1].data)
+    with pytest.raises(PayloadTooLargeError, match=r"--max-sample-bytes 20000") as err:
+        # no JetStream: a publish would fail on None; the refusal comes first
+        asyncio.run(publish_batch(None, batch, max_payload=8000 + HEADER_ROOM, max_sample_bytes=20_000))
+    assert f"part 'rb/1-2' of one sample is {big} bytes" in str(err.value)

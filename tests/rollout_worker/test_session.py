@@ -503,6 +503,13 @@ def test_an_engine_failure_after_a_complete_turn_still_fails_the_task_whole(temp
     [
         (400, "application/json", b'{"error": "top_p"}', "Rejected", r"refused the request with 400"),
         (502, "application/json", b'{"error": {"rule": "short_row"}}', "Transient", r"answered 502"),
+        (
+            502,
+            "application/json",
+            b'{"error": {"rule": "upstream_too_large"}}',
+            "Rejected",
+            r"cut off an upstream answer above its --max-upstream-response-bytes",
+        ),
         (503, "application/json", b"{}", "Transient", r"answered 503"),
         (200, "application/json", b"{}", "Transient", r"not application/x-centerline-arrays"),
         (200, "application/x-centerline-arrays", b"\x80", "Transient", r"unusable response from the proxy"),

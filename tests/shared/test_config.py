@@ -122,6 +122,11 @@ def test_list_settings_come_from_flags_and_comma_separated_environment():
             "--score-centering-mis-low 6.0: needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
         ),
         (["--max-inflight-steps", "0"], "--max-inflight-steps 0: must be >= 1"),
+        (
+            ["--rollout-session-max-tokens", "65536", "--max-sample-bytes", "67108864"],
+            "--max-sample-bytes 67108864: a sample of --rollout-session-max-tokens 65536 tokens at K=128 is up to "
+            "67964928 bytes and could never be trained",
+        ),
     ],
 )
 def test_settings_that_cannot_be_honoured_are_refused_naming_the_flag(argv, message):
@@ -440,3 +445,18 @@ def test_no_two_settings_share_a_variable_or_a_flag_of_one_command():
     for cls in SECTIONS.values():
         assert not shared & {env_name(name, cls) for name in cls.model_fields}, cls.name
         assert not set(Config.model_fields) & set(cls.model_fields), cls.name
+
+
+def test_a_proxy_cap_every_answer_of_the_settings_would_pass_is_refused_at_start_naming_it():
+    cfg = parse(["--rollout-n", "16", "--rollout-max-new-tokens", "8192", "--rollout-session-max-tokens", "16384"])
+    failed = [c for c in ProxySettings(upstream="http://u").checks(cfg) if c[0]]
+    assert failed == [
+        (
+            True,
+            "max_upstream_response_bytes",
+            256 << 20,
+            "an answer of --rollout-n 16 x --rollout-max-new-tokens 8192 tokens at K=128 is about 507248640 bytes "
+            "and would be cut off every time; raise it, or lower them",
+        )
+    ]
+    assert not any(c[0] for c in ProxySettings(upstream="http://u", max_upstream_response_bytes=1 << 30).checks(cfg))

@@ -214,6 +214,8 @@ def test_finish_heldout_parks_training_batches_and_gives_each_back_once(tmp_path
 def test_max_ack_pending_follows_the_step_size_and_the_heldout_rows():
     assert max_ack_pending(8, 4, 2) == 1000  # small steps: nats' default stays
     assert max_ack_pending(64, 16, 2, heldout_rows=2000) == 2 * 3 * 64 * 16 + 2 * 2000
+    # samples in 3 pieces each (shared.pieces.pieces_per_part): every piece is a message held unacked
+    assert max_ack_pending(64, 16, 2, heldout_rows=2000, pieces=3) == 3 * (2 * 3 * 64 * 16 + 2 * 2000)
 
 
 def test_a_fetch_asks_for_no_more_messages_than_the_clients_buffer_holds_at_max_payload():
