@@ -32,6 +32,13 @@ from shared.settings import SECTIONS, Section, Settings
 ENV_PREFIX = "CENTERLINE_"
 S = TypeVar("S", bound=Section)
 M = TypeVar("M", bound=Settings)
+# The policy losses and score centering's importance weights, named here once: the flags' choices,
+# Config's fields below, LossSettings and the loss table LOSSES (trainer_service/loss.py), the
+# experiment's grid (centerline/experiments/staleness.py).
+LossName = Literal["score_centering", "reinforce", "tis"]
+ImportanceWeight = Literal["none", "tis", "mis"]
+LOSS_NAMES: tuple[LossName, ...] = typing.get_args(LossName)
+IMPORTANCE_WEIGHTS: tuple[ImportanceWeight, ...] = typing.get_args(ImportanceWeight)
 # The importance-weight options' defaults, here once: Config's fields below, and the keyword
 # defaults of LossSettings (trainer_service/loss.py).
 TIS_CLIP, MIS_LOW, MIS_HIGH = 2.0, 0.5, 5.0
@@ -100,11 +107,11 @@ class Config(Settings):
     )
 
     # Loss (docs/design.md section 6).
-    loss: Literal["score_centering", "reinforce", "tis"] = Field(
+    loss: LossName = Field(
         "score_centering",
         description="Policy loss: score centering, or a baseline (plain REINFORCE, REINFORCE with TIS).",
     )
-    score_centering_is: Literal["none", "tis", "mis"] = Field(
+    score_centering_is: ImportanceWeight = Field(
         "none", description="Importance weight f on p/q: none, truncated (tis) or masked (mis)."
     )
     score_centering_tis_clip: float = Field(
