@@ -24,10 +24,10 @@ import typing
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
-from shared.settings import SECTIONS, Section, Settings
+from shared.settings import REFUSED, SECTIONS, Section, Settings, refuse_if
 
 ENV_PREFIX = "CENTERLINE_"
 S = TypeVar("S", bound=Section)
@@ -79,14 +79,14 @@ class Config(Settings):
         "generate", description="SGLang endpoint for training requests: native /generate or /v1/chat/completions."
     )
     rollout_max_new_tokens: int = Field(
-        16, description="Longest response, in tokens; in a multi-turn session, the longest turn."
+        16, gt=0, description="Longest response, in tokens; in a multi-turn session, the longest turn."
     )
     rollout_session_max_tokens: int = Field(
         1024,
         description="A multi-turn session's token budget: its first prompt and every token after it. A turn that "
         "could pass it is not run; the session ends after its last complete turn.",
     )
-    rollout_n: int = Field(4, description="Samples per prompt group (GRPO group size).")
+    rollout_n: int = Field(4, gt=0, description="Samples per prompt group (GRPO group size).")
     rollout_tool_call_parser: str = Field(
         "auto",
         description="SGLang's tool-call parser (sglang.srt.function_call: hermes, qwen25, llama3, mistral, "
@@ -115,7 +115,7 @@ class Config(Settings):
         "none", description="Importance weight f on p/q: none, truncated (tis) or masked (mis)."
     )
     score_centering_tis_clip: float = Field(
-        TIS_CLIP, description="Clip c of the truncated importance weight min(r, c)."
+        TIS_CLIP, gt=0, description="Clip c of the truncated importance weight min(r, c)."
     )
     score_centering_mis_low: float = Field(MIS_LOW, description="Lower bound of the masked importance weight.")
     score_centering_mis_high: float = Field(MIS_HIGH, description="Upper bound of the masked importance weight.")
@@ -124,9 +124,10 @@ class Config(Settings):
     )
 
     # Trainer.
-    max_staleness: int = Field(2, description="Oldest accepted batch, in weight versions behind the trainer.")
+    max_staleness: int = Field(2, ge=0, description="Oldest accepted batch, in weight versions behind the trainer.")
     max_inflight_steps: int = Field(
         2,
+        ge=1,
         description="Steps of prompt tasks published ahead of training; bounds staleness. 2: the engines sample "
         "the next step while the trainer trains (batches at most one version stale); 1: on-policy, one at a time.",
     )
@@ -162,68 +163,55 @@ class Config(Settings):
         """Whether sampling filters the distribution (top-p or top-k)."""
         return self.rollout_top_p < 1.0 or self.rollout_top_k > 0
 
+    @model_validator(mode="after")
+    def _honoured(self) -> Config:
+        """The settings the method cannot honour, in order; each refusal names the flag and the fix."""
+        k = self.rollout_top_logprobs_num
+        refuse_if(k <= 0, "rollout_top_logprobs_num", k, "K must be positive; 128 is typical")
+        refuse_if(
+            self.rollout_temperature <= 0,
+            "rollout_temperature",
+            self.rollout_temperature,
+            "greedy decoding has no sampling distribution to centre; use a temperature > 0",
+        )
+        refuse_if(not 0 < self.rollout_top_p <= 1, "rollout_top_p", self.rollout_top_p, "top-p must lie in (0, 1]")
+        refuse_if(
+            self.rollout_top_k == 0 or self.rollout_top_k < -1,
+            "rollout_top_k",
+            self.rollout_top_k,
+            "use -1 for no top-k filter or a positive k",
+        )
+        refuse_if(self.rollout_min_p != 0, "rollout_min_p", self.rollout_min_p, "min-p is not supported; set it to 0")
+        refuse_if(
+            self.filtered and self.rollout_logprobs_mode != "support",
+            "rollout_logprobs_mode",
+            self.rollout_logprobs_mode,
+            "filtered sampling (top-p < 1 or top-k set) needs --rollout-logprobs-mode support: a top-K head of the "
+            "unfiltered distribution does not describe what was sampled",
+        )
+        refuse_if(
+            self.rollout_logprobs_mode == "support" and not 0 < self.rollout_top_k <= k,
+            "rollout_top_k",
+            self.rollout_top_k,
+            f"support mode records the whole support in K={k} slots, so it needs 0 < --rollout-top-k <= K",
+        )
+        refuse_if(
+            self.rollout_session_max_tokens <= self.rollout_max_new_tokens,
+            "rollout_session_max_tokens",
+            self.rollout_session_max_tokens,
+            "a session's budget must leave room for a prompt and a turn: above --rollout-max-new-tokens",
+        )
+        refuse_if(
+            not 0 <= self.score_centering_mis_low < self.score_centering_mis_high,
+            "score_centering_mis_low",
+            self.score_centering_mis_low,
+            "needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
+        )
+        return self
+
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def validate(cfg: Config) -> Config:
-    """Reject settings the method cannot honour; each error names the flag and the fix."""
-    k = cfg.rollout_top_logprobs_num
-    checks = [
-        (k <= 0, "rollout_top_logprobs_num", k, "K must be positive; 128 is typical"),
-        (
-            cfg.rollout_temperature <= 0,
-            "rollout_temperature",
-            cfg.rollout_temperature,
-            "greedy decoding has no sampling distribution to centre; use a temperature > 0",
-        ),
-        (not 0 < cfg.rollout_top_p <= 1, "rollout_top_p", cfg.rollout_top_p, "top-p must lie in (0, 1]"),
-        (
-            cfg.rollout_top_k == 0 or cfg.rollout_top_k < -1,
-            "rollout_top_k",
-            cfg.rollout_top_k,
-            "use -1 for no top-k filter or a positive k",
-        ),
-        (cfg.rollout_min_p != 0, "rollout_min_p", cfg.rollout_min_p, "min-p is not supported; set it to 0"),
-        (
-            cfg.filtered and cfg.rollout_logprobs_mode != "support",
-            "rollout_logprobs_mode",
-            cfg.rollout_logprobs_mode,
-            "filtered sampling (top-p < 1 or top-k set) needs --rollout-logprobs-mode support: a top-K head of the "
-            "unfiltered distribution does not describe what was sampled",
-        ),
-        (
-            cfg.rollout_logprobs_mode == "support" and not 0 < cfg.rollout_top_k <= k,
-            "rollout_top_k",
-            cfg.rollout_top_k,
-            f"support mode records the whole support in K={k} slots, so it needs 0 < --rollout-top-k <= K",
-        ),
-        (cfg.rollout_max_new_tokens <= 0, "rollout_max_new_tokens", cfg.rollout_max_new_tokens, "must be positive"),
-        (cfg.rollout_n <= 0, "rollout_n", cfg.rollout_n, "must be positive"),
-        (
-            cfg.rollout_session_max_tokens <= cfg.rollout_max_new_tokens,
-            "rollout_session_max_tokens",
-            cfg.rollout_session_max_tokens,
-            "a session's budget must leave room for a prompt and a turn: above --rollout-max-new-tokens",
-        ),
-        (
-            cfg.score_centering_tis_clip <= 0,
-            "score_centering_tis_clip",
-            cfg.score_centering_tis_clip,
-            "must be positive",
-        ),
-        (
-            not 0 <= cfg.score_centering_mis_low < cfg.score_centering_mis_high,
-            "score_centering_mis_low",
-            cfg.score_centering_mis_low,
-            "needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
-        ),
-        (cfg.max_staleness < 0, "max_staleness", cfg.max_staleness, "must be >= 0"),
-        (cfg.max_inflight_steps < 1, "max_inflight_steps", cfg.max_inflight_steps, "must be >= 1"),
-    ]
-    _raise_failed(checks)
-    return cfg
 
 
 def env_name(name: str, section: type[Section] | None = None) -> str:
@@ -276,9 +264,14 @@ def _flag_kwargs(name: str, info, metavar: bool) -> dict:
     return kwargs
 
 
-def resolve(args: argparse.Namespace | None = None, env: typing.Mapping[str, str] | None = None) -> Config:
-    """The shared settings: TOML file, environment and flags merged (in rising precedence), then validated."""
-    return validate(_build(Config, args, env))
+def resolve(
+    args: argparse.Namespace | None = None,
+    env: typing.Mapping[str, str] | None = None,
+    defaults: typing.Mapping[str, object] | None = None,
+) -> Config:
+    """The shared settings: a job's ``defaults``, TOML file, environment and flags merged (in rising
+    precedence), then validated by the model."""
+    return _build(Config, args, env, defaults=defaults)
 
 
 def resolve_section(
@@ -288,11 +281,13 @@ def resolve_section(
     cfg: Config | None = None,
     *,
     only: tuple[str, ...] | None = None,
+    defaults: typing.Mapping[str, object] | None = None,
 ) -> S:
     """A command's settings, merged as ``resolve`` merges the shared ones, then checked: required
-    fields, bounds, ``section.checks(cfg)``. ``only``: the fields this command has flags for (the
-    others come from the file, the environment or their defaults and need not be set)."""
-    settings = _build(section, args, env, only)
+    fields, the model's bounds and validators, ``section.checks(cfg)``. ``only``: the fields this
+    command has flags for (the others come from the file, the environment or their defaults and
+    need not be set)."""
+    settings = _build(section, args, env, only, defaults)
     for name in section.required:
         if (only is None or name in only) and getattr(settings, name) is None:
             raise ConfigError(
@@ -303,15 +298,19 @@ def resolve_section(
 
 
 def check_section(settings: S, cfg: Config) -> S:
-    """``settings`` once ``settings.checks(cfg)`` pass; the first failure raised as ``ConfigError``."""
-    _raise_failed(settings.checks(cfg))
+    """``settings`` once ``settings.checks(cfg)``, the rules across it and the shared settings, pass;
+    the first failure raised as ``ConfigError``."""
+    for failed, name, value, fix in settings.checks(cfg):
+        if failed:
+            raise ConfigError(f"{flag(name)} {value}: {fix}")
     return settings
 
 
-def _build(model: type[M], args, env, only: tuple[str, ...] | None = None) -> M:
-    """``model`` from its sources, the first winning: flags, environment, file, defaults; pydantic-settings
-    merges them. They are this call's (``env``, the file of ``--config``), so they are handed to the
-    model rather than fixed by ``Settings.settings_customise_sources``, a classmethod."""
+def _build(model: type[M], args, env, only: tuple[str, ...] | None = None, defaults=None) -> M:
+    """``model`` from its sources, the first winning: flags, environment, file, a job's ``defaults``,
+    the fields' defaults; pydantic-settings merges them and the model validates the result once. They
+    are this call's (``env``, the file of ``--config``), so they are handed to the model rather than
+    fixed by ``Settings.settings_customise_sources``, a classmethod."""
     section = None if model is Config else model
     given = vars(args) if args is not None else {}
     read = load_toml(given["config"]) if "config" in given else {}
@@ -321,6 +320,7 @@ def _build(model: type[M], args, env, only: tuple[str, ...] | None = None) -> M:
         InitSettingsSource(model, flags),
         _Environment(model, os.environ if env is None else env, env_name("", section)),
         InitSettingsSource(model, table),
+        InitSettingsSource(model, dict(defaults or {})),
     )
     try:
         return model(_build_sources=(sources, flags))
@@ -346,6 +346,8 @@ class _Environment(EnvSettingsSource):
 def invalid_setting(exc: ValidationError, section: type[Section] | None = None) -> ConfigError:
     """A model's refusal of a value, in the words of a flag: the flag, the value, the fix."""
     err = exc.errors()[0]
+    if err["type"] == REFUSED:  # a validator's rule: the value as the rule saw it
+        return ConfigError(f"{flag(err['ctx']['setting'])} {err['ctx']['value']}: {err['msg']}")
     name = str(err["loc"][0]) if err["loc"] else "?"
     return ConfigError(
         f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
@@ -360,12 +362,6 @@ def _fix(err: dict) -> str:
         if key in ctx and err["type"].startswith(("greater", "less")):
             return f"must be {words} {ctx[key]}"
     return err["msg"]
-
-
-def _raise_failed(checks) -> None:
-    for failed, name, value, fix in checks:
-        if failed:
-            raise ConfigError(f"{flag(name)} {value}: {fix}")
 
 
 def load_toml(path: str) -> dict:

@@ -5,9 +5,10 @@ A field of ``TrainerSettings`` (table ``trainer``) such as ``max_grad_norm`` is 
 ``[trainer]`` table and the variable ``CENTERLINE_TRAINER_MAX_GRAD_NORM``; sources and
 precedence are the shared ones (flags, environment, file, defaults). A setting the command
 cannot start without is listed in ``required`` (default None, so a file or the environment
-may give it). ``checks`` returns the failures as ``(failed, field, value, fix)``, the shape of
-``shared.config.validate``; simple bounds are field constraints. ``docs/config.md`` lists
-every field per command (``scripts/gen_config_docs.py``).
+may give it). Simple bounds are field constraints; a rule across fields is the model's
+validator (``refuse_if``); a rule across a section and the shared settings is ``checks(cfg)``,
+failures as ``(failed, field, value, fix)``. ``docs/config.md`` lists every field per command
+(``scripts/gen_config_docs.py``).
 
 Not settings: what a one-shot command is asked to do this time (``centerline replay``'s record
 file and its mode ``--to``/``--jsonl``/``--train``), and secrets (docs/config.md).
@@ -20,7 +21,8 @@ import warnings
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.toy_tasks import ENVIRONMENTS, REWARDS
@@ -31,6 +33,16 @@ MAX_UPSTREAM_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB 
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
+
+
+REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.config.invalid_setting words
+
+
+def refuse_if(failed: bool, name: str, value: object, fix: str) -> None:
+    """In a model's validator: refuse ``value`` of field ``name`` when ``failed``; the error reads
+    ``--<flag> <value>: <fix>``."""
+    if failed:
+        raise PydanticCustomError(REFUSED, fix.replace("{", "{{").replace("}", "}}"), {"setting": name, "value": value})
 
 
 class Settings(BaseSettings):
@@ -56,15 +68,16 @@ class Section(Settings):
     required: ClassVar[tuple[str, ...]] = ()
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        """Failures beyond a field's own bounds, given the shared ``cfg``: ``(failed, field, value, fix)``."""
+        """Failures of rules across this section and the shared ``cfg``: ``(failed, field, value, fix)``."""
         return []
 
 
 ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
 
 
-def _max_deliver_check(value: int) -> tuple[bool, str, object, str]:
-    return (value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
+def _check_max_deliver(value: int) -> int:
+    refuse_if(value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
+    return value
 
 
 class TrainerSettings(Section):
@@ -230,6 +243,8 @@ class TrainerSettings(Section):
         "is unset; with the sample size it sets the store the run needs (it must fit JetStream's max_file_store).",
     )
 
+    _max_deliver = field_validator("max_deliver")(_check_max_deliver)
+
     def store_caps(self, cfg) -> tuple[int, int]:
         """``(rollouts_max_bytes, dlq_max_bytes)`` of this run (``shared.streams.store_caps``)."""
         from shared.streams import store_caps
@@ -243,7 +258,6 @@ class TrainerSettings(Section):
 
         needed = (cfg.max_inflight_steps + 1) * self.prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
         return [
-            _max_deliver_check(self.max_deliver),
             (
                 self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
                 "rollouts_max_bytes",
@@ -317,8 +331,7 @@ class WorkerSettings(Section):
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port; unset: off.")
     metrics_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        return [_max_deliver_check(self.max_deliver)]
+    _max_deliver = field_validator("max_deliver")(_check_max_deliver)
 
     def environment_deadline(self, cfg) -> float:
         """``environment_timeout``, or where unset its default from the turn timeout and the session
@@ -505,33 +518,33 @@ class UpSettings(Section):
             return [f"{ref}={weight}" for ref, weight in value.items()]
         return value
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+    @model_validator(mode="after")
+    def _runnable(self) -> UpSettings:
         env_module, env_sep, env_function = self.environment.partition(":")
         bad_reward = next((r for r in self.reward if not _reward_component(r)), None)
-        return [
-            (
-                bad_reward is not None or not self.reward,
-                "reward",
-                bad_reward if self.reward else "(none)",
-                f"a built-in ({', '.join(sorted(REWARDS))}) or module:function, with =weight where several are given "
-                "(--reward m:f=1.0 --reward m:g=0.5)",
-            ),
-            (
-                bool(self.environment)
-                and self.environment not in ENVIRONMENTS
-                and not (env_sep and env_module and env_function),
-                "environment",
-                self.environment,
-                f"a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:function, e.g. mymodule:play "
-                "for `async def play(client, task)` in mymodule.py",
-            ),
-            (
-                self.eval_dataset is not None and self.dataset is None,
-                "eval_dataset",
-                self.eval_dataset,
-                "held-out rows of your own dataset need --dataset too",
-            ),
-        ]
+        refuse_if(
+            bad_reward is not None or not self.reward,
+            "reward",
+            bad_reward if self.reward else "(none)",
+            f"a built-in ({', '.join(sorted(REWARDS))}) or module:function, with =weight where several are given "
+            "(--reward m:f=1.0 --reward m:g=0.5)",
+        )
+        refuse_if(
+            bool(self.environment)
+            and self.environment not in ENVIRONMENTS
+            and not (env_sep and env_module and env_function),
+            "environment",
+            self.environment,
+            f"a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:function, e.g. mymodule:play "
+            "for `async def play(client, task)` in mymodule.py",
+        )
+        refuse_if(
+            self.eval_dataset is not None and self.dataset is None,
+            "eval_dataset",
+            self.eval_dataset,
+            "held-out rows of your own dataset need --dataset too",
+        )
+        return self
 
 
 class ReplaySettings(Section):
@@ -553,15 +566,15 @@ class ReplaySettings(Section):
     batches_per_step: int = Field(1, ge=1, description="--train without --steps-from: accepted batches per step.")
     steps: int | None = Field(None, ge=0, description="--train: replay at most this many steps; unset: all.")
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        return [
-            (
-                self.steps_from is not None and self.batches_per_step != 1,
-                "batches_per_step",
-                self.batches_per_step,
-                "--steps-from groups the batches as the original run did; drop --batches-per-step",
-            )
-        ]
+    @model_validator(mode="after")
+    def _one_grouping(self) -> ReplaySettings:
+        refuse_if(
+            self.steps_from is not None and self.batches_per_step != 1,
+            "batches_per_step",
+            self.batches_per_step,
+            "--steps-from groups the batches as the original run did; drop --batches-per-step",
+        )
+        return self
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -43,7 +43,6 @@ from shared.config import (
     resolve,
     resolve_section,
     to_toml,
-    validate,
 )
 from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, UpSettings, WorkerSettings
 
@@ -84,7 +83,7 @@ class RunSpec:
         unknown = set(updates) - {"cfg", *(s.name for s in self.sections)}
         if unknown:
             raise TypeError(f"RunSpec.derive: no section {sorted(unknown)}")
-        cfg = validate(_rebuilt(self.cfg, updates.get("cfg", {})))
+        cfg = _rebuilt(self.cfg, updates.get("cfg", {}))
         sections = {s.name: check_section(_rebuilt(s, updates.get(s.name, {}), type(s)), cfg) for s in self.sections}
         return RunSpec(cfg=cfg, tables=self.tables, **sections)
 
@@ -191,23 +190,11 @@ def compose(
         )
     read = load_toml(args.config) if "config" in vars(args) else {}
     defaults = defaults or {}
-    given = vars(args)
-
-    def unset(section: type[Section] | None, flags: tuple[str, ...] | None) -> dict[str, object]:
-        table = read.get(section.name, {}) if section else read
-        return {
-            k: v
-            for k, v in defaults.get(section.name if section else "cfg", {}).items()
-            if not (k in given and (flags is None or k in flags)) and env_name(k, section) not in env and k not in table
-        }
-
-    cfg = resolve(args, env)
-    cfg = validate(_rebuilt(cfg, unset(None, None)))
+    cfg = resolve(args, env, defaults=defaults.get("cfg"))
     spec = {}
     for section in (UpSettings, TrainerSettings, WorkerSettings, ProxySettings):
         flags = None if section is UpSettings else UP_TRAINER_FLAGS if section is TrainerSettings else ()
-        settings = resolve_section(section, args, env, cfg, only=flags)
-        spec[section.name] = check_section(_rebuilt(settings, unset(section, flags), section), cfg)
+        spec[section.name] = resolve_section(section, args, env, cfg, only=flags, defaults=defaults.get(section.name))
     tables = {name: values for name, values in read.items() if name in SECTIONS and name not in spec}
     return RunSpec(cfg=cfg, tables=tables, **spec)
 

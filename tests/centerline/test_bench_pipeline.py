@@ -190,7 +190,9 @@ def test_sglang_alone_gets_the_workers_request_as_the_proxy_rewrites_it(tmp_path
     save_tokenizer(tmp_path)
     dataset = tmp_path / "train.jsonl"
     dataset.write_bytes(b'{"prompt": "up ab=", "answer": "AB"}\n{"prompt": "up cd=", "answer": "CD"}\n')
-    cfg = Config(rollout_n=4, rollout_top_k=8, rollout_top_p=0.9, rollout_temperature=0.7)
+    cfg = Config(
+        rollout_n=4, rollout_top_k=8, rollout_top_p=0.9, rollout_temperature=0.7, rollout_logprobs_mode="support"
+    )
     bodies = request_bodies(cfg, str(tmp_path), dataset)
     worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=260), Tokenizer(None, None))
     task = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", reward="exact", n=4, step=0)

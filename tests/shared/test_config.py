@@ -20,7 +20,7 @@ from shared.config import (
     resolve_section,
     to_toml,
 )
-from shared.settings import SECTIONS, ProxySettings, TrainerSettings, WorkerSettings
+from shared.settings import SECTIONS, ProxySettings, ReplaySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -440,3 +440,28 @@ def test_no_two_settings_share_a_variable_or_a_flag_of_one_command():
     for cls in SECTIONS.values():
         assert not shared & {env_name(name, cls) for name in cls.model_fields}, cls.name
         assert not set(Config.model_fields) & set(cls.model_fields), cls.name
+
+
+def test_a_job_default_sits_under_every_source_and_the_rules_see_the_merged_settings(tmp_path):
+    job = {"rollout_max_new_tokens": 8, "seed": 4}
+    toml = tmp_path / "run.toml"
+    toml.write_text("seed = 5\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    # 12 is refused over the field default 16, and accepted over the job's 8
+    cfg = resolve(parser.parse_args(["--rollout-session-max-tokens", "12"]), {}, defaults=job)
+    assert (cfg.rollout_session_max_tokens, cfg.rollout_max_new_tokens, cfg.seed) == (12, 8, 4)
+    assert resolve(parser.parse_args(["--config", str(toml)]), {}, defaults=job).seed == 5
+    with pytest.raises(ConfigError, match=r"^--rollout-session-max-tokens 12: a session's budget"):
+        resolve(parser.parse_args(["--rollout-session-max-tokens", "12"]), {})
+
+
+def test_a_rule_across_a_command_s_own_settings_names_the_flag_the_value_and_the_fix():
+    with pytest.raises(ConfigError) as info:
+        parse_section(ReplaySettings, ["--steps-from", "m.jsonl", "--batches-per-step", "2"])
+    assert str(info.value) == (
+        "--batches-per-step 2: --steps-from groups the batches as the original run did; drop --batches-per-step"
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_section(WorkerSettings, [], {"CENTERLINE_WORKER_MAX_DELIVER": "-2"})
+    assert str(info.value) == "--max-deliver -2: must be at least 1, or -1 for no limit"
