@@ -21,6 +21,7 @@ import sys
 import tomllib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -241,10 +242,28 @@ def add_arguments(
         for name, info in section.model_fields.items():
             if only is None or name in only:
                 group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=False))
+        for old, name in section.renamed.items():
+            if only is None or name in only:
+                kwargs = _flag_kwargs(name, section.model_fields[name], metavar=False)
+                kwargs.update(action=_OldFlag, help=f"the old name of {flag(name)}, read for one release")
+                group.add_argument(flag(old), **kwargs)
     if shared:
         group = parser.add_argument_group("centerline configuration (see docs/config.md)")
         for name, info in Config.model_fields.items():
             group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=True))
+
+
+class _OldFlag(argparse.Action):
+    """The old flag of a renamed setting (``Section.renamed``): sets the setting, with a note."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stderr.write(f"{parser.prog}: warning: {option_string} is deprecated; use {flag(self.dest)}\n")
+        setattr(namespace, self.dest, values)
+
+
+def deprecated(old: str, new: str) -> None:
+    """The note for a setting read by its old name, as a ``FutureWarning`` (shown to users by default)."""
+    warnings.warn(f"{old} is deprecated; use {new} (docs/config.md)", FutureWarning, stacklevel=3)
 
 
 def _flag_kwargs(name: str, info, metavar: bool) -> dict:
@@ -334,10 +353,18 @@ class _Environment(EnvSettingsSource):
 
     def __init__(self, model: type[Settings], env: typing.Mapping[str, str], prefix: str):
         self.given = env
+        self.renamed = {
+            prefix + old.upper(): prefix + new.upper() for old, new in getattr(model, "renamed", {}).items()
+        }
         super().__init__(model, case_sensitive=False, env_prefix=prefix)
 
     def _load_env_vars(self) -> dict[str, str]:
-        return {name.lower(): value for name, value in self.given.items() if name.isupper()}
+        given = {name: value for name, value in self.given.items() if name.isupper()}
+        for old, new in self.renamed.items():
+            if old in given:
+                deprecated(old, new)
+                given.setdefault(new, given[old])  # the new name wins where both are set
+        return {name.lower(): value for name, value in given.items()}
 
     def decode_complex_value(self, field_name: str, field, value: str) -> list[str]:
         return value.split(",")  # engine_urls: a list is the only setting that is not one value
@@ -379,6 +406,12 @@ def load_toml(path: str) -> dict:
         if table in data:
             if not isinstance(data[table], dict):
                 raise ConfigError(f"--config {path}: {table} must be a table ([{table}])")
+            for old, new in cls.renamed.items():
+                if old in data[table]:
+                    if new in data[table]:
+                        raise ConfigError(f"--config {path}: {table}.{old} is the old name of {table}.{new}; keep one")
+                    deprecated(f"{table}.{old} in {path}", f"{table}.{new}")
+                    data[table][new] = data[table].pop(old)
             unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.model_fields))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {unknown}; see docs/config.md for the settings")

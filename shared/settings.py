@@ -66,6 +66,9 @@ class Section(Settings):
     name: ClassVar[str]
     command: ClassVar[str]
     required: ClassVar[tuple[str, ...]] = ()
+    # old name -> field, for one release: the old flag, TOML key and variable still set the field,
+    # with a deprecation note (the held-out settings were once eval_*: docs/config.md)
+    renamed: ClassVar[dict[str, str]] = {}
 
     def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
         """Failures of rules across this section and the shared ``cfg``: ``(failed, field, value, fix)``."""
@@ -86,6 +89,7 @@ class TrainerSettings(Section):
     name: ClassVar[str] = "trainer"
     command: ClassVar[str] = "centerline trainer"
     required: ClassVar[tuple[str, ...]] = ("model", "dataset", "run_dir")
+    renamed: ClassVar[dict[str, str]] = {"eval_every": "heldout_every", "eval_timeout": "heldout_timeout"}
 
     model: Path | None = Field(None, description="Initial HF model directory (weight version 0). Required.")
     dataset: Path | None = Field(None, description="JSONL of {prompt, answer, reward, ...}. Required.")
@@ -103,11 +107,11 @@ class TrainerSettings(Section):
     heldout_dataset: Path | None = Field(
         None,
         description="JSONL of held-out rows, the format of --dataset: one sample of each, drawn as training samples "
-        "are, before training, every --eval-every steps and after the last; scored, never trained, written to "
+        "are, before training, every --heldout-every steps and after the last; scored, never trained, written to "
         "eval.jsonl as that step's held-out figure (docs/design.md section 9). Unset: no held-out evaluation.",
     )
-    eval_every: int = Field(25, ge=1, description="Evaluate the held-out rows every this many steps.")
-    eval_timeout: float = Field(
+    heldout_every: int = Field(25, ge=1, description="Evaluate the held-out rows every this many steps.")
+    heldout_timeout: float = Field(
         900.0,
         gt=0,
         description="Seconds an evaluation may take from its scheduling to its last row's result; past it the "
@@ -420,6 +424,7 @@ class UpSettings(Section):
 
     name: ClassVar[str] = "up"
     command: ClassVar[str] = "centerline up"
+    renamed: ClassVar[dict[str, str]] = {"eval_dataset": "heldout_dataset", "eval_prompts": "heldout_prompts"}
 
     model: Path | None = Field(
         None,
@@ -431,16 +436,16 @@ class UpSettings(Section):
         description="Your own dataset: a JSONL file, a parquet/arrow/CSV/JSON file or a datasets save_to_disk "
         'directory (read with the datasets library), rows {"prompt" or "messages", "answer", optional "meta": {...}, '
         'optional "split": "train" | "eval"} (centerline/up/user_task.py); or reasoning-gym:NAME, a task of that '
-        "library generated (--dataset-size, --eval-prompts, --seed) and scored by its own score_answer "
+        "library generated (--dataset-size, --heldout-prompts, --seed) and scored by its own score_answer "
         "(centerline/up/task_library.py); unset: the toy task --task.",
     )
-    eval_dataset: Path | None = Field(
+    heldout_dataset: Path | None = Field(
         None,
         description="Held-out rows (same format, every row used) for --dataset; unset: the rows --dataset marks "
         '"split": "eval", else none. The held-out figure is the mean reward of one sample per row.',
     )
     dataset_prompt_key: str = Field(
-        "prompt", min_length=1, description="The column of --dataset (and --eval-dataset) holding the prompt text."
+        "prompt", min_length=1, description="The column of --dataset (and --heldout-dataset) holding the prompt text."
     )
     dataset_answer_key: str = Field(
         "answer", min_length=1, description="The column holding the answer, task.answer of the reward function."
@@ -493,7 +498,7 @@ class UpSettings(Section):
         ge=1,
         description="Training prompts of the toy task, or of a task library's (--dataset reasoning-gym:NAME).",
     )
-    eval_prompts: int = Field(
+    heldout_prompts: int = Field(
         200, ge=1, description="Held-out prompts per evaluation, of the toy task or a task library's task."
     )
     model_dir: Path = Field(Path("models"), description="Cache of init-model outputs.")
@@ -539,9 +544,9 @@ class UpSettings(Section):
             "for `async def play(client, task)` in mymodule.py",
         )
         refuse_if(
-            self.eval_dataset is not None and self.dataset is None,
-            "eval_dataset",
-            self.eval_dataset,
+            self.heldout_dataset is not None and self.dataset is None,
+            "heldout_dataset",
+            self.heldout_dataset,
             "held-out rows of your own dataset need --dataset too",
         )
         return self

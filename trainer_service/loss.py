@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.config import IMPORTANCE_WEIGHTS, MIS_HIGH, MIS_LOW, TIS_CLIP, ImportanceWeight, LossName
+from shared.config import IMPORTANCE_WEIGHTS, LOSS_NAMES, MIS_HIGH, MIS_LOW, TIS_CLIP, ImportanceWeight, LossName
 from trainer_service.head import attach
 
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
@@ -75,6 +75,10 @@ class LossSettings:
     mis_low: float = MIS_LOW  # --score-centering-mis-low
     mis_high: float = MIS_HIGH  # --score-centering-mis-high
     chunk_size: int | None = None  # rows per [rows, V] pass; None: about 4M logits per chunk
+
+    def __post_init__(self):
+        if self.loss not in LOSS_NAMES:
+            raise ValueError(f"loss={self.loss!r}; expected one of {LOSS_NAMES} (--loss)")
 
     @classmethod
     def from_config(cls, cfg) -> LossSettings:

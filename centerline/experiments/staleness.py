@@ -152,7 +152,7 @@ def variant(spec: RunSpec, run: dict, out: Path) -> RunSpec:
             "max_staleness": run["staleness"],
         },
         up={"run_dir": out / "runs" / run["name"]},
-        trainer={"eval_every": spec.trainer.steps},
+        trainer={"heldout_every": spec.trainer.steps},
     )
 
 

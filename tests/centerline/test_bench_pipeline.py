@@ -119,7 +119,13 @@ def test_each_mode_is_a_variant_of_ups_spec_and_reports_the_workers_resolved_con
         tmp_path / "on-policy",
     )
     # the bench's defaults where no flag says otherwise: the same training time for each mode
-    assert (trainer.steps, trainer.eval_every, trainer.prompts_per_step, trainer.train_seconds, up.eval_prompts) == (
+    assert (
+        trainer.steps,
+        trainer.heldout_every,
+        trainer.prompts_per_step,
+        trainer.train_seconds,
+        up.heldout_prompts,
+    ) == (
         50,
         50,
         4,
@@ -228,7 +234,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         "1",
         "--prompts-per-step",
         str(PROMPTS),
-        "--eval-prompts",
+        "--heldout-prompts",
         "2",
         "--model-dir",
         str(tmp_path / "models"),

@@ -176,9 +176,10 @@ def test_a_variable_of_another_table_or_the_shared_prefix_is_not_a_command_setti
     "variable, value, message",
     [
         (
-            "CENTERLINE_TRAINER_EVAL_EVERY",
+            "CENTERLINE_TRAINER_HELDOUT_EVERY",
             "0",
-            "--eval-every '0': must be >= 1 (also settable as CENTERLINE_TRAINER_EVAL_EVERY or trainer.eval_every "
+            "--heldout-every '0': must be >= 1 (also settable as CENTERLINE_TRAINER_HELDOUT_EVERY or "
+            "trainer.heldout_every "
             "in the TOML file)",
         ),
         (
@@ -465,3 +466,40 @@ def test_a_rule_across_a_command_s_own_settings_names_the_flag_the_value_and_the
     with pytest.raises(ConfigError) as info:
         parse_section(WorkerSettings, [], {"CENTERLINE_WORKER_MAX_DELIVER": "-2"})
     assert str(info.value) == "--max-deliver -2: must be at least 1, or -1 for no limit"
+
+
+# ------------------------------------------------------------------ renamed settings (Section.renamed)
+
+
+def test_an_old_flag_sets_the_renamed_setting_with_a_note(capsys):
+    settings = parse_section(TrainerSettings, [*TRAINER, "--eval-every", "3", "--eval-timeout", "60"])
+    assert (settings.heldout_every, settings.heldout_timeout) == (3, 60.0)
+    assert capsys.readouterr().err.splitlines() == [
+        f"{Path(sys.argv[0]).name}: warning: --eval-every is deprecated; use --heldout-every",
+        f"{Path(sys.argv[0]).name}: warning: --eval-timeout is deprecated; use --heldout-timeout",
+    ]
+
+
+def test_an_old_variable_sets_the_renamed_setting_with_a_warning_and_the_new_one_wins():
+    with pytest.warns(
+        FutureWarning, match=r"^CENTERLINE_TRAINER_EVAL_EVERY is deprecated; use CENTERLINE_TRAINER_HELDOUT_EVERY"
+    ):
+        assert parse_section(TrainerSettings, TRAINER, {"CENTERLINE_TRAINER_EVAL_EVERY": "4"}).heldout_every == 4
+    both = {"CENTERLINE_TRAINER_EVAL_EVERY": "4", "CENTERLINE_TRAINER_HELDOUT_EVERY": "6"}
+    with pytest.warns(FutureWarning):
+        assert parse_section(TrainerSettings, TRAINER, both).heldout_every == 6
+
+
+def test_an_old_key_of_a_table_sets_the_renamed_setting_with_a_warning(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[trainer]\neval_every = 7\n")
+    with pytest.warns(FutureWarning, match=rf"^trainer.eval_every in {toml} is deprecated; use trainer.heldout_every"):
+        assert parse_section(TrainerSettings, [*TRAINER, "--config", str(toml)]).heldout_every == 7
+
+
+def test_an_old_and_a_new_key_of_one_setting_are_refused(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[up]\neval_prompts = 7\nheldout_prompts = 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_toml(str(toml))
+    assert str(info.value) == f"--config {toml}: up.eval_prompts is the old name of up.heldout_prompts; keep one"

@@ -49,6 +49,8 @@ def test_the_mode_comes_from_the_rows():
 
 def test_the_loss_table_has_every_configurable_loss_and_no_other():
     assert tuple(LOSSES) == LOSS_NAMES
+    with pytest.raises(ValueError, match=r"^loss='ppo'; expected one of \('score_centering', 'reinforce', 'tis'\)"):
+        LossSettings(loss="ppo")
 
 
 def test_the_loss_settings_of_a_config_are_its_loss_options_by_name():
