@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
 from shared.settings import REFUSED, SECTIONS, Section, Settings, refuse_if
@@ -303,7 +304,7 @@ def resolve_section(
     defaults: typing.Mapping[str, object] | None = None,
 ) -> S:
     """A command's settings, merged as ``resolve`` merges the shared ones, then checked: required
-    fields, the model's bounds and validators, ``section.checks(cfg)``. ``only``: the fields this
+    fields, the model's bounds and validators, ``section.check_with(cfg)``. ``only``: the fields this
     command has flags for (the others come from the file, the environment or their defaults and
     need not be set)."""
     settings = _build(section, args, env, only, defaults)
@@ -317,11 +318,12 @@ def resolve_section(
 
 
 def check_section(settings: S, cfg: Config) -> S:
-    """``settings`` once ``settings.checks(cfg)``, the rules across it and the shared settings, pass;
-    the first failure raised as ``ConfigError``."""
-    for failed, name, value, fix in settings.checks(cfg):
-        if failed:
-            raise ConfigError(f"{flag(name)} {value}: {fix}")
+    """``settings`` once ``settings.check_with(cfg)``, the rules across it and the shared settings,
+    pass; the first refusal raised as ``ConfigError``."""
+    try:
+        settings.check_with(cfg)
+    except PydanticCustomError as exc:
+        raise _refused(exc.context, exc.message()) from None
     return settings
 
 
@@ -374,12 +376,17 @@ def invalid_setting(exc: ValidationError, section: type[Section] | None = None) 
     """A model's refusal of a value, in the words of a flag: the flag, the value, the fix."""
     err = exc.errors()[0]
     if err["type"] == REFUSED:  # a validator's rule: the value as the rule saw it
-        return ConfigError(f"{flag(err['ctx']['setting'])} {err['ctx']['value']}: {err['msg']}")
+        return _refused(err["ctx"], err["msg"])
     name = str(err["loc"][0]) if err["loc"] else "?"
     return ConfigError(
         f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
         f"{key_name(name, section)} in the TOML file)"
     )
+
+
+def _refused(context: dict, fix: str) -> ConfigError:
+    """A ``refuse_if`` refusal in the words of a flag: ``--<flag> <value>: <fix>``."""
+    return ConfigError(f"{flag(context['setting'])} {context['value']}: {fix}")
 
 
 def _fix(err: dict) -> str:

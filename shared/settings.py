@@ -6,9 +6,9 @@ A field of ``TrainerSettings`` (table ``trainer``) such as ``max_grad_norm`` is 
 precedence are the shared ones (flags, environment, file, defaults). A setting the command
 cannot start without is listed in ``required`` (default None, so a file or the environment
 may give it). Simple bounds are field constraints; a rule across fields is the model's
-validator (``refuse_if``); a rule across a section and the shared settings is ``checks(cfg)``,
-failures as ``(failed, field, value, fix)``. ``docs/config.md`` lists every field per command
-(``scripts/gen_config_docs.py``).
+validator; a rule across a section and the shared settings is its ``check_with(cfg)``; each
+rule is one ``refuse_if``, whose refusal reads ``--<flag> <value>: <fix>``. ``docs/config.md``
+lists every field per command (``scripts/gen_config_docs.py``).
 
 Not settings: what a one-shot command is asked to do this time (``centerline replay``'s record
 file and its mode ``--to``/``--jsonl``/``--train``), and secrets (docs/config.md).
@@ -39,8 +39,8 @@ REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.con
 
 
 def refuse_if(failed: bool, name: str, value: object, fix: str) -> None:
-    """In a model's validator: refuse ``value`` of field ``name`` when ``failed``; the error reads
-    ``--<flag> <value>: <fix>``."""
+    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``Section.check_with``);
+    ``shared.config`` words the error as ``--<flag> <value>: <fix>``."""
     if failed:
         raise PydanticCustomError(REFUSED, fix.replace("{", "{{").replace("}", "}}"), {"setting": name, "value": value})
 
@@ -70,9 +70,8 @@ class Section(Settings):
     # with a deprecation note (the held-out settings were once eval_*: docs/config.md)
     renamed: ClassVar[dict[str, str]] = {}
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        """Failures of rules across this section and the shared ``cfg``: ``(failed, field, value, fix)``."""
-        return []
+    def check_with(self, cfg) -> None:
+        """The rules across this section and the shared ``cfg``, each a ``refuse_if``."""
 
 
 ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
@@ -257,20 +256,18 @@ class TrainerSettings(Section):
             cfg, self.prompts_per_step, self.store_retention_steps, self.rollouts_max_bytes, self.dlq_max_bytes
         )
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+    def check_with(self, cfg) -> None:
         from shared.streams import sample_max_bytes
 
         needed = (cfg.max_inflight_steps + 1) * self.prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
-        return [
-            (
-                self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
-                "rollouts_max_bytes",
-                self.rollouts_max_bytes,
-                f"must hold the steps in flight, --max-inflight-steps + 1 = {cfg.max_inflight_steps + 1} steps of "
-                f"{self.prompts_per_step} x {cfg.rollout_n} samples of up to {sample_max_bytes(cfg)} bytes: at least "
-                f"{needed}; raise it, or lower --rollout-session-max-tokens or K",
-            ),
-        ]
+        refuse_if(
+            self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
+            "rollouts_max_bytes",
+            self.rollouts_max_bytes,
+            f"must hold the steps in flight, --max-inflight-steps + 1 = {cfg.max_inflight_steps + 1} steps of "
+            f"{self.prompts_per_step} x {cfg.rollout_n} samples of up to {sample_max_bytes(cfg)} bytes: at least "
+            f"{needed}; raise it, or lower --rollout-session-max-tokens or K",
+        )
 
 
 class WorkerSettings(Section):
@@ -372,16 +369,14 @@ class ProxySettings(Section):
         description="Largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400.",
     )
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+    def check_with(self, cfg) -> None:
         k = cfg.rollout_top_logprobs_num
-        return [
-            (
-                k > self.max_top_logprobs_num,
-                "rollout_top_logprobs_num",
-                k,
-                f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
-            )
-        ]
+        refuse_if(
+            k > self.max_top_logprobs_num,
+            "rollout_top_logprobs_num",
+            k,
+            f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
+        )
 
 
 warnings.filterwarnings("ignore", 'Field name "json" in "ProbeSettings" shadows', UserWarning)  # the flag --json

@@ -372,6 +372,16 @@ def test_a_check_across_shared_and_command_settings_names_both():
         parse_section(ProxySettings, ["--upstream", "http://u:1", "--max-top-logprobs-num", "64"])
 
 
+def test_a_store_cap_below_the_steps_in_flight_is_refused_naming_the_flag_the_value_and_the_fix():
+    with pytest.raises(ConfigError) as info:
+        parse_section(TrainerSettings, [*TRAINER, "--rollouts-max-bytes", "1000"])
+    assert str(info.value).startswith(
+        "--rollouts-max-bytes 1000: must hold the steps in flight, --max-inflight-steps + 1 = 3 steps of 8 x 4 "
+        "samples of up to "
+    )
+    assert str(info.value).endswith("; raise it, or lower --rollout-session-max-tokens or K")
+
+
 def test_unknown_key_of_a_command_table_is_refused(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("[trainer]\nmax_grad_nrom = 1.0\n")
