@@ -29,6 +29,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
+from shared.sampling import Sampling
 from shared.settings import REFUSED, SECTIONS, Section, Settings, refuse_if
 
 ENV_PREFIX = "CENTERLINE_"
@@ -159,6 +160,17 @@ class Config(Settings):
         default_factory=lambda: ["http://127.0.0.1:30000"],
         description="Engine URLs the trainer sends weight updates to directly (never a router).",
     )
+
+    @property
+    def sampling(self) -> Sampling:
+        """The sampling contract these settings state (shared/sampling.py), one object for every user."""
+        return Sampling(
+            k=self.rollout_top_logprobs_num,
+            temperature=self.rollout_temperature,
+            top_p=self.rollout_top_p,
+            top_k=self.rollout_top_k,
+            mode=self.rollout_logprobs_mode,
+        )
 
     @property
     def filtered(self) -> bool:
