@@ -181,7 +181,7 @@ def refuse_settings(body: dict, cfg: Config) -> None:
         if value is None or name in HONOURED or name in NO_EFFECT:
             continue
         if name in RUN_SETTINGS:
-            _check_run_setting(name, value, Sampling.from_config(cfg))
+            _check_run_setting(name, value, cfg.sampling)
         elif name in NEUTRAL_ONLY:
             accepted, why = NEUTRAL_ONLY[name]
             if not any(_same(value, a) for a in accepted):

@@ -8,12 +8,11 @@ whichever proxy or server defaults it meets.
 from __future__ import annotations
 
 from shared.config import Config
-from shared.sampling import Sampling
 
 
 def sampling(cfg: Config) -> dict:
     """The sampling settings of every training request: temperature, top-p and, when set, top-k."""
-    run = Sampling.from_config(cfg)
+    run = cfg.sampling
     out = {"temperature": run.temperature, "top_p": run.top_p}
     if run.top_k > 0:
         out["top_k"] = run.top_k
@@ -44,7 +43,7 @@ def chat_training_body(cfg: Config, prompt: str | list[dict], n: int) -> dict:
 def logprob_fields(cfg: Config) -> dict:
     """What the contract asks SGLang to return: the sampled log-probs and the top-``K`` rows
     (``selected``) or the realized support (``support``). The proxy sets the same again."""
-    run = Sampling.from_config(cfg)
+    run = cfg.sampling
     if run.mode == "selected":
         return {"return_logprob": True, "top_logprobs_num": run.k}
     return {"return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}

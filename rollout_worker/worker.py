@@ -56,7 +56,6 @@ from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
 from shared.nats_client import PublishError, PullConsumer, connect, pull_consumer
 from shared.response_arrays import ResponseArrays
-from shared.sampling import Sampling
 from shared.settings import WorkerSettings
 from shared.streams import ensure_streams
 from shared.task import PromptTask, TaskError
@@ -102,7 +101,7 @@ class Worker:
         if settings.worker_id is None or settings.vocab_size is None:
             raise ValueError("Worker needs settings with worker_id and vocab_size resolved (rollout_worker/main.py)")
         self.cfg, self.settings, self.tok, self.metrics = cfg, settings, tokenizer, metrics
-        self.sampling = Sampling.from_config(cfg)  # what every batch records
+        self.sampling = cfg.sampling  # what every batch records
         self.stopping = asyncio.Event()
         self.scorer = Scorer(settings.reward_threads, settings.reward_timeout)  # rewards off the event loop
         self.session: aiohttp.ClientSession | None = None

@@ -57,7 +57,7 @@ class Contract(Sampling):
 
     @classmethod
     def from_config(cls, cfg: Config) -> Contract:
-        return cls(**asdict(Sampling.from_config(cfg)), endpoint=cfg.rollout_endpoint)
+        return cls(**asdict(cfg.sampling), endpoint=cfg.rollout_endpoint)
 
 
 def rewrite_body(

@@ -21,13 +21,16 @@ import sys
 import tomllib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
-from shared.settings import SECTIONS, Section, Settings
+from shared.sampling import Sampling
+from shared.settings import REFUSED, SECTIONS, Section, Settings, refuse_if
 from shared.streams import sample_max_bytes
 
 ENV_PREFIX = "CENTERLINE_"
@@ -35,6 +38,13 @@ ENV_PREFIX = "CENTERLINE_"
 MAX_SAMPLE_BYTES = 256 << 20
 S = TypeVar("S", bound=Section)
 M = TypeVar("M", bound=Settings)
+# The policy losses and score centering's importance weights, named here once: the flags' choices,
+# Config's fields below, LossSettings and the loss table LOSSES (trainer_service/loss.py), the
+# experiment's grid (centerline/experiments/staleness.py).
+LossName = Literal["score_centering", "reinforce", "tis"]
+ImportanceWeight = Literal["none", "tis", "mis"]
+LOSS_NAMES: tuple[LossName, ...] = typing.get_args(LossName)
+IMPORTANCE_WEIGHTS: tuple[ImportanceWeight, ...] = typing.get_args(ImportanceWeight)
 # The importance-weight options' defaults, here once: Config's fields below, and the keyword
 # defaults of LossSettings (trainer_service/loss.py).
 TIS_CLIP, MIS_LOW, MIS_HIGH = 2.0, 0.5, 5.0
@@ -75,7 +85,7 @@ class Config(Settings):
         "generate", description="SGLang endpoint for training requests: native /generate or /v1/chat/completions."
     )
     rollout_max_new_tokens: int = Field(
-        16, description="Longest response, in tokens; in a multi-turn session, the longest turn."
+        16, gt=0, description="Longest response, in tokens; in a multi-turn session, the longest turn."
     )
     rollout_session_max_tokens: int = Field(
         1024,
@@ -88,7 +98,7 @@ class Config(Settings):
         "max_payload it travels in pieces, above this it is dead-lettered as sample_too_large. It must hold "
         "--rollout-session-max-tokens tokens of 13 + 8K bytes each, checked at start-up.",
     )
-    rollout_n: int = Field(4, description="Samples per prompt group (GRPO group size).")
+    rollout_n: int = Field(4, gt=0, description="Samples per prompt group (GRPO group size).")
     rollout_tool_call_parser: str = Field(
         "auto",
         description="SGLang's tool-call parser (sglang.srt.function_call: hermes, qwen25, llama3, mistral, "
@@ -109,15 +119,15 @@ class Config(Settings):
     )
 
     # Loss (docs/design.md section 6).
-    loss: Literal["score_centering", "reinforce", "tis"] = Field(
+    loss: LossName = Field(
         "score_centering",
         description="Policy loss: score centering, or a baseline (plain REINFORCE, REINFORCE with TIS).",
     )
-    score_centering_is: Literal["none", "tis", "mis"] = Field(
+    score_centering_is: ImportanceWeight = Field(
         "none", description="Importance weight f on p/q: none, truncated (tis) or masked (mis)."
     )
     score_centering_tis_clip: float = Field(
-        TIS_CLIP, description="Clip c of the truncated importance weight min(r, c)."
+        TIS_CLIP, gt=0, description="Clip c of the truncated importance weight min(r, c)."
     )
     score_centering_mis_low: float = Field(MIS_LOW, description="Lower bound of the masked importance weight.")
     score_centering_mis_high: float = Field(MIS_HIGH, description="Upper bound of the masked importance weight.")
@@ -126,9 +136,10 @@ class Config(Settings):
     )
 
     # Trainer.
-    max_staleness: int = Field(2, description="Oldest accepted batch, in weight versions behind the trainer.")
+    max_staleness: int = Field(2, ge=0, description="Oldest accepted batch, in weight versions behind the trainer.")
     max_inflight_steps: int = Field(
         2,
+        ge=1,
         description="Steps of prompt tasks published ahead of training; bounds staleness. 2: the engines sample "
         "the next step while the trainer trains (batches at most one version stale); 1: on-policy, one at a time.",
     )
@@ -160,79 +171,78 @@ class Config(Settings):
     )
 
     @property
+    def sampling(self) -> Sampling:
+        """The sampling contract these settings state (shared/sampling.py), one object for every user."""
+        return Sampling(
+            k=self.rollout_top_logprobs_num,
+            temperature=self.rollout_temperature,
+            top_p=self.rollout_top_p,
+            top_k=self.rollout_top_k,
+            mode=self.rollout_logprobs_mode,
+        )
+
+    @property
     def filtered(self) -> bool:
         """Whether sampling filters the distribution (top-p or top-k)."""
         return self.rollout_top_p < 1.0 or self.rollout_top_k > 0
 
+    @model_validator(mode="after")
+    def _honoured(self) -> Config:
+        """The settings the method cannot honour, in order; each refusal names the flag and the fix."""
+        k = self.rollout_top_logprobs_num
+        refuse_if(k <= 0, "rollout_top_logprobs_num", k, "K must be positive; 128 is typical")
+        refuse_if(
+            self.rollout_temperature <= 0,
+            "rollout_temperature",
+            self.rollout_temperature,
+            "greedy decoding has no sampling distribution to centre; use a temperature > 0",
+        )
+        refuse_if(not 0 < self.rollout_top_p <= 1, "rollout_top_p", self.rollout_top_p, "top-p must lie in (0, 1]")
+        refuse_if(
+            self.rollout_top_k == 0 or self.rollout_top_k < -1,
+            "rollout_top_k",
+            self.rollout_top_k,
+            "use -1 for no top-k filter or a positive k",
+        )
+        refuse_if(self.rollout_min_p != 0, "rollout_min_p", self.rollout_min_p, "min-p is not supported; set it to 0")
+        refuse_if(
+            self.filtered and self.rollout_logprobs_mode != "support",
+            "rollout_logprobs_mode",
+            self.rollout_logprobs_mode,
+            "filtered sampling (top-p < 1 or top-k set) needs --rollout-logprobs-mode support: a top-K head of the "
+            "unfiltered distribution does not describe what was sampled",
+        )
+        refuse_if(
+            self.rollout_logprobs_mode == "support" and not 0 < self.rollout_top_k <= k,
+            "rollout_top_k",
+            self.rollout_top_k,
+            f"support mode records the whole support in K={k} slots, so it needs 0 < --rollout-top-k <= K",
+        )
+        refuse_if(
+            self.rollout_session_max_tokens <= self.rollout_max_new_tokens,
+            "rollout_session_max_tokens",
+            self.rollout_session_max_tokens,
+            "a session's budget must leave room for a prompt and a turn: above --rollout-max-new-tokens",
+        )
+        refuse_if(
+            not 0 <= self.score_centering_mis_low < self.score_centering_mis_high,
+            "score_centering_mis_low",
+            self.score_centering_mis_low,
+            "needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
+        )
+        most = sample_max_bytes(self)
+        refuse_if(
+            self.max_sample_bytes < most,
+            "max_sample_bytes",
+            self.max_sample_bytes,
+            f"a sample of --rollout-session-max-tokens {self.rollout_session_max_tokens} tokens at K={k} is up to "
+            f"{most} bytes and could never be trained; raise it, or lower the budget or K",
+        )
+        return self
+
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def validate(cfg: Config) -> Config:
-    """Reject settings the method cannot honour; each error names the flag and the fix."""
-    k = cfg.rollout_top_logprobs_num
-    checks = [
-        (k <= 0, "rollout_top_logprobs_num", k, "K must be positive; 128 is typical"),
-        (
-            cfg.rollout_temperature <= 0,
-            "rollout_temperature",
-            cfg.rollout_temperature,
-            "greedy decoding has no sampling distribution to centre; use a temperature > 0",
-        ),
-        (not 0 < cfg.rollout_top_p <= 1, "rollout_top_p", cfg.rollout_top_p, "top-p must lie in (0, 1]"),
-        (
-            cfg.rollout_top_k == 0 or cfg.rollout_top_k < -1,
-            "rollout_top_k",
-            cfg.rollout_top_k,
-            "use -1 for no top-k filter or a positive k",
-        ),
-        (cfg.rollout_min_p != 0, "rollout_min_p", cfg.rollout_min_p, "min-p is not supported; set it to 0"),
-        (
-            cfg.filtered and cfg.rollout_logprobs_mode != "support",
-            "rollout_logprobs_mode",
-            cfg.rollout_logprobs_mode,
-            "filtered sampling (top-p < 1 or top-k set) needs --rollout-logprobs-mode support: a top-K head of the "
-            "unfiltered distribution does not describe what was sampled",
-        ),
-        (
-            cfg.rollout_logprobs_mode == "support" and not 0 < cfg.rollout_top_k <= k,
-            "rollout_top_k",
-            cfg.rollout_top_k,
-            f"support mode records the whole support in K={k} slots, so it needs 0 < --rollout-top-k <= K",
-        ),
-        (cfg.rollout_max_new_tokens <= 0, "rollout_max_new_tokens", cfg.rollout_max_new_tokens, "must be positive"),
-        (cfg.rollout_n <= 0, "rollout_n", cfg.rollout_n, "must be positive"),
-        (
-            cfg.rollout_session_max_tokens <= cfg.rollout_max_new_tokens,
-            "rollout_session_max_tokens",
-            cfg.rollout_session_max_tokens,
-            "a session's budget must leave room for a prompt and a turn: above --rollout-max-new-tokens",
-        ),
-        (
-            cfg.score_centering_tis_clip <= 0,
-            "score_centering_tis_clip",
-            cfg.score_centering_tis_clip,
-            "must be positive",
-        ),
-        (
-            not 0 <= cfg.score_centering_mis_low < cfg.score_centering_mis_high,
-            "score_centering_mis_low",
-            cfg.score_centering_mis_low,
-            "needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
-        ),
-        (
-            cfg.max_sample_bytes < sample_max_bytes(cfg),
-            "max_sample_bytes",
-            cfg.max_sample_bytes,
-            f"a sample of --rollout-session-max-tokens {cfg.rollout_session_max_tokens} tokens at K={k} is up to "
-            f"{sample_max_bytes(cfg)} bytes and could never be trained; raise it, or lower the budget or K",
-        ),
-        (cfg.max_staleness < 0, "max_staleness", cfg.max_staleness, "must be >= 0"),
-        (cfg.max_inflight_steps < 1, "max_inflight_steps", cfg.max_inflight_steps, "must be >= 1"),
-    ]
-    _raise_failed(checks)
-    return cfg
 
 
 def env_name(name: str, section: type[Section] | None = None) -> str:
@@ -262,10 +272,28 @@ def add_arguments(
         for name, info in section.model_fields.items():
             if only is None or name in only:
                 group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=False))
+        for old, name in section.renamed.items():
+            if only is None or name in only:
+                kwargs = _flag_kwargs(name, section.model_fields[name], metavar=False)
+                kwargs.update(action=_OldFlag, help=f"the old name of {flag(name)}, read for one release")
+                group.add_argument(flag(old), **kwargs)
     if shared:
         group = parser.add_argument_group("centerline configuration (see docs/config.md)")
         for name, info in Config.model_fields.items():
             group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=True))
+
+
+class _OldFlag(argparse.Action):
+    """The old flag of a renamed setting (``Section.renamed``): sets the setting, with a note."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stderr.write(f"{parser.prog}: warning: {option_string} is deprecated; use {flag(self.dest)}\n")
+        setattr(namespace, self.dest, values)
+
+
+def deprecated(old: str, new: str) -> None:
+    """The note for a setting read by its old name, as a ``FutureWarning`` (shown to users by default)."""
+    warnings.warn(f"{old} is deprecated; use {new} (docs/config.md)", FutureWarning, stacklevel=3)
 
 
 def _flag_kwargs(name: str, info, metavar: bool) -> dict:
@@ -285,9 +313,14 @@ def _flag_kwargs(name: str, info, metavar: bool) -> dict:
     return kwargs
 
 
-def resolve(args: argparse.Namespace | None = None, env: typing.Mapping[str, str] | None = None) -> Config:
-    """The shared settings: TOML file, environment and flags merged (in rising precedence), then validated."""
-    return validate(_build(Config, args, env))
+def resolve(
+    args: argparse.Namespace | None = None,
+    env: typing.Mapping[str, str] | None = None,
+    defaults: typing.Mapping[str, object] | None = None,
+) -> Config:
+    """The shared settings: a job's ``defaults``, TOML file, environment and flags merged (in rising
+    precedence), then validated by the model."""
+    return _build(Config, args, env, defaults=defaults)
 
 
 def resolve_section(
@@ -297,11 +330,13 @@ def resolve_section(
     cfg: Config | None = None,
     *,
     only: tuple[str, ...] | None = None,
+    defaults: typing.Mapping[str, object] | None = None,
 ) -> S:
     """A command's settings, merged as ``resolve`` merges the shared ones, then checked: required
-    fields, bounds, ``section.checks(cfg)``. ``only``: the fields this command has flags for (the
-    others come from the file, the environment or their defaults and need not be set)."""
-    settings = _build(section, args, env, only)
+    fields, the model's bounds and validators, ``section.check_with(cfg)``. ``only``: the fields this
+    command has flags for (the others come from the file, the environment or their defaults and
+    need not be set)."""
+    settings = _build(section, args, env, only, defaults)
     for name in section.required:
         if (only is None or name in only) and getattr(settings, name) is None:
             raise ConfigError(
@@ -312,15 +347,20 @@ def resolve_section(
 
 
 def check_section(settings: S, cfg: Config) -> S:
-    """``settings`` once ``settings.checks(cfg)`` pass; the first failure raised as ``ConfigError``."""
-    _raise_failed(settings.checks(cfg))
+    """``settings`` once ``settings.check_with(cfg)``, the rules across it and the shared settings,
+    pass; the first refusal raised as ``ConfigError``."""
+    try:
+        settings.check_with(cfg)
+    except PydanticCustomError as exc:
+        raise _refused(exc.context, exc.message()) from None
     return settings
 
 
-def _build(model: type[M], args, env, only: tuple[str, ...] | None = None) -> M:
-    """``model`` from its sources, the first winning: flags, environment, file, defaults; pydantic-settings
-    merges them. They are this call's (``env``, the file of ``--config``), so they are handed to the
-    model rather than fixed by ``Settings.settings_customise_sources``, a classmethod."""
+def _build(model: type[M], args, env, only: tuple[str, ...] | None = None, defaults=None) -> M:
+    """``model`` from its sources, the first winning: flags, environment, file, a job's ``defaults``,
+    the fields' defaults; pydantic-settings merges them and the model validates the result once. They
+    are this call's (``env``, the file of ``--config``), so they are handed to the model rather than
+    fixed by ``Settings.settings_customise_sources``, a classmethod."""
     section = None if model is Config else model
     given = vars(args) if args is not None else {}
     read = load_toml(given["config"]) if "config" in given else {}
@@ -330,6 +370,7 @@ def _build(model: type[M], args, env, only: tuple[str, ...] | None = None) -> M:
         InitSettingsSource(model, flags),
         _Environment(model, os.environ if env is None else env, env_name("", section)),
         InitSettingsSource(model, table),
+        InitSettingsSource(model, dict(defaults or {})),
     )
     try:
         return model(_build_sources=(sources, flags))
@@ -343,10 +384,18 @@ class _Environment(EnvSettingsSource):
 
     def __init__(self, model: type[Settings], env: typing.Mapping[str, str], prefix: str):
         self.given = env
+        self.renamed = {
+            prefix + old.upper(): prefix + new.upper() for old, new in getattr(model, "renamed", {}).items()
+        }
         super().__init__(model, case_sensitive=False, env_prefix=prefix)
 
     def _load_env_vars(self) -> dict[str, str]:
-        return {name.lower(): value for name, value in self.given.items() if name.isupper()}
+        given = {name: value for name, value in self.given.items() if name.isupper()}
+        for old, new in self.renamed.items():
+            if old in given:
+                deprecated(old, new)
+                given.setdefault(new, given[old])  # the new name wins where both are set
+        return {name.lower(): value for name, value in given.items()}
 
     def decode_complex_value(self, field_name: str, field, value: str) -> list[str]:
         return value.split(",")  # engine_urls: a list is the only setting that is not one value
@@ -355,11 +404,18 @@ class _Environment(EnvSettingsSource):
 def invalid_setting(exc: ValidationError, section: type[Section] | None = None) -> ConfigError:
     """A model's refusal of a value, in the words of a flag: the flag, the value, the fix."""
     err = exc.errors()[0]
+    if err["type"] == REFUSED:  # a validator's rule: the value as the rule saw it
+        return _refused(err["ctx"], err["msg"])
     name = str(err["loc"][0]) if err["loc"] else "?"
     return ConfigError(
         f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
         f"{key_name(name, section)} in the TOML file)"
     )
+
+
+def _refused(context: dict, fix: str) -> ConfigError:
+    """A ``refuse_if`` refusal in the words of a flag: ``--<flag> <value>: <fix>``."""
+    return ConfigError(f"{flag(context['setting'])} {context['value']}: {fix}")
 
 
 def _fix(err: dict) -> str:
@@ -369,12 +425,6 @@ def _fix(err: dict) -> str:
         if key in ctx and err["type"].startswith(("greater", "less")):
             return f"must be {words} {ctx[key]}"
     return err["msg"]
-
-
-def _raise_failed(checks) -> None:
-    for failed, name, value, fix in checks:
-        if failed:
-            raise ConfigError(f"{flag(name)} {value}: {fix}")
 
 
 def load_toml(path: str) -> dict:
@@ -392,6 +442,12 @@ def load_toml(path: str) -> dict:
         if table in data:
             if not isinstance(data[table], dict):
                 raise ConfigError(f"--config {path}: {table} must be a table ([{table}])")
+            for old, new in cls.renamed.items():
+                if old in data[table]:
+                    if new in data[table]:
+                        raise ConfigError(f"--config {path}: {table}.{old} is the old name of {table}.{new}; keep one")
+                    deprecated(f"{table}.{old} in {path}", f"{table}.{new}")
+                    data[table][new] = data[table].pop(old)
             unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.model_fields))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {unknown}; see docs/config.md for the settings")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import Config
-
 # The settings the contract leaves off, at the value that changes nothing. Left unset, the server
 # fills them from its own defaults (docs/design.md section 7); any other value is refused by name.
 NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
@@ -20,20 +18,10 @@ NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "rep
 
 @dataclass(frozen=True)
 class Sampling:
-    """The run's sampling, as ``--rollout-*`` sets it."""
+    """The run's sampling, as ``--rollout-*`` sets it: ``shared.config.Config.sampling``."""
 
     k: int  # candidates recorded per token (--rollout-top-logprobs-num)
     temperature: float  # the trainer divides its logits by it (--rollout-temperature)
     top_p: float  # 1.0 = no nucleus filter (--rollout-top-p)
     top_k: int  # -1 = no top-k filter (--rollout-top-k)
     mode: str  # "selected": unfiltered, the top-K head; "support": filtered, the realized support
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> Sampling:
-        return cls(
-            k=cfg.rollout_top_logprobs_num,
-            temperature=cfg.rollout_temperature,
-            top_p=cfg.rollout_top_p,
-            top_k=cfg.rollout_top_k,
-            mode=cfg.rollout_logprobs_mode,
-        )

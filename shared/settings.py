@@ -5,9 +5,10 @@ A field of ``TrainerSettings`` (table ``trainer``) such as ``max_grad_norm`` is 
 ``[trainer]`` table and the variable ``CENTERLINE_TRAINER_MAX_GRAD_NORM``; sources and
 precedence are the shared ones (flags, environment, file, defaults). A setting the command
 cannot start without is listed in ``required`` (default None, so a file or the environment
-may give it). ``checks`` returns the failures as ``(failed, field, value, fix)``, the shape of
-``shared.config.validate``; simple bounds are field constraints. ``docs/config.md`` lists
-every field per command (``scripts/gen_config_docs.py``).
+may give it). Simple bounds are field constraints; a rule across fields is the model's
+validator; a rule across a section and the shared settings is its ``check_with(cfg)``; each
+rule is one ``refuse_if``, whose refusal reads ``--<flag> <value>: <fix>``. ``docs/config.md``
+lists every field per command (``scripts/gen_config_docs.py``).
 
 Not settings: what a one-shot command is asked to do this time (``centerline replay``'s record
 file and its mode ``--to``/``--jsonl``/``--train``), and secrets (docs/config.md).
@@ -20,10 +21,12 @@ import warnings
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from shared.toy_tasks import ENVIRONMENTS, REWARDS
+from shared.rewards import REWARDS
+from shared.toy_tasks import ENVIRONMENTS
 
 # Proxy limits, defaults of the proxy's flags and of the classes in router_proxy that enforce them.
 MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
@@ -31,6 +34,16 @@ MAX_UPSTREAM_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB 
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
+
+
+REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.config.invalid_setting words
+
+
+def refuse_if(failed: bool, name: str, value: object, fix: str) -> None:
+    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``Section.check_with``);
+    ``shared.config`` words the error as ``--<flag> <value>: <fix>``."""
+    if failed:
+        raise PydanticCustomError(REFUSED, fix.replace("{", "{{").replace("}", "}}"), {"setting": name, "value": value})
 
 
 class Settings(BaseSettings):
@@ -54,17 +67,20 @@ class Section(Settings):
     name: ClassVar[str]
     command: ClassVar[str]
     required: ClassVar[tuple[str, ...]] = ()
+    # old name -> field, for one release: the old flag, TOML key and variable still set the field,
+    # with a deprecation note (the held-out settings were once eval_*: docs/config.md)
+    renamed: ClassVar[dict[str, str]] = {}
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        """Failures beyond a field's own bounds, given the shared ``cfg``: ``(failed, field, value, fix)``."""
-        return []
+    def check_with(self, cfg) -> None:
+        """The rules across this section and the shared ``cfg``, each a ``refuse_if``."""
 
 
 ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
 
 
-def _max_deliver_check(value: int) -> tuple[bool, str, object, str]:
-    return (value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
+def _check_max_deliver(value: int) -> int:
+    refuse_if(value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
+    return value
 
 
 class TrainerSettings(Section):
@@ -73,6 +89,7 @@ class TrainerSettings(Section):
     name: ClassVar[str] = "trainer"
     command: ClassVar[str] = "centerline trainer"
     required: ClassVar[tuple[str, ...]] = ("model", "dataset", "run_dir")
+    renamed: ClassVar[dict[str, str]] = {"eval_every": "heldout_every", "eval_timeout": "heldout_timeout"}
 
     model: Path | None = Field(None, description="Initial HF model directory (weight version 0). Required.")
     dataset: Path | None = Field(None, description="JSONL of {prompt, answer, reward, ...}. Required.")
@@ -90,11 +107,11 @@ class TrainerSettings(Section):
     heldout_dataset: Path | None = Field(
         None,
         description="JSONL of held-out rows, the format of --dataset: one sample of each, drawn as training samples "
-        "are, before training, every --eval-every steps and after the last; scored, never trained, written to "
+        "are, before training, every --heldout-every steps and after the last; scored, never trained, written to "
         "eval.jsonl as that step's held-out figure (docs/design.md section 9). Unset: no held-out evaluation.",
     )
-    eval_every: int = Field(25, ge=1, description="Evaluate the held-out rows every this many steps.")
-    eval_timeout: float = Field(
+    heldout_every: int = Field(25, ge=1, description="Evaluate the held-out rows every this many steps.")
+    heldout_timeout: float = Field(
         900.0,
         gt=0,
         description="Seconds an evaluation may take from its scheduling to its last row's result; past it the "
@@ -230,6 +247,8 @@ class TrainerSettings(Section):
         "is unset; with the sample size it sets the store the run needs (it must fit JetStream's max_file_store).",
     )
 
+    _max_deliver = field_validator("max_deliver")(_check_max_deliver)
+
     def store_caps(self, cfg) -> tuple[int, int]:
         """``(rollouts_max_bytes, dlq_max_bytes)`` of this run (``shared.streams.store_caps``)."""
         from shared.streams import store_caps
@@ -238,21 +257,18 @@ class TrainerSettings(Section):
             cfg, self.prompts_per_step, self.store_retention_steps, self.rollouts_max_bytes, self.dlq_max_bytes
         )
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+    def check_with(self, cfg) -> None:
         from shared.streams import sample_max_bytes
 
         needed = (cfg.max_inflight_steps + 1) * self.prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
-        return [
-            _max_deliver_check(self.max_deliver),
-            (
-                self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
-                "rollouts_max_bytes",
-                self.rollouts_max_bytes,
-                f"must hold the steps in flight, --max-inflight-steps + 1 = {cfg.max_inflight_steps + 1} steps of "
-                f"{self.prompts_per_step} x {cfg.rollout_n} samples of up to {sample_max_bytes(cfg)} bytes: at least "
-                f"{needed}; raise it, or lower --rollout-session-max-tokens or K",
-            ),
-        ]
+        refuse_if(
+            self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
+            "rollouts_max_bytes",
+            self.rollouts_max_bytes,
+            f"must hold the steps in flight, --max-inflight-steps + 1 = {cfg.max_inflight_steps + 1} steps of "
+            f"{self.prompts_per_step} x {cfg.rollout_n} samples of up to {sample_max_bytes(cfg)} bytes: at least "
+            f"{needed}; raise it, or lower --rollout-session-max-tokens or K",
+        )
 
 
 class WorkerSettings(Section):
@@ -317,8 +333,7 @@ class WorkerSettings(Section):
     metrics_port: int | None = Field(None, description="Serve Prometheus /metrics on this port; unset: off.")
     metrics_host: str = Field("0.0.0.0", description="Address of the /metrics server.")
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        return [_max_deliver_check(self.max_deliver)]
+    _max_deliver = field_validator("max_deliver")(_check_max_deliver)
 
     def environment_deadline(self, cfg) -> float:
         """``environment_timeout``, or where unset its default from the turn timeout and the session
@@ -359,25 +374,23 @@ class ProxySettings(Section):
         description="Largest K (top_logprobs_num, top_logprobs) a request may ask for; above it: 400.",
     )
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+    def check_with(self, cfg) -> None:
         k = cfg.rollout_top_logprobs_num
         # one request's n answers of the longest reply, each token's K + 1 entries of ~30 JSON bytes
         answer = cfg.rollout_n * cfg.rollout_max_new_tokens * 30 * (k + 1)
-        return [
-            (
-                answer > self.max_upstream_response_bytes,
-                "max_upstream_response_bytes",
-                self.max_upstream_response_bytes,
-                f"an answer of --rollout-n {cfg.rollout_n} x --rollout-max-new-tokens {cfg.rollout_max_new_tokens} "
-                f"tokens at K={k} is about {answer} bytes and would be cut off every time; raise it, or lower them",
-            ),
-            (
-                k > self.max_top_logprobs_num,
-                "rollout_top_logprobs_num",
-                k,
-                f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
-            ),
-        ]
+        refuse_if(
+            answer > self.max_upstream_response_bytes,
+            "max_upstream_response_bytes",
+            self.max_upstream_response_bytes,
+            f"an answer of --rollout-n {cfg.rollout_n} x --rollout-max-new-tokens {cfg.rollout_max_new_tokens} "
+            f"tokens at K={k} is about {answer} bytes and would be cut off every time; raise it, or lower them",
+        )
+        refuse_if(
+            k > self.max_top_logprobs_num,
+            "rollout_top_logprobs_num",
+            k,
+            f"above --max-top-logprobs-num {self.max_top_logprobs_num}; raise the limit or lower K",
+        )
 
 
 warnings.filterwarnings("ignore", 'Field name "json" in "ProbeSettings" shadows', UserWarning)  # the flag --json
@@ -420,6 +433,7 @@ class UpSettings(Section):
 
     name: ClassVar[str] = "up"
     command: ClassVar[str] = "centerline up"
+    renamed: ClassVar[dict[str, str]] = {"eval_dataset": "heldout_dataset", "eval_prompts": "heldout_prompts"}
 
     model: Path | None = Field(
         None,
@@ -431,16 +445,16 @@ class UpSettings(Section):
         description="Your own dataset: a JSONL file, a parquet/arrow/CSV/JSON file or a datasets save_to_disk "
         'directory (read with the datasets library), rows {"prompt" or "messages", "answer", optional "meta": {...}, '
         'optional "split": "train" | "eval"} (centerline/up/user_task.py); or reasoning-gym:NAME, a task of that '
-        "library generated (--dataset-size, --eval-prompts, --seed) and scored by its own score_answer "
+        "library generated (--dataset-size, --heldout-prompts, --seed) and scored by its own score_answer "
         "(centerline/up/task_library.py); unset: the toy task --task.",
     )
-    eval_dataset: Path | None = Field(
+    heldout_dataset: Path | None = Field(
         None,
         description="Held-out rows (same format, every row used) for --dataset; unset: the rows --dataset marks "
         '"split": "eval", else none. The held-out figure is the mean reward of one sample per row.',
     )
     dataset_prompt_key: str = Field(
-        "prompt", min_length=1, description="The column of --dataset (and --eval-dataset) holding the prompt text."
+        "prompt", min_length=1, description="The column of --dataset (and --heldout-dataset) holding the prompt text."
     )
     dataset_answer_key: str = Field(
         "answer", min_length=1, description="The column holding the answer, task.answer of the reward function."
@@ -493,7 +507,7 @@ class UpSettings(Section):
         ge=1,
         description="Training prompts of the toy task, or of a task library's (--dataset reasoning-gym:NAME).",
     )
-    eval_prompts: int = Field(
+    heldout_prompts: int = Field(
         200, ge=1, description="Held-out prompts per evaluation, of the toy task or a task library's task."
     )
     model_dir: Path = Field(Path("models"), description="Cache of init-model outputs.")
@@ -518,33 +532,33 @@ class UpSettings(Section):
             return [f"{ref}={weight}" for ref, weight in value.items()]
         return value
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
+    @model_validator(mode="after")
+    def _runnable(self) -> UpSettings:
         env_module, env_sep, env_function = self.environment.partition(":")
         bad_reward = next((r for r in self.reward if not _reward_component(r)), None)
-        return [
-            (
-                bad_reward is not None or not self.reward,
-                "reward",
-                bad_reward if self.reward else "(none)",
-                f"a built-in ({', '.join(sorted(REWARDS))}) or module:function, with =weight where several are given "
-                "(--reward m:f=1.0 --reward m:g=0.5)",
-            ),
-            (
-                bool(self.environment)
-                and self.environment not in ENVIRONMENTS
-                and not (env_sep and env_module and env_function),
-                "environment",
-                self.environment,
-                f"a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:function, e.g. mymodule:play "
-                "for `async def play(client, task)` in mymodule.py",
-            ),
-            (
-                self.eval_dataset is not None and self.dataset is None,
-                "eval_dataset",
-                self.eval_dataset,
-                "held-out rows of your own dataset need --dataset too",
-            ),
-        ]
+        refuse_if(
+            bad_reward is not None or not self.reward,
+            "reward",
+            bad_reward if self.reward else "(none)",
+            f"a built-in ({', '.join(sorted(REWARDS))}) or module:function, with =weight where several are given "
+            "(--reward m:f=1.0 --reward m:g=0.5)",
+        )
+        refuse_if(
+            bool(self.environment)
+            and self.environment not in ENVIRONMENTS
+            and not (env_sep and env_module and env_function),
+            "environment",
+            self.environment,
+            f"a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:function, e.g. mymodule:play "
+            "for `async def play(client, task)` in mymodule.py",
+        )
+        refuse_if(
+            self.heldout_dataset is not None and self.dataset is None,
+            "heldout_dataset",
+            self.heldout_dataset,
+            "held-out rows of your own dataset need --dataset too",
+        )
+        return self
 
 
 class ReplaySettings(Section):
@@ -566,15 +580,15 @@ class ReplaySettings(Section):
     batches_per_step: int = Field(1, ge=1, description="--train without --steps-from: accepted batches per step.")
     steps: int | None = Field(None, ge=0, description="--train: replay at most this many steps; unset: all.")
 
-    def checks(self, cfg) -> list[tuple[bool, str, object, str]]:
-        return [
-            (
-                self.steps_from is not None and self.batches_per_step != 1,
-                "batches_per_step",
-                self.batches_per_step,
-                "--steps-from groups the batches as the original run did; drop --batches-per-step",
-            )
-        ]
+    @model_validator(mode="after")
+    def _one_grouping(self) -> ReplaySettings:
+        refuse_if(
+            self.steps_from is not None and self.batches_per_step != 1,
+            "batches_per_step",
+            self.batches_per_step,
+            "--steps-from groups the batches as the original run did; drop --batches-per-step",
+        )
+        return self
 
 
 SECTIONS: dict[str, type[Section]] = {

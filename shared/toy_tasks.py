@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 
-from shared import rewards
-
 
 def chain_turns(prompt: str, answer: str) -> list[tuple[str, str, str]]:
     """A ``chain`` problem's steps: ``(message, restated, sum)``, the user message after a right
@@ -106,5 +104,3 @@ async def calc(client, task) -> float:
 
 
 ENVIRONMENTS = {"chain": chain, "calc": calc}
-# shared/settings.py still imports the built-in rewards from here; once it names shared.rewards, this goes.
-REWARDS = rewards.REWARDS

@@ -93,7 +93,7 @@ def test_a_killed_sglang_server_comes_back_and_is_brought_to_the_current_weights
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "centerline", "up", "--engines", "1", "--task", "copy", "--steps", "1000"]
     argv += ["--workers", "2", "--trainer-ranks", "1", "--prompts-per-step", "3", "--rollout-n", "2"]
-    argv += ["--eval-prompts", "8", "--eval-every", "100000", "--model-dir", str(toy_models)]
+    argv += ["--heldout-prompts", "8", "--heldout-every", "100000", "--model-dir", str(toy_models)]
     argv += ["--run-dir", str(run_dir)]
     out = open(tmp_path / "up.log", "w")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)

@@ -1,7 +1,7 @@
 """Held-out evaluation in the loop (docs/design.md section 9): the trainer schedules it, the
 workers sample it as they sample training tasks, the gate hands its batches here, never to a step.
 
-Before training, every ``eval_every`` steps and after the last, the trainer publishes one task per
+Before training, every ``heldout_every`` steps and after the last, the trainer publishes one task per
 held-out row (``--heldout-dataset``, the format of ``--dataset``): ``n`` 1, ``purpose``
 "heldout", id ``f"{run_id}/heldout/{step}/{row}"`` (``heldout_id``), to ``prompts.tasks`` like any
 task, so the same workers, proxy, router and engines sample it at the rollout settings (a row
@@ -19,7 +19,7 @@ as it comes and its batch acked at once, so a round of any size holds no batch u
 it is recorded. A trainer restarted at step ``s`` reopens the round of ``s`` if it is due and
 ``eval.jsonl`` lacks it (its rows written so far count); a round of an earlier step is given up,
 never recorded: its rows would now be sampled by weights newer than the step it names
-(``Evaluator.reopen``). A round still short of rows ``eval_timeout`` seconds after it was scheduled
+(``Evaluator.reopen``). A round still short of rows ``heldout_timeout`` seconds after it was scheduled
 is given up, logged, and not recorded; its late batches are dropped.
 
 The figure is ``eval_accuracy`` where every row is single-turn and scored by exact match (the toy

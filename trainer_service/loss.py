@@ -28,12 +28,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.config import MIS_HIGH, MIS_LOW, TIS_CLIP
+from shared.config import IMPORTANCE_WEIGHTS, LOSS_NAMES, MIS_HIGH, MIS_LOW, TIS_CLIP, ImportanceWeight, LossName
 from trainer_service.head import attach
 
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
-IS_MODES = ("none", "tis", "mis")
+IS_MODES = IMPORTANCE_WEIGHTS  # --score-centering-is
 KL_LOG_RATIO_CLAMP = 20.0  # |log p_a/q_a| bound of the train_rollout_kl metric, as miles clamps it
 _CHUNK_ELEMENTS = 1 << 22  # default chunk: ~16 MiB of float32 temporaries per chunk
 
@@ -69,22 +69,26 @@ class TokenRows:
 class LossSettings:
     """The loss chosen and its options (the trainer's settings; the rows bring mode and temperature)."""
 
-    loss: str = "score_centering"  # score_centering | reinforce | tis
-    is_mode: str = "none"  # --score-centering-is (score_centering only)
+    loss: LossName = "score_centering"  # --loss: a key of LOSSES
+    is_mode: ImportanceWeight = "none"  # --score-centering-is (score_centering only)
     tis_clip: float = TIS_CLIP  # --score-centering-tis-clip
     mis_low: float = MIS_LOW  # --score-centering-mis-low
     mis_high: float = MIS_HIGH  # --score-centering-mis-high
     chunk_size: int | None = None  # rows per [rows, V] pass; None: about 4M logits per chunk
 
+    def __post_init__(self):
+        if self.loss not in LOSS_NAMES:
+            raise ValueError(f"loss={self.loss!r}; expected one of {LOSS_NAMES} (--loss)")
+
     @classmethod
     def from_config(cls, cfg) -> LossSettings:
         """The loss settings of a ``shared.config.Config``."""
         return cls(
-            cfg.loss,
-            cfg.score_centering_is,
-            cfg.score_centering_tis_clip,
-            cfg.score_centering_mis_low,
-            cfg.score_centering_mis_high,
+            loss=cfg.loss,
+            is_mode=cfg.score_centering_is,
+            tis_clip=cfg.score_centering_tis_clip,
+            mis_low=cfg.score_centering_mis_low,
+            mis_high=cfg.score_centering_mis_high,
         )
 
 
@@ -207,7 +211,8 @@ def tis_loss(logits, rows: TokenRows, settings: LossSettings):
     return _sampled_token_loss(logits, rows, settings.chunk_size, _weight_fn("tis", settings))
 
 
-LOSSES = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
+# every name of shared.config.LossName, and no other (tests/trainer_service/test_loss.py)
+LOSSES: dict[LossName, object] = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 
 
 def _sampled_token_loss(logits, rows: TokenRows, chunk_size, f):

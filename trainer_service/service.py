@@ -10,13 +10,13 @@ The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
     ack the step's batches                                              gate.py
     load version v+1 on every engine, publish weights.updated           weights.py
     log the step                                                        metrics.py
-    evaluate the held-out rows when the step is due (every eval_every)  heldout.py
+    evaluate the held-out rows when the step is due (every heldout_every)  heldout.py
 
 Held-out evaluation (``--heldout-dataset``; docs/design.md section 9): before the first step,
-after every ``--eval-every`` steps and after the last, the held-out rows go to the workers as
+after every ``--heldout-every`` steps and after the last, the held-out rows go to the workers as
 tasks of one sample; the gate hands their batches to the evaluator, never to a step, and each
 round is written to ``eval.jsonl`` as the held-out figure of the step that scheduled it. After
-the last step the trainer waits for the open rounds (at most ``--eval-timeout``) before it exits.
+the last step the trainer waits for the open rounds (at most ``--heldout-timeout``) before it exits.
 
 A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes early after
 ``--step-timeout`` seconds with whatever arrived; with less than one sample per rank it
@@ -108,8 +108,8 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             heldout_rows,
             run_id=state.run_id,
             attempts_before=tasks.attempts_before,
-            every=settings.eval_every,
-            timeout=settings.eval_timeout,
+            every=settings.heldout_every,
+            timeout=settings.heldout_timeout,
             record=metrics.heldout,
         )
         heldout.recorded(metrics.eval_path)

@@ -32,6 +32,7 @@ import torch
 
 from centerline.bench import add_out_flag
 from centerline.runs.run_figures import write_bench_figures
+from shared.config import IMPORTANCE_WEIGHTS
 from trainer_service.loss import LossSettings, TokenRows, reinforce_loss, score_centering_loss
 
 
@@ -120,7 +121,7 @@ def bench_loss(argv: list[str]) -> int:
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size V")
     parser.add_argument("--k", type=int, default=128, help="candidates per token K")
     parser.add_argument("--mode", default="selected", choices=("selected", "support"))
-    parser.add_argument("--is-mode", default="none", choices=("none", "tis", "mis"))
+    parser.add_argument("--is-mode", default="none", choices=IMPORTANCE_WEIGHTS)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--chunk-size", type=int, default=None, help="rows per [rows, V] pass (default: auto)")
     parser.add_argument("--repeats", type=int, default=5)

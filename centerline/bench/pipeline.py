@@ -24,7 +24,7 @@ under the neighbouring version (what the check can tell apart).
 
 Each run is its own process, every service real, SGLang started with ``--enable-metrics``, and
 trains for ``--train-seconds`` (the trainer starts no step after that; at most ``--steps``),
-then the trainer evaluates ``--eval-prompts`` held-out prompts (docs/design.md section 9), as it
+then the trainer evaluates ``--heldout-prompts`` held-out prompts (docs/design.md section 9), as it
 did before training. The measured window runs from the end of step ``--warmup-steps`` to the end
 of the last step, as this process sees lines appear in ``metrics.jsonl`` (polled every ``--poll`` s), so start-up,
 the first batches and the evaluations are outside it. Samples and tokens are the trainer's own
@@ -80,7 +80,7 @@ Every flag but the bench's own (``--modes``, ``--teacher-force``, ``--warmup-ste
 ``--alone-*``, ``--poll``, ``--json``, ``--out``), and every flag after ``--``, is ``centerline up``'s
 (``--config FILE`` too): the run spec each mode is a variant of (``centerline/up/run_spec.py``,
 ``parse``), with the bench's defaults ``BENCH_DEFAULTS`` under them (``--steps 1000``,
-``--train-seconds 60``, ``--eval-prompts 50``; ``up``'s own otherwise) and the mode's
+``--train-seconds 60``, ``--heldout-prompts 50``; ``up``'s own otherwise) and the mode's
 ``max_inflight_steps`` and ``weight_update`` over them. A mode runs as ``centerline up --config
 RUN_DIR/<mode>.toml``, that variant's file; the bench reports the settings it ran, the workers'
 resolved ``concurrency`` among them.
@@ -114,7 +114,7 @@ from shared.config import Config, ConfigError
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
 # `up`'s settings whose default differs for this bench (`up`'s flags override them): every mode trains
 # for the same wall time, and the held-out evaluations are outside the measured window anyway.
-BENCH_DEFAULTS = {"trainer": {"steps": 1000, "train_seconds": 60.0}, "up": {"eval_prompts": 50}}
+BENCH_DEFAULTS = {"trainer": {"steps": 1000, "train_seconds": 60.0}, "up": {"heldout_prompts": 50}}
 MODES = {
     "on-policy": (1, "retract"),
     "drain": (2, "drain"),
@@ -205,7 +205,7 @@ def mode_spec(base: RunSpec, mode: str, run_dir: Path) -> RunSpec:
     return base.derive(
         cfg={"max_inflight_steps": inflight},
         up={"run_dir": run_dir, "sglang_args": f"{base.up.sglang_args} --enable-metrics".strip()},
-        trainer={"weight_update": weight_update, "eval_every": base.trainer.steps},
+        trainer={"weight_update": weight_update, "heldout_every": base.trainer.steps},
     )
 
 
@@ -454,7 +454,7 @@ def bench_pipeline(argv: list[str]) -> int:
         prog="centerline bench pipeline",
         description=bench_pipeline.__doc__,
         epilog="every other flag, and those after --, are centerline up's: the spec each mode derives from "
-        "(here --steps 1000, --train-seconds 60 and --eval-prompts 50 by default)",
+        "(here --steps 1000, --train-seconds 60 and --heldout-prompts 50 by default)",
         allow_abbrev=False,  # `--mode` must not read as `--modes`
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object, on one line")
@@ -536,7 +536,7 @@ def bench_pipeline(argv: list[str]) -> int:
         "workers": spec.up.workers,
         "trainer_ranks": spec.up.trainer_ranks,
         "prompts_per_step": spec.trainer.prompts_per_step,
-        "eval_prompts": spec.up.eval_prompts,
+        "eval_prompts": spec.up.heldout_prompts,
         "rollout_n": spec.cfg.rollout_n,
         "rollout_max_new_tokens": spec.cfg.rollout_max_new_tokens,
         "rollout_top_logprobs_num": spec.cfg.rollout_top_logprobs_num,

@@ -51,10 +51,10 @@ from centerline.experiments.summary import summarise
 from centerline.up import run_spec
 from centerline.up.processes import PYTHON
 from centerline.up.run_spec import RunSpec
-from shared.config import ConfigError, load_toml
+from shared.config import IMPORTANCE_WEIGHTS, LOSS_NAMES, ConfigError, load_toml
 
-LOSSES = ("score_centering", "reinforce", "tis")
-IS_MODES = ("none", "tis", "mis")  # score centering's importance weights (--score-centering-is)
+LOSSES = LOSS_NAMES
+IS_MODES = IMPORTANCE_WEIGHTS  # score centering's importance weights (--score-centering-is)
 # `up`'s settings whose default differs for the experiment (its flags override them)
 EXPERIMENT_DEFAULTS = {"trainer": {"steps": 40}}
 
@@ -152,7 +152,7 @@ def variant(spec: RunSpec, run: dict, out: Path) -> RunSpec:
             "max_staleness": run["staleness"],
         },
         up={"run_dir": out / "runs" / run["name"]},
-        trainer={"eval_every": spec.trainer.steps},
+        trainer={"heldout_every": spec.trainer.steps},
     )
 
 

@@ -12,19 +12,19 @@ in an environment without ``CENTERLINE_*`` settings variables, which the spec re
 so what ran is what the file and the report show. As it starts ``up`` fills in the trainer's
 ``model``, ``dataset``, ``run_dir`` and ``heldout_dataset``, the workers' ``chat_template``, the
 proxy's ``upstream`` and ``port`` (``run_spec.with_launch_settings``); ``--steps``,
-``--prompts-per-step``, ``--train-seconds``, ``--eval-every`` and ``--weight-update`` are the
+``--prompts-per-step``, ``--train-seconds``, ``--heldout-every`` and ``--weight-update`` are the
 trainer's settings, which ``up`` takes as flags too.
 Held-out accuracy (exact match of one sample per prompt at the rollout temperature,
-``--eval-prompts`` prompts) is the
+``--heldout-prompts`` prompts) is the
 trainer's own (docs/design.md section 9): ``up`` writes the held-out rows to ``RUN_DIR/heldout.jsonl``,
 the trainer's ``heldout_dataset``, and the trainer has the workers sample them before training,
-every ``--eval-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
+every ``--heldout-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
 it appears. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
 Your own task (``centerline/up/prepare.py``, ``centerline/up/user_task.py``): ``--model DIR`` replaces the toy model,
 ``--dataset FILE`` the toy task (its rows without ``"split": "eval"`` become the trainer's
 ``RUN_DIR/train.jsonl``), ``--reward`` names the reward, and the held-out figure is then the mean
-reward of one sample per held-out row (``--eval-dataset``, else the rows marked eval, else none:
+reward of one sample per held-out row (``--heldout-dataset``, else the rows marked eval, else none:
 ``RUN_DIR/heldout.json`` and the report say which). ``--chat-template`` (auto: on for a
 ``--model`` whose tokenizer has one) has the workers render each prompt, held-out ones too, as one
 user message; the model's eos ends a response. Same topology, credentials and keys as the toy run.
@@ -45,7 +45,7 @@ Progress: a live status line on a terminal, one JSON line per step otherwise. Ct
 SIGTERM stops every process, trainer first (it commits or abandons its step), NATS last.
 
     centerline up                       # defaults: 2 workers, 2 trainer ranks, task upper, 300 steps
-    centerline up --steps 5 --workers 1 --eval-prompts 16
+    centerline up --steps 5 --workers 1 --heldout-prompts 16
     centerline up --model models/smollm2 --dataset data.jsonl --reward rewards:score --steps 3
 
 Defaults are chosen so that the default run learns on 2 CPU cores in under 10 minutes:

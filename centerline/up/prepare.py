@@ -2,9 +2,9 @@
 the trainer's dataset and its held-out rows (``prepare``).
 
 The toy task: the model made once by ``init-model --sft`` and cached in ``--model-dir``, a dataset
-of ``--dataset-size`` prompts (``centerline dataset``) and ``--eval-prompts`` held-out prompts scored
+of ``--dataset-size`` prompts (``centerline dataset``) and ``--heldout-prompts`` held-out prompts scored
 by exact match. Your own task (``centerline/up/user_task.py``): ``--model DIR``, the training rows of
-``--dataset FILE`` and its held-out rows (``--eval-dataset``, else the rows marked eval, else none).
+``--dataset FILE`` and its held-out rows (``--heldout-dataset``, else the rows marked eval, else none).
 A bad row, reward, environment or model fails here, as ``UserTaskError``.
 """
 
@@ -50,7 +50,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     """The model (``--model``, else the toy model made and cached by init-model --sft), the trainer's
     dataset in ``run_dir/train.jsonl`` (``--dataset``'s training rows, else the toy task's) and its
     held-out rows in ``run_dir/heldout.jsonl`` (a user task's, with ``run_dir/heldout.json`` saying
-    where they came from, for the report; the toy task's ``--eval-prompts``, scored by exact match
+    where they came from, for the report; the toy task's ``--heldout-prompts``, scored by exact match
     whatever ``--reward`` trains: its held-out accuracy); a bad row, reward or model fails here,
     before any service starts."""
     library = up.dataset is not None and task_library.is_library(up.dataset)
@@ -69,9 +69,9 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     user = None
     if up.dataset is not None:
         if library:
-            user = load_library_task(up.dataset, up.dataset_size, up.eval_prompts, cfg.seed, up.eval_dataset)
+            user = load_library_task(up.dataset, up.dataset_size, up.heldout_prompts, cfg.seed, up.heldout_dataset)
         else:
-            user = load_task(up.dataset, up.eval_dataset, Keys.of(up))
+            user = load_task(up.dataset, up.heldout_dataset, Keys.of(up))
         log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
         for number, row in enumerate([*user.train, *user.heldout], 1):
             if row.environment:
@@ -139,7 +139,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    rows = [Row(prompt, answer) for prompt, answer in examples(up.task, up.eval_prompts, cfg.seed, "heldout")]
+    rows = [Row(prompt, answer) for prompt, answer in examples(up.task, up.heldout_prompts, cfg.seed, "heldout")]
     # a session's reward is its environment's; a single-turn toy task's held-out figure is exact match
     write_trainer_dataset(rows, reward if environment else "exact", heldout, environment)
     return Prepared(model, dataset, chat, heldout, environment=environment)

@@ -4,14 +4,16 @@ the settings object that ``up``, ``centerline experiment`` and ``centerline benc
 ``parse`` reads `centerline up`'s flags: ``UpSettings`` (what is ``up``'s own: how many engines,
 workers, NATS nodes and trainer ranks, the task, the model cache...), the shared settings and the
 trainer's ``UP_TRAINER_FLAGS`` (``--steps``, ``--prompts-per-step``, ``--train-seconds``,
-``--eval-every``, ``--weight-update``, ``--weight-transport``), which are the trainer's settings (table ``[trainer]``,
-variables ``CENTERLINE_TRAINER_*``). ``compose`` resolves the shared configuration and the table of
-every command the run starts (``up``, ``trainer``, ``worker``, ``proxy``) from one source, flags >
-``CENTERLINE_*`` environment > TOML file > a job's defaults (``UP_DEFAULTS``: ``up`` trains 300
-steps of 16 prompts where the trainer alone defaults to 100 of 8) > the settings' own defaults.
-The launcher then fills in its launch settings (ports, NATS, the model and dataset it prepared:
-``with_launch_settings``) and writes the spec to ``RUN_DIR/config.toml`` with every table; each
-service starts with ``--config RUN_DIR/config.toml`` and its identity only.
+``--heldout-every``, ``--weight-update``, ``--weight-transport``), which are the trainer's
+settings (table ``[trainer]``, variables ``CENTERLINE_TRAINER_*``). ``compose`` resolves the
+shared configuration and the table of every command the run starts (``up``, ``trainer``,
+``worker``, ``proxy``) from one source, flags > ``CENTERLINE_*`` environment > TOML file > a
+job's defaults (``UP_DEFAULTS``: ``up`` trains 300 steps of 16 prompts where the trainer alone
+defaults to 100 of 8) > the settings' own defaults; each model is built once from them and its
+validators see the merged values. The launcher then fills in its launch settings (ports, NATS,
+the model and dataset it prepared: ``with_launch_settings``) and writes the spec to
+``RUN_DIR/config.toml`` with every table; each service starts with ``--config
+RUN_DIR/config.toml`` and its identity only.
 
 ``derive`` makes a variant, every changed value checked as a flag would be: how
 ``centerline experiment`` and ``centerline bench pipeline`` run a grid of settings, each run a
@@ -43,7 +45,6 @@ from shared.config import (
     resolve,
     resolve_section,
     to_toml,
-    validate,
 )
 from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, UpSettings, WorkerSettings
 
@@ -57,7 +58,7 @@ def setting_variables() -> frozenset[str]:
     """Every ``CENTERLINE_*`` variable that sets a setting, shared or a command's (not the
     credentials' and keys' variables, which are no settings)."""
     names = {env_name(name) for name in Config.model_fields}
-    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in cls.model_fields}
+    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in (*cls.model_fields, *cls.renamed)}
     return frozenset(names)
 
 
@@ -84,7 +85,7 @@ class RunSpec:
         unknown = set(updates) - {"cfg", *(s.name for s in self.sections)}
         if unknown:
             raise TypeError(f"RunSpec.derive: no section {sorted(unknown)}")
-        cfg = validate(_rebuilt(self.cfg, updates.get("cfg", {})))
+        cfg = _rebuilt(self.cfg, updates.get("cfg", {}))
         sections = {s.name: check_section(_rebuilt(s, updates.get(s.name, {}), type(s)), cfg) for s in self.sections}
         return RunSpec(cfg=cfg, tables=self.tables, **sections)
 
@@ -106,7 +107,7 @@ def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Sectio
 
 
 # The trainer settings `centerline up` takes as flags too (the rest: its [trainer] table).
-UP_TRAINER_FLAGS = ("steps", "prompts_per_step", "train_seconds", "eval_every", "weight_update", "weight_transport")
+UP_TRAINER_FLAGS = ("steps", "prompts_per_step", "train_seconds", "heldout_every", "weight_update", "weight_transport")
 # Settings whose default differs for this job, by table ("cfg": the shared ones), chosen so that the
 # default run learns on 2 CPU cores (centerline/up/launcher.py says why each).
 UP_DEFAULTS = {
@@ -185,29 +186,18 @@ def compose(
     moved += [(env_name(n, UpSettings), n) for n in MOVED_TO_TRAINER if env_name(n, UpSettings) in env]
     if moved:
         where, name = moved[0]
+        new = TrainerSettings.renamed.get(name, name)
         raise ConfigError(
-            f"{where}: {name} is the trainer's setting; set {key_name(name, TrainerSettings)} in the TOML file, "
-            f"{env_name(name, TrainerSettings)} or {flag(name)} (docs/config.md)"
+            f"{where}: {name} is the trainer's setting; set {key_name(new, TrainerSettings)} in the TOML file, "
+            f"{env_name(new, TrainerSettings)} or {flag(new)} (docs/config.md)"
         )
     read = load_toml(args.config) if "config" in vars(args) else {}
     defaults = defaults or {}
-    given = vars(args)
-
-    def unset(section: type[Section] | None, flags: tuple[str, ...] | None) -> dict[str, object]:
-        table = read.get(section.name, {}) if section else read
-        return {
-            k: v
-            for k, v in defaults.get(section.name if section else "cfg", {}).items()
-            if not (k in given and (flags is None or k in flags)) and env_name(k, section) not in env and k not in table
-        }
-
-    cfg = resolve(args, env)
-    cfg = validate(_rebuilt(cfg, unset(None, None)))
+    cfg = resolve(args, env, defaults=defaults.get("cfg"))
     spec = {}
     for section in (UpSettings, TrainerSettings, WorkerSettings, ProxySettings):
         flags = None if section is UpSettings else UP_TRAINER_FLAGS if section is TrainerSettings else ()
-        settings = resolve_section(section, args, env, cfg, only=flags)
-        spec[section.name] = check_section(_rebuilt(settings, unset(section, flags), section), cfg)
+        spec[section.name] = resolve_section(section, args, env, cfg, only=flags, defaults=defaults.get(section.name))
     tables = {name: values for name, values in read.items() if name in SECTIONS and name not in spec}
     return RunSpec(cfg=cfg, tables=tables, **spec)
 

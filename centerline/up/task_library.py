@@ -1,7 +1,7 @@
 """Task libraries built in: ``--dataset reasoning-gym:NAME`` (``pip install 'centerline[reasoning-gym]'``).
 
 reasoning-gym's procedural generators make the rows, no download: ``--dataset-size`` training rows
-and ``--eval-prompts`` held-out rows of task ``NAME`` (one of the library's ~100, e.g.
+and ``--heldout-prompts`` held-out rows of task ``NAME`` (one of the library's ~100, e.g.
 ``leg_counting``, ``basic_arithmetic``), all from one generator seeded by ``--seed``, the first
 ones trained on, the rest held out (a task whose space is small may repeat an item across them).
 Each row's prompt is the generator's question, its answer the generator's, and its ``meta`` the

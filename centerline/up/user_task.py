@@ -18,7 +18,7 @@ there; ``split`` is optional, ``"train"`` (the default) or ``"eval"``: a row mar
 held out, never trained on; ``environment`` is optional, ``"module:function"``: the row is a
 multi-turn session of that environment (``--environment`` is the default of rows that name
 none). ``reward`` is not a row's: ``--reward`` scores every row. The held-out rows are
-``--eval-dataset``'s (every row of that file) when it is given, else the rows the dataset marks
+``--heldout-dataset``'s (every row of that file) when it is given, else the rows the dataset marks
 ``eval``, else a ``DatasetDict``'s ``test`` or ``validation`` split, else none; the held-out
 figure is the mean reward of one sample per held-out row (a row with an environment: of one
 session of it, the reward it returns).
@@ -196,26 +196,26 @@ class UserTask:
     heldout_source: str  # in words, for the log and the report
 
 
-def load_task(dataset: Path, eval_dataset: Path | None, keys: Keys = Keys()) -> UserTask:
+def load_task(dataset: Path, heldout_file: Path | None, keys: Keys = Keys()) -> UserTask:
     rows, split = _load(dataset, keys)
     train = [r for r in rows if r.split == "train"]
     if not train:
         raise UserTaskError(f"dataset {dataset}: every row is marked split 'eval'; leave some rows to train on")
     marked = [r for r in rows if r.split == "eval"]
-    if eval_dataset is not None:
-        heldout, source = load_rows(eval_dataset, keys), f"every row of --eval-dataset {eval_dataset}"
+    if heldout_file is not None:
+        heldout, source = load_rows(heldout_file, keys), f"every row of --heldout-dataset {heldout_file}"
     elif marked:
         heldout, source = marked, f'the rows of {dataset} marked "split": "eval"'
     elif split:
         heldout, source = split, f"the held-out split of {dataset} ({' or '.join(HELDOUT_SPLITS)}, the first there)"
     else:
-        heldout, source = [], f'none: {dataset} marks no row "split": "eval" and --eval-dataset is unset'
+        heldout, source = [], f'none: {dataset} marks no row "split": "eval" and --heldout-dataset is unset'
     return UserTask(train, heldout, source)
 
 
-def load_library_task(dataset, train: int, heldout: int, seed: int, eval_dataset: Path | None = None) -> UserTask:
+def load_library_task(dataset, train: int, heldout: int, seed: int, heldout_file: Path | None = None) -> UserTask:
     """The rows of a built-in task library's task (``centerline/up/task_library.py``): ``train``
-    generated rows, and ``heldout`` more held out unless ``eval_dataset`` gives the held-out rows."""
+    generated rows, and ``heldout`` more held out unless ``heldout_file`` gives the held-out rows."""
     from centerline.up.task_library import TaskLibraryError, generate
 
     try:
@@ -223,10 +223,10 @@ def load_library_task(dataset, train: int, heldout: int, seed: int, eval_dataset
     except TaskLibraryError as exc:
         raise UserTaskError(str(exc)) from None
     train_rows = [_row(doc, f"{dataset} item {i}") for i, doc in enumerate(rows)]
-    if eval_dataset is not None:
-        return UserTask(train_rows, load_rows(eval_dataset), f"every row of --eval-dataset {eval_dataset}")
+    if heldout_file is not None:
+        return UserTask(train_rows, load_rows(heldout_file), f"every row of --heldout-dataset {heldout_file}")
     held_rows = [_row(doc, f"{dataset} item {train + i}") for i, doc in enumerate(held)]
-    source = f"{heldout} more items of {dataset} (--eval-prompts), from the generator seeded by --seed {seed}"
+    source = f"{heldout} more items of {dataset} (--heldout-prompts), from the generator seeded by --seed {seed}"
     return UserTask(train_rows, held_rows, source)
 
 

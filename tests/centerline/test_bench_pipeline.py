@@ -119,7 +119,13 @@ def test_each_mode_is_a_variant_of_ups_spec_and_reports_the_workers_resolved_con
         tmp_path / "on-policy",
     )
     # the bench's defaults where no flag says otherwise: the same training time for each mode
-    assert (trainer.steps, trainer.eval_every, trainer.prompts_per_step, trainer.train_seconds, up.eval_prompts) == (
+    assert (
+        trainer.steps,
+        trainer.heldout_every,
+        trainer.prompts_per_step,
+        trainer.train_seconds,
+        up.heldout_prompts,
+    ) == (
         50,
         50,
         4,
@@ -190,7 +196,9 @@ def test_sglang_alone_gets_the_workers_request_as_the_proxy_rewrites_it(tmp_path
     save_tokenizer(tmp_path)
     dataset = tmp_path / "train.jsonl"
     dataset.write_bytes(b'{"prompt": "up ab=", "answer": "AB"}\n{"prompt": "up cd=", "answer": "CD"}\n')
-    cfg = Config(rollout_n=4, rollout_top_k=8, rollout_top_p=0.9, rollout_temperature=0.7)
+    cfg = Config(
+        rollout_n=4, rollout_top_k=8, rollout_top_p=0.9, rollout_temperature=0.7, rollout_logprobs_mode="support"
+    )
     bodies = request_bodies(cfg, str(tmp_path), dataset)
     worker = Worker(cfg, WorkerSettings(worker_id="w", vocab_size=260), Tokenizer(None, None))
     task = PromptTask(task_id="t/0/0", group_id="g", prompt="up ab=", answer="AB", reward="exact", n=4, step=0)
@@ -226,7 +234,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
         "1",
         "--prompts-per-step",
         str(PROMPTS),
-        "--eval-prompts",
+        "--heldout-prompts",
         "2",
         "--model-dir",
         str(tmp_path / "models"),

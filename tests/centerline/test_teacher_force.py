@@ -82,7 +82,16 @@ def test_every_token_of_a_run_of_sessions_in_flight_is_sampled_by_the_version_it
     argv = [
         *("--task", "chain", "--steps", str(STEPS), "--workers", "1", "--trainer-ranks", "1", "--engines", "1"),
         *("--prompts-per-step", "4", "--rollout-n", "4", "--learning-rate", "3e-4"),
-        *("--eval-prompts", "4", "--eval-every", "100", "--model-dir", str(toy_models), "--run-dir", str(run_dir)),
+        *(
+            "--heldout-prompts",
+            "4",
+            "--heldout-every",
+            "100",
+            "--model-dir",
+            str(toy_models),
+            "--run-dir",
+            str(run_dir),
+        ),
         *("--weight-transport", transport),
     ]
     up = subprocess.run([sys.executable, "-m", "centerline", "up", *argv], capture_output=True, text=True, cwd=ROOT)

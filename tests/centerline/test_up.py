@@ -23,7 +23,7 @@ def test_up_runs_steps_and_writes_the_report(up_run):
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["gate_accepted"] == 3 and s["gate_rejected"] == {} and s["samples"] == 6 for s in steps)
-    # The trainer's held-out evaluation (docs/design.md section 9): before training, every --eval-every 2
+    # The trainer's held-out evaluation (docs/design.md section 9): before training, every --heldout-every 2
     # steps and after the last, one sample of each of the 8 held-out rows, sampled by the workers
     evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 3]
@@ -130,9 +130,9 @@ def test_ctrl_c_stops_every_process(up_run, tmp_path):
         "2",
         "--rollout-n",
         "2",
-        "--eval-prompts",
+        "--heldout-prompts",
         "4",
-        "--eval-every",
+        "--heldout-every",
         "100",
         "--model-dir",
         str(up_run.model_dir.parent),

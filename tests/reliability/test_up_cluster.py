@@ -64,7 +64,7 @@ def test_a_run_on_a_three_node_cluster_survives_the_loss_of_the_stream_leader_an
     run_dir, nats_dir = tmp_path / "run", tmp_path / "run" / "nats"
     argv = [sys.executable, "-m", "centerline", "up", "--nats-nodes", "3", "--task", "copy", "--steps", str(STEPS)]
     argv += ["--workers", "2", "--trainer-ranks", "1", "--prompts-per-step", str(PROMPTS), "--rollout-n", "2"]
-    argv += ["--eval-prompts", "8", "--eval-every", "100000", "--model-dir", str(toy_models)]
+    argv += ["--heldout-prompts", "8", "--heldout-every", "100000", "--model-dir", str(toy_models)]
     argv += ["--run-dir", str(run_dir)]
     out = open(tmp_path / "up.log", "w")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)

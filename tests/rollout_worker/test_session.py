@@ -477,11 +477,14 @@ def test_an_environment_that_fails_or_gives_no_reward_or_no_turn_rejects_the_tas
 
 
 def test_a_session_budget_that_leaves_no_room_for_a_turn_is_refused_naming_both_settings():
-    from shared.config import ConfigError, validate
+    from shared.config import ConfigError, resolve
+
+    def built(**values):
+        return resolve(env={}, defaults=values)
 
     with pytest.raises(ConfigError, match=r"^--rollout-session-max-tokens 16: .* above --rollout-max-new-tokens$"):
-        validate(Config(rollout_session_max_tokens=16, rollout_max_new_tokens=16))
-    assert validate(Config()).rollout_session_max_tokens == 1024
+        built(rollout_session_max_tokens=16, rollout_max_new_tokens=16)
+    assert built().rollout_session_max_tokens == 1024
 
 
 def test_an_engine_failure_after_a_complete_turn_still_fails_the_task_whole(template, monkeypatch):

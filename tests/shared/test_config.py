@@ -14,13 +14,14 @@ from shared.config import (
     Config,
     ConfigError,
     add_arguments,
+    check_section,
     env_name,
     load_toml,
     resolve,
     resolve_section,
     to_toml,
 )
-from shared.settings import SECTIONS, ProxySettings, TrainerSettings, WorkerSettings
+from shared.settings import SECTIONS, ProxySettings, ReplaySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,9 +182,10 @@ def test_a_variable_of_another_table_or_the_shared_prefix_is_not_a_command_setti
     "variable, value, message",
     [
         (
-            "CENTERLINE_TRAINER_EVAL_EVERY",
+            "CENTERLINE_TRAINER_HELDOUT_EVERY",
             "0",
-            "--eval-every '0': must be >= 1 (also settable as CENTERLINE_TRAINER_EVAL_EVERY or trainer.eval_every "
+            "--heldout-every '0': must be >= 1 (also settable as CENTERLINE_TRAINER_HELDOUT_EVERY or "
+            "trainer.heldout_every "
             "in the TOML file)",
         ),
         (
@@ -376,6 +378,16 @@ def test_a_check_across_shared_and_command_settings_names_both():
         parse_section(ProxySettings, ["--upstream", "http://u:1", "--max-top-logprobs-num", "64"])
 
 
+def test_a_store_cap_below_the_steps_in_flight_is_refused_naming_the_flag_the_value_and_the_fix():
+    with pytest.raises(ConfigError) as info:
+        parse_section(TrainerSettings, [*TRAINER, "--rollouts-max-bytes", "1000"])
+    assert str(info.value).startswith(
+        "--rollouts-max-bytes 1000: must hold the steps in flight, --max-inflight-steps + 1 = 3 steps of 8 x 4 "
+        "samples of up to "
+    )
+    assert str(info.value).endswith("; raise it, or lower --rollout-session-max-tokens or K")
+
+
 def test_unknown_key_of_a_command_table_is_refused(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("[trainer]\nmax_grad_nrom = 1.0\n")
@@ -449,14 +461,73 @@ def test_no_two_settings_share_a_variable_or_a_flag_of_one_command():
 
 def test_a_proxy_cap_every_answer_of_the_settings_would_pass_is_refused_at_start_naming_it():
     cfg = parse(["--rollout-n", "16", "--rollout-max-new-tokens", "8192", "--rollout-session-max-tokens", "16384"])
-    failed = [c for c in ProxySettings(upstream="http://u").checks(cfg) if c[0]]
-    assert failed == [
-        (
-            True,
-            "max_upstream_response_bytes",
-            256 << 20,
-            "an answer of --rollout-n 16 x --rollout-max-new-tokens 8192 tokens at K=128 is about 507248640 bytes "
-            "and would be cut off every time; raise it, or lower them",
-        )
+    with pytest.raises(ConfigError) as info:
+        check_section(ProxySettings(upstream="http://u"), cfg)
+    assert str(info.value) == (
+        "--max-upstream-response-bytes 268435456: an answer of --rollout-n 16 x --rollout-max-new-tokens 8192 "
+        "tokens at K=128 is about 507248640 bytes and would be cut off every time; raise it, or lower them"
+    )
+    wide = ProxySettings(upstream="http://u", max_upstream_response_bytes=1 << 30)
+    assert check_section(wide, cfg) is wide
+
+
+def test_a_job_default_sits_under_every_source_and_the_rules_see_the_merged_settings(tmp_path):
+    job = {"rollout_max_new_tokens": 8, "seed": 4}
+    toml = tmp_path / "run.toml"
+    toml.write_text("seed = 5\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    # 12 is refused over the field default 16, and accepted over the job's 8
+    cfg = resolve(parser.parse_args(["--rollout-session-max-tokens", "12"]), {}, defaults=job)
+    assert (cfg.rollout_session_max_tokens, cfg.rollout_max_new_tokens, cfg.seed) == (12, 8, 4)
+    assert resolve(parser.parse_args(["--config", str(toml)]), {}, defaults=job).seed == 5
+    with pytest.raises(ConfigError, match=r"^--rollout-session-max-tokens 12: a session's budget"):
+        resolve(parser.parse_args(["--rollout-session-max-tokens", "12"]), {})
+
+
+def test_a_rule_across_a_command_s_own_settings_names_the_flag_the_value_and_the_fix():
+    with pytest.raises(ConfigError) as info:
+        parse_section(ReplaySettings, ["--steps-from", "m.jsonl", "--batches-per-step", "2"])
+    assert str(info.value) == (
+        "--batches-per-step 2: --steps-from groups the batches as the original run did; drop --batches-per-step"
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_section(WorkerSettings, [], {"CENTERLINE_WORKER_MAX_DELIVER": "-2"})
+    assert str(info.value) == "--max-deliver -2: must be at least 1, or -1 for no limit"
+
+
+# ------------------------------------------------------------------ renamed settings (Section.renamed)
+
+
+def test_an_old_flag_sets_the_renamed_setting_with_a_note(capsys):
+    settings = parse_section(TrainerSettings, [*TRAINER, "--eval-every", "3", "--eval-timeout", "60"])
+    assert (settings.heldout_every, settings.heldout_timeout) == (3, 60.0)
+    assert capsys.readouterr().err.splitlines() == [
+        f"{Path(sys.argv[0]).name}: warning: --eval-every is deprecated; use --heldout-every",
+        f"{Path(sys.argv[0]).name}: warning: --eval-timeout is deprecated; use --heldout-timeout",
     ]
-    assert not any(c[0] for c in ProxySettings(upstream="http://u", max_upstream_response_bytes=1 << 30).checks(cfg))
+
+
+def test_an_old_variable_sets_the_renamed_setting_with_a_warning_and_the_new_one_wins():
+    with pytest.warns(
+        FutureWarning, match=r"^CENTERLINE_TRAINER_EVAL_EVERY is deprecated; use CENTERLINE_TRAINER_HELDOUT_EVERY"
+    ):
+        assert parse_section(TrainerSettings, TRAINER, {"CENTERLINE_TRAINER_EVAL_EVERY": "4"}).heldout_every == 4
+    both = {"CENTERLINE_TRAINER_EVAL_EVERY": "4", "CENTERLINE_TRAINER_HELDOUT_EVERY": "6"}
+    with pytest.warns(FutureWarning):
+        assert parse_section(TrainerSettings, TRAINER, both).heldout_every == 6
+
+
+def test_an_old_key_of_a_table_sets_the_renamed_setting_with_a_warning(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[trainer]\neval_every = 7\n")
+    with pytest.warns(FutureWarning, match=rf"^trainer.eval_every in {toml} is deprecated; use trainer.heldout_every"):
+        assert parse_section(TrainerSettings, [*TRAINER, "--config", str(toml)]).heldout_every == 7
+
+
+def test_an_old_and_a_new_key_of_one_setting_are_refused(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[up]\neval_prompts = 7\nheldout_prompts = 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_toml(str(toml))
+    assert str(info.value) == f"--config {toml}: up.eval_prompts is the old name of up.heldout_prompts; keep one"

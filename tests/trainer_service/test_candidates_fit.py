@@ -19,5 +19,5 @@ def test_k_above_the_vocabulary_does_not_fit_and_the_log_says_why(caplog):
 
 def test_k_at_most_the_vocabulary_or_in_support_mode_fits(caplog):
     assert candidates_fit(Config(rollout_top_logprobs_num=260), 260)
-    assert candidates_fit(Config(rollout_top_logprobs_num=300, rollout_logprobs_mode="support"), 260)
+    assert candidates_fit(Config(rollout_top_logprobs_num=300, rollout_logprobs_mode="support", rollout_top_k=300), 260)
     assert not caplog.records

@@ -1,7 +1,7 @@
 """Held-out evaluation in `centerline trainer`, end to end (docs/design.md section 9): embedded NATS,
 the session's real SGLang server, the trainer, and the stand-in worker, which samples held-out
 tasks as it samples training tasks. The rounds are written to eval.jsonl at step 0, every
---eval-every steps and after the last; a held-out batch is never trained."""
+--heldout-every steps and after the last; a held-out batch is never trained."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_heldout_rounds_are_recorded_at_step_0_every_eval_every_and_the_last_nev
                 str(STEPS),
                 "--heldout-dataset",
                 str(heldout),
-                "--eval-every",
+                "--heldout-every",
                 str(EVERY),
                 *FLAGS,
                 nproc=1,
@@ -91,7 +91,7 @@ def test_a_trainer_killed_holding_a_heldout_batch_records_its_round_once_after_r
     run_dir, release = tmp_path / "run", threading.Event()
     heldout = write_dataset(tmp_path / "heldout.jsonl", size=2)
     blocked = lambda task: task.task_id.endswith("/heldout/0/1") and not release.is_set()  # noqa: E731
-    flags = ("--steps", str(STEPS), "--heldout-dataset", str(heldout), "--eval-every", str(EVERY), *FLAGS)
+    flags = ("--steps", str(STEPS), "--heldout-dataset", str(heldout), "--heldout-every", str(EVERY), *FLAGS)
     dataset = write_dataset(tmp_path / "tasks.jsonl")
     with EmbeddedNats(tmp_path / "nats") as nats:
         with StandInWorker(nats.url, sglang.url, VOCAB_SIZE, blocked=blocked) as worker:

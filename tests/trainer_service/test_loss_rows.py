@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.config import LOSS_NAMES, Config
 from tests.trainer_service.cases import LOSSES as BY_NAME
 from tests.trainer_service.cases import fresh, make_case
 from trainer_service.loss import LOSSES, LossSettings, TokenRows
@@ -44,3 +45,22 @@ def test_the_mode_comes_from_the_rows():
     case = fresh(make_case(6))
     with pytest.raises(ValueError, match="mode='top_k'; expected one of"):
         LOSSES["score_centering"](case["logits"], rows_of(case, mode="top_k"), LossSettings())
+
+
+def test_the_loss_table_has_every_configurable_loss_and_no_other():
+    assert tuple(LOSSES) == LOSS_NAMES
+    with pytest.raises(ValueError, match=r"^loss='ppo'; expected one of \('score_centering', 'reinforce', 'tis'\)"):
+        LossSettings(loss="ppo")
+
+
+def test_the_loss_settings_of_a_config_are_its_loss_options_by_name():
+    cfg = Config(
+        loss="tis",
+        score_centering_is="mis",
+        score_centering_tis_clip=3.0,
+        score_centering_mis_low=0.25,
+        score_centering_mis_high=4.0,
+    )
+    assert LossSettings.from_config(cfg) == LossSettings(
+        loss="tis", is_mode="mis", tis_clip=3.0, mis_low=0.25, mis_high=4.0
+    )

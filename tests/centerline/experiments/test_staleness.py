@@ -64,14 +64,19 @@ def test_each_run_is_a_variant_of_the_spec_with_its_loss_importance_weight_seed_
     cfg, up, trainer = spec.cfg, spec.up, spec.trainer
     assert (cfg.loss, cfg.score_centering_is, cfg.seed) == ("score_centering", "mis", 2)
     assert (cfg.max_inflight_steps, cfg.max_staleness, cfg.learning_rate) == (4, 4, 1e-3)
-    assert (trainer.steps, trainer.eval_every, up.run_dir, up.task) == (10, 10, tmp_path / "runs" / run["name"], "copy")
+    assert (trainer.steps, trainer.heldout_every, up.run_dir, up.task) == (
+        10,
+        10,
+        tmp_path / "runs" / run["name"],
+        "copy",
+    )
     # nothing else of the spec changes
     assert spec.cfg.model_dump(
         exclude={"loss", "score_centering_is", "seed", "max_inflight_steps", "max_staleness"}
     ) == (base.cfg.model_dump(exclude={"loss", "score_centering_is", "seed", "max_inflight_steps", "max_staleness"}))
     assert spec.up == base.up.model_copy(update={"run_dir": tmp_path / "runs" / run["name"]})
     assert (spec.trainer, spec.worker, spec.proxy) == (
-        base.trainer.model_copy(update={"eval_every": 10}),
+        base.trainer.model_copy(update={"heldout_every": 10}),
         base.worker,
         base.proxy,
     )
@@ -148,7 +153,7 @@ def test_experiment_runs_each_seed_and_writes_the_comparison_with_intervals(tmp_
         "2",
         "--rollout-n",
         "2",
-        "--eval-prompts",
+        "--heldout-prompts",
         "8",
         "--model-dir",
         str(toy_models),

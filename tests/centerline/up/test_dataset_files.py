@@ -184,7 +184,7 @@ def test_up_trains_a_parquet_of_chat_rows_with_an_async_reward_of_ones_own(tmp_p
     )
     run_dir = tmp_path / "run"
     flags = ["--dataset", data, "--reward", "myreward:judge", "--steps", "2", "--workers", "1", "--trainer-ranks", "1"]
-    flags += ["--prompts-per-step", "2", "--rollout-n", "2", "--eval-every", "2", "--model-dir", str(toy_models)]
+    flags += ["--prompts-per-step", "2", "--rollout-n", "2", "--heldout-every", "2", "--model-dir", str(toy_models)]
     up = subprocess.run(
         [sys.executable, "-m", "centerline", "up", *flags, "--run-dir", str(run_dir)],
         cwd=tmp_path,

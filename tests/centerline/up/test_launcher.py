@@ -114,8 +114,8 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
         0.5,
         2,
     )
-    # the held-out rows up prepared, evaluated by the trainer every --eval-every steps (docs/design.md section 9)
-    assert (trainer["heldout_dataset"], trainer["eval_every"]) == (str(run_dir / "heldout.jsonl"), 25)
+    # the held-out rows up prepared, evaluated by the trainer every --heldout-every steps (docs/design.md section 9)
+    assert (trainer["heldout_dataset"], trainer["heldout_every"]) == (str(run_dir / "heldout.jsonl"), 25)
     assert (data["worker"]["concurrency"], data["worker"]["chat_template"]) == (3, True)
     assert (data["proxy"]["upstream"], data["proxy"]["port"], data["proxy"]["upstream_timeout"]) == (
         "http://127.0.0.1:5001",
@@ -199,18 +199,18 @@ def test_up_takes_the_trainers_weight_update_as_a_flag_above_its_table_and_write
 def test_up_trains_300_steps_of_16_prompts_where_the_trainer_alone_defaults_to_100_of_8_and_any_source_wins(
     tmp_path, monkeypatch
 ):
-    for name in ("STEPS", "PROMPTS_PER_STEP", "EVAL_EVERY", "TRAIN_SECONDS"):
+    for name in ("STEPS", "PROMPTS_PER_STEP", "HELDOUT_EVERY", "EVAL_EVERY", "TRAIN_SECONDS"):
         monkeypatch.delenv(f"CENTERLINE_TRAINER_{name}", raising=False)
     trainer = lambda *argv: parse(list(argv)).trainer  # noqa: E731
     assert (TrainerSettings().steps, TrainerSettings().prompts_per_step) == (100, 8)
-    assert (trainer().steps, trainer().prompts_per_step, trainer().eval_every, trainer().train_seconds) == (
+    assert (trainer().steps, trainer().prompts_per_step, trainer().heldout_every, trainer().train_seconds) == (
         300,
         16,
         25,
         None,
     )
-    flags = trainer("--steps", "5", "--prompts-per-step", "3", "--eval-every", "2", "--train-seconds", "30")
-    assert (flags.steps, flags.prompts_per_step, flags.eval_every, flags.train_seconds) == (5, 3, 2, 30.0)
+    flags = trainer("--steps", "5", "--prompts-per-step", "3", "--heldout-every", "2", "--train-seconds", "30")
+    assert (flags.steps, flags.prompts_per_step, flags.heldout_every, flags.train_seconds) == (5, 3, 2, 30.0)
     config = tmp_path / "run.toml"
     config.write_text("[trainer]\nsteps = 40\n")
     assert (trainer("--config", str(config)).steps, trainer("--config", str(config), "--steps", "6").steps) == (40, 6)
@@ -233,3 +233,16 @@ def test_the_trainers_settings_in_ups_table_or_variables_are_refused_naming_wher
     with pytest.raises(SystemExit):
         parse([])
     assert "CENTERLINE_UP_EVAL_EVERY: eval_every is the trainer's setting" in capsys.readouterr().err
+
+
+def test_ups_old_held_out_flags_set_the_heldout_settings_with_a_note(tmp_path, capsys, monkeypatch):
+    for name in ("HELDOUT_EVERY", "EVAL_EVERY"):
+        monkeypatch.delenv(f"CENTERLINE_TRAINER_{name}", raising=False)
+    data = tmp_path / "d.jsonl"
+    spec = parse(["--dataset", str(data), "--eval-dataset", "h.jsonl", "--eval-prompts", "5", "--eval-every", "4"])
+    assert (spec.up.heldout_dataset, spec.up.heldout_prompts, spec.trainer.heldout_every) == (Path("h.jsonl"), 5, 4)
+    assert [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines()] == [
+        "warning: --eval-dataset is deprecated; use --heldout-dataset",
+        "warning: --eval-prompts is deprecated; use --heldout-prompts",
+        "warning: --eval-every is deprecated; use --heldout-every",
+    ]

@@ -24,7 +24,7 @@ def test_rows_are_the_generators_items_and_the_reward_is_its_own_scorer():
         (items[i]["question"], str(items[i]["answer"])) for i in range(5)
     ]
     assert task.heldout_source == (
-        "2 more items of reasoning-gym:products (--eval-prompts), from the generator seeded by --seed 5"
+        "2 more items of reasoning-gym:products (--heldout-prompts), from the generator seeded by --seed 5"
     )
     row = task.train[0]
     prompt = PromptTask("t/0/0", "g", row.prompt, row.answer, REWARD, 1, 0, meta=row.meta)
@@ -54,9 +54,9 @@ def test_an_unknown_task_is_named_with_close_names():
 @pytest.mark.slow
 def test_up_trains_a_reasoning_gym_task_scored_by_its_own_scorer(tmp_path, toy_models):
     run_dir = tmp_path / "run"
-    flags = ["--dataset", "reasoning-gym:simple_equations", "--dataset-size", "8", "--eval-prompts", "3"]
+    flags = ["--dataset", "reasoning-gym:simple_equations", "--dataset-size", "8", "--heldout-prompts", "3"]
     flags += ["--steps", "2", "--workers", "1", "--trainer-ranks", "1", "--prompts-per-step", "2"]
-    flags += ["--rollout-n", "2", "--eval-every", "2", "--model-dir", str(toy_models), "--run-dir", str(run_dir)]
+    flags += ["--rollout-n", "2", "--heldout-every", "2", "--model-dir", str(toy_models), "--run-dir", str(run_dir)]
     up = subprocess.run(
         [sys.executable, "-m", "centerline", "up", *flags],
         cwd=tmp_path,

@@ -115,7 +115,7 @@ def test_an_empty_or_missing_dataset_is_refused(tmp_path):
         load_rows(tmp_path / "nothing.jsonl")
 
 
-def test_held_out_rows_are_the_eval_dataset_else_the_marked_rows_else_none(tmp_path):
+def test_held_out_rows_are_the_heldout_dataset_else_the_marked_rows_else_none(tmp_path):
     plain = write(tmp_path / "plain.jsonl", {"prompt": "a", "answer": "1"})
     marked = write(
         tmp_path / "marked.jsonl", {"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", "split": "eval"}
@@ -126,10 +126,10 @@ def test_held_out_rows_are_the_eval_dataset_else_the_marked_rows_else_none(tmp_p
     assert task.heldout_source == f'the rows of {marked} marked "split": "eval"'
     task = load_task(marked, other)
     assert (task.train, task.heldout) == ([Row("a", "1")], [Row("c", "3")])  # the marked row is never trained on
-    assert task.heldout_source == f"every row of --eval-dataset {other}"
+    assert task.heldout_source == f"every row of --heldout-dataset {other}"
     task = load_task(plain, None)
     assert task.heldout == []
-    assert task.heldout_source == f'none: {plain} marks no row "split": "eval" and --eval-dataset is unset'
+    assert task.heldout_source == f'none: {plain} marks no row "split": "eval" and --heldout-dataset is unset'
     only_eval = write(tmp_path / "only.jsonl", {"prompt": "a", "answer": "1", "split": "eval"})
     with pytest.raises(UserTaskError, match="every row is marked split 'eval'; leave some rows to train on"):
         load_task(only_eval, None)
