@@ -22,7 +22,7 @@ from shared.streams import ensure_streams
 from shared.task import PromptTask
 from tests.processes import stored_messages
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # rows of the fault table (docs/operations.md)
 
 K, VOCAB, N = 8, 64, 2
 MAX_PAYLOAD = 64 << 10

@@ -22,7 +22,7 @@ from shared.wire import encode_batch
 from tests.processes import stored_messages
 from trainer_service.gate import Gate
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # rows of the fault table (docs/operations.md)
 
 VOCAB, K, N = 64, 8, 4
 CFG = Config(rollout_top_logprobs_num=K, rollout_n=N, max_staleness=1)
