@@ -274,11 +274,12 @@ class Worker:
     async def _heartbeat(self, msg) -> None:
         """In-progress acks every half ack_wait: the consumer's as the server has it now (a
         worker started later with another ``--ack-wait`` sets it for all), or this worker's own
-        where that is shorter or the server does not answer."""
+        where that is shorter or the server does not answer. The first as the work begins: the
+        task may have waited for this worker since its delivery started the server's clock."""
         while True:
+            await msg.in_progress()
             on_server = await self.consumer.ack_wait()
             await asyncio.sleep(min(self.settings.ack_wait, on_server or self.settings.ack_wait) / 2)
-            await msg.in_progress()
 
     async def _term(
         self, msg, task: PromptTask | None, reason: str, batch=None, outcome: str = "rejected", exc_info=None

@@ -46,7 +46,15 @@ def handle_one(tmp_path, tokens: int, max_sample_bytes: int, terminated: int = 0
 
     async def main():
         with EmbeddedNats(tmp_path / "nats", max_payload=MAX_PAYLOAD) as server:
-            cfg = Config(nats_url=server.url, rollout_top_logprobs_num=K, max_sample_bytes=max_sample_bytes)
+            # a session budget the start-up check lets through (shared/config.py): the sample of
+            # ``tokens`` tokens goes past it only at run time, where the worker must catch it
+            budget = min(Config().rollout_session_max_tokens, (max_sample_bytes - 4096) // (13 + 8 * K))
+            cfg = Config(
+                nats_url=server.url,
+                rollout_top_logprobs_num=K,
+                max_sample_bytes=max_sample_bytes,
+                rollout_session_max_tokens=budget,
+            )
             worker = Sampled(cfg, WorkerSettings(worker_id="w1", vocab_size=VOCAB), Tokenizer(None, None))
             worker.tokens = tokens
             worker.nc = await connect(server.url)
