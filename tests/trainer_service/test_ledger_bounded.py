@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from types import SimpleNamespace
 
 from centerline.synth import make_batch
 from shared import names
 from shared.config import Config
 from shared.wire import encode_batch
+from tests.trainer_service.test_gate import Msg, Recorder
 from trainer_service.admission import EXPIRED_TASK, HOLD, REJECT, GateSettings, admission
 from trainer_service.commit import TrainerState, commit_step
 from trainer_service.gate import Gate
@@ -27,23 +27,6 @@ from trainer_service.ledger import (
 
 VOCAB, K = 64, 8
 CFG = Config(rollout_top_logprobs_num=K, rollout_n=4, max_staleness=1)
-
-
-class Msg:
-    def __init__(self, data: bytes, seq: int):
-        self.data, self.headers = data, {}
-        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=seq))
-
-
-class Recorder:
-    def __init__(self):
-        self.acked, self.published = [], []
-
-    async def ack(self, msg):
-        self.acked.append(msg)
-
-    async def publish(self, subject, data, headers=None, timeout=None):
-        self.published.append((subject, data, headers))
 
 
 def part(task: str, attempt: int = 1, version: int = 3, parts: int = 1):
