@@ -17,7 +17,11 @@ from collections import Counter
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "runs" / "test-suite.json"
+# Every file's and the slowest tests' seconds, and each xdist worker's busy seconds: where a
+# session's wall time goes (docs/testing.md), too long to quote.
+DURATIONS = OUT.with_name("test-durations.json")
 SLOWEST_FILES = 12
+SLOWEST_TESTS = 60
 
 
 class SuiteFigures:
@@ -26,9 +30,14 @@ class SuiteFigures:
         self.started = time.monotonic()
         self.outcomes: Counter[str] = Counter()
         self.file_seconds: Counter[str] = Counter()
+        self.test_seconds: Counter[str] = Counter()
+        self.worker_seconds: Counter[str] = Counter()
 
     def pytest_runtest_logreport(self, report):
         self.file_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+        self.test_seconds[report.nodeid] += report.duration
+        node = getattr(report, "node", None)
+        self.worker_seconds[getattr(getattr(node, "gateway", None), "id", "main")] += report.duration
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             self.outcomes[report.outcome] += 1
         elif report.when == "teardown" and report.outcome == "failed":
@@ -55,3 +64,10 @@ class SuiteFigures:
         command = shlex.join(["pytest", *self.config.invocation_params.args])
         OUT.parent.mkdir(exist_ok=True)
         OUT.write_text(json.dumps(stamped(figures, command), indent=2) + "\n")
+        durations = {
+            "wall_s": figures["wall_s"],
+            "worker_busy_s": {worker: round(s, 1) for worker, s in sorted(self.worker_seconds.items())},
+            "files_s": {path: round(s, 1) for path, s in self.file_seconds.most_common()},
+            "slowest_tests_s": {test: round(s, 1) for test, s in self.test_seconds.most_common(SLOWEST_TESTS)},
+        }
+        DURATIONS.write_text(json.dumps(stamped(durations, command), indent=2) + "\n")
