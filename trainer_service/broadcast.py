@@ -13,13 +13,24 @@ One group per engine, not one for all: an engine that restarts joins again alone
 fails mid-broadcast breaks only its own group. The store is served before the engine is asked to
 join, so the engine never waits for a store that is not there; the trainer's side of the join and
 each broadcast run on a thread with a deadline (``timeout``) while the HTTP call runs beside it.
+
+gloo binds the trainer's end of a group to one network interface, by default the one this host's
+name resolves to. On a host with several networks (compose puts the trainer on NATS's network and on
+the engines', docs/operations.md) that may be one the engine cannot reach, and the join hangs to
+its deadline: the trainer binds the interface its route to the engine leaves by
+(``interface_towards``), unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
@@ -76,13 +87,57 @@ def buckets(tensors: dict[str, torch.Tensor], limit_bytes: int, device: str = "c
     return out
 
 
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"  # read by gloo as a group is made (torch's ProcessGroupGloo)
+_binding = threading.Lock()
+_joining = 0  # joins under way with the variable set by ``_gloo_interface``
+
+
+@contextlib.contextmanager
+def _gloo_interface(interface: str | None):
+    """``GLOO_SOCKET_IFNAME`` set to ``interface`` while groups are being made (several engines
+    join at once; each group reads it as it is made, then connects), unless the operator set it;
+    removed when the last join ends."""
+    global _joining
+    with _binding:
+        mine = interface is not None and (_joining > 0 or not os.environ.get(GLOO_INTERFACE))
+        if mine:
+            os.environ.setdefault(GLOO_INTERFACE, interface)
+            _joining += 1
+    try:
+        yield
+    finally:
+        if mine:
+            with _binding:
+                _joining -= 1
+                if _joining == 0:
+                    del os.environ[GLOO_INTERFACE]
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface that its route to ``host`` (a name or an
+    IPv4 address) leaves by; None when ``host`` does not resolve or no interface holds the
+    route's source address. No packet is sent: connecting a UDP socket only picks the route."""
+    try:
+        address = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            source = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == source for a in addresses):
+            return name
+    return None
+
+
 class Group:
     """Rank 0 of a two-rank group with one engine. ``serve`` opens the store (the engine may be
     told its port at once), ``join`` completes the group once the engine joins (blocking, up to
-    ``timeout``), ``send`` broadcasts one bucket, ``close`` drops the group."""
+    ``timeout``), ``send`` broadcasts one bucket, ``close`` drops the group. ``interface``: the
+    network interface gloo binds (``interface_towards`` the engine); None: gloo's own choice."""
 
-    def __init__(self, host: str, backend: str, timeout: float, group_name: str):
-        self.backend, self.group_name = backend, group_name
+    def __init__(self, host: str, backend: str, timeout: float, group_name: str, interface: str | None = None):
+        self.backend, self.group_name, self.interface = backend, group_name, interface
         self.timeout = timedelta(seconds=timeout)
         # wait_for_workers=False: the constructor returns at once, the engine connects later
         self.store = dist.TCPStore(host, 0, 2, is_master=True, timeout=self.timeout, wait_for_workers=False)
@@ -92,15 +147,16 @@ class Group:
     def join(self) -> None:
         # The engine's gloo keys carry the group's name: the trainer's group has the engine's name
         # (names are global in torch.distributed: one per engine, ``group_name``).
-        self.pg, _ = _new_process_group_helper(
-            2,
-            0,
-            [],
-            self.backend,
-            PrefixStore(self.group_name, self.store),
-            group_name=self.group_name,
-            timeout=self.timeout,
-        )
+        with _gloo_interface(self.interface if self.backend == "gloo" else None):
+            self.pg, _ = _new_process_group_helper(
+                2,
+                0,
+                [],
+                self.backend,
+                PrefixStore(self.group_name, self.store),
+                group_name=self.group_name,
+                timeout=self.timeout,
+            )
         _world.pg_group_ranks[self.pg] = {0: 0, 1: 1}
 
     def send(self, bucket: Bucket) -> None:

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from urllib.parse import urlsplit
 
 import torch
 
 from shared import faults
-from trainer_service.broadcast import Bucket, Group, backend_for, buckets, group_name
+from trainer_service.broadcast import Bucket, Group, backend_for, buckets, group_name, interface_towards
 
 log = logging.getLogger("centerline.trainer.transport")
 
@@ -90,7 +91,8 @@ class Distributed:
         # begin while one is open). An engine without either answers 400, which is fine.
         await self.post(url, "/destroy_weights_update_group", {"group_name": name})
         await self.post(url, "/end_weight_update", {})
-        group = Group(self.host, backend_for(self.device), self.timeout, name)
+        interface = interface_towards(urlsplit(url).hostname or "")
+        group = Group(self.host, backend_for(self.device), self.timeout, name, interface)
         body = {
             "master_address": self.host,
             "master_port": group.port,
@@ -105,7 +107,14 @@ class Distributed:
             group.close()
             raise
         self.groups[url] = group
-        log.info("engine %s joined weight group %s (%s, port %d)", url, name, group.backend, group.port)
+        log.info(
+            "engine %s joined weight group %s (%s, port %d, interface %s)",
+            url,
+            name,
+            group.backend,
+            group.port,
+            interface or "gloo's own",
+        )
         return group
 
     async def _beside(self, collective, arg, call) -> None:
