@@ -220,19 +220,14 @@ class Worker:
         except PayloadTooLargeError as exc:  # the same task samples the same sizes again: once, by name
             await self._term(msg, task, str(exc))
             return
-        except StoreFull as exc:  # the store frees as the trainer trains: later, by name, up to max_deliver
-            delay = self.retry_delay(msg)
-            fields = {"task_id": task.task_id, "reason": str(exc), "retry_in_s": delay}
-            log.warning("store full, task will be retried", extra={"fields": fields})
-            await msg.nak(delay=delay)
-            self._count(StoreFull.rule)
-            return
+        # a full store (StoreFull) frees as the trainer trains: later, by name, up to max_deliver
         except (PublishError, nats.errors.Error) as exc:
-            log.warning(
-                "publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}}
-            )
+            full = isinstance(exc, StoreFull)
+            fields = {"task_id": task.task_id, "reason": str(exc), "retry_in_s": self.retry_delay(msg)}
+            why = "store full" if full else "publish failed"
+            log.warning("%s, task will be retried", why, extra={"fields": fields})
             await msg.nak(delay=self.retry_delay(msg))
-            self._count("nak")
+            self._count(StoreFull.rule if full else "nak")
             return
         except Rejected as exc:
             await self._term(msg, task, str(exc), exc.batch)
