@@ -87,7 +87,10 @@ class EmbeddedNats:
         cluster_port: int | None = None,
         routes: typing.Sequence[int] = (),
         cluster_advertise: str | None = None,
+        max_file_store: int | None = None,
     ):
+        """``max_file_store``: bytes the JetStream store may hold in all (None: nats-server's default, most of
+        the disk); past it every publish is refused (docs/design.md section 3)."""
         self.data_dir = Path(data_dir)
         # A cluster node (NatsCluster): its name, the port its routes listen on and its peers'.
         self.server_name = server_name
@@ -98,6 +101,7 @@ class EmbeddedNats:
         self.host = host
         self.port = port
         self.max_payload = max_payload
+        self.max_file_store = max_file_store
         self.http_port = http_port  # monitoring (/healthz, /varz), off when None
         self.binary = binary or server_binary()
         # {user: password} of centerline/nats_users.py's users. None: a connection without credentials
@@ -125,6 +129,7 @@ class EmbeddedNats:
             "jetstream {",
             f"  store_dir: {json.dumps(str(self.store_dir))}",
             "  sync_interval: always  # fsync before every ack: acked means on disk",
+            *([f"  max_file_store: {self.max_file_store}"] if self.max_file_store is not None else []),
             "}",
         ]
         if self.cluster_port is not None:

@@ -7,14 +7,15 @@ system account. Each service connects as its own user and may touch only its own
 | user | publishes | consumes (durable pull consumer) | stream admin |
 |---|---|---|---|
 | ``trainer`` | ``prompts.tasks``, ``weights.updated``, ``rollouts.dlq`` | ROLLOUTS via ``trainer`` | create, update,
-info |
+info; purge ROLLOUTS |
 | ``worker`` | ``rollouts.batches``, ``rollouts.dlq`` (contract failures) | PROMPTS via ``rollout_workers`` | info |
 | ``proxy`` | ``audit.proxy`` (core publish) | none | info |
 | ``admin`` | everything in the account: operator tools (``centerline record``/``replay``, the ``nats`` CLI), stream
 provisioning, tests | | all |
 
-Nobody but ``admin`` may delete or purge a stream, and no user but ``admin`` can see another's
-replies: a user's inbox is ``_INBOX_<user>.>`` (``shared.nats_auth.inbox_prefix``), the only
+Nobody but ``admin`` may delete a stream or purge one, but for the trainer, which purges the batches
+it trained from ROLLOUTS to keep room under its byte cap (docs/design.md section 3), and no user but
+``admin`` can see another's replies: a user's inbox is ``_INBOX_<user>.>`` (``shared.nats_auth.inbox_prefix``), the only
 subjects it may subscribe to. JetStream delivers a fetch to the fetching user's inbox, so a
 user reads a stream only through the one consumer it may fetch from (and create or update: the
 worker and the trainer each set up their own).
@@ -81,6 +82,9 @@ def permissions() -> dict[str, dict[str, list[str]]]:
                 STREAM_INFO,
                 "$JS.API.STREAM.CREATE.*",
                 "$JS.API.STREAM.UPDATE.*",
+                # trained batches purged to make room in ROLLOUTS (trainer_service/store.py); updating a
+                # stream's limits could delete as much
+                f"$JS.API.STREAM.PURGE.{names.ROLLOUTS_STREAM}",
                 *_consumer(names.ROLLOUTS_STREAM, names.TRAINER_CONSUMER, names.ROLLOUTS_SUBJECT),
             ],
             "subscribe": [inbox_prefix("trainer") + ".>"],

@@ -45,7 +45,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.tasks = Counter(
             "centerline_worker_tasks",
-            "Tasks finished, by outcome (ok, nak, rejected, error: an unexpected exception, ack_lost)",
+            "Tasks finished, by outcome (ok, nak, store_full: nak'ed for a full store, rejected, error: an "
+            "unexpected exception, ack_lost)",
             ["outcome"],
             registry=self.registry,
         )

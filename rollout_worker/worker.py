@@ -15,6 +15,10 @@ Failures, and what happens to the task:
 - transient (the proxy or upstream unreachable, HTTP 5xx including the proxy's 502 audit
   verdict, a publish without PubAck): NAK with a delay, so another attempt, maybe on
   another worker, can succeed once the cause is gone;
+- a publish JetStream refuses for a full store (``StoreFull``: ROLLOUTS at its byte cap, or the
+  server's store used up): the same NAK with a delay, logged as "store full" and counted as
+  ``store_full``; the task comes back until ``max_deliver``, then JetStream's advisory names it
+  (docs/design.md section 3);
 - the task's own ack lost (NATS restarting): logged; the task comes back, is sampled again as
   the next attempt, and the trainer drops that attempt's batch as ``duplicate_attempt``;
 - deterministic (a task that does not parse, a request the proxy refuses with 400, a reward
@@ -54,7 +58,7 @@ from shared import faults, names
 from shared.config import Config
 from shared.contract import ContractViolation, check_batch
 from shared.nats_auth import redact
-from shared.nats_client import PublishError, PullConsumer, connect, pull_consumer
+from shared.nats_client import PublishError, PullConsumer, StoreFull, connect, pull_consumer
 from shared.response_arrays import ResponseArrays
 from shared.settings import WorkerSettings
 from shared.streams import ensure_streams
@@ -216,12 +220,14 @@ class Worker:
         except PayloadTooLargeError as exc:  # the same task samples the same sizes again: once, by name
             await self._term(msg, task, str(exc))
             return
+        # a full store (StoreFull) frees as the trainer trains: later, by name, up to max_deliver
         except (PublishError, nats.errors.Error) as exc:
-            log.warning(
-                "publish failed, task will be retried", extra={"fields": {"task_id": task.task_id, "reason": str(exc)}}
-            )
+            full = isinstance(exc, StoreFull)
+            fields = {"task_id": task.task_id, "reason": str(exc), "retry_in_s": self.retry_delay(msg)}
+            why = "store full" if full else "publish failed"
+            log.warning("%s, task will be retried", why, extra={"fields": fields})
             await msg.nak(delay=self.retry_delay(msg))
-            self._count("nak")
+            self._count(StoreFull.rule if full else "nak")
             return
         except Rejected as exc:
             await self._term(msg, task, str(exc), exc.batch)

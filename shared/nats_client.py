@@ -34,6 +34,43 @@ class PublishError(RuntimeError):
     """JetStream did not confirm a published message."""
 
 
+# JetStream's answers to a publish when the store is full (docs/design.md section 3): 10077 with
+# "maximum bytes exceeded", a stream at its byte cap that discards new messages (ROLLOUTS); 10023
+# "insufficient resources", the server's store (jetstream ``max_file_store``) used up by every stream.
+_STREAM_FULL, _SERVER_FULL = 10077, 10023
+
+
+class StoreFull(PublishError):
+    """JetStream refused a message because a byte cap is reached: nothing stored, retrying later can
+    succeed once the store has room (the trainer frees ROLLOUTS as it trains). ``rule``: ``store_full``;
+    ``description``: JetStream's words."""
+
+    rule = "store_full"
+
+    def __init__(self, message: str, description: str):
+        super().__init__(message)
+        self.description = description
+
+
+def _store_full(exc: APIError, what: str, subject: str) -> StoreFull | None:
+    """``exc`` as a ``StoreFull`` naming what filled and the fix, or None for any other refusal."""
+    said = exc.description or ""
+    if exc.err_code == _STREAM_FULL and "maximum bytes exceeded" in said:
+        where = (
+            f"the stream of {subject!r} is at its byte cap (JetStream: {said}); ROLLOUTS refuses new batches while "
+            "batches not yet trained fill it, and the trainer frees it as it trains (docs/design.md section 3): "
+            "raise --rollouts-max-bytes if it stays full"
+        )
+    elif exc.err_code == _SERVER_FULL:
+        where = (
+            f"the NATS server's JetStream store is full (JetStream: {said}): raise its max_file_store (jetstream "
+            "block) or free the streams that filled it"
+        )
+    else:
+        return None
+    return StoreFull(f"{what} not stored: {where}", said)
+
+
 async def connect(
     url: str, *, name: str | None = None, user: str | None = None, password: str | None = None, **options
 ) -> nats.NATS:
@@ -118,7 +155,7 @@ async def publish_acked(
     up to ``attempts * timeout`` seconds, the same budget, before ``PublishError``. So is a
     repeat that a cluster answers "duplicate message id is in process" (``DUPLICATE_IN_PROCESS``:
     the first copy is still being replicated; once it is stored, the repeat gets its PubAck,
-    marked duplicate).
+    marked duplicate). A refusal because a byte cap is reached raises ``StoreFull`` (a ``PublishError``) at once.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + attempts * timeout
@@ -141,6 +178,9 @@ async def publish_acked(
                 ) from None
             await asyncio.sleep(0.2)  # the election of a new stream leader
         except APIError as exc:
+            full = _store_full(exc, what, subject)
+            if full is not None:  # not repeated here: the caller retries later (a NAK with a delay)
+                raise full from None
             if exc.err_code != DUPLICATE_IN_PROCESS:
                 raise
             if loop.time() > deadline:

@@ -233,18 +233,24 @@ class TrainerSettings(Section):
     rollouts_max_bytes: int | None = Field(
         None,
         gt=0,
-        description="Byte cap of the ROLLOUTS stream (the oldest batches go past it; docs/design.md section 3). "
-        "Unset: --store-retention-steps steps of samples at their largest (--rollout-session-max-tokens tokens of "
-        "13 + 8K bytes each). At least --max-inflight-steps + 1 such steps, checked at start-up.",
+        description="Byte cap of the ROLLOUTS stream (docs/design.md section 3): full, it refuses new batches (a "
+        "worker naks its task, named store_full) and never drops an untrained one; after each step the trainer "
+        "purges the oldest batches it trained to keep the steps in flight room. Unset: --store-retention-steps steps "
+        "of samples at their largest (--rollout-session-max-tokens tokens of 13 + 8K bytes each). At least "
+        "--max-inflight-steps + 1 such steps, checked at start-up; reserved in the NATS server's max_file_store.",
     )
     dlq_max_bytes: int | None = Field(
-        None, gt=0, description="Byte cap of the DLQ stream; unset: a quarter of ROLLOUTS's, one step's at least."
+        None,
+        gt=0,
+        description="Byte cap of the DLQ stream (full, its oldest letters go); unset: a quarter of ROLLOUTS's, one "
+        "step's at least.",
     )
     store_retention_steps: int = Field(
         20,
         ge=1,
-        description="Steps of batches at their largest that ROLLOUTS keeps for replay, when --rollouts-max-bytes "
-        "is unset; with the sample size it sets the store the run needs (it must fit JetStream's max_file_store).",
+        description="Steps of batches at their largest that ROLLOUTS holds, when --rollouts-max-bytes is unset: "
+        "the steps in flight, the rest trained batches kept for replay; with the sample size it sets the store the "
+        "run needs (it must fit JetStream's max_file_store).",
     )
 
     _max_deliver = field_validator("max_deliver")(_check_max_deliver)

@@ -29,9 +29,10 @@ class StreamLimits:
     """Retention settings of the streams (docs/design.md section 3). Times in seconds, sizes in bytes, -1 = no limit."""
 
     rollouts_max_age: float = 7 * 86400.0  # batches are kept this long for replay
-    # Byte caps of ROLLOUTS and the DLQ (the trainer's, from its settings: ``store_caps``); past a cap
-    # the oldest messages go. None: keep what an existing stream has (no cap for a new one), as for
-    # ``replicas``: a worker or the proxy never undoes the trainer's caps.
+    # Byte caps of ROLLOUTS and the DLQ (the trainer's, from its settings: ``store_caps``). A full ROLLOUTS
+    # refuses new batches (discard new: no batch leaves it untrained; the trainer purges trained ones,
+    # ``trainer_service/store.py``); a full DLQ drops its oldest letters. None: keep what an existing stream
+    # has (no cap for a new one), as for ``replicas``: a worker or the proxy never undoes the trainer's caps.
     rollouts_max_bytes: int | None = None
     duplicate_window: float = 600.0  # a re-publish of the same batch_id within this is dropped
     dlq_max_age: float = 30 * 86400.0
@@ -48,13 +49,15 @@ class StreamLimits:
 def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
     """The streams of docs/design.md section 3. Every compared field is set, so server defaults never differ."""
 
-    def stream(name, subject, retention=RetentionPolicy.LIMITS, max_age=0.0, max_bytes=-1, per_subject=-1):
+    def stream(
+        name, subject, retention=RetentionPolicy.LIMITS, max_age=0.0, max_bytes=-1, per_subject=-1, discard=None
+    ):
         return StreamConfig(
             name=name,
             subjects=list(subject) if isinstance(subject, tuple) else [subject],
             retention=retention,
             storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
+            discard=discard or DiscardPolicy.OLD,
             max_msgs=-1,
             max_bytes=max_bytes,
             max_age=max_age,
@@ -71,6 +74,8 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
             names.ROLLOUTS_SUBJECT,
             max_age=limits.rollouts_max_age,
             max_bytes=-1 if limits.rollouts_max_bytes is None else limits.rollouts_max_bytes,
+            # full: refuse new batches rather than drop untrained ones (docs/design.md section 3)
+            discard=DiscardPolicy.NEW,
         ),
         stream(
             names.DLQ_STREAM,
@@ -141,7 +146,9 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
         if {names.ROLLOUTS_STREAM: limits.rollouts_max_bytes, names.DLQ_STREAM: limits.dlq_max_bytes}.get(
             want.name, 0
         ) is None:
-            compared = tuple(f for f in compared if f != "max_bytes")
+            # the cap and what a full stream does are the trainer's: a worker of a new release meeting an
+            # earlier ROLLOUTS (discard old) leaves it to the trainer, which may update streams
+            compared = tuple(f for f in compared if f not in ("max_bytes", "discard"))
         diffs = {f: (getattr(have, f), getattr(want, f)) for f in compared if getattr(have, f) != getattr(want, f)}
         if not diffs:
             outcome[want.name] = "unchanged"
@@ -155,7 +162,7 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits = StreamLimi
         try:
             await js.update_stream(replace(have, **{f: getattr(want, f) for f in diffs}))
         except APIError as exc:
-            if "num_replicas" in diffs:
+            if "num_replicas" in diffs or exc.err_code == _NO_ROOM:
                 raise StreamConfigError(_refused_creation(want, exc)) from exc
             raise StreamConfigError(_diff_message(want.name, diffs) + f"; the update was refused: {exc}") from exc
         except nats.errors.TimeoutError:
@@ -173,6 +180,9 @@ _REFUSED = (
 )
 
 
+# JetStream's answer when a stream's byte cap does not fit what the server's store has left
+# (jetstream max_file_store): a stream's max_bytes is reserved there as it is created.
+_NO_ROOM = 10047
 # JetStream's answers when a stream's replicas cannot be placed: more than the cluster's
 # JetStream nodes (10005 "no suitable peers for placement", 10023 "insufficient resources"),
 # or more than one on a server that is not in a cluster (10074).
@@ -180,6 +190,13 @@ _PLACEMENT_ERRORS = {10005, 10023, 10074}
 
 
 def _refused_creation(want: StreamConfig, exc: APIError) -> str:
+    if exc.err_code == _NO_ROOM:
+        return (
+            f"stream {want.name}: max_bytes={want.max_bytes}, but the NATS server's store has no room left to reserve "
+            f"it (JetStream: {exc.description}): every capped stream's max_bytes is reserved in the server's "
+            "max_file_store (jetstream block). Raise max_file_store, or lower the caps: --rollouts-max-bytes, "
+            "--dlq-max-bytes, --store-retention-steps"
+        )
     if want.num_replicas > 1 and exc.err_code in _PLACEMENT_ERRORS:
         return (
             f"stream {want.name}: nats_stream_replicas={want.num_replicas}, but the NATS deployment cannot place "

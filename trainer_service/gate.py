@@ -26,8 +26,10 @@
   (acked, nak'ed, kept alive and dead-lettered piece by piece). A piece whose part can never be whole
   is dead-lettered: ``piece_digest`` (corrupt, or two parts under one id), ``sample_too_large`` (above
   ``max_sample_bytes``), ``incomplete_sample`` (a piece still missing after the expiry above).
-- A dead letter that JetStream does not store (the DLQ full, NATS away) naks the part: it comes
-  back and is dead-lettered then; the trainer never exits over it (``rejected_unstored``).
+- A dead letter that JetStream does not store (the store full, NATS away) naks the part: it comes
+  back and is dead-lettered then; the trainer never exits over it (``rejected_unstored``). Where the
+  store is full (``StoreFull``) the nak waits ``ack_wait``, so that the part's deliveries last out the
+  full store rather than run to ``max_deliver`` at once; so does a task not published again for it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from collections import Counter
 import nats.errors
 
 from shared import faults, names
-from shared.nats_client import PublishError, publish_acked
+from shared.nats_client import PublishError, StoreFull, publish_acked
 from shared.pieces import OF_HEADER
 from shared.wire import Batch, WireError, decode_batch
 from trainer_service.admission import (
@@ -113,11 +115,11 @@ class Gate:
         self.settings = GateSettings(vocab_size, cfg, run_id)
         self.groups = Groups(ledger, first_task_step)
         self.pieces = Pieces(cfg.max_sample_bytes)  # parts larger than a message, being put together
-        self.expire_after = EXPIRE_ACK_WAITS * ack_wait
+        self.ack_wait, self.expire_after = ack_wait, EXPIRE_ACK_WAITS * ack_wait
         self.waited = 0.0  # seconds spent fetching: the clock an incomplete attempt expires by
         self.parked: list = []  # training batches fetched by finish_heldout: held unacked, given back at its end
         # "accepted", "duplicate", "dropped:<rule>", "rejected:<rule>", "resampled", "resample_failed",
-        # "rejected_unstored" since take_counts
+        # "rejected_unstored"; the trainer's "store_full", "store_trimmed" (trainer_service/store.py) since take_counts
         self.counts: Counter = Counter()
 
     @property
@@ -291,12 +293,12 @@ class Gate:
             await self.reject(msg, seq, verdict.rule, verdict.reason, verdict.batch_id)
         # IGNORE: a redelivery of a message held right now; the held copy gets acked
 
-    async def again(self, batch: Batch, rule: str) -> tuple[str, str]:
+    async def again(self, batch: Batch, rule: str) -> tuple[str, str | float | None]:
         """Publish the task of ``batch`` again (its part stale, or its attempt given up incomplete);
         ``(rule, why)`` to dead-letter the part under: ``rule``, or ``republish_cap`` past
-        ``max_republishes``; ``("", error)`` when the publish failed (the caller naks the parts: they
-        come back and the task is published then). Nothing when another attempt of the task is
-        trained or held whole."""
+        ``max_republishes``; ``("", delay)`` when the publish failed (the caller naks the parts after
+        ``delay``, ``retry_delay``: they come back and the task is published then). Nothing when another
+        attempt of the task is trained or held whole."""
         task = batch.task_id
         if self.resample is None or task in self.groups.ledger or task in self.groups.whole:
             return rule, ""
@@ -316,7 +318,7 @@ class Gate:
         except (PublishError, nats.errors.Error) as exc:
             log.warning("task %s not published again (%s); its %s part %s is nak'ed", task, exc, rule, batch.batch_id)
             self.counts["resample_failed"] += 1
-            return "", str(exc)
+            return "", self.retry_delay(exc)
         return rule, ""
 
     async def stale(self, msg, seq: int, batch: Batch, reason: str) -> None:
@@ -325,14 +327,14 @@ class Gate:
         published then."""
         rule, why = await self.again(batch, "stale")
         if not rule:
-            await self.give_back(msg)
+            await self.give_back(msg, why)
             return
         await self.reject(msg, seq, rule, reason + why, batch.batch_id)
 
-    async def give_back(self, msg) -> None:
-        """Nak ``msg``: it is redelivered now rather than after ack_wait."""
+    async def give_back(self, msg, delay: float | None = None) -> None:
+        """Nak ``msg``: it is redelivered now rather than after ack_wait (after ``delay`` seconds if given)."""
         try:
-            await self.consumer.nak(msg)
+            await (self.consumer.nak(msg) if delay is None else self.consumer.nak(msg, delay=delay))
         # unacked messages come back after ack_wait anyway
         except Exception:  # noqa: BLE001
             pass
@@ -357,7 +359,7 @@ class Gate:
             rule, why = await self.again(b, INCOMPLETE_GROUP)
             if not rule:  # not published again: the parts come back, form the attempt again, expire again
                 for h in held:
-                    await self.give_back(h.msg)
+                    await self.give_back(h.msg, why)
                 continue
             reason = (
                 f"attempt {b.attempt} of task {b.task_id!r} has {b.parts} parts and not all arrived while the gate "
@@ -389,14 +391,26 @@ class Gate:
                     what=f"dead letter of {batch_id!r}",
                 )
         except (PublishError, nats.errors.Error) as exc:
-            log.warning("batch %s (%s) not dead-lettered: %s; nak'ed, to be dead-lettered again", batch_id, rule, exc)
+            delay = self.retry_delay(exc)
+            log.warning(
+                "batch %s (%s) not dead-lettered: %s; nak'ed, to be dead-lettered again%s",
+                batch_id,
+                rule,
+                exc,
+                f" in {delay:g}s" if delay else "",
+            )
             self.counts["rejected_unstored"] += 1
-            await self.give_back(msg)
+            await self.give_back(msg, delay)
             return
         faults.hit("trainer.rejected")
         if await self.settle(msg, batch_id):
             self.counts[f"rejected:{rule}"] += 1
             log.warning("batch %s dead-lettered (%s): %s", batch_id, rule, headers["reason"])
+
+    def retry_delay(self, exc: Exception) -> float | None:
+        """Seconds before a part nak'ed after the failed publish ``exc`` comes back: ``ack_wait`` where the
+        store was full (``StoreFull``: it frees slowly), else at once (None)."""
+        return self.ack_wait if isinstance(exc, StoreFull) else None
 
     async def settle(self, msg, batch_id: str) -> bool:
         """Ack a message the trainer is done with without training it; False if the ack is lost

@@ -165,6 +165,11 @@ class Metrics:
             "gate_dropped": dropped,
             "gate_resampled": counts.get("resampled", 0),
             "gate_resample_failed": counts.get("resample_failed", 0),
+            # a full store (docs/design.md section 3): dead letters nak'ed unstored, task publishes refused,
+            # trained batches purged from ROLLOUTS to make room
+            "gate_unstored": counts.get("rejected_unstored", 0),
+            "store_full": counts.get("store_full", 0),
+            "store_trimmed": counts.get("store_trimmed", 0),
         }
 
     def recover(self, state: dict) -> None:

@@ -52,6 +52,8 @@ from shared.contract import k_above_vocab
 from shared.settings import SECTIONS, Section, TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
+# what a held-out round's tasks refused by a full store cost (trainer_service/store.py)
+HELDOUT_REFUSED = "held-out tasks (their round is given up after --eval-timeout)"
 
 
 def parse(argv: list[str]):
@@ -65,7 +67,7 @@ def parse(argv: list[str]):
 async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> int:
     """Rank 0: the training loop of the module docstring."""
     from shared import faults
-    from trainer_service import checkpoint, weights
+    from trainer_service import checkpoint, store, weights
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
     from trainer_service.gate import Gate
     from trainer_service.heldout import Evaluator
@@ -154,8 +156,10 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         t0 = time.perf_counter()
         # A stop while NATS does not answer must not wait out the publish's retries (and its
         # error): tasks not stored are published again, under the same ids, by the next start.
+        # A full store refuses them by name (StoreFull): the step trains what is stored, which frees room.
+        publish = tasks.publish_until(js, state.step, cfg.max_inflight_steps, settings.steps)
         if not await unless_stopped(
-            tasks.publish_until(js, state.step, cfg.max_inflight_steps, settings.steps), stopping
+            store.unless_full(publish, "tasks (published at the next step)", gate.counts), stopping
         ):
             break
         held = await gate.gather(
@@ -164,7 +168,9 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             settings.step_timeout,
             stopping,
             min_samples=policy.world_size,
-            starved=lambda: tasks.publish_next(js),
+            starved=lambda: store.unless_full(
+                tasks.publish_next(js), "the next step's tasks (when it starves again)", gate.counts
+            ),
         )
         if stopping.is_set():
             await gate.release()  # abandoned: nothing of this step is acked, all of it comes back
@@ -187,6 +193,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         # the step is durable (its checkpoint, or its journal record): ack its batches, drop other attempts
         await gate.commit(state.step, first_kept_step(tasks.next_step, kept))
         faults.hit("trainer.after_acks", step.after.step)
+        await trim(js, gate.counts, settings, cfg)
         t2 = time.perf_counter()
         # Stopping: the engines are being stopped too, and a new start loads this version into
         # them first thing; an update now could only wait on servers that are going away.
@@ -204,10 +211,10 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         metrics.step(record)
         state = step.after
         if heldout is not None and heldout.due(state.step, settings.steps) and not stopping.is_set():
-            await heldout.schedule(js, state.step, state.version)
+            await store.unless_full(heldout.schedule(js, state.step, state.version), HELDOUT_REFUSED, gate.counts)
 
-    if heldout is not None and not stopping.is_set():
-        await heldout.schedule(js, state.step, state.version)  # after the last step (--train-seconds too)
+    if heldout is not None and not stopping.is_set():  # after the last step (--train-seconds too)
+        await store.unless_full(heldout.schedule(js, state.step, state.version), HELDOUT_REFUSED, gate.counts)
         await gate.finish_heldout(stopping)
 
     keep_alive.cancel()
@@ -273,6 +280,22 @@ async def unless_stopped(work, stopping: asyncio.Event) -> bool:
         return False
     job.result()  # its error, if it failed on its own
     return True
+
+
+async def trim(js, counts, settings: TrainerSettings, cfg) -> None:
+    """Purge trained batches from ROLLOUTS where it nears its cap (``trainer_service/store.py``), keeping
+    room for the steps in flight at their largest; NATS not answering only postpones it."""
+    import nats.errors
+
+    from trainer_service import store
+
+    try:
+        room = store.room(cfg, settings.prompts_per_step)
+        counts["store_trimmed"] += await store.trim(js, settings.store_caps(cfg)[0], room)
+    except nats.errors.Error as exc:
+        log.warning(
+            "ROLLOUTS not trimmed this step (%r): may this NATS user purge ROLLOUTS? (centerline/nats_users.py)", exc
+        )
 
 
 def stop_event() -> asyncio.Event:

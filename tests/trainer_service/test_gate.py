@@ -35,13 +35,14 @@ class Recorder:
     """Stands in for the consumer (acks) and JetStream (DLQ publishes)."""
 
     def __init__(self):
-        self.acked, self.published, self.naked = [], [], []
+        self.acked, self.published, self.naked, self.delays = [], [], [], []
 
     async def ack(self, msg):
         self.acked.append(msg)
 
-    async def nak(self, msg):
+    async def nak(self, msg, delay=None):
         self.naked.append(msg)
+        self.delays.append(delay)
 
     async def publish(self, subject, data, headers=None, timeout=None):
         self.published.append((subject, data, headers))

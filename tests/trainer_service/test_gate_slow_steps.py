@@ -9,6 +9,7 @@ import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
 
+import nats.errors
 import orjson
 from nats.js.errors import APIError
 
@@ -152,19 +153,34 @@ def test_a_whole_batch_must_hold_rollout_n_distinct_samples():
 
 
 class FullStore(Recorder):
-    """JetStream refuses every publish: the store is at its cap."""
+    """JetStream refuses every publish: the server's store is used up (its answer, as
+    tests/reliability/test_full_store.py gets it from a real nats-server)."""
 
     async def publish(self, subject, data, headers=None, timeout=None):
-        raise APIError(code=503, err_code=10047, description="insufficient storage resources available")
+        raise APIError(code=503, err_code=10023, description="insufficient resources")
 
 
-def test_a_dead_letter_the_store_refuses_naks_the_part_and_the_trainer_goes_on():
+def test_a_dead_letter_the_store_refuses_naks_the_part_after_ack_wait_and_the_trainer_goes_on():
     rec = FullStore()
-    g = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, run_id="r2")
+    g = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, run_id="r2", ack_wait=7.0)
     msg = Msg(encode_batch(replace(batch("r9/0/0"), task_id="r9/0/0")), seq=3)
     asyncio.run(g.admit(msg, 3))
-    assert rec.naked == [msg] and rec.acked == [] and g.held == {}
+    # back after ack_wait, not at once: its deliveries last out the full store
+    assert rec.naked == [msg] and rec.delays == [7.0] and rec.acked == [] and g.held == {}
     assert g.take_counts() == {"rejected_unstored": 1}
+
+
+class Unreachable(Recorder):
+    async def publish(self, subject, data, headers=None, timeout=None):
+        raise nats.errors.TimeoutError
+
+
+def test_a_dead_letter_nats_does_not_answer_naks_the_part_at_once():
+    rec = Unreachable()
+    g = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, run_id="r2", ack_wait=7.0)
+    msg = Msg(encode_batch(replace(batch("r9/0/0"), task_id="r9/0/0")), seq=3)
+    asyncio.run(g.admit(msg, 3))
+    assert rec.naked == [msg] and rec.delays == [None] and g.take_counts() == {"rejected_unstored": 1}
 
 
 def evaluator(tmp_path, recorded, rows):
