@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from centerline.runs.report import summary
 from centerline.toy.tokenizer import save_tokenizer
-from rollout_worker.session import ChatTemplate, Session
+from rollout_worker.chat_template import ChatTemplate
+from rollout_worker.session import Session
 from rollout_worker.session_transport import SessionChat, SessionClients
 from shared.config import Config
 from shared.contract import check_batch
