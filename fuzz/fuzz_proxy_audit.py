@@ -373,6 +373,7 @@ def main(argv: list[str]) -> None:
             "router_proxy.upstream",
             "shared.contract",
             "router_proxy.sglang_response",
+            "router_proxy.versions",
             "shared.response_arrays",
             "router_proxy.candidate_scan",
         ),

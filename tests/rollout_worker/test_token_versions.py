@@ -1,4 +1,4 @@
-"""Per-token weight versions (router_proxy/sglang_response.py ``token_versions``): SGLang's
+"""Per-token weight versions (router_proxy/versions.py ``token_versions``): SGLang's
 ``meta_info.weight_versions`` spans ``{version, start, end}`` travel through the proxy's audit
 and its binary answer into the batch's ``token_versions``; a span list that does not cover the
 sample's output positions exactly is a named ``malformed_response``, never repaired."""
