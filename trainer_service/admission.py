@@ -39,7 +39,8 @@ import math
 from dataclasses import dataclass
 
 from shared.contract import ContractViolation, check_batch
-from shared.wire import Batch, WireError, decode_batch
+from shared.msgpack_arrays import WireError
+from shared.wire import Batch, decode_batch
 from trainer_service.heldout import heldout_step
 from trainer_service.ledger import Groups, Held, task_step
 

@@ -167,7 +167,8 @@ async def republish(messages: list[Message], url: str, subject: str | None) -> d
 def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: int | None) -> list[list[Message]]:
     """The recorded messages of each step after the checkpoint's, as ``steps_from`` lists them."""
     from shared import names
-    from shared.wire import WireError, decode_batch
+    from shared.msgpack_arrays import WireError
+    from shared.wire import decode_batch
 
     by_step = {}
     for _number, line in enumerate(steps_from.read_bytes().splitlines(), 1):
