@@ -42,7 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "centerline.sglang:router_main",
         "the SGLang router (smg launch's flags), started without importing SGLang",
     ),
-    "proxy": ("router_proxy.server:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
+    "proxy": ("router_proxy.main:main", "serve the contract-enforcing proxy in front of an SGLang router or server"),
     "probe": ("router_proxy.probe:main", "check an SGLang upstream returns complete candidate sets for the contract"),
     "worker": ("rollout_worker.main:main", "pull prompt tasks, sample through the proxy, publish candidate batches"),
     "dataset": (

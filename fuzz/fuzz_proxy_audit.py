@@ -46,7 +46,7 @@ from router_proxy.audit import audit_body
 from router_proxy.upstream import UpstreamError, UpstreamPool, _Connection
 from shared import response_arrays
 from shared.contract import ContractViolation, check_rows
-from shared.wire import WireError
+from shared.msgpack_arrays import WireError
 
 VOCAB = 300
 K = 8  # support rows hold up to K ids, selected rows exactly K
@@ -373,6 +373,7 @@ def main(argv: list[str]) -> None:
             "router_proxy.upstream",
             "shared.contract",
             "router_proxy.sglang_response",
+            "router_proxy.versions",
             "shared.response_arrays",
             "router_proxy.candidate_scan",
         ),

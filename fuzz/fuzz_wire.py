@@ -20,7 +20,8 @@ from pathlib import Path
 
 from centerline.synth import make_batch
 from shared.contract import ContractViolation, check_batch
-from shared.wire import WireError, decode_batch, encode_batch
+from shared.msgpack_arrays import WireError
+from shared.wire import decode_batch, encode_batch
 
 VOCAB = 64
 CORPUS = Path(__file__).resolve().parent / "corpus" / "wire"
@@ -82,4 +83,4 @@ def fuzz(argv: list[str], test, corpus: Path, messages: list[bytes], modules: tu
 
 
 if __name__ == "__main__":
-    fuzz(sys.argv, TestOneInput, CORPUS, seeds(), ("shared.wire", "shared.contract"))
+    fuzz(sys.argv, TestOneInput, CORPUS, seeds(), ("shared.wire", "shared.msgpack_arrays", "shared.contract"))

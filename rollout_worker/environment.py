@@ -45,10 +45,11 @@ from collections.abc import Callable
 import aiohttp
 import numpy as np
 
+from rollout_worker.chat_template import ChatTemplate
 from rollout_worker.failures import Rejected
 from rollout_worker.proxy_call import post
 from rollout_worker.request import generate_body
-from rollout_worker.session import ChatTemplate, Session
+from rollout_worker.session import Session
 from rollout_worker.session_transport import SessionChat, SessionClients
 from rollout_worker.user_code import load_function
 from shared.config import Config

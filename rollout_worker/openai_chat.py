@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from rollout_worker.session import Reply, SessionRequestError, UnsupportedSettingError
+from rollout_worker.session import Reply
+from rollout_worker.session_errors import SessionRequestError, UnsupportedSettingError
 from rollout_worker.tool_calls import offered_tools
 from shared.config import Config
 from shared.sampling import NEUTRAL, Sampling

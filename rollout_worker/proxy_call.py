@@ -14,8 +14,8 @@ import orjson
 
 from rollout_worker.failures import Rejected, Transient
 from shared import response_arrays
+from shared.msgpack_arrays import WireError
 from shared.response_arrays import ResponseArrays
-from shared.wire import WireError
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # smg 0.3.2's session affinity key (docs/sglang.md)
 

@@ -24,9 +24,11 @@ included, a null content left out), so an assistant message sent back as the ``o
 call or think block differently from what was sampled fails the template check like any other
 rewriting of the past (docs/design.md section 12).
 
-The text held is always what the ids held decode to. A refusal is ``fatal`` (the task cannot be
-trained: SessionTemplateError, SessionRequestError, UnsupportedSettingError) or recoverable (the
-environment may go on or finish: SessionHistoryError, SessionBudgetError).
+The text held is always what the ids held decode to. A refusal (``rollout_worker/session_errors.py``)
+is ``fatal`` (the task cannot be trained: SessionTemplateError, SessionRequestError,
+UnsupportedSettingError) or recoverable (the environment may go on or finish: SessionHistoryError,
+SessionBudgetError). The template, its text <-> ids and its reply parsers are
+``rollout_worker/chat_template.py``.
 
 Budgets, each with its own finish: a turn samples at most ``max_new_tokens`` (finish "length");
 a turn that could take the session past ``budget`` tokens is not run (SessionBudgetError,
@@ -36,18 +38,24 @@ a turn that could take the session past ``budget`` tokens is not run (SessionBud
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from rollout_worker.failures import Rejected, Transient
+from rollout_worker.chat_template import ChatTemplate
+from rollout_worker.failures import Transient
 from rollout_worker.packing import Sample, Trajectory, samples_from_arrays
-from rollout_worker.tool_calls import ParsedReply, ReplyParser
-from shared.config import Config
+from rollout_worker.session_errors import (
+    SessionBudgetError,
+    SessionError,
+    SessionHistoryError,
+    SessionRequestError,
+    SessionTemplateError,
+    UnsupportedSettingError,
+)
+from rollout_worker.tool_calls import ParsedReply
 from shared.response_arrays import ResponseArrays
 
 Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays]]
@@ -57,47 +65,6 @@ Generate = Callable[[list[int], int, list[str] | None], Awaitable[ResponseArrays
 DECODE_CONTEXT = 8
 # A turn's stages, each in seconds, in ``Session.turn_stages`` (``SessionChat`` adds "endpoint").
 STAGES = ("history", "render", "tokenize", "generate", "reply")
-
-
-class SessionError(ValueError):
-    """A turn the session refuses; ``code`` names the family for the chat endpoint's error, ``fatal``
-    says whether the session can still be trained whole (docs/design.md section 12)."""
-
-    code = "session_error"
-    fatal = True
-
-
-class SessionHistoryError(SessionError):
-    """The messages do not extend the session's history (a past message edited, reordered or dropped)."""
-
-    code = "session_history"
-    fatal = False  # nothing was added to the session: it holds its complete turns
-
-
-class SessionTemplateError(SessionError):
-    """The chat template fails to render the conversation, or its rendering does not extend the tokens
-    the session holds; the same template renders the same on every attempt."""
-
-    code = "session_template"
-
-
-class SessionRequestError(SessionError):
-    """A request that is not a chat-completions request (a field of the wrong type, a message without a role)."""
-
-    code = "invalid_request"
-
-
-class UnsupportedSettingError(SessionError):
-    """A request setting the endpoint does not honour: the run's sampling is the one trained on."""
-
-    code = "unsupported_setting"
-
-
-class SessionBudgetError(SessionError):
-    """The turn could take the session past its token budget; the session has ended."""
-
-    code = "context_length_exceeded"  # OpenAI's code, which chat clients already handle
-    fatal = False  # the session ends after its last complete turn, which is trained
 
 
 @dataclass(frozen=True)
@@ -124,92 +91,6 @@ class Reply:
 
     def history_message(self) -> dict:
         return {name: value for name, value in self.message().items() if value is not None}
-
-
-class ChatTemplate:
-    """The chat template (the tokenizer's, or ``source`` in its place), its text <-> ids, and the
-    parsers of its replies (``parser``; none: replies are text), as a session uses them."""
-
-    def __init__(self, tokenizer, source: str | None = None, parser: ReplyParser | None = None):
-        self.tok, self.source = tokenizer, source
-        self.parser = parser or ReplyParser()
-        self.specials = set(tokenizer.all_special_ids)
-        # What the template writes right after an assistant message's content (ChatML: "<|im_end|>\n").
-        mark = "\u2063centerline\u2063"
-        shown = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}],
-            tokenize=False,
-            **self._source(),
-        )
-        self.closing = shown.split(mark)[-1] if mark in shown else ""
-
-    @classmethod
-    def for_run(cls, tokenizer, cfg: Config) -> ChatTemplate:
-        """The run's: ``--rollout-chat-template`` (a file) or the tokenizer's own, with the parsers
-        ``--rollout-tool-call-parser`` and ``--rollout-reasoning-parser`` name (``auto`` resolved from
-        the template, once per worker); ``Rejected`` naming the setting where there is none to use."""
-        return _for_run(
-            tokenizer, cfg.rollout_chat_template, cfg.rollout_tool_call_parser, cfg.rollout_reasoning_parser
-        )
-
-    def _source(self) -> dict:
-        return {"chat_template": self.source} if self.source is not None else {}
-
-    def render(self, messages: list[dict], tools: list | None = None, variables: dict | None = None) -> str:
-        """The conversation rendered with a generation prompt; ``variables`` go to the template as
-        they are (a request's ``chat_template_kwargs``)."""
-        kwargs = {**(variables or {}), **({"tools": tools} if tools else {}), **self._source()}
-        shown = [_for_template(m) for m in messages]
-        try:
-            return self.tok.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **kwargs)
-        except Exception as exc:  # the template is the model's code: any failure of it is the template's
-            raise SessionTemplateError(
-                f"the chat template cannot render the conversation: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-@functools.lru_cache(maxsize=8)
-def _for_run(tokenizer, path: str | None, tool_setting: str, reasoning_setting: str) -> ChatTemplate:
-    if path is not None:
-        try:
-            source = open(path, encoding="utf-8").read()
-        except OSError as exc:
-            raise Rejected(
-                f"--rollout-chat-template: cannot read {path!r}: {exc}; give a Jinja template file"
-            ) from None
-    else:
-        source = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-        if not isinstance(source, str) or not source:
-            raise Rejected(
-                "the worker's tokenizer has no chat template (one template string) for a session; give one with "
-                "--rollout-chat-template FILE"
-            )
-    parser = ReplyParser(tool_setting, reasoning_setting, source, tokenizer)
-    return ChatTemplate(tokenizer, source if path is not None else None, parser)
-
-
-def _for_template(message: dict) -> dict:
-    """``message`` as the template gets it: each call's ``arguments``, a JSON string in OpenAI's shape,
-    as the object it encodes (what Hugging Face templates render: docs/design.md section 12)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    shown = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        try:
-            decoded = json.loads(arguments) if isinstance(arguments, str) else None
-        except ValueError:
-            decoded = None
-        shown.append({**call, "function": {**function, "arguments": decoded}} if isinstance(decoded, dict) else call)
-    return {**message, "tool_calls": shown}
 
 
 def message_key(message) -> dict:

@@ -35,7 +35,8 @@ import orjson
 
 from rollout_worker.failures import Rejected, Transient
 from rollout_worker.openai_chat import completion, error_body, parse_request
-from rollout_worker.session import Session, SessionError
+from rollout_worker.session import Session
+from rollout_worker.session_errors import SessionError
 from shared.config import Config
 
 log = logging.getLogger("centerline.worker")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from router_proxy import sglang_response
+from router_proxy import sglang_response, versions
 from shared.contract import ContractViolation
 from shared.response_arrays import ResponseArrays, cached_count
 
@@ -31,7 +31,7 @@ def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arr
     return ResponseArrays(
         texts=sglang_response.response_texts(doc, endpoint),
         finish_reasons=sglang_response.finish_reasons(metas),
-        weight_versions=sglang_response.weight_versions(metas),
+        weight_versions=versions.weight_versions(metas),
         prompt_ids=sglang_response.prompt_token_ids(doc) if endpoint == "chat" else None,
         offsets=offsets,
         response_ids=ids,
@@ -39,7 +39,7 @@ def from_parsed(doc, metas: list[dict], endpoint: str, *, mode: str, k: int, arr
         cand_ids=cand_ids,
         cand_logprobs=cand_logprobs,
         cached_tokens=[cached_count(meta.get("cached_tokens")) for meta in metas],
-        token_versions=sglang_response.token_versions(metas),
+        token_versions=versions.token_versions(metas),
     )
 
 

@@ -1,6 +1,5 @@
 """The router proxy (docs/design.md section 7): the candidate contract enforced between rollouts and SGLang.
-
-    centerline proxy --upstream http://127.0.0.1:30001 --port 30010 [--vocab-size V] [config flags]
+Its routes and their state are here; the command, ``centerline proxy``, is ``router_proxy/main.py``.
 
 - POST /generate and /v1/chat/completions: training requests are rewritten to the contract
   (``rewrite.py``), forwarded, and their responses audited (``audit.py``) before anyone sees
@@ -27,27 +26,22 @@ than the audit itself. ``centerline bench proxy`` measures the result.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import gc
 import logging
-import os
-import signal
-import sys
 import time
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router_proxy import answer, candidate_scan
+from router_proxy import answer
 from router_proxy.audit import audit_body
 from router_proxy.events import AuditPublisher, ProxyMetrics
-from router_proxy.front import Front, Reply, Request
+from router_proxy.front import Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
 from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
-from router_proxy.upstream import UpstreamPool, UpstreamTooLarge, upstream_key_from_env
-from shared import admin_key, logs, response_arrays
-from shared.config import ENV_PREFIX, Config, add_arguments, load_toml, parse_args
+from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
+from shared import response_arrays
+from shared.config import Config
 from shared.contract import ContractViolation, k_above_vocab
 from shared.settings import ProxySettings
 
@@ -98,7 +92,6 @@ ADMIN_PREFIXES = (
 # What SGLang and its router answer a request they will never serve as it is (a prompt longer
 # than the context, top_k above the sampling-mask limit, a field the router's schema refuses).
 REFUSED = frozenset({400, 413, 422})
-SHUTDOWN_GRACE_S = 10.0  # requests in progress at SIGTERM get this long to finish
 
 
 class Proxy:
@@ -393,62 +386,3 @@ def _verdict(v: ContractViolation) -> str:
 
 def _error(status: int, v: ContractViolation, headers: list | None = None) -> Reply:
     return status, orjson.dumps({"error": v.to_dict()}), JSON, headers or []
-
-
-async def run(proxy: Proxy) -> None:
-    """Serve on the settings' host and port until SIGTERM or SIGINT, then finish the requests in
-    progress (up to ``SHUTDOWN_GRACE_S``) and stop."""
-    host, port = proxy.settings.host, proxy.settings.port
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    await proxy.start()
-    front = Front(proxy.handle, max_body_bytes=proxy.settings.max_request_body_bytes)
-    await front.start(host, port)
-    # start-up objects (numpy, prometheus, ...) leave the GC's view: later collections only walk request garbage
-    gc.freeze()
-    log.warning(
-        "proxy on http://%s:%d -> %s (%s; candidate rows scanned by the %s scanner%s)",
-        host,
-        port,
-        proxy.upstream,
-        proxy.contract,
-        candidate_scan.SCANNER or "no",
-        ""
-        if candidate_scan.SCANNER == "c"
-        else ": router_proxy/_rowscan.c is not built, pip install it with a C compiler",
-    )
-    await stopping.wait()
-    await front.shutdown(SHUTDOWN_GRACE_S)
-    await proxy.stop()
-
-
-def main(argv: list[str]) -> int:
-    """`centerline proxy`: serve the contract-enforcing proxy in front of an SGLang router or server."""
-    parser = argparse.ArgumentParser(prog="centerline proxy", description=main.__doc__)
-    add_arguments(parser, ProxySettings)
-    args, cfg, settings = parse_args(parser, argv, section=ProxySettings)
-    logs.setup("proxy")
-    nats_url = cfg.nats_url if _nats_configured(args) else None
-    try:
-        api_key = upstream_key_from_env()
-    except admin_key.AdminKeyError as exc:
-        print(f"centerline proxy: {exc}", file=sys.stderr)
-        return 2
-    try:
-        proxy = Proxy(settings, cfg, nats_url=nats_url, upstream_api_key=api_key)
-    except ValueError as exc:
-        print(f"centerline proxy: --upstream: {exc}", file=sys.stderr)
-        return 2
-    import uvloop
-
-    uvloop.run(run(proxy))
-    return 0
-
-
-def _nats_configured(args: argparse.Namespace) -> bool:
-    """Audit events go to NATS only when a URL was given (flag, TOML or environment), not by default."""
-    if "nats_url" in vars(args) or ENV_PREFIX + "NATS_URL" in os.environ:
-        return True
-    return "config" in vars(args) and "nats_url" in load_toml(args.config)

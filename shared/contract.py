@@ -14,7 +14,8 @@ from collections.abc import Container
 
 import numpy as np
 
-from shared.wire import ARRAY_FIELDS, DTYPES, MODES, Batch
+from shared.msgpack_arrays import DTYPES
+from shared.wire import ARRAY_FIELDS, MODES, Batch
 
 # Probability-mass tolerance of the contract (docs/design.md section 5). Log-probs may exceed 0 by
 # the same amount: log_softmax in float32 can round a near-certain token to a tiny positive.

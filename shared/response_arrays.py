@@ -1,11 +1,11 @@
 """An audited SGLang response as the arrays a rollout worker packs: the proxy's binary answer.
 
     training request with  Accept: application/x-centerline-arrays
-    -> the proxy parses and audits SGLang's JSON once -> ResponseArrays -> encode (shared/wire.py)
+    -> the proxy parses and audits SGLang's JSON once -> ResponseArrays -> encode (shared/msgpack_arrays.py)
     -> Content-Type: application/x-centerline-arrays -> the worker decodes: views, no parse
 
 A client that does not name this media type in ``Accept`` gets SGLang's JSON bytes unchanged.
-The message is one msgpack map in the array encoding of the wire format (``wire.encode_map``,
+The message is one msgpack map in the array encoding of the wire format (``shared/msgpack_arrays.py``,
 docs/design.md section 4); it holds what ``rollout_worker/packing.py`` reads and nothing else:
 
 | field | type | meaning |
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared import wire
+from shared import msgpack_arrays
 
 # SGLang's weight version until an update names one, and again after a restart: the server
 # then serves its --model-path, the trainer's initial model, which is version 0. Where that
@@ -51,7 +51,7 @@ ARRAYS = {
     "cand_logprobs": "float32",
 }
 # Texts are as long as the response: no string limit below the message's own size.
-LIMITS = wire.WireLimits(max_str_len=wire.WireLimits().max_message_bytes)
+LIMITS = msgpack_arrays.WireLimits(max_str_len=msgpack_arrays.WireLimits().max_message_bytes)
 
 
 @dataclass
@@ -104,51 +104,61 @@ def encode(r: ResponseArrays) -> bytes:
     if r.prompt_ids is not None:
         del head["prompt_ids"]
         arrays["prompt_ids"] = (np.asarray(r.prompt_ids, np.int32), "int32")
-    return wire.encode_map(head, arrays)
+    return msgpack_arrays.encode_map(head, arrays)
 
 
 def decode(data: bytes) -> ResponseArrays:
-    """Read an ``encode``d message; ``wire.WireError`` naming the field for anything else, so
+    """Read an ``encode``d message; ``msgpack_arrays.WireError`` naming the field for anything else, so
     that a sample can never be read out of step with its arrays."""
-    doc = wire.decode_map(data, limits=LIMITS)
+    doc = msgpack_arrays.decode_map(data, limits=LIMITS)
     version = doc.get("v")
     if type(version) is not int or version != VERSION:
-        raise wire.WireError(f"arrays message version {version!r} is not supported; this decoder reads {VERSION}")
-    values = {name: wire.array_value(doc, name, dtype, LIMITS) for name, dtype in ARRAYS.items()}
+        raise msgpack_arrays.WireError(
+            f"arrays message version {version!r} is not supported; this decoder reads {VERSION}"
+        )
+    values = {name: msgpack_arrays.array_value(doc, name, dtype, LIMITS) for name, dtype in ARRAYS.items()}
     texts, reasons, versions = (doc.get(name) for name in ("texts", "finish_reasons", "weight_versions"))
     if not (type(texts) is list and set(map(type, texts)) <= {str}):
-        raise wire.WireError("arrays message: texts must be a list of strings")
+        raise msgpack_arrays.WireError("arrays message: texts must be a list of strings")
     if not (type(reasons) is list and set(map(type, reasons)) <= {str, type(None)}):
-        raise wire.WireError("arrays message: finish_reasons must be a list of strings or nil")
+        raise msgpack_arrays.WireError("arrays message: finish_reasons must be a list of strings or nil")
     if not (type(versions) is list and set(map(type, versions)) <= {int}):
-        raise wire.WireError("arrays message: weight_versions must be a list of ints")
+        raise msgpack_arrays.WireError("arrays message: weight_versions must be a list of ints")
     offsets, ids, cand_ids = values["offsets"], values["response_ids"], values["cand_ids"]
     if offsets.ndim != 1 or not len(offsets) == len(texts) + 1 == len(reasons) + 1 == len(versions) + 1:
-        raise wire.WireError(f"arrays message: offsets of shape {offsets.shape} for {len(texts)} samples")
+        raise msgpack_arrays.WireError(f"arrays message: offsets of shape {offsets.shape} for {len(texts)} samples")
     n = len(ids) if ids.ndim == 1 else -1
     if n < 0 or offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) < 0).any():
-        raise wire.WireError(f"arrays message: offsets must rise from 0 to N={n}, one-dimensional response_ids")
+        raise msgpack_arrays.WireError(
+            f"arrays message: offsets must rise from 0 to N={n}, one-dimensional response_ids"
+        )
     shapes = [values[name].shape for name in ("sampled_logprobs", "cand_ids", "cand_logprobs")]
     if cand_ids.ndim != 2 or shapes != [(n,), (n, cand_ids.shape[1]), cand_ids.shape]:
-        raise wire.WireError(f"arrays message: per-token arrays of shapes {shapes}, expected [N], [N, K], [N, K]")
+        raise msgpack_arrays.WireError(
+            f"arrays message: per-token arrays of shapes {shapes}, expected [N], [N, K], [N, K]"
+        )
     cached = doc.get("cached_tokens")
     if cached is not None and not (
         type(cached) is list
         and len(cached) == len(texts)
         and all(c is None or cached_count(c) is not None for c in cached)
     ):
-        raise wire.WireError(f"arrays message: cached_tokens must be absent or {len(texts)} counts (ints >= 0 or nil)")
+        raise msgpack_arrays.WireError(
+            f"arrays message: cached_tokens must be absent or {len(texts)} counts (ints >= 0 or nil)"
+        )
     token_versions = None
     if doc.get("token_versions") is not None:
-        token_versions = wire.array_value(doc, "token_versions", "int32", LIMITS)
+        token_versions = msgpack_arrays.array_value(doc, "token_versions", "int32", LIMITS)
         if token_versions.shape != (n,):
-            raise wire.WireError(f"arrays message: token_versions of shape {token_versions.shape}, expected [N]={n}")
+            raise msgpack_arrays.WireError(
+                f"arrays message: token_versions of shape {token_versions.shape}, expected [N]={n}"
+            )
     prompt = doc.get("prompt_ids")
     return ResponseArrays(
         texts=texts,
         finish_reasons=reasons,
         weight_versions=versions,
-        prompt_ids=None if prompt is None else wire.array_value(doc, "prompt_ids", "int32", LIMITS).tolist(),
+        prompt_ids=None if prompt is None else msgpack_arrays.array_value(doc, "prompt_ids", "int32", LIMITS).tolist(),
         **values,
         cached_tokens=cached,
         token_versions=token_versions,

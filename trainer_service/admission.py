@@ -39,9 +39,10 @@ import math
 from dataclasses import dataclass
 
 from shared.contract import ContractViolation, check_batch
-from shared.wire import Batch, WireError, decode_batch
+from shared.msgpack_arrays import WireError
+from shared.wire import Batch, decode_batch
 from trainer_service.heldout import heldout_step
-from trainer_service.ledger import Groups, Held, task_step
+from trainer_service.ledger import GroupLedger, HeldPart, task_step
 
 DUPLICATE_ATTEMPT = "duplicate_attempt"
 SPLIT_CONFLICT, FOREIGN_RUN = "split_conflict", "foreign_run"
@@ -82,7 +83,7 @@ class Admission:
 
 
 def admission(
-    data: bytes, seq: int, version: int, *, groups: Groups, settings: GateSettings, msg_id: str = ""
+    data: bytes, seq: int, version: int, *, groups: GroupLedger, settings: GateSettings, msg_id: str = ""
 ) -> Admission:
     """Decide what the gate does with the message ``data`` at stream sequence ``seq`` when the
     trainer holds weight version ``version``; a pure function of the message, ``groups`` (the
@@ -171,7 +172,7 @@ def admission(
     return Admission(HOLD, bid, batch)
 
 
-def conflict(batch: Batch, held: list[Held], n: int) -> str:
+def conflict(batch: Batch, held: list[HeldPart], n: int) -> str:
     """Why part ``batch`` cannot join the parts ``held`` of its attempt as one split of one group
     of ``n`` samples, or ""; the first part of a sampling to arrive decides which split is held."""
     where = f"{batch.batch_id!r} (attempt {batch.attempt} of task {batch.task_id!r}, {batch.num_samples} samples)"

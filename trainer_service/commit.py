@@ -19,7 +19,7 @@ from shared.batch_algebra import concat_batches
 from shared.contract import sample_turns
 from shared.wire import REWARD_COMPONENTS, encode_batch
 from trainer_service import journal
-from trainer_service.ledger import Held, kept_entries, ledger_entries
+from trainer_service.ledger import HeldPart, kept_entries, ledger_entries
 from trainer_service.policy import StepCommand
 
 log = logging.getLogger("centerline.trainer")
@@ -71,7 +71,7 @@ class Step:
 
     before: TrainerState
     after: TrainerState  # what the step's checkpoint holds
-    held: list[Held]  # the step's batches, in arrival order
+    held: list[HeldPart]  # the step's batches, in arrival order
     metrics: dict  # the policy's: loss metrics, grad norm, train_s, save_s
     weights: Path | None  # the weight version written this step, None when it did not sync
 
@@ -79,7 +79,7 @@ class Step:
 def commit_step(
     policy,
     state: TrainerState,
-    held: list[Held],
+    held: list[HeldPart],
     *,
     weight_sync_interval: int,
     next_task_step: int,

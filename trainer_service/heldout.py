@@ -39,7 +39,7 @@ import orjson
 from shared import names
 from shared.nats_client import publish_acked
 from shared.task import PromptTask
-from trainer_service.ledger import Held
+from trainer_service.ledger import HeldPart
 from trainer_service.tasks import Example
 
 log = logging.getLogger("centerline.trainer.heldout")
@@ -73,8 +73,8 @@ class Round:
     version: int  # the trainer's weight version when it was scheduled
     started: float  # time.monotonic()
     results: dict[str, tuple[float, int]] = field(default_factory=dict)  # task_id -> (reward, weight version)
-    attempts: dict[tuple[str, int], list[Held]] = field(default_factory=dict)  # incomplete attempts' parts
-    held: list[Held] = field(default_factory=list)  # every part kept, acked once the round is recorded
+    attempts: dict[tuple[str, int], list[HeldPart]] = field(default_factory=dict)  # incomplete attempts' parts
+    held: list[HeldPart] = field(default_factory=list)  # every part kept, acked once the round is recorded
 
 
 class Evaluator:
@@ -96,7 +96,7 @@ class Evaluator:
         self.rows_dir = rows_dir  # each row's result, durable before its batch is acked; None: acked per round
         self.rounds: dict[int, Round] = {}  # open rounds by step
         self.closed: set[int] = set()  # steps recorded or given up by this process, and those eval.jsonl holds
-        self.settled: list[Held] = []  # parts of rows written to rows_dir, for the gate to ack
+        self.settled: list[HeldPart] = []  # parts of rows written to rows_dir, for the gate to ack
 
     def rows_path(self, step: int) -> Path | None:
         return None if self.rows_dir is None else self.rows_dir / f"{step}.jsonl"
@@ -121,7 +121,7 @@ class Evaluator:
                 continue
             round_.results[row["task_id"]] = (row["reward"], row["version"])
 
-    def take_settled(self) -> list[Held]:
+    def take_settled(self) -> list[HeldPart]:
         settled, self.settled = self.settled, []
         return settled
 
@@ -183,7 +183,7 @@ class Evaluator:
         if step % self.every == 0:
             await self.schedule(js, step, version)
 
-    def admit(self, held: Held) -> str:
+    def admit(self, held: HeldPart) -> str:
         """Keep a held-out part for its round: "" when kept (or a redelivery of a kept one), else the
         rule it is dropped under (``LATE``: its round is recorded, given up, or not this process's;
         ``DUPLICATE_ROW``: its row has a result from another attempt)."""
@@ -237,6 +237,6 @@ class Evaluator:
             "eval_s": round(now - r.started, 3),
         }
 
-    def parts(self) -> list[Held]:
+    def parts(self) -> list[HeldPart]:
         """Every part kept by an open round (for in-progress acks and a release)."""
         return [h for r in self.rounds.values() for h in (*r.held, *(h for p in r.attempts.values() for h in p))]

@@ -20,7 +20,7 @@ import msgpack
 
 from shared.wire import decode_batch
 from trainer_service.checkpoint import fsync_dir
-from trainer_service.ledger import Held
+from trainer_service.ledger import HeldPart
 
 PREFIX = "step-"
 
@@ -30,7 +30,7 @@ def path_of(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step + 1:06d}.bin"
 
 
-def write(root: Path, step: int, next_task_step: int, held: list[Held]) -> Path:
+def write(root: Path, step: int, next_task_step: int, held: list[HeldPart]) -> Path:
     """Rank 0: make step index ``step``'s record durable (before its batches are acked)."""
     from shared.wire import encode_batch
 
@@ -51,7 +51,7 @@ def write(root: Path, step: int, next_task_step: int, held: list[Held]) -> Path:
     return final
 
 
-def pending(root: Path, after: int) -> list[tuple[int, int, list[Held]]]:
+def pending(root: Path, after: int) -> list[tuple[int, int, list[HeldPart]]]:
     """The records from step index ``after`` on, in order, without a gap: each as
     ``(step, next_task_step, held)``, the parts as the gate held them (no message: they were acked)."""
     out = []
@@ -60,7 +60,7 @@ def pending(root: Path, after: int) -> list[tuple[int, int, list[Held]]]:
         record = msgpack.unpackb(path.read_bytes(), raw=False)
         if record["step"] != step:
             raise ValueError(f"{path} holds step {record['step']}, expected {step}; remove the journal directory")
-        held = [Held(None, decode_batch(data), int(seq)) for seq, data in record["parts"]]
+        held = [HeldPart(None, decode_batch(data), int(seq)) for seq, data in record["parts"]]
         out.append((step, int(record["next_task_step"]), held))
         step += 1
     return out

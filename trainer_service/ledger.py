@@ -21,7 +21,7 @@ from shared.wire import Batch
 
 
 @dataclass(slots=True)
-class Held:
+class HeldPart:
     """A part the gate holds: accepted, not yet trained, and the message to ack once its step is committed."""
 
     msg: object
@@ -33,7 +33,7 @@ class Held:
 class Attempt:
     """The parts of one attempt of a task that arrived so far."""
 
-    parts: dict[str, Held] = field(default_factory=dict)  # batch_id -> part
+    parts: dict[str, HeldPart] = field(default_factory=dict)  # batch_id -> part
     first: float = 0.0  # time.monotonic() when its first part arrived
 
 
@@ -65,7 +65,7 @@ def kept_entries(ledger: dict[str, dict], first_step: int) -> dict[str, dict]:
     return {t: e for t, e in ledger.items() if (s := task_step(t)) is None or s >= first_step}
 
 
-def ledger_entries(held: list[Held], step: int) -> dict[str, dict]:
+def ledger_entries(held: list[HeldPart], step: int) -> dict[str, dict]:
     """The ledger entries of the complete attempts ``held`` (every part of each), trained at ``step``."""
     out: dict[str, dict] = {}
     for h in held:
@@ -74,24 +74,25 @@ def ledger_entries(held: list[Held], step: int) -> dict[str, dict]:
     return out
 
 
-class Groups:
-    """Every task group the gate knows, by state: trained (the ledger), held whole for the current
-    step, and pending (attempts still incomplete)."""
+class GroupLedger:
+    """Every task group the gate knows, by state: trained (``ledger``, saved in every checkpoint), held
+    whole for the current step (``held``, ``whole``), and pending (``pending``: attempts still
+    incomplete)."""
 
     def __init__(self, ledger: dict[str, dict], first_step: int = 0):
         self.ledger = ledger  # task_id -> {"attempt", "step", "parts": {batch_id: seq}}, saved in every checkpoint
         self.first_step = first_step  # parts of tasks published before this task step are expired_task
-        self.held: dict[str, Held] = {}  # batch_id -> part, of the attempts held whole, in arrival order
+        self.held: dict[str, HeldPart] = {}  # batch_id -> part, of the attempts held whole, in arrival order
         self.whole: dict[str, int] = {}  # task_id -> the attempt held whole for the step
         self.pending: dict[tuple[str, int], Attempt] = {}  # (task_id, attempt) -> its parts so far
 
-    def parts(self, task_id: str, attempt: int) -> dict[str, Held]:
+    def parts(self, task_id: str, attempt: int) -> dict[str, HeldPart]:
         if self.whole.get(task_id) == attempt:
             return {bid: h for bid, h in self.held.items() if h.batch.task_id == task_id}
         pending = self.pending.get((task_id, attempt))
         return pending.parts if pending else {}
 
-    def hold(self, part: Held, now: float) -> bool:
+    def hold(self, part: HeldPart, now: float) -> bool:
         """Keep an admitted part; True when it completes its attempt (then held for the step)."""
         key = (part.batch.task_id, part.batch.attempt)
         attempt = self.pending.setdefault(key, Attempt(first=now))
@@ -103,7 +104,7 @@ class Groups:
         self.whole[key[0]] = key[1]
         return True
 
-    def commit(self, step: int) -> tuple[list[Held], list[Held]]:
+    def commit(self, step: int) -> tuple[list[HeldPart], list[HeldPart]]:
         """The step is durable: its tasks join the ledger. Returns the step's parts (to ack) and
         the pending parts of other attempts of those tasks (to drop)."""
         trained = list(self.held.values())
@@ -113,7 +114,7 @@ class Groups:
         self.held, self.whole = {}, {}
         return trained, dropped
 
-    def forget_before(self, first_step: int) -> list[Held]:
+    def forget_before(self, first_step: int) -> list[HeldPart]:
         """Keep only the tasks of task step ``first_step`` on (``kept_entries``); returns the pending
         parts of older tasks, which the gate refuses as ``expired_task`` like any part of them."""
         self.first_step = max(self.first_step, first_step)
@@ -121,16 +122,21 @@ class Groups:
         old = [key for key in self.pending if (s := task_step(key[0])) is not None and s < self.first_step]
         return [h for key in old for h in self.pending.pop(key).parts.values()]
 
-    def expired(self, now: float, after: float) -> list[Held]:
+    def expired(self, now: float, after: float) -> list[HeldPart]:
         """Remove and return the parts of the attempts incomplete ``after`` seconds after their first part."""
         old = [key for key, attempt in self.pending.items() if now - attempt.first > after]
         return [h for key in old for h in self.pending.pop(key).parts.values()]
 
-    def release(self) -> list[Held]:
+    def release(self) -> list[HeldPart]:
         """Abandon the step and every pending attempt: all their parts, for redelivery."""
         out = [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
         self.held, self.whole, self.pending = {}, {}, {}
         return out
 
-    def every_part(self) -> list[Held]:
+    def every_part(self) -> list[HeldPart]:
         return [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
+
+
+# The names these had before, for trainer_service/gate.py, which another branch edits; remove both
+# once it says HeldPart and GroupLedger.
+Held, Groups = HeldPart, GroupLedger

@@ -176,7 +176,8 @@ def joined(messages: list[Message]) -> list[Message]:
 def summary(msg: Message) -> dict:
     """One message for people: where it came from and, for a wire-format batch, what it holds."""
     from shared.contract import oldest_trained_version, sample_turns
-    from shared.wire import WireError, decode_batch
+    from shared.msgpack_arrays import WireError
+    from shared.wire import decode_batch
 
     out = {"subject": msg.subject, "seq": msg.seq, "time": msg.time, "headers": msg.headers, "bytes": len(msg.data)}
     try:

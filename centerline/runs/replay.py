@@ -167,7 +167,8 @@ async def republish(messages: list[Message], url: str, subject: str | None) -> d
 def step_groups(messages: list[Message], state: dict, steps_from: Path, limit: int | None) -> list[list[Message]]:
     """The recorded messages of each step after the checkpoint's, as ``steps_from`` lists them."""
     from shared import names
-    from shared.wire import WireError, decode_batch
+    from shared.msgpack_arrays import WireError
+    from shared.wire import decode_batch
 
     by_step = {}
     for _number, line in enumerate(steps_from.read_bytes().splitlines(), 1):
@@ -275,7 +276,7 @@ def replay_steps(
 
     from trainer_service.admission import DROP, DUPLICATE, EXPIRED_TASK, HOLD, REJECT, GateSettings, admission
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
-    from trainer_service.ledger import Groups, Held, first_kept_step, kept_task_steps
+    from trainer_service.ledger import GroupLedger, HeldPart, first_kept_step, kept_task_steps
     from trainer_service.metrics import Metrics
 
     try:
@@ -284,7 +285,7 @@ def replay_steps(
         raise ReplayError(str(exc)) from None
     settings = GateSettings(policy.vocab_size, cfg)
     kept = kept_task_steps(cfg.max_inflight_steps, cfg.max_staleness, trainer.weight_sync_interval)
-    groups, counts = Groups(dict(state.ledger), first_kept_step(state.next_task_step, kept)), Counter()
+    groups, counts = GroupLedger(dict(state.ledger), first_kept_step(state.next_task_step, kept)), Counter()
     metrics = Metrics(trainer)
     stream = iter(messages)
     for n in range(len(groups_of) if groups_of is not None else sys.maxsize):
@@ -295,7 +296,7 @@ def replay_steps(
         for msg in groups_of[n] if groups_of is not None else stream:
             verdict = admission(msg.data, msg.seq, state.version, groups=groups, settings=settings)
             if verdict.action == HOLD:
-                groups.hold(Held(None, verdict.batch, msg.seq), 0.0)  # a whole group joins the step
+                groups.hold(HeldPart(None, verdict.batch, msg.seq), 0.0)  # a whole group joins the step
                 counts["accepted"] += 1
             elif verdict.action == DUPLICATE:
                 counts["duplicate"] += 1  # trained before the checkpoint

@@ -15,8 +15,9 @@ from rollout_worker.packing import samples_from_arrays
 from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
+from shared.msgpack_arrays import WireError, encode_map
 from shared.sampling import Sampling
-from shared.wire import ARRAY_FIELDS, Batch, WireError, encode_map
+from shared.wire import ARRAY_FIELDS, Batch
 from tests.json_samples import samples_from_response
 from tests.rollout_worker.test_packing import SELECTED, TASK, VOCAB, K, native, pack, pack_responses
 

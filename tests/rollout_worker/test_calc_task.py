@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from centerline.toy.sft import calc_call
 from centerline.toy.tokenizer import save_tokenizer
 from rollout_worker import environment
-from rollout_worker.session import ChatTemplate
+from rollout_worker.chat_template import ChatTemplate
 from rollout_worker.worker import Tokenizer, Worker
 from shared.config import Config
 from shared.contract import sample_turns

@@ -13,14 +13,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from centerline.toy.tokenizer import save_tokenizer
+from rollout_worker.chat_template import ChatTemplate
 from rollout_worker.packing import pack_trajectories
-from rollout_worker.session import (
-    ChatTemplate,
-    Session,
-    SessionBudgetError,
-    SessionHistoryError,
-    SessionTemplateError,
-)
+from rollout_worker.session import Session
+from rollout_worker.session_errors import SessionBudgetError, SessionHistoryError, SessionTemplateError
 from rollout_worker.session_transport import SessionChat, SessionClients
 from rollout_worker.worker import Rejected, Transient
 from shared.config import Config

@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from centerline.toy.tokenizer import save_tokenizer
-from rollout_worker.session import DECODE_CONTEXT, STAGES, ChatTemplate, Session
+from rollout_worker.chat_template import ChatTemplate
+from rollout_worker.session import DECODE_CONTEXT, STAGES, Session
 from rollout_worker.worker import Transient
 from tests.rollout_worker.test_session import IM_END, VOCAB, Engine, K, dummy_prefix_template, serve, text_ids
 

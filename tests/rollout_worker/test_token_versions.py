@@ -1,4 +1,4 @@
-"""Per-token weight versions (router_proxy/sglang_response.py ``token_versions``): SGLang's
+"""Per-token weight versions (router_proxy/versions.py ``token_versions``): SGLang's
 ``meta_info.weight_versions`` spans ``{version, start, end}`` travel through the proxy's audit
 and its binary answer into the batch's ``token_versions``; a span list that does not cover the
 sample's output positions exactly is a named ``malformed_response``, never repaired."""
@@ -14,6 +14,7 @@ from router_proxy import answer
 from router_proxy.audit import audit_body
 from shared import response_arrays
 from shared.contract import ContractViolation, check_batch
+from shared.msgpack_arrays import WireError
 from shared.wire import decode_batch, encode_batch
 from tests.rollout_worker.test_packing import VOCAB, K, native, pack
 
@@ -98,5 +99,5 @@ def test_the_binary_answer_refuses_token_versions_of_another_length():
     good = answer.from_body(orjson.dumps([item(3, [span("5", 0, 3)])]), "generate", mode="selected", k=K)
     assert good.token_versions.tolist() == [5, 5, 5]
     good.token_versions = np.array([5, 5], np.int32)
-    with pytest.raises(response_arrays.wire.WireError, match=r"token_versions of shape \(2,\), expected \[N\]=3"):
+    with pytest.raises(WireError, match=r"token_versions of shape \(2,\), expected \[N\]=3"):
         response_arrays.decode(response_arrays.encode(good))

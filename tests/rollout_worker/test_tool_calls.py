@@ -16,11 +16,13 @@ from transformers import AutoTokenizer
 
 from centerline.runs.report import summary
 from centerline.toy.tokenizer import save_tokenizer
-from rollout_worker.session import ChatTemplate, Session
+from rollout_worker.chat_template import ChatTemplate
+from rollout_worker.session import Session
 from rollout_worker.session_transport import SessionChat, SessionClients
 from shared.config import Config
 from shared.contract import check_batch
-from shared.wire import WireError, decode_batch, encode_batch
+from shared.msgpack_arrays import WireError
+from shared.wire import decode_batch, encode_batch
 from tests.rollout_worker.session_environments import ADD
 from tests.rollout_worker.test_session import IM_END, VOCAB, Engine, K, process, text_ids
 from trainer_service.commit import sample_shape

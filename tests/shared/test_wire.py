@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from centerline.synth import make_batch
 from shared.contract import ContractViolation, check_batch
-from shared.wire import ARRAY_FIELDS, Batch, WireError, WireLimits, decode_batch, encode_batch
+from shared.msgpack_arrays import WireError, WireLimits
+from shared.wire import ARRAY_FIELDS, Batch, decode_batch, encode_batch
 
 
 def assert_same_batch(a: Batch, b: Batch) -> None:

@@ -9,7 +9,7 @@ import pytest
 from centerline.synth import make_batch
 from shared.wire import decode_batch
 from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
-from trainer_service.ledger import Held
+from trainer_service.ledger import HeldPart
 
 
 class FakePolicy:
@@ -23,9 +23,9 @@ class FakePolicy:
         return {"loss": 0.5, "train_s": 1.0, "save_s": 2.0}, Path("w") if cmd.sync else None
 
 
-def held(batch_id: str, seq: int, version: int) -> Held:
+def held(batch_id: str, seq: int, version: int) -> HeldPart:
     batch = make_batch(samples=2, tokens_per_sample=3, k=4, vocab_size=32, batch_id=batch_id, weight_version=version)
-    return Held(None, batch, seq)
+    return HeldPart(None, batch, seq)
 
 
 def test_a_step_checkpoints_the_ledger_with_its_task_groups_and_advances_the_version_when_it_syncs():

@@ -18,7 +18,7 @@ from shared.config import Config
 from shared.wire import decode_batch, encode_batch
 from trainer_service.admission import DROP, DUPLICATE, HOLD, IGNORE, REJECT, GateSettings, admission
 from trainer_service.gate import Gate
-from trainer_service.ledger import Groups, Held
+from trainer_service.ledger import GroupLedger, HeldPart
 from trainer_service.tasks import attempts_base
 
 VOCAB, K = 64, 8
@@ -202,16 +202,16 @@ SETTINGS = GateSettings(VOCAB, CFG)
 
 def test_admission_is_decided_without_io_from_message_ledger_held_and_settings():
     data = encode_batch(batch("b-0"))
-    assert admission(data, 7, 3, groups=Groups({}), settings=SETTINGS).action == HOLD
+    assert admission(data, 7, 3, groups=GroupLedger({}), settings=SETTINGS).action == HOLD
     # the trained message again (a lost ack), or a copy recorded from the subject (no sequence)
     for seq in (7, 0):
-        assert admission(data, seq, 3, groups=Groups(trained(step=1)), settings=SETTINGS).action == DUPLICATE
-    groups = Groups({})
-    groups.hold(Held(None, batch("b-0"), 7), now=0.0)
+        assert admission(data, seq, 3, groups=GroupLedger(trained(step=1)), settings=SETTINGS).action == DUPLICATE
+    groups = GroupLedger({})
+    groups.hold(HeldPart(None, batch("b-0"), 7), now=0.0)
     assert admission(data, 7, 3, groups=groups, settings=SETTINGS).action == IGNORE
-    other = admission(data, 8, 3, groups=Groups(trained(step=1)), settings=SETTINGS)
+    other = admission(data, 8, 3, groups=GroupLedger(trained(step=1)), settings=SETTINGS)
     assert (other.action, other.rule) == (REJECT, "duplicate_batch")
-    wire = admission(b"\x81\xa1v\x02", 9, 3, groups=Groups({}), settings=SETTINGS, msg_id="m-9")
+    wire = admission(b"\x81\xa1v\x02", 9, 3, groups=GroupLedger({}), settings=SETTINGS, msg_id="m-9")
     assert (wire.action, wire.rule, wire.batch_id, wire.batch) == (REJECT, "wire", "m-9", None)
 
 
@@ -313,11 +313,11 @@ def test_an_attempt_whose_parts_never_all_arrive_is_dead_lettered_as_incomplete_
 
 
 def test_groups_expire_only_attempts_older_than_the_limit():
-    groups = Groups({})
+    groups = GroupLedger({})
     a = decode_batch(attempt_parts(1)[0])
     c = decode_batch(attempt_parts(2, seed=1)[0])
-    groups.hold(Held("m1", a, 1), now=10.0)
-    groups.hold(Held("m3", c, 3), now=15.0)
+    groups.hold(HeldPart("m1", a, 1), now=10.0)
+    groups.hold(HeldPart("m3", c, 3), now=15.0)
     assert [h.msg for h in groups.expired(now=16.0, after=6.0)] == []  # 6 s after m1 is not past the limit
     assert [h.msg for h in groups.expired(now=16.5, after=6.0)] == ["m1"]
     assert list(groups.pending) == [("T", 2)]
@@ -431,8 +431,8 @@ def test_two_samplings_of_one_attempt_split_differently_train_one_group_in_every
 def test_a_split_part_that_would_complete_its_attempt_short_of_n_samples_is_a_split_conflict():
     first, _ = sampling(1, (2,))
     _, late = sampling(1, (3,), seed=1)  # samples 3 to 4 of another split: with 0 to 2, 3 of 4 samples in 2 parts
-    groups = Groups({})
-    groups.hold(Held(None, decode_batch(first), 1), now=0.0)
+    groups = GroupLedger({})
+    groups.hold(HeldPart(None, decode_batch(first), 1), now=0.0)
     verdict = admission(late, 2, 3, groups=groups, settings=SETTINGS)
     assert (verdict.action, verdict.rule) == (REJECT, "split_conflict")
     assert verdict.reason == (

@@ -20,7 +20,7 @@ from tests.trainer_service.test_heldout import ROWS, heldout_batch
 from trainer_service.admission import REJECT, GateSettings, admission
 from trainer_service.gate import Gate, max_ack_pending
 from trainer_service.heldout import Evaluator
-from trainer_service.ledger import Groups
+from trainer_service.ledger import GroupLedger
 from trainer_service.tasks import Example, attempts_base
 
 
@@ -138,13 +138,15 @@ def test_a_batch_of_another_run_is_refused_by_name_before_anything_holds_it():
     ]
     assert "of run 'run1'; this trainer runs 'run2'" in rec.published[0][2]["reason"]
     # replay (no run id) judges every run's batches
-    assert admission(bytes(theirs.data), 3, 3, groups=Groups({}), settings=GateSettings(VOCAB, CFG)).action == "hold"
+    assert (
+        admission(bytes(theirs.data), 3, 3, groups=GroupLedger({}), settings=GateSettings(VOCAB, CFG)).action == "hold"
+    )
 
 
 def test_a_whole_batch_must_hold_rollout_n_distinct_samples():
     short = replace(batch("T"), task_id="T")
     three = encode_batch(replace(short, sample_ids=["a", "b", "c", "c"]))
-    verdict = admission(three, 3, 3, groups=Groups({}), settings=GateSettings(VOCAB, CFG))
+    verdict = admission(three, 3, 3, groups=GroupLedger({}), settings=GateSettings(VOCAB, CFG))
     assert (verdict.action, verdict.rule) == (REJECT, "group_size")
     assert verdict.reason == (
         "'T' is the whole group of attempt 1 of task 'T' with 4 samples, 3 of them distinct; "

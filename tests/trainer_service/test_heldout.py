@@ -18,7 +18,7 @@ from tests.trainer_service.test_gate import CFG, VOCAB, K, Msg, Recorder, batch
 from trainer_service.admission import HELDOUT, HOLD, REJECT, GateSettings, admission
 from trainer_service.gate import Gate
 from trainer_service.heldout import Evaluator, figure_name, heldout_id, heldout_step
-from trainer_service.ledger import Groups
+from trainer_service.ledger import GroupLedger
 from trainer_service.tasks import Example
 
 ROWS = [Example("ab=", "ba", "exact", {"id": 0}), Example("cd=", "dc", "exact", {"id": 1})]
@@ -78,9 +78,9 @@ def test_the_figure_is_accuracy_for_exact_single_turn_rows_else_mean_reward():
 def test_a_heldout_batch_never_reaches_a_step_whatever_its_age():
     settings = GateSettings(VOCAB, CFG)
     stale = heldout_batch(0, 0, 1.0, version=0)  # 3 versions behind a trainer at 3, --max-staleness 1
-    verdict = admission(encode_batch(stale), 5, 3, groups=Groups({}), settings=settings)
+    verdict = admission(encode_batch(stale), 5, 3, groups=GroupLedger({}), settings=settings)
     assert (verdict.action, verdict.batch_id) == (HELDOUT, stale.batch_id)
-    training = admission(encode_batch(batch()), 6, 3, groups=Groups({}), settings=settings)
+    training = admission(encode_batch(batch()), 6, 3, groups=GroupLedger({}), settings=settings)
     assert training.action == HOLD  # the same gate holds a training batch for the step
 
 
@@ -89,7 +89,7 @@ def test_a_heldout_batch_that_breaks_the_contract_is_rejected_not_scored():
     cand, cand_lp = np.array(bad.cand_ids), np.array(bad.cand_logprobs)
     cand[0, -1], cand_lp[0, -1] = -1, -np.inf  # a short candidate row
     short = replace(bad, cand_ids=cand, cand_logprobs=cand_lp)
-    verdict = admission(encode_batch(short), 5, 3, groups=Groups({}), settings=GateSettings(VOCAB, CFG))
+    verdict = admission(encode_batch(short), 5, 3, groups=GroupLedger({}), settings=GateSettings(VOCAB, CFG))
     assert (verdict.action, verdict.rule) == (REJECT, "short_row")
 
 

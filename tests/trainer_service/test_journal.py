@@ -17,7 +17,7 @@ from shared.settings import TrainerSettings
 from tests.trainer_service.conftest import global_batch
 from trainer_service import checkpoint, journal
 from trainer_service.commit import TrainerState, commit_step
-from trainer_service.ledger import LEDGER_TASK_STEPS, Held
+from trainer_service.ledger import LEDGER_TASK_STEPS, HeldPart
 from trainer_service.metrics import Metrics
 from trainer_service.policy import Policy
 from trainer_service.schedule import lr_factor
@@ -27,14 +27,14 @@ STEPS, EVERY = 5, 3
 CFG = Config(rollout_top_logprobs_num=8, learning_rate=1e-3)
 
 
-def parts(step: int) -> list[Held]:
+def parts(step: int) -> list[HeldPart]:
     """Step ``step``'s two task groups, each one part of attempt 1."""
     out = []
     for g in range(2):
         batch = global_batch(samples=2)
         task = f"t{step}-{g}"
         advantages = np.array([1.0 + step, -0.5 - g], np.float32)
-        out.append(Held(None, replace(batch, batch_id=task, task_id=task, advantages=advantages), 10 * step + g))
+        out.append(HeldPart(None, replace(batch, batch_id=task, task_id=task, advantages=advantages), 10 * step + g))
     return out
 
 

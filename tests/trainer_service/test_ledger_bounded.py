@@ -17,8 +17,8 @@ from trainer_service.commit import TrainerState, commit_step
 from trainer_service.gate import Gate
 from trainer_service.ledger import (
     LEDGER_TASK_STEPS,
-    Groups,
-    Held,
+    GroupLedger,
+    HeldPart,
     first_kept_step,
     kept_entries,
     kept_task_steps,
@@ -63,7 +63,7 @@ def test_forgetting_keeps_the_tasks_of_the_first_kept_step_on_and_ids_without_a_
 
 
 def test_a_part_of_a_task_older_than_the_ledger_keeps_is_refused_before_the_ledger_is_asked():
-    groups = Groups({"r/9/0": entry(9)}, first_step=10)
+    groups = GroupLedger({"r/9/0": entry(9)}, first_step=10)
     settings = GateSettings(VOCAB, CFG, "r")
     old = admission(encode_batch(part("r/9/0")), 7, 3, groups=groups, settings=settings)
     assert (old.action, old.rule) == (REJECT, EXPIRED_TASK)  # not DUPLICATE, though the ledger still has it
@@ -112,9 +112,9 @@ def test_a_long_run_keeps_the_ledger_of_a_bounded_number_of_task_steps():
     """2,000 steps of 8 tasks each: the checkpointed ledger and the gate's hold the last kept task
     steps' tasks, not every task of the run."""
     kept = kept_task_steps(1, 1)
-    state, groups = TrainerState(run_id="r"), Groups({})
+    state, groups = TrainerState(run_id="r"), GroupLedger({})
     for step in range(2000):
-        held = [Held(None, part(f"r/{step}/{i}"), seq=8 * step + i) for i in range(8)]
+        held = [HeldPart(None, part(f"r/{step}/{i}"), seq=8 * step + i) for i in range(8)]
         for h in held:
             assert groups.hold(h, 0.0)
         after = commit_step(

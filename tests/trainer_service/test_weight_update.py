@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from router_proxy.sglang_response import token_versions
+from router_proxy.versions import token_versions
 from tests.processes import ENV, REPO, http, wait_until
 from trainer_service.weights import WeightPublisher
 
