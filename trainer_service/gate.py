@@ -59,7 +59,7 @@ from trainer_service.admission import (
     run_of,
 )
 from trainer_service.heldout import LATE, heldout_step
-from trainer_service.ledger import Groups, Held
+from trainer_service.ledger import GroupLedger, HeldPart
 from trainer_service.pieces import Broken, Pieces, Whole
 from trainer_service.tasks import times_republished
 
@@ -113,7 +113,7 @@ class Gate:
         self.max_republishes, self.clock = max_republishes, clock
         self.given_up = 0  # groups given up at republish_cap since ``gather`` last took them off its target
         self.settings = GateSettings(vocab_size, cfg, run_id)
-        self.groups = Groups(ledger, first_task_step)
+        self.groups = GroupLedger(ledger, first_task_step)
         self.pieces = Pieces(cfg.max_sample_bytes)  # parts larger than a message, being put together
         self.ack_wait, self.expire_after = ack_wait, EXPIRE_ACK_WAITS * ack_wait
         self.waited = 0.0  # seconds spent fetching: the clock an incomplete attempt expires by
@@ -127,7 +127,7 @@ class Gate:
         return self.groups.ledger
 
     @property
-    def held(self) -> dict[str, Held]:
+    def held(self) -> dict[str, HeldPart]:
         """The parts of the attempts held whole for the step, by batch_id."""
         return self.groups.held
 
@@ -272,7 +272,7 @@ class Gate:
         msg_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
         verdict = admission(bytes(msg.data), seq, version, groups=self.groups, settings=self.settings, msg_id=msg_id)
         if verdict.action == HOLD:
-            self.groups.hold(Held(msg, verdict.batch, seq), self.waited)
+            self.groups.hold(HeldPart(msg, verdict.batch, seq), self.waited)
             self.counts["accepted"] += 1
         elif verdict.action == DUPLICATE:  # trained and checkpointed, its ack was lost
             if await self.settle(msg, verdict.batch_id):
@@ -281,7 +281,7 @@ class Gate:
         elif verdict.action == DROP:
             await self.drop(msg, verdict.batch_id, verdict.rule, verdict.reason)
         elif verdict.action == HELDOUT:
-            rule = self.heldout.admit(Held(msg, verdict.batch, seq)) if self.heldout is not None else LATE
+            rule = self.heldout.admit(HeldPart(msg, verdict.batch, seq)) if self.heldout is not None else LATE
             if rule:
                 reason = (
                     f"held-out batch of task {verdict.batch.task_id!r}: its row has a result, or its round is closed"
@@ -351,7 +351,7 @@ class Gate:
         for b in self.pieces.expired(self.waited, self.expire_after):
             await self.broken(b)
         parts = self.groups.expired(self.waited, self.expire_after)
-        attempts: dict[tuple[str, int], list[Held]] = {}
+        attempts: dict[tuple[str, int], list[HeldPart]] = {}
         for h in parts:
             attempts.setdefault((h.batch.task_id, h.batch.attempt), []).append(h)
         for held in attempts.values():
@@ -465,7 +465,7 @@ class Gate:
         while True:
             await asyncio.sleep(interval)
             heldout = self.heldout.parts() if self.heldout is not None else []
-            parked = [Held(m, None, 0) for m in [*self.parked, *self.pieces.messages()]]
+            parked = [HeldPart(m, None, 0) for m in [*self.parked, *self.pieces.messages()]]
             for h in [*self.groups.every_part(), *heldout, *parked]:
                 try:
                     await self.consumer.in_progress(h.msg)

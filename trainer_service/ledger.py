@@ -135,8 +135,3 @@ class GroupLedger:
 
     def every_part(self) -> list[HeldPart]:
         return [*self.held.values(), *(h for a in self.pending.values() for h in a.parts.values())]
-
-
-# The names these had before, for trainer_service/gate.py, which another branch edits; remove both
-# once it says HeldPart and GroupLedger.
-Held, Groups = HeldPart, GroupLedger
