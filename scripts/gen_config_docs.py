@@ -1,4 +1,4 @@
-"""Write docs/config.md from the config schema (shared/config.py), or check it is current.
+"""Write docs/config.md from the settings models (shared/settings.py), or check it is current.
 
 python scripts/gen_config_docs.py          # rewrite docs/config.md
 python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is stale (run by make test)
@@ -27,8 +27,8 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `shared/config.py` and `shared/settings.py` by `scripts/gen_config_docs.py`; do not",
-        "edit by hand.",
+        "Generated from the models of `shared/settings.py` (each command's in its own module beside it) by",
+        "`scripts/gen_config_docs.py`; do not edit by hand.",
         "",
         "Every setting is a flag, a key of the TOML file given with `--config FILE`, and an",
         "environment variable; flags win over the environment, the environment over the file, the",

@@ -1,15 +1,17 @@
-"""Typed configuration shared by every service, one documented field per setting.
+"""How settings are read: flags, ``CENTERLINE_*`` variables and a TOML file, merged into the models
+of ``shared/settings.py``; and written back as TOML.
 
 Sources, highest precedence first (docs/design.md section 2): command-line flags, ``CENTERLINE_*``
-environment variables, a TOML file (``--config FILE``), then the defaults below: the environment
+environment variables, a TOML file (``--config FILE``), then the defaults: the environment
 beats a file, as in Docker and twelve-factor apps, so a deployment overrides one value of a mounted
 file with a variable. pydantic-settings merges them (``_build``); this module says where each is.
 Field ``rollout_top_logprobs_num`` is the flag ``--rollout-top-logprobs-num``, the TOML key
 ``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``.
 
 Services add their own flags (``--port``, ``--upstream``...) to their parser and call
-``add_arguments`` / ``resolve`` for the shared ones. The reference in ``docs/config.md`` is
-generated from this file by ``scripts/gen_config_docs.py``.
+``add_arguments`` / ``resolve`` for the shared ones. ``Config`` and the loss names are imported
+from here with the functions that read them. The reference in ``docs/config.md`` is generated
+from the models by ``scripts/gen_config_docs.py``.
 """
 
 from __future__ import annotations
@@ -25,220 +27,59 @@ import warnings
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 from pydantic_settings import EnvSettingsSource, InitSettingsSource
 
-from shared.sampling import Sampling
-from shared.settings import REFUSED, SECTIONS, Section, Settings, refuse_if
-from shared.streams import sample_max_bytes
+from shared.settings import (
+    IMPORTANCE_WEIGHTS,
+    LOSS_NAMES,
+    MAX_SAMPLE_BYTES,
+    MIS_HIGH,
+    MIS_LOW,
+    SECTIONS,
+    TIS_CLIP,
+    Config,
+    ImportanceWeight,
+    LossName,
+)
+from shared.settings_base import REFUSED, Section, Settings
+
+# The interface: how settings are read, and Config with the loss names (shared/settings.py) beside it.
+__all__ = [
+    "ENV_PREFIX",
+    "IMPORTANCE_WEIGHTS",
+    "LOSS_NAMES",
+    "MAX_SAMPLE_BYTES",
+    "MIS_HIGH",
+    "MIS_LOW",
+    "TIS_CLIP",
+    "Config",
+    "ConfigError",
+    "ImportanceWeight",
+    "LossName",
+    "add_arguments",
+    "check_section",
+    "deprecated",
+    "env_name",
+    "flag",
+    "invalid_setting",
+    "key_name",
+    "load_toml",
+    "main",
+    "parse_args",
+    "resolve",
+    "resolve_section",
+    "to_toml",
+]
 
 ENV_PREFIX = "CENTERLINE_"
-# The largest part of a batch the trainer puts together from pieces and holds: a sample of 250k tokens at K=128.
-MAX_SAMPLE_BYTES = 256 << 20
 S = TypeVar("S", bound=Section)
 M = TypeVar("M", bound=Settings)
-# The policy losses and score centering's importance weights, named here once: the flags' choices,
-# Config's fields below, LossSettings and the loss table LOSSES (trainer_service/loss.py), the
-# experiment's grid (centerline/experiments/staleness.py).
-LossName = Literal["score_centering", "reinforce", "tis"]
-ImportanceWeight = Literal["none", "tis", "mis"]
-LOSS_NAMES: tuple[LossName, ...] = typing.get_args(LossName)
-IMPORTANCE_WEIGHTS: tuple[ImportanceWeight, ...] = typing.get_args(ImportanceWeight)
-# The importance-weight options' defaults, here once: Config's fields below, and the keyword
-# defaults of LossSettings (trainer_service/loss.py).
-TIS_CLIP, MIS_LOW, MIS_HIGH = 2.0, 0.5, 5.0
 
 
 class ConfigError(ValueError):
     """A setting that cannot be honoured. The message names the flag, the value and the fix."""
-
-
-class Config(Settings):
-    """Every shared setting. Defaults run the embedded toy job."""
-
-    # Rollout: what the sampler must record (the candidate contract).
-    rollout_top_logprobs_num: int = Field(
-        128,
-        description="K: candidates recorded per generated token (top-K head, or the largest support allowed "
-        "in support mode).",
-    )
-    rollout_temperature: float = Field(
-        1.0, description="Sampling temperature; the trainer divides its logits by the same value. Must be > 0."
-    )
-    rollout_top_p: float = Field(
-        1.0, description="Nucleus filter. Below 1 is filtered sampling and needs --rollout-logprobs-mode support."
-    )
-    rollout_top_k: int = Field(
-        -1,
-        description="Top-k filter, -1 = off. Filtered sampling needs --rollout-logprobs-mode support and top_k <= K.",
-    )
-    rollout_min_p: float = Field(
-        0.0, description="Min-p filter. Only 0 is supported: the support it keeps is not recorded by SGLang."
-    )
-    rollout_logprobs_mode: Literal["selected", "support"] = Field(
-        "selected",
-        description="selected: unfiltered sampling, record the top-K head and model the tail; "
-        "support: filtered sampling, record the full realized support.",
-    )
-    rollout_endpoint: Literal["generate", "chat"] = Field(
-        "generate", description="SGLang endpoint for training requests: native /generate or /v1/chat/completions."
-    )
-    rollout_max_new_tokens: int = Field(
-        16, gt=0, description="Longest response, in tokens; in a multi-turn session, the longest turn."
-    )
-    rollout_session_max_tokens: int = Field(
-        1024,
-        description="A multi-turn session's token budget: its first prompt and every token after it. A turn that "
-        "could pass it is not run; the session ends after its last complete turn.",
-    )
-    max_sample_bytes: int = Field(
-        MAX_SAMPLE_BYTES,
-        description="Largest encoded part of a batch (one sample at least) carried to the trainer: above "
-        "max_payload it travels in pieces, above this it is dead-lettered as sample_too_large. It must hold "
-        "--rollout-session-max-tokens tokens of 13 + 8K bytes each, checked at start-up.",
-    )
-    rollout_n: int = Field(4, gt=0, description="Samples per prompt group (GRPO group size).")
-    rollout_tool_call_parser: str = Field(
-        "auto",
-        description="SGLang's tool-call parser (sglang.srt.function_call: hermes, qwen25, llama3, mistral, "
-        "pythonic, deepseekv3, kimi_k2, glm45, gpt-oss, ...) that turns a session reply's sampled call markup "
-        "into message.tool_calls. auto: SGLang's detection from the chat template, else hermes for a template "
-        "that writes `<tool_call>`; none, or auto finding none: a request with tools is refused naming this flag.",
-    )
-    rollout_reasoning_parser: str = Field(
-        "none",
-        description="SGLang's reasoning parser (qwen3, deepseek-r1, gpt-oss, ...) that moves a session reply's "
-        "think block into reasoning_content; auto: SGLang's detection from the chat template; none: it stays "
-        "in content.",
-    )
-    rollout_chat_template: str | None = Field(
-        None,
-        description="A Jinja chat template file that sessions render with in place of the tokenizer's own "
-        "(deploy/chat_templates/smollm2-tools.jinja renders tools for SmolLM2). Unset: the tokenizer's.",
-    )
-
-    # Loss (docs/design.md section 6).
-    loss: LossName = Field(
-        "score_centering",
-        description="Policy loss: score centering, or a baseline (plain REINFORCE, REINFORCE with TIS).",
-    )
-    score_centering_is: ImportanceWeight = Field(
-        "none", description="Importance weight f on p/q: none, truncated (tis) or masked (mis)."
-    )
-    score_centering_tis_clip: float = Field(
-        TIS_CLIP, gt=0, description="Clip c of the truncated importance weight min(r, c)."
-    )
-    score_centering_mis_low: float = Field(MIS_LOW, description="Lower bound of the masked importance weight.")
-    score_centering_mis_high: float = Field(MIS_HIGH, description="Upper bound of the masked importance weight.")
-    advantage_std_norm: bool = Field(
-        False, description="Divide GRPO group advantages by the group's standard deviation."
-    )
-
-    # Trainer.
-    max_staleness: int = Field(2, ge=0, description="Oldest accepted batch, in weight versions behind the trainer.")
-    max_inflight_steps: int = Field(
-        2,
-        ge=1,
-        description="Steps of prompt tasks published ahead of training; bounds staleness. 2: the engines sample "
-        "the next step while the trainer trains (batches at most one version stale); 1: on-policy, one at a time.",
-    )
-    learning_rate: float = Field(1e-4, description="Optimizer learning rate (AdamW).")
-    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
-
-    # Services.
-    nats_url: str = Field(
-        "nats://127.0.0.1:4222",
-        description="NATS server URL; a cluster's nodes comma-separated (nats://a:4222,nats://b:4222).",
-    )
-    nats_stream_replicas: int = Field(
-        1,
-        ge=1,
-        description="Copies of each JetStream stream, set by the trainer (and `centerline up`), which create "
-        "the streams: at most the cluster's JetStream nodes, 1 for a single server; 3 on a cluster of 3 "
-        "outlives the loss of a node.",
-    )
-    proxy_url: str = Field(
-        "http://127.0.0.1:30010", description="Router proxy URL the workers send training requests to."
-    )
-    proxy_audit_mode: Literal["enforce", "observe"] = Field(
-        "enforce",
-        description="enforce: an incomplete response becomes HTTP 502; observe: it passes with a verdict header.",
-    )
-    engine_urls: list[str] = Field(
-        default_factory=lambda: ["http://127.0.0.1:30000"],
-        description="Engine URLs the trainer sends weight updates to directly (never a router).",
-    )
-
-    @property
-    def sampling(self) -> Sampling:
-        """The sampling contract these settings state (shared/sampling.py), one object for every user."""
-        return Sampling(
-            k=self.rollout_top_logprobs_num,
-            temperature=self.rollout_temperature,
-            top_p=self.rollout_top_p,
-            top_k=self.rollout_top_k,
-            mode=self.rollout_logprobs_mode,
-        )
-
-    @property
-    def filtered(self) -> bool:
-        """Whether sampling filters the distribution (top-p or top-k)."""
-        return self.rollout_top_p < 1.0 or self.rollout_top_k > 0
-
-    @model_validator(mode="after")
-    def _honoured(self) -> Config:
-        """The settings the method cannot honour, in order; each refusal names the flag and the fix."""
-        k = self.rollout_top_logprobs_num
-        refuse_if(k <= 0, "rollout_top_logprobs_num", k, "K must be positive; 128 is typical")
-        refuse_if(
-            self.rollout_temperature <= 0,
-            "rollout_temperature",
-            self.rollout_temperature,
-            "greedy decoding has no sampling distribution to centre; use a temperature > 0",
-        )
-        refuse_if(not 0 < self.rollout_top_p <= 1, "rollout_top_p", self.rollout_top_p, "top-p must lie in (0, 1]")
-        refuse_if(
-            self.rollout_top_k == 0 or self.rollout_top_k < -1,
-            "rollout_top_k",
-            self.rollout_top_k,
-            "use -1 for no top-k filter or a positive k",
-        )
-        refuse_if(self.rollout_min_p != 0, "rollout_min_p", self.rollout_min_p, "min-p is not supported; set it to 0")
-        refuse_if(
-            self.filtered and self.rollout_logprobs_mode != "support",
-            "rollout_logprobs_mode",
-            self.rollout_logprobs_mode,
-            "filtered sampling (top-p < 1 or top-k set) needs --rollout-logprobs-mode support: a top-K head of the "
-            "unfiltered distribution does not describe what was sampled",
-        )
-        refuse_if(
-            self.rollout_logprobs_mode == "support" and not 0 < self.rollout_top_k <= k,
-            "rollout_top_k",
-            self.rollout_top_k,
-            f"support mode records the whole support in K={k} slots, so it needs 0 < --rollout-top-k <= K",
-        )
-        refuse_if(
-            self.rollout_session_max_tokens <= self.rollout_max_new_tokens,
-            "rollout_session_max_tokens",
-            self.rollout_session_max_tokens,
-            "a session's budget must leave room for a prompt and a turn: above --rollout-max-new-tokens",
-        )
-        refuse_if(
-            not 0 <= self.score_centering_mis_low < self.score_centering_mis_high,
-            "score_centering_mis_low",
-            self.score_centering_mis_low,
-            "needs 0 <= --score-centering-mis-low < --score-centering-mis-high",
-        )
-        most = sample_max_bytes(self)
-        refuse_if(
-            self.max_sample_bytes < most,
-            "max_sample_bytes",
-            self.max_sample_bytes,
-            f"a sample of --rollout-session-max-tokens {self.rollout_session_max_tokens} tokens at K={k} is up to "
-            f"{most} bytes and could never be trained; raise it, or lower the budget or K",
-        )
-        return self
 
 
 def flag(name: str) -> str:

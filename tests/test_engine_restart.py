@@ -25,7 +25,7 @@ import pytest
 from tests.processes import http, metrics_lines, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_STALENESS = 2  # the default (shared/config.py)
+MAX_STALENESS = 2  # the default (shared/settings.py)
 # The trainer's watch asks every 5 s (trainer_service/weights.py), then loads the toy model's
 # weights (well under a second); the router retries an engine's open circuit after 5 s
 # (centerline/sglang.py: ROUTER_CIRCUIT_RETRY_S).

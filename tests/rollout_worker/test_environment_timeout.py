@@ -1,5 +1,5 @@
 """The worker's deadline for a task's environment: the setting where given, else its default from
-the turn timeout and the session token budget (shared/settings.py, docs/design.md section 12)."""
+the turn timeout and the session token budget (shared/worker_settings.py, docs/design.md section 12)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,60 @@
+"""The base of every settings model: ``Settings``, a command's ``Section``, and ``refuse_if``.
+
+A model is typed fields with a description each; simple bounds are field constraints, a rule
+across fields the model's validator, a rule across a section and the shared settings its
+``check_with(cfg)``; each rule is one ``refuse_if``, whose refusal ``shared.config`` words as
+``--<flag> <value>: <fix>``. The models: the shared ``Config`` (``shared/settings.py``) and one
+``Section`` per command (``shared/trainer_settings.py``, ``worker_settings.py``,
+``proxy_settings.py``, ``up_settings.py``); how they are read: ``shared/config.py``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.config.invalid_setting words
+
+
+def refuse_if(failed: bool, name: str, value: object, fix: str) -> None:
+    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``Section.check_with``);
+    ``shared.config`` words the error as ``--<flag> <value>: <fix>``."""
+    if failed:
+        raise PydanticCustomError(REFUSED, fix.replace("{", "{{").replace("}", "}}"), {"setting": name, "value": value})
+
+
+class Settings(BaseSettings):
+    """Settings read by ``shared.config`` from the flags, the environment and the file, which
+    pydantic-settings merges (docs/config.md). Built in code, a model takes its keywords and defaults
+    only: no variable, ``.env`` file or secrets directory is read behind the caller's back."""
+
+    # case_sensitive: a key of the file or a keyword names its field exactly (variables: shared.config)
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, case_sensitive=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **others
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+class Section(Settings):
+    """The settings of one command: flags of ``command``, TOML table ``[name]``, ``CENTERLINE_<NAME>_<KEY>``."""
+
+    name: ClassVar[str]
+    command: ClassVar[str]
+    required: ClassVar[tuple[str, ...]] = ()
+    # old name -> field, for one release: the old flag, TOML key and variable still set the field,
+    # with a deprecation note (the held-out settings were once eval_*: docs/config.md)
+    renamed: ClassVar[dict[str, str]] = {}
+
+    def check_with(self, cfg) -> None:
+        """The rules across this section and the shared ``cfg``, each a ``refuse_if``."""
+
+
+def check_max_deliver(value: int) -> int:
+    """JetStream's ``max_deliver`` of the trainer's and the worker's consumers: -1 or at least 1."""
+    refuse_if(value != -1 and value < 1, "max_deliver", value, "must be at least 1, or -1 for no limit")
+    return value
