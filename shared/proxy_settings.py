@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from shared.settings_base import Section, refuse_if
+from shared.settings_base import LAUNCHED, Section, refuse_if
 
 # Proxy limits, defaults of the proxy's flags and of the classes in router_proxy that enforce them.
 MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
@@ -23,9 +23,9 @@ class ProxySettings(Section):
     command: ClassVar[str] = "centerline proxy"
     required: ClassVar[tuple[str, ...]] = ("upstream",)
 
-    upstream: str | None = Field(None, description="SGLang router or server URL. Required.")
+    upstream: str | None = Field(None, description="SGLang router or server URL. Required.", json_schema_extra=LAUNCHED)
     host: str = Field("127.0.0.1", description="Address to serve on.")
-    port: int = Field(30010, description="Port to serve on.")
+    port: int = Field(30010, description="Port to serve on.", json_schema_extra=LAUNCHED)
     vocab_size: int | None = Field(
         None, gt=0, description="Used when the upstream's /model_info reports no vocabulary size."
     )

@@ -29,7 +29,7 @@ from shared.proxy_settings import (
     ProxySettings,
 )
 from shared.sampling import Sampling
-from shared.settings_base import Section, Settings, refuse_if
+from shared.settings_base import LAUNCHED, Section, Settings, refuse_if
 from shared.streams import sample_max_bytes
 from shared.trainer_settings import LOSS_CHUNK_TOKENS, MICRO_BATCH_TOKENS, TrainerSettings
 from shared.up_settings import ReplaySettings, UpSettings
@@ -171,6 +171,7 @@ class Config(Settings):
     nats_url: str = Field(
         "nats://127.0.0.1:4222",
         description="NATS server URL; a cluster's nodes comma-separated (nats://a:4222,nats://b:4222).",
+        json_schema_extra=LAUNCHED,
     )
     nats_stream_replicas: int = Field(
         1,
@@ -178,9 +179,12 @@ class Config(Settings):
         description="Copies of each JetStream stream, set by the trainer (and `centerline up`), which create "
         "the streams: at most the cluster's JetStream nodes, 1 for a single server; 3 on a cluster of 3 "
         "outlives the loss of a node.",
+        json_schema_extra=LAUNCHED,
     )
     proxy_url: str = Field(
-        "http://127.0.0.1:30010", description="Router proxy URL the workers send training requests to."
+        "http://127.0.0.1:30010",
+        description="Router proxy URL the workers send training requests to.",
+        json_schema_extra=LAUNCHED,
     )
     proxy_audit_mode: Literal["enforce", "observe"] = Field(
         "enforce",
@@ -189,6 +193,7 @@ class Config(Settings):
     engine_urls: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:30000"],
         description="Engine URLs the trainer sends weight updates to directly (never a router).",
+        json_schema_extra=LAUNCHED,
     )
 
     @property

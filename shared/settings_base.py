@@ -15,6 +15,11 @@ from typing import ClassVar
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+# What `centerline up` does with a setting, said once on its field (``json_schema_extra``) and read by
+# centerline/up/run_spec.py: its flags, and what it fills in as a run starts.
+UP_FLAG = {"up": "flag"}  # a trainer setting `centerline up` takes as a flag too
+LAUNCHED = {"up": "launched"}  # filled in by `centerline up` as it starts a run: where the run ran, not what it is
+
 REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.config.invalid_setting words
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.settings_base import Section, check_max_deliver, refuse_if
+from shared.settings_base import LAUNCHED, UP_FLAG, Section, check_max_deliver, refuse_if
 
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
@@ -21,26 +21,36 @@ class TrainerSettings(Section):
     required: ClassVar[tuple[str, ...]] = ("model", "dataset", "run_dir")
     renamed: ClassVar[dict[str, str]] = {"eval_every": "heldout_every", "eval_timeout": "heldout_timeout"}
 
-    model: Path | None = Field(None, description="Initial HF model directory (weight version 0). Required.")
-    dataset: Path | None = Field(None, description="JSONL of {prompt, answer, reward, ...}. Required.")
-    run_dir: Path | None = Field(
-        None, description="Checkpoints, weight versions, metrics.jsonl and the run's config.toml. Required."
+    model: Path | None = Field(
+        None, description="Initial HF model directory (weight version 0). Required.", json_schema_extra=LAUNCHED
     )
-    steps: int = Field(100, ge=0, description="Train until this many steps are done.")
+    dataset: Path | None = Field(
+        None, description="JSONL of {prompt, answer, reward, ...}. Required.", json_schema_extra=LAUNCHED
+    )
+    run_dir: Path | None = Field(
+        None,
+        description="Checkpoints, weight versions, metrics.jsonl and the run's config.toml. Required.",
+        json_schema_extra=LAUNCHED,
+    )
+    steps: int = Field(100, ge=0, description="Train until this many steps are done.", json_schema_extra=UP_FLAG)
     train_seconds: float | None = Field(
         None,
         gt=0,
         description="Also stop, after the step in progress, once this many seconds have passed since training "
         "began; unset: no time limit.",
+        json_schema_extra=UP_FLAG,
     )
-    prompts_per_step: int = Field(8, ge=1, description="Prompt groups per step.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompt groups per step.", json_schema_extra=UP_FLAG)
     heldout_dataset: Path | None = Field(
         None,
         description="JSONL of held-out rows, the format of --dataset: one sample of each, drawn as training samples "
         "are, before training, every --heldout-every steps and after the last; scored, never trained, written to "
         "eval.jsonl as that step's held-out figure (docs/design.md section 9). Unset: no held-out evaluation.",
+        json_schema_extra=LAUNCHED,
     )
-    heldout_every: int = Field(25, ge=1, description="Evaluate the held-out rows every this many steps.")
+    heldout_every: int = Field(
+        25, ge=1, description="Evaluate the held-out rows every this many steps.", json_schema_extra=UP_FLAG
+    )
     heldout_timeout: float = Field(
         900.0,
         gt=0,
@@ -56,6 +66,7 @@ class TrainerSettings(Section):
         "finishes every request in flight, then flushes; in_place: pause with the requests kept in their batch, "
         "load, continue them on the KV cache built so far (no flush: tokens labelled with a new version may rest "
         "on KV of older ones, token_kv_unverified_share counts them).",
+        json_schema_extra=UP_FLAG,
     )
     weight_transport: Literal["disk", "distributed"] = Field(
         "disk",
@@ -64,6 +75,7 @@ class TrainerSettings(Section):
         "rank 0 broadcasts it to each engine through SGLang's distributed update (gloo on the CPU, NCCL on CUDA), "
         "no file read by the engine; an engine it fails to reach loads the version from disk instead. disk: every "
         "engine loads the version's directory (the engines must mount the run directory).",
+        json_schema_extra=UP_FLAG,
     )
     weight_master_address: str = Field(
         "127.0.0.1",

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.settings_base import Section, check_max_deliver
+from shared.settings_base import LAUNCHED, Section, check_max_deliver
 
 ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
 
@@ -42,6 +42,7 @@ class WorkerSettings(Section):
         False,
         description="On native /generate, render each prompt with the tokenizer's chat template as one user message "
         "with the generation prompt (the chat endpoint always has SGLang render it); off: the prompt's own tokens.",
+        json_schema_extra=LAUNCHED,
     )
     shutdown_grace: float = Field(30.0, ge=0, description="SIGTERM: seconds to finish the tasks in flight.")
     request_timeout: float = Field(600.0, gt=0, description="Seconds per proxy request (a session's turn too).")

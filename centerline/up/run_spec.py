@@ -3,15 +3,15 @@ the settings object that ``up``, ``centerline experiment`` and ``centerline benc
 
 ``parse`` reads `centerline up`'s flags: ``UpSettings`` (what is ``up``'s own: how many engines,
 workers, NATS nodes and trainer ranks, the task, the model cache...), the shared settings and the
-trainer's ``UP_TRAINER_FLAGS`` (``--steps``, ``--prompts-per-step``, ``--train-seconds``,
-``--heldout-every``, ``--weight-update``, ``--weight-transport``), which are the trainer's
-settings (table ``[trainer]``, variables ``CENTERLINE_TRAINER_*``). ``compose`` resolves the
+trainer's ``UP_TRAINER_FLAGS`` (``--steps``, ``--train-seconds``, ``--prompts-per-step``,
+``--heldout-every``, ``--weight-update``, ``--weight-transport``: the fields marked ``UP_FLAG``),
+which are the trainer's settings (table ``[trainer]``, variables ``CENTERLINE_TRAINER_*``). ``compose`` resolves the
 shared configuration and the table of every command the run starts (``up``, ``trainer``,
 ``worker``, ``proxy``) from one source, flags > ``CENTERLINE_*`` environment > TOML file > a
 job's defaults (``UP_DEFAULTS``: ``up`` trains 300 steps of 16 prompts where the trainer alone
 defaults to 100 of 8) > the settings' own defaults; each model is built once from them and its
 validators see the merged values. The launcher then fills in its launch settings (ports, NATS,
-the model and dataset it prepared: ``with_launch_settings``) and writes the spec to
+the model and dataset it prepared: ``with_launch_settings``, the fields marked ``LAUNCHED``) and writes the spec to
 ``RUN_DIR/config.toml`` with every table; each service starts with ``--config
 RUN_DIR/config.toml`` and its identity only.
 
@@ -47,6 +47,7 @@ from shared.config import (
     to_toml,
 )
 from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, UpSettings, WorkerSettings
+from shared.settings_base import LAUNCHED, UP_FLAG
 
 if typing.TYPE_CHECKING:
     from centerline.up.prepare import Prepared
@@ -106,8 +107,18 @@ def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Sectio
         raise invalid_setting(exc, section) from None
 
 
-# The trainer settings `centerline up` takes as flags too (the rest: its [trainer] table).
-UP_TRAINER_FLAGS = ("steps", "prompts_per_step", "train_seconds", "heldout_every", "weight_update", "weight_transport")
+def marked(model: type[BaseModel], mark: dict[str, str]) -> tuple[str, ...]:
+    """The fields of ``model`` whose ``json_schema_extra`` carries ``mark`` (``UP_FLAG``, ``LAUNCHED``:
+    shared/settings_base.py), in the model's order."""
+    return tuple(
+        name
+        for name, info in model.model_fields.items()
+        if isinstance(info.json_schema_extra, dict) and mark.items() <= info.json_schema_extra.items()
+    )
+
+
+# The trainer settings `centerline up` takes as flags too (the rest: its [trainer] table), marked UP_FLAG.
+UP_TRAINER_FLAGS = marked(TrainerSettings, UP_FLAG)
 # Settings whose default differs for this job, by table ("cfg": the shared ones), chosen so that the
 # default run learns on 2 CPU cores (centerline/up/launcher.py says why each).
 UP_DEFAULTS = {
@@ -248,13 +259,10 @@ def with_launch_settings(
     )
 
 
-# The settings ``with_launch_settings`` fills in: where a run ran, not what it is
-# (``centerline experiment`` compares the rest).
-LAUNCH_SETTINGS = {
-    "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
-    TrainerSettings.name: ("model", "dataset", "run_dir", "heldout_dataset"),
-    WorkerSettings.name: ("chat_template",),
-    ProxySettings.name: ("upstream", "port"),
+# The settings ``with_launch_settings`` fills in, marked LAUNCHED, by table ("": the shared ones): where a
+# run ran, not what it is (``centerline experiment`` compares the rest).
+LAUNCH_SETTINGS = {"": marked(Config, LAUNCHED)} | {
+    cls.name: names for cls in SECTIONS.values() if (names := marked(cls, LAUNCHED))
 }
 
 

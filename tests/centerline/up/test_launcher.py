@@ -13,7 +13,7 @@ from centerline import nats_users
 from centerline.up import launcher
 from centerline.up.prepare import Prepared
 from centerline.up.processes import service_env
-from centerline.up.run_spec import load, parse, with_launch_settings
+from centerline.up.run_spec import LAUNCH_SETTINGS, UP_TRAINER_FLAGS, load, parse, with_launch_settings
 from shared.config import add_arguments, parse_args
 from shared.settings import ProxySettings, TrainerSettings, WorkerSettings
 from trainer_service.service import write_run_config
@@ -194,6 +194,59 @@ def test_up_takes_the_trainers_weight_update_as_a_flag_above_its_table_and_write
     with pytest.raises(SystemExit) as exc:
         parse(["--weight-update", "pause"])
     assert exc.value.code == 2
+
+
+def test_up_takes_as_flags_the_trainer_settings_marked_up_flag_and_no_other(tmp_path, capsys):
+    assert UP_TRAINER_FLAGS == (
+        "steps",
+        "train_seconds",
+        "prompts_per_step",
+        "heldout_every",
+        "weight_update",
+        "weight_transport",
+    )
+    values = {"steps": 7, "train_seconds": 5.0, "prompts_per_step": 3, "heldout_every": 2}
+    values |= {"weight_update": "drain", "weight_transport": "distributed"}
+    argv = [item for name, value in values.items() for item in (f"--{name.replace('_', '-')}", str(value))]
+    spec = parse(argv)
+    assert {name: getattr(spec.trainer, name) for name in UP_TRAINER_FLAGS} == values
+    spec.write(tmp_path / "config.toml")
+    assert {name: getattr(load(tmp_path / "config.toml").trainer, name) for name in values} == values
+    with pytest.raises(SystemExit) as exc:
+        parse(["--max-grad-norm", "0.5"])  # a trainer setting without the mark: its [trainer] table only
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --max-grad-norm 0.5" in capsys.readouterr().err
+
+
+def test_with_launch_settings_changes_exactly_the_settings_marked_launched(tmp_path):
+    """``LAUNCH_SETTINGS`` is read from the fields' marks; the launcher fills in each, and nothing else."""
+    spec = parse(["--run-dir", str(tmp_path / "run")])
+    task = Prepared(tmp_path / "model", tmp_path / "train.jsonl", True, tmp_path / "heldout.jsonl")
+    launched = with_launch_settings(
+        spec,
+        task,
+        nats_url="nats://127.0.0.1:4999",
+        replicas=3,  # every value unlike the spec's, so that each shows as changed
+        engine_urls=["http://127.0.0.1:5000"],
+        router_url="http://127.0.0.1:5001",
+        proxy_url="http://127.0.0.1:5002",
+    )
+    before, after = tomllib.loads(spec.to_toml()), tomllib.loads(launched.to_toml())
+    changed = {"": {k for k, v in after.items() if not isinstance(v, dict) and before.get(k) != v}}
+    changed |= {
+        table: {k for k, v in values.items() if before[table].get(k) != v}
+        for table, values in after.items()
+        if isinstance(values, dict)
+    }
+    assert {table: names for table, names in changed.items() if names} == {
+        table: set(names) for table, names in LAUNCH_SETTINGS.items()
+    }
+    assert LAUNCH_SETTINGS == {
+        "": ("nats_url", "nats_stream_replicas", "proxy_url", "engine_urls"),
+        "trainer": ("model", "dataset", "run_dir", "heldout_dataset"),
+        "worker": ("chat_template",),
+        "proxy": ("upstream", "port"),
+    }
 
 
 def test_up_trains_300_steps_of_16_prompts_where_the_trainer_alone_defaults_to_100_of_8_and_any_source_wins(
