@@ -210,6 +210,58 @@ def test_no_engine_process_shows_the_key_on_its_command_line(stack):
         assert exec_in(engine, "sh", "-c", "ls -d /tmp/centerline-sglang-* 2>/dev/null || true").strip() == ""
 
 
+# A weight group of the distributed transport (trainer_service/broadcast.py), made by hand between
+# the trainer's container and an engine's: the trainer's end as the trainer makes it, the engine's
+# by SGLang's own init_custom_process_group, as /init_weights_update_group calls it.
+GROUP_TRAINER = """
+import socket, sys, torch
+from trainer_service.broadcast import Group, buckets, interface_towards
+own = interface_towards(socket.gethostbyname(socket.gethostname()))
+route = interface_towards("sglang_0")
+print("hostname-interface", own, "route-interface", route, flush=True)
+group = Group("trainer", "gloo", 120.0, "compose-check", route)
+print("port", group.port, flush=True)
+group.join()
+(bucket,) = buckets({"w": torch.arange(4, dtype=torch.float32)}, 1 << 20)
+group.send(bucket)
+print("sent", flush=True)
+"""
+GROUP_ENGINE = """
+import json, sys, torch, torch.distributed as dist
+from sglang.srt.utils.common import init_custom_process_group
+group = init_custom_process_group(
+    backend="gloo", init_method=f"tcp://trainer:{sys.argv[1]}", world_size=2, rank=1, group_name="compose-check"
+)
+flat = torch.empty(4)
+dist.broadcast(flat, src=0, group=group)
+print(json.dumps(flat.tolist()))
+"""
+
+
+def test_a_weight_group_joins_across_the_engines_network(stack):
+    """The trainer is on two networks; its host name resolves to its address on `default`, where
+    no engine is, so gloo's own choice of interface cannot be reached from an engine. The trainer's
+    end binds the interface its route to the engine leaves by, and the engine's end connects."""
+    trainer = subprocess.Popen(
+        ["docker-compose", "exec", "-T", "trainer", "python", "-c", GROUP_TRAINER],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, hostname_interface, _, route_interface = trainer.stdout.readline().split()
+        assert hostname_interface != route_interface  # the case the binding is for
+        port = trainer.stdout.readline().split()[1]
+        assert json.loads(exec_in("sglang_0", "python", "-c", GROUP_ENGINE, port).splitlines()[-1]) == [0, 1, 2, 3]
+        out, err = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0 and out.split() == ["sent"], err[-2000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate()
+
+
 def test_scaled_workers_take_tasks(stack):
     sh(SCALE)
     containers = sh("docker-compose ps -q rollout_worker").split()
