@@ -109,11 +109,12 @@ class Policy:
 
 
 def test_a_long_run_keeps_the_ledger_of_a_bounded_number_of_task_steps():
-    """2,000 steps of 8 tasks each: the checkpointed ledger and the gate's hold the last kept task
-    steps' tasks, not every task of the run."""
+    """Three times the kept task steps, 8 tasks each: the checkpointed ledger and the gate's hold
+    the last kept task steps' tasks, not every task of the run."""
     kept = kept_task_steps(1, 1)
+    steps = 3 * kept
     state, groups = TrainerState(run_id="r"), GroupLedger({})
-    for step in range(2000):
+    for step in range(steps):
         held = [HeldPart(None, part(f"r/{step}/{i}"), seq=8 * step + i) for i in range(8)]
         for h in held:
             assert groups.hold(h, 0.0)
@@ -129,5 +130,6 @@ def test_a_long_run_keeps_the_ledger_of_a_bounded_number_of_task_steps():
         groups.forget_before(first_kept_step(step + 2, kept))
         assert groups.ledger == after.ledger
         state = after
-    assert len(state.ledger) == 8 * (kept - 1)  # task steps 1745..1999 trained; 2000 published, not yet trained
-    assert min(task_step(t) for t in state.ledger) == 2001 - kept
+    # the kept task steps but the newest trained (``steps`` is published, not yet trained)
+    assert len(state.ledger) == 8 * (kept - 1)
+    assert min(task_step(t) for t in state.ledger) == steps + 1 - kept
