@@ -101,6 +101,59 @@ def contract(fig: dict) -> list[str]:
     return table(header, [row])
 
 
+def long_sample(fig: dict) -> list[str]:
+    """``bench long-sample``: a sample in pieces beside one in one message, and what they were checked to be."""
+    samples = fig["samples"]
+
+    def ms(seconds: float) -> str:
+        return f"{sig(seconds * 1e3)} ms"
+
+    rows = [
+        [
+            f"{name}: {s['tokens']:,} tokens",
+            mb(s["wire_bytes"]),
+            str(s["messages"]),
+            f"{ms(s['publish_s'])} ({sig(s['publish_mb_per_s'])} MB/s; encode and cut {ms(s['pack_s'])})",
+            f"{ms(s['admit_s'])} ({sig(s['admit_mb_per_s'])} MB/s; check alone {ms(s['check_s'])})",
+            ms(s["ack_s"]),
+            f"{ms(s['loopback_s'])} (memcpy {ms(s['memcpy_s'])})",
+            f"{sig(s['publish_to_loopback'])}x / {sig(s['admit_to_loopback'])}x",
+        ]
+        for name, s in samples.items()
+    ]
+    header = [
+        "sample",
+        "wire",
+        "messages",
+        "publish, every PubAck",
+        "fetch and admit",
+        "ack",
+        "same bytes over loopback",
+        "publish / admit vs loopback",
+    ]
+    whole = all(
+        s["sha256"] == s["admitted_sha256"] and s["gate_counts"] == {"accepted": fig["repeats"]}
+        for s in samples.values()
+    )
+    checked = (
+        "each repeat was held by the gate as published (sha256) and accepted, nothing dead-lettered, nothing left "
+        "unacked"
+        if whole and fig["unacked"] == fig["dead_letters"] == 0
+        else f"NOT held as published: gate counts {[s['gate_counts'] for s in samples.values()]}, "
+        f"{fig['unacked']} unacked, {fig['dead_letters']} dead-lettered"
+    )
+    per_byte = fig["long_to_fits_per_byte"]
+    return [
+        f"K = {fig['k']}, max_payload {fig['max_payload']:,} bytes (pieces of up to {fig['piece_bytes']:,}), medians "
+        f"of {fig['repeats']} repeats, the two samples in turns; {checked}.",
+        "",
+        *table(header, rows),
+        "",
+        f"Per byte, the long sample's publish takes {sig(per_byte['publish_s'])}x the fitting one's, its fetch and "
+        f"admission {sig(per_byte['admit_s'])}x, its acks {sig(per_byte['ack_s'])}x.",
+    ]
+
+
 def loss(fig: dict) -> list[str]:
     header = ["N x V, K", "mode", "REINFORCE", "score centering", "peak: REINFORCE / score centering (extra)"]
     row = [
@@ -376,6 +429,7 @@ RENDER = {
     "wire": wire,
     "weights": weights,
     "contract": contract,
+    "long-sample": long_sample,
     "loss": loss,
     "step": step,
     "proxy": proxy,

@@ -20,6 +20,10 @@ from centerline.cli import dispatch
 BENCHES: dict[str, tuple[str, str]] = {
     "wire": ("centerline.bench.wire:bench_wire", "encode+decode throughput of wire format v2 vs memcpy"),
     "contract": ("centerline.bench.wire:bench_contract", "completeness-contract check cost per batch"),
+    "long-sample": (
+        "centerline.bench.long_sample:bench_long_sample",
+        "seconds and bytes of a sample over one NATS message, published in pieces and admitted, beside one that fits",
+    ),
     "proxy": (
         "centerline.bench.proxy:bench_proxy",
         "proxy req/s and added latency vs direct, audit cost vs orjson parse",

@@ -27,24 +27,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from centerline.bench import add_out_flag
+from centerline.bench.baselines import loopback_gbps, memcpy_gbps
 from centerline.bench.sessions import toy_model
 from centerline.ports import free_port
 from centerline.runs.run_figures import write_bench_figures
 from centerline.up.processes import Supervisor, sglang_argv, wait_http
 from trainer_service import proof
 from trainer_service.weights import TRANSPORTS, WeightPublisher
-
-CHUNK = 4 << 20  # loopback write size
 
 
 def write_versions(model: Path, out: Path) -> list[Path]:
@@ -59,47 +54,6 @@ def write_versions(model: Path, out: Path) -> list[Path]:
         save_file({n: (t * scale).contiguous() for n, t in tensors.items()}, str(target / "model.safetensors"))
         versions.append(target)
     return versions
-
-
-def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
-
-
-def loopback_gbps(nbytes: int) -> float:
-    """``nbytes`` through a loopback TCP connection, one receiving thread."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-
-    def drain():
-        conn, _ = server.accept()
-        with conn:
-            left = nbytes
-            buf = bytearray(CHUNK)
-            while left:
-                left -= conn.recv_into(buf, min(CHUNK, left))
-
-    receiver = threading.Thread(target=drain)
-    receiver.start()
-    payload = memoryview(bytes(CHUNK))
-    with socket.create_connection(("127.0.0.1", port)) as conn:
-        t0 = time.perf_counter()
-        sent = 0
-        while sent < nbytes:
-            n = min(CHUNK, nbytes - sent)
-            conn.sendall(payload[:n])
-            sent += n
-        receiver.join()
-        took = time.perf_counter() - t0
-    server.close()
-    return nbytes / took / 1e9
 
 
 async def publish_times(urls: list[str], transport: str, versions: list[Path], n: int, bucket_mb: int) -> dict:
