@@ -432,6 +432,7 @@ RENDER = {
     "long-sample": long_sample,
     "loss": loss,
     "step": step,
+    "step-32k": step,
     "proxy": proxy,
     "pipeline": pipeline,
     "pipeline-sessions": pipeline_sessions,
