@@ -64,7 +64,7 @@ from shared.task import PromptTask
 from shared.wire import Batch
 from trainer_service.admission import HOLD, GateSettings, admission
 from trainer_service.gate import Gate
-from trainer_service.ledger import Groups
+from trainer_service.ledger import GroupLedger
 
 BLOCK = 512  # distinct rows made by centerline/synth.py, repeated to a sample's length
 ACK_WAIT = 30.0  # the trainer's default --ack-wait
@@ -217,10 +217,10 @@ def sample_figures(raw: dict, tokens: int, args, cfg: Config) -> dict:
     view = memoryview(data)
     pack_s = _seconds(lambda: [pieces.cut(p.data, p.batch_id, limit) for p in split_batch(raw["batch"], limit)], 3)
     settings = GateSettings(args.vocab, cfg)
-    verdict = admission(data, 1, 0, groups=Groups({}), settings=settings)
+    verdict = admission(data, 1, 0, groups=GroupLedger({}), settings=settings)
     if verdict.action != HOLD:
         raise RuntimeError(f"the gate's admission refused the sample it held: {verdict.rule}: {verdict.reason}")
-    check_s = _seconds(lambda: admission(data, 1, 0, groups=Groups({}), settings=settings), 3)
+    check_s = _seconds(lambda: admission(data, 1, 0, groups=GroupLedger({}), settings=settings), 3)
     memcpy_s = _seconds(lambda: bytes(view), max(5, args.repeats))
     loopback_s = statistics.median([nbytes / loopback_gbps(nbytes) / 1e9 for _ in range(max(3, args.repeats))])
     publish_s, admit_s, ack_s = (statistics.median(raw[key]) for key in ("publish_s", "admit_s", "ack_s"))
