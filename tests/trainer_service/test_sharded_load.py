@@ -1,7 +1,8 @@
 """FSDP2 on two gloo ranks loads the model without any rank but 0 reading the weights or holding
 them whole: each rank's shards are its slices of the model loaded whole in one process, buffers
 included, the tied embedding stays tied, and a step trains exactly as on the model loaded whole
-on every rank. Runs `python -m tests.trainer_service.sharded_load` under torchrun for real."""
+on every rank; a rank 0 that cannot read the weights ends the launch. Runs
+`python -m tests.trainer_service.sharded_load` (and `one_step`) under torchrun for real."""
 
 from __future__ import annotations
 
@@ -46,17 +47,20 @@ def big_tied_model(tmp_path_factory):
     return path, config_only
 
 
+def launch(module: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([*cmd, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def run(setup, big_tied_model, tmp_path_factory):
     """The harness's output directory after one launch on two ranks."""
     tmp, _tiny, batch_file, _before = setup
     model_dir, config_only = big_tied_model
     out = tmp_path_factory.mktemp("sharded-load")
-    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    cmd += ["-m", "tests.trainer_service.sharded_load", "--model", str(model_dir), "--config-only", str(config_only)]
-    cmd += ["--batch", str(batch_file), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    args = ["--model", str(model_dir), "--config-only", str(config_only), "--batch", str(batch_file), "--out", str(out)]
+    proc = launch("tests.trainer_service.sharded_load", *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, model_dir
 
@@ -111,3 +115,14 @@ def test_a_step_after_the_sharded_load_trains_exactly_like_one_after_a_whole_loa
     assert [k for k in sharded if not torch.equal(sharded[k], whole[k])] == []
     for name in ("config.json", "generation_config.json"):
         assert (out / "sharded" / name).read_text() == (out / "whole" / name).read_text(), name
+
+
+@pytest.mark.integration
+def test_a_rank_0_that_cannot_read_the_weights_ends_the_launch_with_its_error(setup, big_tied_model, tmp_path):
+    # Rank 1 builds from the config and waits for rank 0's tensors; rank 0's error ends both.
+    _tmp, _tiny, batch_file, _before = setup
+    _model_dir, config_only = big_tied_model
+    args = ["--model", str(config_only), "--batch", str(batch_file), "--out", str(tmp_path / "out")]
+    proc = launch("tests.trainer_service.one_step", *args, "--strategy", "fsdp2")
+    assert proc.returncode != 0
+    assert "[rank0]: OSError: Error no file named model.safetensors" in proc.stderr, proc.stderr[-4000:]
