@@ -23,7 +23,7 @@ from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.distributed import device, is_main, rank_and_world, scatter_shards
 from trainer_service.loss import LossSettings
-from trainer_service.model import load_model, unwrap, wrap_model
+from trainer_service.model import build_model, unwrap
 from trainer_service.schedule import lr_factor, set_lr
 from trainer_service.step import Memory, make_optimizer, prepare_model, train_step
 from trainer_service.weights import save_version
@@ -50,7 +50,9 @@ class Policy:
         torch.manual_seed(cfg.seed)
         start = resume / "model" if resume else settings.model
         self.memory = Memory.from_settings(settings)
-        self.model = wrap_model(prepare_model(load_model(str(start), device=device()), self.memory), settings.strategy)
+        self.model = build_model(
+            str(start), settings.strategy, device=device(), prepare=lambda model: prepare_model(model, self.memory)
+        )
         rank, world = rank_and_world()
         log.info("rank %d of %d trains on %s", rank, world, next(self.model.parameters()).device)
         self.base_lr = cfg.learning_rate  # each step's rate: trainer_service/schedule.py

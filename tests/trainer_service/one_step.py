@@ -23,7 +23,7 @@ import torch
 from shared.batch_algebra import assign_shards, select_samples
 from shared.wire import decode_batch
 from trainer_service.distributed import device, in_world, is_main, rank_and_world, scatter_shards
-from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
+from trainer_service.model import STRATEGIES, build_model, save_model
 from trainer_service.policy import StepCommand
 from trainer_service.step import LossSettings, make_optimizer, train_step
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = Probe(Path(args.probe))
 
     def body() -> int:
-        model = wrap_model(load_model(args.model, dtype=getattr(torch, args.dtype), device=device()), args.strategy)
+        model = build_model(args.model, args.strategy, dtype=getattr(torch, args.dtype), device=device())
         optimizer = make_optimizer(model, args.optimizer, args.lr)
         metrics = []
         for path in args.batch:

@@ -15,7 +15,7 @@ from pathlib import Path
 from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.distributed import device, in_world
-from trainer_service.model import STRATEGIES, load_model, save_model, wrap_model
+from trainer_service.model import STRATEGIES, build_model, save_model
 from trainer_service.step import make_optimizer, train_step
 
 
@@ -29,7 +29,7 @@ def main() -> int:
     out = Path(args.out)
 
     def fresh():
-        model = wrap_model(load_model(args.model, device=device()), args.strategy)
+        model = build_model(args.model, args.strategy, device=device())
         return model, make_optimizer(model, "adamw", 1e-3)
 
     def body() -> int:
