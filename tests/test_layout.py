@@ -276,9 +276,6 @@ LONG_MODULES = {
     "trainer_service/loss.py": "the score-centering loss and its closed-form gradient, read together (section 6)",
     "trainer_service/gate.py": "the gate's NATS side: fetch, hold, settle, dead-letter; the decision is admission.py",
     "centerline/bench/pipeline.py": "one bench of a whole run: the stack it starts and its metrics read; to split next",
-    "centerline/bench/sessions.py": "one bench, its two transports and the single-request baseline; to split next",
-    "centerline/bench/proxy.py": "one bench, the audit's scanners and the proxy hop in one run; to split next",
-    "scripts/gen_bench_docs.py": "one renderer a figure file; to become a package of renderers next",
 }
 
 

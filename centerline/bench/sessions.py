@@ -9,8 +9,8 @@ into ``--model-dir`` once), and per ``--policies`` entry the SGLang router (``sm
 ``centerline/sglang.py:router_argv`` with that policy) in front of all of them and a proxy
 (``centerline proxy``, K = ``--k``) in front of the router.
 
-Phase 1, sessions, once per policy: ``--sessions`` sessions of ``--turns`` turns, ``--concurrency``
-at a time, each driven by the real ``openai.AsyncOpenAI`` client as a worker makes it for an
+Phase 1 (``session_turns.py``), sessions, once per policy: ``--sessions`` sessions of ``--turns``
+turns, ``--concurrency`` at a time, each driven by the real ``openai.AsyncOpenAI`` client as a worker makes it for an
 environment (``rollout_worker/session_transport.py``: history check, chat template, native /generate
 through the proxy with ``X-SMG-Routing-Key: <session id>``), over each of ``--transports`` for the
 first policy (``transports``: ``loopback``, the aiohttp endpoint, before; ``in-process``, the
@@ -28,7 +28,7 @@ previous turn, told by the cache: only that engine holds the last reply, so such
 the history cached but the last sampled token, whose KV no forward pass wrote.
 Each policy's sessions have their own random text, so no policy meets another's cache.
 
-Phase 2, single requests (once, through the first policy's proxy): every turn of that policy's
+Phase 2 (``single_requests.py``), single requests (once, through the first policy's proxy): every turn of that policy's
 sessions again as one native /generate of the same token counts, with no session and no routing
 key: as many random prompt ids as the turn's prompt tokens (nothing of them in any cache) and
 ``max_new_tokens`` = the tokens the turn sampled, with ``ignore_eos``, as many at a time as phase 1
@@ -89,19 +89,17 @@ import asyncio
 import json
 import re
 import statistics
-import string
 import sys
 import time
 import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
-import orjson
-
 from centerline import sglang
 from centerline.bench import add_out_flag
-from centerline.bench.turn_stages import growth, mean_ms, session_stages, stage_table, timings
+from centerline.bench.session_turns import run_sessions, session_figures
+from centerline.bench.single_requests import run_single, single_by_turn
+from centerline.bench.turn_stages import growth, mean_ms, stage_table, timings
 from centerline.ports import free_port
 from centerline.runs.run_figures import write_bench_figures
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
@@ -130,189 +128,6 @@ def engine_requests(url: str) -> int | None:
 def counted(before: list, after: list) -> list:
     """Requests per engine between two looks; None for an engine that does not count them."""
     return [None if a is None or b is None else a - b for a, b in zip(after, before)]
-
-
-def words(rng: np.random.Generator, n: int) -> str:
-    """``n`` random lowercase letters and spaces, ``n`` tokens of the byte-level toy model."""
-    letters = np.array(list(string.ascii_lowercase + " "))
-    return "".join(rng.choice(letters, n)).strip() or "a"
-
-
-async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: str) -> dict:
-    """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns, each driven by its
-    OpenAI client over ``transport`` as a worker makes it; their turns' figures."""
-    import importlib
-
-    import aiohttp
-
-    from rollout_worker.environment import ProxyTurn
-    from rollout_worker.main import load_tokenizer
-    from rollout_worker.session import ChatTemplate, Session
-    from rollout_worker.session_transport import SessionChat, SessionClients
-    from shared.config import Config
-
-    cfg = Config(
-        proxy_url=proxy_url,
-        rollout_top_logprobs_num=args.k,
-        rollout_max_new_tokens=args.max_tokens,
-        rollout_session_max_tokens=args.session_max_tokens,
-    )
-    _, hf = load_tokenizer(model)
-    template = ChatTemplate(hf)
-    rng = np.random.default_rng(seed)
-    texts = [[words(rng, args.user_tokens) for _ in range(args.turns)] for _ in range(args.sessions)]
-    turns: list[dict] = []
-    kept: dict[int, list] = {}  # each session's messages, as its client last sent them and the reply
-    gate = asyncio.Semaphore(args.concurrency)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-
-        async def one(clients: SessionClients, i: int) -> None:
-            async with gate:
-                sid = f"bench-{seed}-{i}"
-                session = Session(
-                    sid, template, ProxyTurn(cfg, http, sid).generate, k=args.k, budget=args.session_max_tokens
-                )
-                client = clients.client(session)
-                messages, held = [], 0  # held: the session's tokens before the turn
-                try:
-                    for t in range(args.turns):
-                        messages.append({"role": "user", "content": texts[i][t]})
-                        started = time.perf_counter()
-                        reply = await client.chat.completions.create(
-                            model="default", messages=messages, max_tokens=args.max_tokens
-                        )
-                        seconds = time.perf_counter() - started
-                        usage = reply.usage
-                        details = usage.prompt_tokens_details
-                        turns.append(
-                            {
-                                "turn": t,
-                                "seconds": seconds,
-                                "prompt_tokens": usage.prompt_tokens,
-                                "completion_tokens": usage.completion_tokens,
-                                "cached_tokens": details.cached_tokens if details is not None else None,
-                                "held_tokens": held,
-                                "stages": dict(session.turn_stages[-1]),  # the endpoint's and the session's
-                            }
-                        )
-                        held = usage.prompt_tokens + usage.completion_tokens
-                        messages.append(reply.choices[0].message.model_dump())
-                finally:
-                    await client.close()
-                kept[i] = messages
-
-        # the client imports its chat resource on first use (about half a second here, once a process):
-        # done before the clock starts, so the first turns measured are turns, not the import
-        importlib.import_module("openai.resources.chat")
-        async with SessionClients(SessionChat(cfg), transport, 600, sessions=args.concurrency) as clients:
-            started = time.perf_counter()
-            await asyncio.gather(*(one(clients, i) for i in range(args.sessions)))
-            wall = time.perf_counter() - started
-            if clients.failures:
-                raise RuntimeError(f"a session's turn failed ({transport}): {clients.failures[0]}")
-    return {"turns": turns, "wall_s": wall, "transform_s": await client_transform(kept[0], args)}
-
-
-async def client_transform(messages: list, args) -> list[float | None]:
-    """The OpenAI client's own request transform (``openai._utils.async_maybe_transform``, which walks
-    every message of a request) of each turn's request of one session, timed after the phase, outside
-    any turn: the part of the client's time that grows with the history; None each where this
-    ``openai`` has no such function (it is the client's own, not its interface)."""
-    try:
-        from openai._utils import async_maybe_transform
-        from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
-    except ImportError:
-        return [None] * args.turns
-    out = []
-    for t in range(args.turns):
-        body = {"messages": messages[: 2 * t + 1], "model": "default", "max_tokens": args.max_tokens}
-        started = time.perf_counter()
-        for _ in range(5):
-            await async_maybe_transform(body, CompletionCreateParamsNonStreaming)
-        out.append((time.perf_counter() - started) / 5)
-    return out
-
-
-async def run_single(args, proxy_url: str, shapes: list[dict], vocab: int) -> dict:
-    """Phase 2: one native /generate per turn of ``shapes`` (``turn``, ``prompt_tokens``,
-    ``completion_tokens``), random prompt ids, no routing key; each request's figures with its turn."""
-    import aiohttp
-
-    from shared import response_arrays
-
-    rng = np.random.default_rng(1 << 20)
-    sampling = {"n": 1, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
-    bodies = [
-        (
-            shape["turn"],
-            orjson.dumps(
-                {
-                    "input_ids": rng.integers(0, min(vocab, 256), shape["prompt_tokens"]).tolist(),
-                    "sampling_params": {**sampling, "max_new_tokens": max(shape["completion_tokens"], 1)},
-                    "return_logprob": True,
-                    "top_logprobs_num": args.k,
-                }
-            ),
-        )
-        for shape in shapes
-    ]
-    headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
-    requests: list[dict] = []
-    gate = asyncio.Semaphore(min(args.concurrency, args.sessions))  # as many in flight as phase 1 had
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-
-        async def one(turn: int, body: bytes) -> None:
-            async with gate:
-                started = time.perf_counter()
-                async with http.post(f"{proxy_url}/generate", data=body, headers=headers) as resp:
-                    answer = await resp.read()
-                    if resp.status != 200 or resp.content_type != response_arrays.MEDIA_TYPE:
-                        raise RuntimeError(f"{proxy_url}/generate answered {resp.status}: {answer[:300]!r}")
-                seconds = time.perf_counter() - started
-                decoded = response_arrays.decode(answer)
-                tokens, cached = int(decoded.response_ids.shape[0]), (decoded.cached_tokens or [0])[0] or 0
-                requests.append({"turn": turn, "seconds": seconds, "tokens": tokens, "cached": cached})
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one(turn, body) for turn, body in bodies))
-        wall = time.perf_counter() - started
-    return {"requests": requests, "wall_s": wall}
-
-
-def single_by_turn(requests: list[dict]) -> list[float]:
-    """Mean milliseconds of the single requests that replayed each turn index, in turn order."""
-    return [mean_ms([r["seconds"] for r in requests if r["turn"] == t]) for t in sorted({r["turn"] for r in requests})]
-
-
-def session_figures(played: dict, per_engine: list[int], before: dict, after: dict) -> dict:
-    turns = played["turns"]
-    later = [t for t in turns if t["turn"] > 0]
-    prompt = sum(t["prompt_tokens"] for t in later)
-    cached = sum(t["cached_tokens"] or 0 for t in later)
-    held = sum(t["held_tokens"] for t in later)
-    tokens = sum(t["completion_tokens"] for t in turns)
-    # only the engine of a session's previous turn holds its last reply: a later turn served all its
-    # history but the last sampled token (whose KV no forward pass wrote) went to that engine
-    stayed = sum((t["cached_tokens"] or 0) >= t["held_tokens"] - 1 for t in later)
-    return {
-        "turns": len(turns),
-        "turn_ms_mean": mean_ms([t["seconds"] for t in turns]),
-        "turn_ms_p50": round(1000 * statistics.median(t["seconds"] for t in turns), 3),
-        "later_turn_ms_mean": mean_ms([t["seconds"] for t in later]),
-        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
-        "sampled_tokens": tokens,
-        "tokens_per_s": round(tokens / played["wall_s"], 3),
-        "later_turns_prompt_tokens": prompt,
-        "later_turns_cached_tokens": cached,
-        "cache_share_later_turns": round(cached / prompt, 4) if prompt else 0.0,
-        "later_turns_history_tokens": held,
-        "history_cache_share_later_turns": round(cached / held, 4) if held else 0.0,
-        "same_engine_share_later_turns": round(stayed / len(later), 4) if later else 0.0,
-        "requests_per_engine": per_engine,
-        "wall_s": round(played["wall_s"], 3),
-        "stages_ms": session_stages(turns, before, after),
-    }
 
 
 def bench_sessions(argv: list[str]) -> int:
