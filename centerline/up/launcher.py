@@ -84,7 +84,7 @@ from centerline import nats_users, sglang
 from centerline.engine_key import new_key
 from centerline.nats_server import EmbeddedNats, NatsCluster, provision
 from centerline.ports import free_port
-from centerline.up import run_spec
+from centerline.up import engine_context, run_spec
 from centerline.up.console import Progress, log
 from centerline.up.prepare import prepare
 from centerline.up.processes import PYTHON, Supervisor, restart_dead_nats_nodes, sglang_argv, wait_http
@@ -95,9 +95,20 @@ from shared.streams import StreamLimits
 
 def engine_argv(spec: RunSpec, url: str) -> list[str]:
     """An SGLang server of the run: its model, its port, its device (``up.engine_device``, named
-    when not the CPU), then ``up.sglang_args``."""
+    when not the CPU), the context and KV pool a session of the whole budget needs
+    (``engine_context``), then ``up.sglang_args``."""
     device = ["--device", spec.up.engine_device] if spec.up.engine_device != "cpu" else []
-    return sglang_argv(str(spec.trainer.model), url, shlex.split(spec.up.sglang_args), device)
+    return sglang_argv(str(spec.trainer.model), url, session_flags(spec, spec.trainer.model), device)
+
+
+def session_flags(spec: RunSpec, model: Path) -> list[str]:
+    """SGLang's flags for ``model``: ``engine_context``'s, then ``up.sglang_args``; raises
+    ``UserTaskError`` where the engine could not take a session of the whole token budget."""
+    extra = shlex.split(spec.up.sglang_args)
+    flags = engine_context.engine_flags(
+        model, spec.up.model is None, spec.cfg.rollout_session_max_tokens, extra, spec.up.engine_device
+    )
+    return flags + extra
 
 
 def service_argv(spec: RunSpec, config_file: Path) -> dict[str, list[str]]:
@@ -174,6 +185,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     ``launch`` stops every process afterwards, whatever happened."""
     up, run_dir = spec.up, spec.up.run_dir
     task = prepare(up, spec.cfg, run_dir, log)
+    session_flags(spec, task.model)  # a session budget the engines cannot take stops the run here
     replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
     addresses = Addresses.pick(up.engines)
     spec = run_spec.with_launch_settings(
