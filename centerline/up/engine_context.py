@@ -93,3 +93,18 @@ def engine_flags(model: Path, toy: bool, budget: int, sglang_args: list[str], de
                 f"--rollout-session-max-tokens {budget} (SGLang needs {need}); raise it to {need} or more"
             )
     return flags
+
+
+def check_weight_transport(transport: str, engine_device: str, trainer_on_cuda: bool) -> None:
+    """Raises ``UserTaskError`` where ``--weight-transport distributed`` cannot work in ``up``'s
+    placement: with the trainer on CUDA the group is NCCL (docs/design.md section 8, the GPU form),
+    and ``up`` serves every engine on GPU 0, where trainer rank 0 is (NCCL refuses two ranks on
+    one device), or on the CPU, which NCCL does not reach."""
+    if transport != "distributed" or not trainer_on_cuda:
+        return
+    where = "on GPU 0 beside trainer rank 0" if engine_device.startswith("cuda") else "on the CPU"
+    raise UserTaskError(
+        f"--weight-transport distributed: the trainer broadcasts over NCCL on CUDA, and up serves its "
+        f"engines {where} (--engine-device {engine_device}), which an NCCL group cannot join; use "
+        "--weight-transport disk, the default (docs/design.md section 8, the GPU form)"
+    )

@@ -184,6 +184,10 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
     the trainer, watch the run (``watch_run``) to its last step and last held-out evaluation, write the report.
     ``launch`` stops every process afterwards, whatever happened."""
     up, run_dir = spec.up, spec.up.run_dir
+    if spec.trainer.weight_transport == "distributed":  # torch only then: up starts faster without it
+        import torch
+
+        engine_context.check_weight_transport("distributed", up.engine_device, torch.cuda.is_available())
     task = prepare(up, spec.cfg, run_dir, log)
     session_flags(spec, task.model)  # a session budget the engines cannot take stops the run here
     replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)

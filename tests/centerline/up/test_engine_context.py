@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from centerline.up.engine_context import engine_flags, flag_value, model_positions
+from centerline.up.engine_context import check_weight_transport, engine_flags, flag_value, model_positions
 from centerline.up.user_task import UserTaskError
 from tests.centerline.up.test_user_task import up_watched, write
 from tests.processes import REPO
@@ -97,3 +97,15 @@ def test_up_refuses_a_budget_its_model_cannot_hold_before_starting_anything(mode
     # no process (NATS, SGLang, a service) and no port; ctypes' library lookup (ldconfig -p) on the
     # tokenizer's import is not one of the run's
     assert [s for s in started if "ldconfig" not in s] == []
+
+
+@pytest.mark.parametrize(
+    ("device", "where"), [("cuda", "on GPU 0 beside trainer rank 0 (--engine-device cuda)"), ("cpu", "on the CPU")]
+)
+def test_the_distributed_transport_with_the_trainer_on_cuda_is_refused_naming_the_fix(device, where):
+    """up serves its engines on GPU 0 or the CPU: neither joins the CUDA trainer's NCCL group."""
+    with pytest.raises(UserTaskError) as refused:
+        check_weight_transport("distributed", device, trainer_on_cuda=True)
+    assert where in str(refused.value) and "use --weight-transport disk" in str(refused.value)
+    for transport, on_cuda in (("distributed", False), ("disk", True), ("disk", False)):
+        check_weight_transport(transport, device, trainer_on_cuda=on_cuda)  # gloo on the CPU, or the disk
