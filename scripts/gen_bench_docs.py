@@ -375,12 +375,14 @@ def step(fig: dict) -> list[str]:
 RENDER = {
     "wire": wire,
     "weights": weights,
+    "weights-smollm2": weights,  # the same bench at SmolLM2-135M-Instruct
     "contract": contract,
     "loss": loss,
     "step": step,
     "proxy": proxy,
     "pipeline": pipeline,
     "pipeline-sessions": pipeline_sessions,
+    "pipeline-weights": pipeline,  # in flight on each weight transport (--weight-transports)
     "pipeline-before-in-flight": pipeline_before_in_flight,
     "sessions": sessions,
 }
