@@ -49,6 +49,7 @@ from scripts.bench_docs.trainer import loss, step, weights  # noqa: E402
 RENDER = {
     "wire": wire,
     "weights": weights,
+    "weights-smollm2": weights,  # the same bench at SmolLM2-135M-Instruct
     "contract": contract,
     "long-sample": long_sample,
     "loss": loss,
@@ -57,6 +58,7 @@ RENDER = {
     "proxy": proxy,
     "pipeline": pipeline,
     "pipeline-sessions": pipeline_sessions,
+    "pipeline-weights": pipeline,  # in flight on each weight transport (--weight-transports)
     "pipeline-before-in-flight": pipeline_before_in_flight,
     "sessions": sessions,
 }

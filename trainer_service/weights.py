@@ -136,7 +136,11 @@ class WeightPublisher:
         self.mode = mode
         key = admin_api_key or admin_key.key_from_env()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
+        # A connection per call: SGLang's server closes one idle 5 s, and a call sent on a connection
+        # it closed while this loop was busy (reading or hashing a version) fails at once.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout), connector=aiohttp.TCPConnector(force_close=True)
+        )
         self.failures = 0
         self.catch_ups = 0  # engines found behind and sent the latest version again (``watch``)
         self.latest: tuple[int, Path] | None = None

@@ -14,6 +14,11 @@ prefix cache, recompute the requests in flight: the generations go on, a respons
 update); ``in-place`` the same with ``weight_update = in_place`` (no flush, no recompute: tokens
 may rest on KV of older weights than their label); ``on-policy`` is ``--max-inflight-steps 1``
 (the engine samples a step's batches, then waits while the trainer trains on them).
+``--weight-transports disk,distributed`` runs each mode once per weight transport (the trainer's
+``weight_transport``, docs/design.md section 8, transports), named ``<mode>-<transport>``
+(``in-flight-distributed``); without it every mode runs on the transport ``up``'s flags name
+(``--weight-transport``, default ``disk``). Each mode reports the transport it ran and
+``weight_fallbacks``, the versions an engine loaded from disk instead (the run's last step's count).
 
 ``--teacher-force`` then checks each mode's labels (``centerline/runs/teacher_force.py``): one fresh
 SGLang server of the model, without a prefix cache, loads every weight version still on disk and
@@ -75,15 +80,17 @@ with ``-- --task chain`` (its tasks name the chain environment): the bench measu
 
     centerline bench pipeline --json
     centerline bench pipeline --modes on-policy,drain,in-flight --train-seconds 30 -- --rollout-n 4
+    centerline bench pipeline --modes in-flight --weight-transports disk,distributed --teacher-force
 
-Every flag but the bench's own (``--modes``, ``--teacher-force``, ``--warmup-steps``, ``--run-dir``,
-``--alone-*``, ``--poll``, ``--json``, ``--out``), and every flag after ``--``, is ``centerline up``'s
-(``--config FILE`` too): the run spec each mode is a variant of (``centerline/up/run_spec.py``,
-``parse``), with the bench's defaults ``BENCH_DEFAULTS`` under them (``--steps 1000``,
-``--train-seconds 60``, ``--heldout-prompts 50``; ``up``'s own otherwise) and the mode's
-``max_inflight_steps`` and ``weight_update`` over them. A mode runs as ``centerline up --config
-RUN_DIR/<mode>.toml``, that variant's file; the bench reports the settings it ran, the workers'
-resolved ``concurrency`` among them.
+Every flag but the bench's own (``--modes``, ``--weight-transports``, ``--teacher-force``,
+``--warmup-steps``, ``--run-dir``, ``--alone-*``, ``--poll``, ``--json``, ``--out``), and every
+flag after ``--``, is ``centerline up``'s (``--config FILE`` too): the run spec each mode is a
+variant of (``centerline/up/run_spec.py``, ``parse``), with the bench's defaults
+``BENCH_DEFAULTS`` under them (``--steps 1000``, ``--train-seconds 60``, ``--heldout-prompts 50``;
+``up``'s own otherwise) and the mode's ``max_inflight_steps``, ``weight_update`` (and
+``weight_transport``, with ``--weight-transports``) over them. A mode runs as ``centerline up
+--config RUN_DIR/<name>.toml``, that variant's file; the bench reports the settings it ran, the
+workers' resolved ``concurrency`` among them.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.request
 from datetime import datetime
 from pathlib import Path
@@ -110,6 +118,7 @@ from centerline.up import run_spec
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
 from shared.config import Config, ConfigError
+from shared.settings import TrainerSettings
 
 # --modes: each a `centerline up` run with this max_inflight_steps and the trainer's weight_update
 # `up`'s settings whose default differs for this bench (`up`'s flags override them): every mode trains
@@ -123,6 +132,7 @@ MODES = {
 }
 IDLE = "sglang:scheduler_idle_seconds_total"
 CPU = "sglang:scheduler_process_cpu_seconds_total"  # grows at every flush of IDLE
+TRANSPORTS = typing.get_args(TrainerSettings.model_fields["weight_transport"].annotation)  # --weight-transports
 
 
 def progress(phase: str, **fields) -> None:
@@ -197,15 +207,17 @@ def duty_cycle(samples: list[tuple[float, float, float]], start: float, end: flo
 # ---------------------------------------------------------------------------- phase 1: the pipeline
 
 
-def mode_spec(base: RunSpec, mode: str, run_dir: Path) -> RunSpec:
+def mode_spec(base: RunSpec, mode: str, run_dir: Path, transport: str | None = None) -> RunSpec:
     """The spec of one ``MODES`` run: ``base`` (``up``'s flags) with the mode's ``max_inflight_steps``
-    and ``weight_update``, its run directory, held-out evaluations before and after training only,
-    SGLang's ``--enable-metrics`` added to its flags."""
+    and ``weight_update``, ``transport`` as its ``weight_transport`` (None: ``base``'s), its run
+    directory, held-out evaluations before and after training only, SGLang's ``--enable-metrics``
+    added to its flags."""
     inflight, weight_update = MODES[mode]
+    trainer = {"weight_update": weight_update, "heldout_every": base.trainer.steps}
     return base.derive(
         cfg={"max_inflight_steps": inflight},
         up={"run_dir": run_dir, "sglang_args": f"{base.up.sglang_args} --enable-metrics".strip()},
-        trainer={"weight_update": weight_update, "heldout_every": base.trainer.steps},
+        trainer=trainer if transport is None else {**trainer, "weight_transport": transport},
     )
 
 
@@ -269,8 +281,10 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
     evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
     figures = {
-        "max_inflight_steps": MODES[mode][0],
-        "weight_update": MODES[mode][1],
+        "max_inflight_steps": spec.cfg.max_inflight_steps,
+        "weight_update": spec.trainer.weight_update,
+        "weight_transport": spec.trainer.weight_transport,
+        "weight_fallbacks": steps[-1]["weight_fallbacks"],  # so far: the run's own count
         "steps_done": last,
         "steps_wall_s": round(sum(s["step_s"] for s in steps), 3),  # the trainer's own clock, all steps
         "staleness_max": max(s["staleness_max"] for s in steps),
@@ -494,6 +508,12 @@ def bench_pipeline(argv: list[str]) -> int:
         default=0.25,
         help="seconds between looks at metrics.jsonl and scrapes of SGLang's /metrics",
     )
+    parser.add_argument(
+        "--weight-transports",
+        default=None,
+        help="run each mode once per weight transport, comma-separated: disk, distributed (the trainer's "
+        "--weight-transport); each run named <mode>-<transport>. Default: each mode once, on up's --weight-transport",
+    )
     add_out_flag(parser, "pipeline")
     args, up_flags = parser.parse_known_args(ours)
     up_flags += after
@@ -502,6 +522,14 @@ def bench_pipeline(argv: list[str]) -> int:
         parser.error(f"--modes {args.modes}: distinct names from {', '.join(MODES)}")
     if any(flag.startswith(("--max-inflight-steps", "--weight-update")) for flag in up_flags):
         parser.error("--max-inflight-steps or --weight-update: --modes sets them for each run")
+    runs = [(mode, None, mode) for mode in modes]  # (mode, transport, name)
+    if args.weight_transports is not None:
+        transports = [t.strip() for t in args.weight_transports.split(",") if t.strip()]
+        if not transports or set(transports) - set(TRANSPORTS) or len(set(transports)) != len(transports):
+            parser.error(f"--weight-transports {args.weight_transports}: distinct names from {', '.join(TRANSPORTS)}")
+        if any(flag.startswith("--weight-transport") for flag in up_flags):
+            parser.error("--weight-transport: --weight-transports sets it for each run; give one of the two")
+        runs = [(mode, t, f"{mode}-{t}") for mode in modes for t in transports]
     base = run_spec.parse(up_flags, BENCH_DEFAULTS, prog=parser.prog)  # a bad flag exits 2 naming it, before any run
     if not 1 <= args.warmup_steps < base.trainer.steps:
         parser.error(f"--warmup-steps {args.warmup_steps}: must be at least 1 and below --steps {base.trainer.steps}")
@@ -509,13 +537,14 @@ def bench_pipeline(argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     try:
-        for mode in modes:
-            results[mode], spec, model = run_pipeline(args, mode_spec(base, mode, run_dir / mode), mode)
-        seconds = args.alone_seconds or results[modes[-1]]["pipeline_window_s"]
-        alone = run_alone(args, spec, model, run_dir / modes[-1] / "train.jsonl", run_dir, seconds)
+        for mode, transport, name in runs:
+            results[name], spec, model = run_pipeline(args, mode_spec(base, mode, run_dir / name, transport), name)
+        last = runs[-1][2]
+        seconds = args.alone_seconds or results[last]["pipeline_window_s"]
+        alone = run_alone(args, spec, model, run_dir / last / "train.jsonl", run_dir, seconds)
         if args.teacher_force:
-            for mode in modes:
-                results[mode].update(label_truth(run_dir / mode, model, run_dir / "logs"))
+            for name in results:
+                results[name].update(label_truth(run_dir / name, model, run_dir / "logs"))
     except ConfigError as exc:  # a variant up refuses
         print(f"centerline bench pipeline: {exc}", file=sys.stderr)
         return 2

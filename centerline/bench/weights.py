@@ -16,10 +16,13 @@ one publish, every engine updated. ``prove_s`` is the median time of the proof o
 The limit, measured in the same run: ``version_bytes`` (the version's safetensors) copied once in
 memory (``memcpy_gbps``, a warm preallocated copy) and sent once per engine over a loopback TCP
 socket (``loopback_gbps``, 4 MiB writes, one receiving thread): ``limit_s`` is the slower of the
-two, what any transport must spend at least on this machine.
+two, what a transport that sends the version to every engine over a socket must spend at least
+on this machine. ``disk`` sends nothing: with the engines on the trainer's host each copies the
+version from the page cache, bound by memcpy alone, so it may come in under ``limit_s``.
 
     centerline bench weights --json
-    centerline bench weights --model runs/smollm2 --versions 3
+    centerline make-model smollm2 --out runs/SmolLM2-135M-Instruct
+    centerline bench weights --model runs/SmolLM2-135M-Instruct --versions 3 --out docs/bench/weights-smollm2.json
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 
 from centerline.bench.pipeline import (
     BENCH_DEFAULTS,
+    bench_pipeline,
     concurrent_requests,
     duty_cycle,
     heldout_key,
@@ -27,6 +28,8 @@ STEPS, TRAIN_S, WARMUP, PROMPTS, N, MAX_NEW, ALONE_S = 1000, 8.0, 1, 2, 2, 8, 5.
 PIPELINE_KEYS = {
     "max_inflight_steps",
     "weight_update",
+    "weight_transport",
+    "weight_fallbacks",
     "weights_s_mean",
     "weights_s_max",
     "token_staleness_mean",
@@ -146,6 +149,33 @@ def test_each_mode_is_a_variant_of_ups_spec_and_reports_the_workers_resolved_con
         "in-flight": (2, "retract"),
     }
     assert spec.trainer.weight_update == "retract"
+    # --weight-transports: the transport a mode runs on; without it, up's flag (default disk)
+    assert spec.trainer.weight_transport == "disk"
+    distributed = mode_spec(base, "in-flight", tmp_path / "in-flight-distributed", "distributed")
+    assert (distributed.trainer.weight_transport, distributed.trainer.weight_update) == ("distributed", "retract")
+    assert distributed.up.run_dir == tmp_path / "in-flight-distributed"
+    on_flag = parse([*flags, "--weight-transport", "distributed"], BENCH_DEFAULTS)
+    assert mode_spec(on_flag, "drain", tmp_path / "drain").trainer.weight_transport == "distributed"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weight-transports", "disk,nfs"], "--weight-transports disk,nfs: distinct names from disk, distributed"),
+        (["--weight-transports", "disk,disk"], "--weight-transports disk,disk: distinct names from disk, distributed"),
+        (["--weight-transports", ","], "--weight-transports ,: distinct names from disk, distributed"),
+        (
+            ["--weight-transports", "disk,distributed", "--", "--weight-transport", "distributed"],
+            "--weight-transport: --weight-transports sets it for each run; give one of the two",
+        ),
+    ],
+)
+def test_weight_transports_refuses_unknown_repeated_or_doubly_given_transports(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as refused:
+        bench_pipeline(["--run-dir", str(tmp_path / "run"), *flags])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(f"centerline bench pipeline: error: {message}\n")
+    assert not (tmp_path / "run").exists()  # refused before any run
 
 
 def test_staleness_per_token_is_weighted_by_each_steps_trained_tokens():
@@ -275,6 +305,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert set(m) == PIPELINE_KEYS
     assert m["max_inflight_steps"] == 2 and WARMUP < m["steps_done"] < STEPS
     assert m["weight_update"] == "retract"
+    assert (m["weight_transport"], m["weight_fallbacks"]) == ("disk", 0)
     run_dir = tmp_path / "run" / "in-flight"
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, m["steps_done"] + 1))
