@@ -58,14 +58,15 @@ test: $(STAMP) $(KUBECTL)
 
 # The contributors' tier: lint, the docs check and every test that starts no server and no process
 # that works for long (a command refusing a flag or printing its --help, a linter, stays: each well
-# under a second); `make test` stays the whole suite. tests/conftest.py keeps torch's threads from
+# under a second); `make test` stays the whole suite. Two xdist workers here too, as for `make test`:
+# one process leaves a core idle through this tier's imports and tests. tests/conftest.py keeps torch's threads from
 # spinning, which on shared cores slowed this tier several times over.
 test-fast: $(STAMP) $(KUBECTL)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/gen_config_docs.py --check
 	$(BIN)/python scripts/gen_bench_docs.py --check
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow and not compose and not real_model"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m "not integration and not slow and not compose and not real_model"
 
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_config_docs.py

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pytest_in_one_process_collects_the_grouped_tests_and_a_nested_session_writes_no_figures():
-    """The compose tests carry an xdist group; collected without workers (`make test-fast` does)
+    """The compose tests carry an xdist group; collected without workers (`make test TEST_WORKERS=0` does)
     their ids stay as they are, and collecting only starts no Docker set-up."""
     figures = ROOT / "runs" / "test-suite.json"
     before = figures.read_bytes() if figures.exists() else None

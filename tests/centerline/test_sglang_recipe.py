@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from centerline import sglang
 from tests.processes import ENV, REPO
 
@@ -33,6 +35,7 @@ def router_flags(argv: list[str]) -> list[str]:
     return sorted(set(re.findall(r"(?<![\w-])--[a-z][\w-]+", run.stdout)) - {"--help"})
 
 
+@pytest.mark.slow  # smg launch --help and the router, processes of seconds: not the fast tier
 def test_the_router_command_takes_every_flag_of_smg_launch_and_never_imports_sglang():
     """`centerline router` is `smg launch`'s parser and Rust router: the same flags, and none of
     SGLang imported on the way (what `smg launch` spends its start-up on)."""

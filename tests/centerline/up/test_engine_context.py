@@ -87,6 +87,7 @@ def test_positions_and_flags_are_read_as_sglang_and_transformers_write_them(tmp_
     assert flag_value(["--context-length-x", "5"], "--context-length") is None
 
 
+@pytest.mark.slow  # `centerline up` up to its refusal: seconds, not the fast tier
 def test_up_refuses_a_budget_its_model_cannot_hold_before_starting_anything(model_dir, tmp_path):
     mine = shutil.copytree(model_dir, tmp_path / "mine")  # the byte-level model: 1024 positions
     data = write(tmp_path / "d.jsonl", {"prompt": "p", "answer": "a"})
