@@ -4,7 +4,6 @@ while the trainer's event loop was busy (rank 0 reading a version, the proof has
 import asyncio
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from trainer_service.weights import WeightPublisher
@@ -19,10 +18,15 @@ class Engine(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = IDLE_S
     connections = 0
+    closed = threading.Event()  # set when the engine has closed a connection
 
     def setup(self):
         super().setup()
         Engine.connections += 1
+
+    def finish(self):
+        super().finish()
+        Engine.closed.set()
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -46,8 +50,8 @@ def test_a_call_after_the_engine_closed_the_idle_connection_goes_through():
         engines = WeightPublisher(None, [url], prove=False)
         try:
             first = await engines._post(url, "/continue_generation", {})
-            # the loop busy past the engine's idle limit: the engine's close is not read meanwhile
-            time.sleep(IDLE_S * 1.5)
+            # the loop busy until the engine has closed the connection: the close is not read meanwhile
+            assert Engine.closed.wait(timeout=30)
             return first, await engines._post(url, "/continue_generation", {})
         finally:
             await engines.close()
