@@ -113,10 +113,12 @@ import orjson
 
 from centerline.bench import add_out_flag
 from centerline.ports import free_port
+from centerline.runs.report import load_heldout
 from centerline.runs.run_figures import write_bench_figures
 from centerline.up import run_spec
 from centerline.up.processes import PYTHON, Supervisor, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
+from shared import heldout_record
 from shared.config import Config, ConfigError
 from shared.settings import TrainerSettings
 
@@ -279,7 +281,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     window = [s for s in steps if s["step"] > args.warmup_steps]
     start, end = seen[args.warmup_steps], seen[last]
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
+    evals = load_heldout(run_dir)
     figures = {
         "max_inflight_steps": spec.cfg.max_inflight_steps,
         "weight_update": spec.trainer.weight_update,
@@ -337,9 +339,9 @@ def label_truth(mode_dir: Path, model: str, logs: Path) -> dict:
 
 
 def heldout_key(record: dict) -> str:
-    """The held-out figure of an ``eval.jsonl`` record: ``eval_accuracy`` (exact match), or
-    ``eval_reward`` for a run of sessions (the environment's reward)."""
-    return "eval_accuracy" if "eval_accuracy" in record else "eval_reward"
+    """The held-out figure of a held-out record (``shared/heldout_record.py``): ``heldout_accuracy``
+    (exact match), or ``heldout_reward`` for a run of sessions (the environment's reward)."""
+    return heldout_record.ACCURACY if heldout_record.ACCURACY in record else heldout_record.REWARD
 
 
 def token_staleness(steps: list[dict]) -> dict:
@@ -565,7 +567,7 @@ def bench_pipeline(argv: list[str]) -> int:
         "workers": spec.up.workers,
         "trainer_ranks": spec.up.trainer_ranks,
         "prompts_per_step": spec.trainer.prompts_per_step,
-        "eval_prompts": spec.up.heldout_prompts,
+        "heldout_prompts": spec.up.heldout_prompts,
         "rollout_n": spec.cfg.rollout_n,
         "rollout_max_new_tokens": spec.cfg.rollout_max_new_tokens,
         "rollout_top_logprobs_num": spec.cfg.rollout_top_logprobs_num,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import orjson
 import pytest
+from prometheus_client import generate_latest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from shared.config import ConfigError
@@ -63,6 +65,39 @@ def test_a_resumed_trainer_replaces_the_events_of_the_steps_it_trains_again(tmp_
         again.step(record(step, 10.0 * step))
     again.close()
     assert tensorboard_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 20.0), (3, 30.0)]
+
+
+def test_a_heldout_record_goes_to_heldout_metrics_jsonl_tensorboard_and_gauges_by_its_heldout_names(tmp_path):
+    metrics = Metrics(TrainerSettings(run_dir=tmp_path))
+    line = {
+        "step": 4,
+        "heldout_accuracy": 0.5,
+        "heldout_rows": 2,
+        "version": 4,
+        "heldout_version_min": 4,
+        "heldout_version_max": 5,
+        "heldout_s": 1.25,
+    }
+    metrics.heldout(line)
+    metrics.close()
+    assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == ["heldout_metrics.jsonl"]
+    assert [orjson.loads(x) for x in (tmp_path / "heldout_metrics.jsonl").read_bytes().splitlines()] == [line]
+    assert tensorboard_scalars(tmp_path) == {
+        "heldout_accuracy": [(4, 0.5)],
+        "heldout_rows": [(4, 2.0)],
+        "heldout_version_min": [(4, 4.0)],
+        "heldout_version_max": [(4, 5.0)],
+        "heldout_s": [(4, 1.25)],
+    }
+    exposition = generate_latest(metrics.registry).decode().splitlines()
+    assert {x.split()[0]: float(x.split()[1]) for x in exposition if x.startswith("centerline_trainer_heldout")} == {
+        "centerline_trainer_heldout_step": 4.0,
+        "centerline_trainer_heldout_accuracy": 0.5,
+        "centerline_trainer_heldout_reward": 0.0,  # never set: this run's figure is the accuracy
+        "centerline_trainer_heldout_rows": 2.0,
+        "centerline_trainer_heldout_version_min": 4.0,
+        "centerline_trainer_heldout_version_max": 5.0,
+    }
 
 
 def test_tensorboard_off_writes_no_event_file(tmp_path):
