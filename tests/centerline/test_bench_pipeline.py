@@ -8,16 +8,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from centerline.bench.pipeline import (
-    BENCH_DEFAULTS,
-    bench_pipeline,
-    concurrent_requests,
-    duty_cycle,
-    heldout_key,
-    mode_spec,
-    request_bodies,
-    token_staleness,
-)
+from centerline.bench.duty_cycle import duty_cycle
+from centerline.bench.pipeline import BENCH_DEFAULTS, bench_pipeline
+from centerline.bench.pipeline_modes import heldout_key, mode_spec, token_staleness
+from centerline.bench.sglang_alone import concurrent_requests, request_bodies
 from centerline.up.run_spec import parse
 from shared.config import Config
 
