@@ -195,6 +195,7 @@ class Metrics:
         """
         complete = _drop_partial_line(self.path)
         _drop_partial_line(self.heldout_path)
+        _drop_partial_line(self.run_dir / heldout_record.OLD_FILE)  # a run an earlier release began
         lines = [orjson.loads(line) for line in complete]
         step = state["step"]
         later = [line["step"] for line in lines if line.get("step", 0) > step]

@@ -141,10 +141,14 @@ def test_complete_lines_of_a_growing_file_leave_out_the_line_being_written(data,
 
 def test_recover_drops_a_line_a_crash_cut_short_and_keeps_the_complete_ones(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "lo')
+    (tmp_path / "heldout_metrics.jsonl").write_bytes(b'{"step": 0}\n{"step": 2, "he')
+    (tmp_path / "eval.jsonl").write_bytes(b'{"step": 0}\n{"st')  # an earlier release's held-out record
     metrics = Metrics(TrainerSettings(run_dir=tmp_path, tensorboard=False))
     metrics.recover({"step": 1})
     metrics.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'
+    assert (tmp_path / "heldout_metrics.jsonl").read_bytes() == b'{"step": 0}\n'
+    assert (tmp_path / "eval.jsonl").read_bytes() == b'{"step": 0}\n'
 
 
 def test_the_runs_whole_configuration_is_wandbs_config_and_tensorboards_hparams(tmp_path):
