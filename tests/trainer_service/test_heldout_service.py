@@ -36,7 +36,9 @@ def lines(path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
-def test_heldout_rounds_are_recorded_at_step_0_every_eval_every_and_the_last_never_trained(tmp_path, sglang, model_dir):
+def test_heldout_rounds_are_recorded_at_step_0_every_heldout_every_and_the_last_never_trained(
+    tmp_path, sglang, model_dir
+):
     run_dir = tmp_path / "run"
     heldout = write_dataset(tmp_path / "heldout.jsonl", size=ROWS)
     with EmbeddedNats(tmp_path / "nats") as nats:
