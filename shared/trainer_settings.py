@@ -45,7 +45,8 @@ class TrainerSettings(Section):
         None,
         description="JSONL of held-out rows, the format of --dataset: one sample of each, drawn as training samples "
         "are, before training, every --heldout-every steps and after the last; scored, never trained, written to "
-        "eval.jsonl as that step's held-out figure (docs/design.md section 9). Unset: no held-out evaluation.",
+        "heldout_metrics.jsonl as that step's held-out figure (docs/design.md section 9). Unset: no held-out "
+        "evaluation.",
         json_schema_extra=LAUNCHED,
     )
     heldout_every: int = Field(

@@ -275,7 +275,6 @@ LONG_MODULES = {
     "shared/contract.py": "the completeness contract, one check per named rule, in one file (docs/design.md section 4)",
     "trainer_service/loss.py": "the score-centering loss and its closed-form gradient, read together (section 6)",
     "trainer_service/gate.py": "the gate's NATS side: fetch, hold, settle, dead-letter; the decision is admission.py",
-    "centerline/bench/pipeline.py": "one bench of a whole run: the stack it starts and its metrics read; to split next",
 }
 
 

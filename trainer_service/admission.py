@@ -25,7 +25,7 @@ trained on. The ledger (``ledger.py``) maps ``task_id`` to ``{"attempt", "step",
   never from both.
 - A held-out batch (its task is one of a held-out evaluation's, ``heldout.heldout_step``;
   docs/design.md section 9) never reaches a step, whatever the ledger or its age: checked against
-  the contract but staleness, then ``HELDOUT``, for the evaluator.
+  the contract but staleness, then ``HELDOUT``, for its round (``heldout.HeldoutRounds``).
 - A batch of another run (its task id's first component is not this trainer's run id) is
   ``foreign_run`` before any check: runs on one NATS never mix.
 - A part of a task published before the oldest task step the ledger keeps (``ledger.py``) is
@@ -51,7 +51,7 @@ EXPIRED_TASK = "expired_task"  # a part of a task older than the ledger keeps
 
 
 HOLD, DUPLICATE, IGNORE, DROP, REJECT = "hold", "duplicate", "ignore", "drop", "reject"
-HELDOUT = "heldout"  # a held-out evaluation's batch: to the evaluator, never to a step
+HELDOUT = "heldout"  # a held-out evaluation's batch: to its round, never to a step
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@
 - A redelivery of a trained part is acked, counted as ``duplicate``; a part of another attempt is
   acked, counted and logged as ``dropped:duplicate_attempt``, as are the pending parts of other
   attempts once a task is committed.
-- A held-out batch goes to the evaluator (``heldout.Evaluator``), which keeps it unacked until
+- A held-out batch goes to its round (``heldout.HeldoutRounds``), which keeps it unacked until
   its round is recorded, or it is dropped (acked) as ``heldout_late`` or ``heldout_duplicate``.
 - An attempt still incomplete after the gate *waited* ``EXPIRE_ACK_WAITS * ack_wait`` seconds for
   its other parts (its worker died between two publishes) has its task published again, like a
@@ -105,7 +105,7 @@ class Gate:
         """``resample(batch)``: awaited for a part rejected as stale or an attempt given up incomplete,
         publishes its task again (``trainer_service.tasks.TaskPublisher.resample``), True if it did;
         None publishes nothing. ``max_republishes``: how many times one task is published again at
-        most (the trainer's). ``heldout``: the ``heldout.Evaluator`` that held-out batches go to; None
+        most (the trainer's). ``heldout``: the ``heldout.HeldoutRounds`` that held-out batches go to; None
         drops them as late. ``run_id``: this trainer's run (others' batches are ``foreign_run``).
         ``first_task_step``: the oldest task step whose tasks ``ledger`` keeps (``ledger.py``).
         ``clock``: seconds, the gate's fetch-time clock is measured with (a test's fake clock)."""
@@ -193,7 +193,7 @@ class Gate:
 
     async def finish_heldout(self, stopping: asyncio.Event) -> None:
         """After the last step: take held-out batches until every open round is recorded or given up
-        (``eval_timeout``), or ``stopping`` is set. A training batch fetched meanwhile is parked: held
+        (``heldout_timeout``), or ``stopping`` is set. A training batch fetched meanwhile is parked: held
         unacked (kept alive) so that it is not delivered again and again while the rounds finish, then
         given back (nak) once: it costs one delivery, and the next trainer of the run trains it."""
         while self.heldout is not None and self.heldout.rounds and not stopping.is_set():
@@ -217,10 +217,10 @@ class Gate:
             await self.give_back(msg)
 
     async def evaluated(self) -> None:
-        """Ack the held-out parts whose rows are recorded (``heldout.Evaluator.settled``); record each
+        """Ack the held-out parts whose rows are recorded (``heldout.HeldoutRounds.settled``); record each
         round with a result for every row, then ack its batches (a crash in between: they come back,
-        and are dropped as late, the round being in ``eval.jsonl``); give up the rounds past
-        ``eval_timeout``, acking what they held."""
+        and are dropped as late, the round being in ``heldout_metrics.jsonl``); give up the rounds past
+        ``heldout_timeout``, acking what they held."""
         if self.heldout is None:
             return
         for h in self.heldout.take_settled():
@@ -234,7 +234,7 @@ class Gate:
                 await self.settle(h.msg, h.batch.batch_id)
         for r in expired:
             log.warning(
-                "held-out evaluation of step %d given up: %d of %d rows had a result after %gs (--eval-timeout); "
+                "held-out evaluation of step %d given up: %d of %d rows had a result after %gs (--heldout-timeout); "
                 "no figure recorded for it",
                 r.step,
                 len(r.results),

@@ -11,19 +11,20 @@ scored, never trained (``trainer_service/admission.py``).
 
 A round is one step's evaluation. Each row counts once: the first complete attempt of its task
 gives its reward; other attempts and redeliveries are dropped. Once every row has a reward the
-round is recorded (``Metrics.heldout``: ``eval.jsonl``, TensorBoard, Prometheus) as the held-out
+round is recorded (``Metrics.heldout``: ``heldout_metrics.jsonl``, TensorBoard, Prometheus) as the held-out
 figure of the step that scheduled it, labelled with the weight versions that sampled it. With a
 rows directory (the trainer's ``<run-dir>/heldout``), each row's result is written there (fsynced)
 as it comes and its batch acked at once, so a round of any size holds no batch unacked for long
 (the consumer's ``max_ack_pending`` never stalls it); without one, a round's batches are acked once
 it is recorded. A trainer restarted at step ``s`` reopens the round of ``s`` if it is due and
-``eval.jsonl`` lacks it (its rows written so far count); a round of an earlier step is given up,
+``heldout_metrics.jsonl`` lacks it (its rows written so far count); a round of an earlier step is given up,
 never recorded: its rows would now be sampled by weights newer than the step it names
-(``Evaluator.reopen``). A round still short of rows ``heldout_timeout`` seconds after it was scheduled
+(``HeldoutRounds.reopen``). A round still short of rows ``heldout_timeout`` seconds after it was scheduled
 is given up, logged, and not recorded; its late batches are dropped.
 
-The figure is ``eval_accuracy`` where every row is single-turn and scored by exact match (the toy
-tasks' held-out accuracy), else ``eval_reward``: the mean reward of one sample per row.
+The figure is ``heldout_accuracy`` where every row is single-turn and scored by exact match (the
+toy tasks' held-out accuracy), else ``heldout_reward``: the mean reward of one sample per row
+(``shared/heldout_record.py``, the record's file and keys).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import orjson
 
-from shared import names
+from shared import heldout_record, names
 from shared.nats_client import publish_acked
 from shared.task import PromptTask
 from trainer_service.ledger import HeldPart
@@ -61,8 +62,9 @@ def heldout_step(task_id: str) -> int | None:
 
 
 def figure_name(examples: list[Example]) -> str:
-    """``eval_accuracy`` where every row is single-turn and scored by exact match, else ``eval_reward``."""
-    return "eval_accuracy" if all(ex.reward == "exact" and not ex.environment for ex in examples) else "eval_reward"
+    """``heldout_accuracy`` where every row is single-turn and scored by exact match, else ``heldout_reward``."""
+    exact = all(ex.reward == "exact" and not ex.environment for ex in examples)
+    return heldout_record.ACCURACY if exact else heldout_record.REWARD
 
 
 @dataclass
@@ -77,8 +79,9 @@ class Round:
     held: list[HeldPart] = field(default_factory=list)  # every part kept, acked once the round is recorded
 
 
-class Evaluator:
-    """The held-out rounds of one trainer process; ``record(step, figures)`` writes one round's figures."""
+class HeldoutRounds:
+    """The held-out evaluation rounds of one trainer process: scheduled, filled with the rows'
+    results as their batches come, recorded once complete (``record(figures)``, ``figures``' line)."""
 
     def __init__(
         self,
@@ -95,7 +98,7 @@ class Evaluator:
         self.every, self.timeout, self.record, self.name = every, timeout, record, figure_name(examples)
         self.rows_dir = rows_dir  # each row's result, durable before its batch is acked; None: acked per round
         self.rounds: dict[int, Round] = {}  # open rounds by step
-        self.closed: set[int] = set()  # steps recorded or given up by this process, and those eval.jsonl holds
+        self.closed: set[int] = set()  # steps recorded or given up by this process, and those recorded before
         self.settled: list[HeldPart] = []  # parts of rows written to rows_dir, for the gate to ack
 
     def rows_path(self, step: int) -> Path | None:
@@ -126,7 +129,7 @@ class Evaluator:
         return settled
 
     def forget(self, round_: Round) -> None:
-        """A round recorded or given up: its rows file goes (eval.jsonl, or nothing, says what it was)."""
+        """A round recorded or given up: its rows file goes (the record, or nothing, says what it was)."""
         path = self.rows_path(round_.step)
         if path is not None:
             path.unlink(missing_ok=True)
@@ -151,12 +154,14 @@ class Evaluator:
             )
         log.info("held-out evaluation of step %d scheduled: %d rows at version %d", step, len(self.examples), version)
 
-    def recorded(self, path) -> None:
-        """The steps whose figure ``path`` (``eval.jsonl``) holds are closed: never evaluated again."""
+    def recorded(self, run_dir: Path) -> None:
+        """The steps whose figure the run's held-out record holds (``heldout_metrics.jsonl``, and an
+        earlier release's ``eval.jsonl``) are closed: never evaluated again."""
         from trainer_service.metrics import complete_lines  # it imports torch, which this module needs nowhere else
 
-        data = path.read_bytes() if path.exists() else b""
-        self.closed.update(orjson.loads(line)["step"] for line in complete_lines(data)[0])
+        for path in (run_dir / heldout_record.OLD_FILE, run_dir / heldout_record.FILE):
+            data = path.read_bytes() if path.exists() else b""
+            self.closed.update(orjson.loads(line)["step"] for line in complete_lines(data)[0])
 
     def due(self, step: int, last: int) -> bool:
         """Whether the step ``step`` (completed steps; 0 before training) is evaluated."""
@@ -164,8 +169,8 @@ class Evaluator:
 
     async def reopen(self, js, step: int, version: int) -> None:
         """A trainer (re)started at ``step`` completed steps: schedule the round of ``step`` if it is
-        due and ``eval.jsonl`` does not hold it (the first start: step 0's, before training). An
-        earlier round ``eval.jsonl`` lacks is given up: weights ``version`` would sample it, not those
+        due and the held-out record does not hold it (the first start: step 0's, before training). An
+        earlier round the record lacks is given up: weights ``version`` would sample it, not those
         of the step it names."""
         for s in range(0, step, self.every):
             if s not in self.closed:
@@ -223,18 +228,18 @@ class Evaluator:
         return done, expired
 
     def figures(self, r: Round, now: float) -> dict:
-        """The round's line of ``eval.jsonl``: the figure, its rows, the trainer's version when it was
+        """The round's line of ``heldout_metrics.jsonl``: the figure, its rows, the trainer's version when it was
         scheduled, the weight versions that sampled its rows, and its seconds from scheduling to the last."""
         rewards = [reward for reward, _ in r.results.values()]
         versions = [version for _, version in r.results.values()]
         return {
             "step": r.step,
             self.name: sum(rewards) / len(rewards),
-            "eval_rows": len(rewards),
+            "heldout_rows": len(rewards),
             "version": r.version,
-            "eval_version_min": min(versions),
-            "eval_version_max": max(versions),
-            "eval_s": round(now - r.started, 3),
+            "heldout_version_min": min(versions),
+            "heldout_version_max": max(versions),
+            "heldout_s": round(now - r.started, 3),
         }
 
     def parts(self) -> list[HeldPart]:

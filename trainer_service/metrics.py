@@ -3,7 +3,8 @@ the same figures as TensorBoard scalars (event files in ``<run_dir>``, so ``tens
 runs/`` shows each run by its id), to Weights & Biases when ``--wandb`` is ``offline`` or
 ``online``, and Prometheus gauges/counters at ``/metrics`` when ``--metrics-port`` is given.
 A held-out evaluation (``trainer_service/heldout.py``) goes the same ways, its line to
-``<run_dir>/eval.jsonl`` instead, at the step that scheduled it (``heldout``).
+``<run_dir>/heldout_metrics.jsonl`` instead, at the step that scheduled it (``heldout``;
+``shared/heldout_record.py``).
 
 The HTTP server is optional and can never stop training: a port that cannot be bound is
 logged and the trainer goes on without it.
@@ -20,6 +21,7 @@ from pathlib import Path
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from shared import heldout_record
 from shared.config import ConfigError
 from shared.nats_auth import redact
 from shared.settings import TrainerSettings
@@ -48,8 +50,17 @@ GAUGES = (
     *METRICS,  # the loss's, named once in step.py
     "step_s",
 )
-# A held-out evaluation's, gauges as well: the figure of the last step evaluated, and that step.
-HELDOUT_GAUGES = ("eval_step", "eval_accuracy", "eval_reward", "eval_rows", "eval_version_min", "eval_version_max")
+# A held-out evaluation's, gauges as well: the figure of the last step evaluated, and that step
+# (HELDOUT_STEP, which W&B plots the held-out figures against).
+HELDOUT_STEP = "heldout_step"
+HELDOUT_GAUGES = (
+    HELDOUT_STEP,
+    "heldout_accuracy",
+    "heldout_reward",
+    "heldout_rows",
+    "heldout_version_min",
+    "heldout_version_max",
+)
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -80,7 +91,7 @@ class Metrics:
     def __init__(self, settings: TrainerSettings):
         """From the trainer's ``settings``: ``run_dir``, ``metrics_port``, ``tensorboard``, ``wandb``."""
         run_dir, port = settings.run_dir, settings.metrics_port
-        self.path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+        self.path, self.heldout_path = run_dir / "metrics.jsonl", run_dir / heldout_record.FILE
         self.run_dir, self.tensorboard, self._tb = run_dir, settings.tensorboard, None
         self.purge_from: int | None = None  # the first step this process writes (``recover``)
         self.config = run_config(run_dir, settings)  # W&B's config and TensorBoard's hparams: what the run is
@@ -183,7 +194,8 @@ class Metrics:
         committed step then has one line.
         """
         complete = _drop_partial_line(self.path)
-        _drop_partial_line(self.eval_path)
+        _drop_partial_line(self.heldout_path)
+        _drop_partial_line(self.run_dir / heldout_record.OLD_FILE)  # a run an earlier release began
         lines = [orjson.loads(line) for line in complete]
         step = state["step"]
         later = [line["step"] for line in lines if line.get("step", 0) > step]
@@ -220,22 +232,22 @@ class Metrics:
             self._wandb.log(values, step=step)
 
     def heldout(self, record: dict) -> None:
-        """Log and store one held-out evaluation's record (``heldout.Evaluator.figures``): its line
-        of ``eval.jsonl``, and its figures at the step that scheduled it."""
+        """Log and store one held-out evaluation's record (``heldout.HeldoutRounds.figures``): its
+        line of ``heldout_metrics.jsonl``, and its figures at the step that scheduled it."""
         line = orjson.dumps(record)
         sys.stdout.buffer.write(line + b"\n")
         sys.stdout.flush()
-        with open(self.eval_path, "ab") as fh:
+        with open(self.heldout_path, "ab") as fh:
             fh.write(line + b"\n")
-        self.heldout_gauges["eval_step"].set(record["step"])
+        self.heldout_gauges[HELDOUT_STEP].set(record["step"])
         for name, gauge in self.heldout_gauges.items():
             if isinstance(record.get(name), (int, float)):
                 gauge.set(record[name])
-        values = {k: v for k, v in scalars(record).items() if k.startswith("eval_")}
+        values = {k: v for k, v in scalars(record).items() if k.startswith(heldout_record.PREFIX)}
         self._scalars(values, int(record["step"]))
-        if self._wandb is not None:  # W&B steps only grow: held-out figures are plotted against eval_step
-            self._wandb.define_metric("eval_*", step_metric="eval_step")
-            self._wandb.log({**values, "eval_step": record["step"]})
+        if self._wandb is not None:  # W&B steps only grow: held-out figures are plotted against heldout_step
+            self._wandb.define_metric(f"{heldout_record.PREFIX}*", step_metric=HELDOUT_STEP)
+            self._wandb.log({**values, HELDOUT_STEP: record["step"]})
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
         if not self.tensorboard:

@@ -14,8 +14,8 @@ The loop (rank 0 does all NATS and HTTP I/O; other ranks follow its steps):
 
 Held-out evaluation (``--heldout-dataset``; docs/design.md section 9): before the first step,
 after every ``--heldout-every`` steps and after the last, the held-out rows go to the workers as
-tasks of one sample; the gate hands their batches to the evaluator, never to a step, and each
-round is written to ``eval.jsonl`` as the held-out figure of the step that scheduled it. After
+tasks of one sample; the gate hands their batches to their round, never to a step, and each
+round is written to ``heldout_metrics.jsonl`` as the held-out figure of the step that scheduled it. After
 the last step the trainer waits for the open rounds (at most ``--heldout-timeout``) before it exits.
 
 A step wants ``--prompts-per-step`` groups of ``rollout_n`` samples; it closes early after
@@ -53,7 +53,7 @@ from shared.settings import SECTIONS, Section, TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
 # what a held-out round's tasks refused by a full store cost (trainer_service/store.py)
-HELDOUT_REFUSED = "held-out tasks (their round is given up after --eval-timeout)"
+HELDOUT_REFUSED = "held-out tasks (their round is given up after --heldout-timeout)"
 
 
 def parse(argv: list[str]):
@@ -70,7 +70,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     from trainer_service import checkpoint, store, weights
     from trainer_service.commit import LedgerFormatError, TrainerState, commit_step, step_record
     from trainer_service.gate import Gate
-    from trainer_service.heldout import Evaluator
+    from trainer_service.heldout import HeldoutRounds
     from trainer_service.ledger import first_kept_step, kept_task_steps
     from trainer_service.metrics import Metrics
     from trainer_service.tasks import AttemptBlocks, TaskPublisher, load_dataset
@@ -106,7 +106,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     )
     heldout = None
     if settings.heldout_dataset is not None:
-        heldout = Evaluator(
+        heldout = HeldoutRounds(
             heldout_rows,
             run_id=state.run_id,
             attempts_before=tasks.attempts_before,
@@ -114,7 +114,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
             timeout=settings.heldout_timeout,
             record=metrics.heldout,
         )
-        heldout.recorded(metrics.eval_path)
+        heldout.recorded(settings.run_dir)
     gate = Gate(
         js,
         consumer,
@@ -139,7 +139,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     # Engines serve what this trainer holds, whatever they served before (a restart, a stale engine).
     initial = weights.version_dir(settings.run_dir / "weights", state.version) if state.version else settings.model
     await engines.publish(state.version, initial)
-    if heldout is not None:  # step 0's round before training; after a restart, the rounds eval.jsonl lacks
+    if heldout is not None:  # step 0's round before training; after a restart, the rounds not yet recorded
         await heldout.reopen(js, state.step, state.version)
     keep_alive = asyncio.create_task(gate.keep_alive(settings.ack_wait / 3))
     catching_up = asyncio.create_task(

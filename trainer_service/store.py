@@ -9,7 +9,7 @@ end of the trainer.
 - ``unless_full`` awaits a publish of tasks; a ``StoreFull`` refusal is logged by name and counted, and
   the trainer goes on: the step's tasks are published again at the next step, the next ones when a
   step starves again (their ``Nats-Msg-Id`` deduplicates what was stored); a held-out round missing
-  tasks is given up after ``--eval-timeout``.
+  tasks is given up after ``--heldout-timeout``.
 """
 
 from __future__ import annotations

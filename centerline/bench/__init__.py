@@ -11,7 +11,9 @@ tables are generated from the figure files committed in ``docs/bench/``
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
 from centerline.cli import dispatch
@@ -70,6 +72,11 @@ def add_out_flag(parser: argparse.ArgumentParser, target: str) -> None:
         default=f"runs/bench/{target}.json",
         help="file the figures are written to, with the machine they were measured on (default: %(default)s)",
     )
+
+
+def progress(bench: str, phase: str, **fields) -> None:
+    """One JSON line per phase of a bench on stderr: ``{"bench": bench, "phase": phase, **fields}``."""
+    print(json.dumps({"bench": bench, "phase": phase, **fields}), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:

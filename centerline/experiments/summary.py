@@ -13,6 +13,7 @@ from pathlib import Path
 
 from centerline.experiments.interval import format_interval, interval
 from centerline.runs.report import load_steps
+from shared.heldout_record import ACCURACY, REWARD
 
 # the per-run numbers summarised across seeds, with the header each table gives them
 FINAL = (("reward_last", "reward last ¼"), ("accuracy_after", "held-out after"), ("kl_max", "|kl| max"))
@@ -21,11 +22,11 @@ PAIRED = ("reward_last", "accuracy_after")  # numbers also reported as differenc
 
 
 def summarise(run: dict, run_dir: Path, wall_s: float | None) -> dict:
-    """``run`` (a ``staleness.grid`` entry) with what its ``metrics.jsonl`` and ``eval.jsonl`` say."""
+    """``run`` (a ``staleness.grid`` entry) with what its ``metrics.jsonl`` and held-out record say."""
     steps = load_steps(run_dir)
     trained = [s for s in steps if "loss" in s]
     # the held-out figure: exact-match accuracy, or a run of sessions' mean reward
-    evals = [s.get("eval_accuracy", s.get("eval_reward")) for s in steps if {"eval_accuracy", "eval_reward"} & set(s)]
+    evals = [s.get(ACCURACY, s.get(REWARD)) for s in steps if {ACCURACY, REWARD} & set(s)]
     rewards = [s["reward_mean"] for s in trained]
     tail = max(1, len(rewards) // 4)
     return {

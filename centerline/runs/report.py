@@ -1,9 +1,10 @@
 """`centerline report RUN_DIR`: the page people look at after a run.
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per trainer step) and, when present,
-``RUN_DIR/eval.jsonl`` (the trainer's held-out evaluation, ``trainer_service/heldout.py``, in any
-deployment: ``{step, eval_accuracy, ...}`` on exact-match rows such as the toy tasks',
-``{step, eval_reward, ...}`` otherwise; a `centerline up` run on a user's task also writes
+``RUN_DIR/heldout_metrics.jsonl`` (the trainer's held-out evaluation, ``shared/heldout_record.py``, in
+any deployment: ``{step, heldout_accuracy, ...}`` on exact-match rows such as the toy tasks',
+``{step, heldout_reward, ...}`` otherwise; a run of an earlier release has ``RUN_DIR/eval.jsonl``,
+its keys ``eval_*``, read the same; a `centerline up` run on a user's task also writes
 ``RUN_DIR/heldout.json``, which says which rows were held out, if any), and writes
 ``RUN_DIR/report.html`` (self-contained: plots inlined as PNG, no network) plus each plot
 as ``RUN_DIR/plots/<name>.png``. A run on multi-turn sessions (any step with injected tokens)
@@ -28,6 +29,7 @@ from pathlib import Path
 import orjson
 
 from centerline.runs.page import figure_png, image, page, pyplot, row, write_plots
+from shared import heldout_record
 
 STYLE = (
     "body{font-family:sans-serif;max-width:70em;margin:2em auto;color:#222}"
@@ -38,8 +40,12 @@ STYLE = (
 # (file name, title, [(metric key, legend label)]) for each line plot, in page order.
 LINE_PLOTS = [
     ("reward", "Reward (mean over the step's samples)", [("reward_mean", "train reward")]),
-    ("accuracy", "Held-out accuracy", [("eval_accuracy", "held-out exact match")]),
-    ("heldout_reward", "Held-out mean reward (one sample per held-out row)", [("eval_reward", "held-out reward")]),
+    ("accuracy", "Held-out accuracy", [(heldout_record.ACCURACY, "held-out exact match")]),
+    (
+        "heldout_reward",
+        "Held-out mean reward (one sample per held-out row)",
+        [(heldout_record.REWARD, "held-out reward")],
+    ),
     (
         "sc_correction",
         "Score-centering correction: signed term sum_H c log p, and L1 mass sum_H |c|",
@@ -77,11 +83,27 @@ def load_steps(run_dir: Path) -> list[dict]:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a trainer --run-dir?")
     by_step = {record["step"]: record for record in _read_jsonl(path)}
-    if (run_dir / "eval.jsonl").exists():
-        for record in _read_jsonl(run_dir / "eval.jsonl"):
-            figures = {k: v for k, v in record.items() if k in ("eval_accuracy", "eval_reward")}
-            by_step.setdefault(record["step"], {"step": record["step"]}).update(figures)
+    for record in load_heldout(run_dir):
+        figures = {k: v for k, v in record.items() if k in (heldout_record.ACCURACY, heldout_record.REWARD)}
+        by_step.setdefault(record["step"], {"step": record["step"]}).update(figures)
     return [by_step[step] for step in sorted(by_step)]
+
+
+def load_heldout(run_dir: Path) -> list[dict]:
+    """The run's held-out records (``shared/heldout_record.py``), [] when it has none: an earlier
+    release's ``eval.jsonl`` first, its ``eval_*`` keys spelled ``heldout_*``, then ``heldout_metrics.jsonl``."""
+    records = []
+    old, new = run_dir / heldout_record.OLD_FILE, run_dir / heldout_record.FILE
+    if old.exists():
+        records += [{_new_key(k): v for k, v in record.items()} for record in _read_jsonl(old)]
+    if new.exists():
+        records += _read_jsonl(new)
+    return records
+
+
+def _new_key(key: str) -> str:
+    """A key of an earlier release's held-out record as this release spells it (``eval_s``: ``heldout_s``)."""
+    return heldout_record.PREFIX + key.removeprefix("eval_") if key.startswith("eval_") else key
 
 
 def render_plots(steps: list[dict]) -> dict[str, tuple[str, bytes]]:
@@ -171,7 +193,7 @@ def summary(steps: list[dict], heldout: dict | None = None) -> list[tuple[str, s
     rows = [("steps", str(len(trained)))]
     if heldout is not None:
         rows.append(("held-out rows", f"{heldout['rows']}: {heldout['source']} (reward {heldout['reward']})"))
-    for key in ("reward_mean", "eval_accuracy", "eval_reward", "train_rollout_kl", "sc_correction"):
+    for key in ("reward_mean", heldout_record.ACCURACY, heldout_record.REWARD, "train_rollout_kl", "sc_correction"):
         values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         if values:
             rows.append((key, f"{values[0]:.4g} → {values[-1]:.4g}"))

@@ -10,7 +10,8 @@ of all of that as canonical JSON (``digest``). The docs quote such files
 the check naming the file and the command that regenerates it. The digest is no signature:
 it shows an edit, it does not stop one made on purpose.
 
-Each figure is computed from ``metrics.jsonl`` and ``eval.jsonl`` as the report reads them:
+Each figure is computed from ``metrics.jsonl`` and the held-out record as the report reads them
+(``heldout_metrics.jsonl``, or an earlier release's ``eval.jsonl``: ``report.load_heldout``):
 ``heldout`` is every held-out evaluation (``{step, value}``: exact-match accuracy, or a run of
 sessions' mean reward); ``*_first`` and ``*_last`` are means over the first and last ``WINDOW``
 steps (fewer when the run is shorter).
@@ -29,6 +30,9 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from centerline.runs.report import load_heldout
+from shared import heldout_record
+
 WINDOW = 30  # steps averaged at each end of the run
 
 
@@ -37,13 +41,11 @@ def _mean(values: list[float]) -> float:
 
 
 def run_figures(run_dir: Path) -> dict:
-    """The figures of the run in ``run_dir`` (``metrics.jsonl``, and ``eval.jsonl`` when present)."""
+    """The figures of the run in ``run_dir`` (``metrics.jsonl``, and its held-out record when it has one)."""
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not steps:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no steps")
-    evals = []
-    if (run_dir / "eval.jsonl").exists():
-        evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
+    evals = load_heldout(run_dir)
     window = min(WINDOW, len(steps))
     first, last = steps[:window], steps[-window:]
     kl = [s["train_rollout_kl"] for s in steps]
@@ -56,7 +58,8 @@ def run_figures(run_dir: Path) -> dict:
         "reward_first": round(_mean([s["reward_mean"] for s in first]), 4),
         "reward_last": round(_mean([s["reward_mean"] for s in last]), 4),
         "heldout": [
-            {"step": e["step"], "value": round(e.get("eval_accuracy", e.get("eval_reward", 0.0)), 4)} for e in evals
+            {"step": e["step"], "value": round(e.get(heldout_record.ACCURACY, e.get(heldout_record.REWARD, 0.0)), 4)}
+            for e in evals
         ],
         "train_rollout_kl_mean": float(f"{_mean(kl):.3g}"),
         "train_rollout_kl_max": float(f"{max(kl):.3g}"),

@@ -6,9 +6,10 @@ and (head dimension 64) in SGLang's GPU attention backends alike. Weights are ra
 `--seed`; the same seed gives the same bytes. Nothing is downloaded. `--sft --task NAME` trains
 the weights briefly on a toy task first (`centerline/toy/sft.py`) so RL starts from a policy with
 some reward; the settings are recorded in `centerline_model.json`, and a directory already holding a model made with the
-same settings is left as it is. `--eval` prints the warm start's held-out figure at temperature 1
+same settings is left as it is. `--heldout` prints the warm start's held-out figure at temperature 1
 (exact match; a multi-turn task's mean reward, each conversation played as its environment plays
-it); `upper` is the default run's task because its start is neither "never" nor "always".
+it; `--eval`, its old name, is read for one release); `upper` is the default run's task because its
+start is neither "never" nor "always".
 
     centerline init-model --out runs/model --seed 0
     centerline init-model --sft --task upper --out runs/upper
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from centerline.toy.tokenizer import EOS, IM_END, PAD, SPECIALS, VOCAB_SIZE, save_tokenizer
@@ -102,8 +104,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task", default=None, help="toy task of the warm start (centerline/toy/dataset.py)")
     parser.add_argument("--sft-steps", type=int, default=0, help="AdamW steps; 0 = the task's default")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
-    parser.add_argument("--eval", action="store_true", help="after --sft, print held-out exact match at temperature 1")
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="after --sft, print held-out exact match at temperature 1 (old name --eval, read for one release)",
+    )
+    parser.add_argument("--eval", action="store_true", help=argparse.SUPPRESS)  # --heldout's old name
     args = parser.parse_args(argv)
+    if args.eval:
+        print(f"{parser.prog}: warning: --eval is deprecated; use --heldout", file=sys.stderr)
     sft = None
     if args.sft:
         from centerline.toy.dataset import TASKS
@@ -124,7 +133,7 @@ def main(argv: list[str]) -> int:
     path = write_model_dir(args.out, args.seed, sft)
     record.write_text(json.dumps(settings, sort_keys=True) + "\n")
     print(f"wrote {path} (seed {args.seed}, vocab {VOCAB_SIZE}{', sft ' + json.dumps(sft.to_dict()) if sft else ''})")
-    if sft is not None and args.eval:
+    if sft is not None and (args.heldout or args.eval):
         from centerline.toy.sft import evaluate, evaluate_calc, evaluate_chat
 
         if sft.task == "calc":

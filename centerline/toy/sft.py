@@ -54,7 +54,7 @@ class SftSettings:
 
 
 # Steps that land each task's held-out exact match (temperature 1) between "never" and "always"
-# on this model (`centerline init-model --sft --task T --eval` prints the figure).
+# on this model (`centerline init-model --sft --task T --heldout` prints the figure).
 DEFAULT_STEPS = {"copy": 150, "upper": 200, "reverse": 800, "add": 600, "chain": 300, "calc": 800}
 
 

@@ -8,6 +8,8 @@ import sys
 
 import orjson
 
+from shared.heldout_record import ACCURACY, REWARD
+
 
 class Progress:
     """A live line on a terminal, one JSON line per record otherwise."""
@@ -19,10 +21,10 @@ class Progress:
     def show(self, record: dict, steps: int) -> None:
         if not self.tty:
             self.stream.write(orjson.dumps(record).decode() + "\n")
-        elif "eval_accuracy" in record and "loss" not in record:
-            self.stream.write(f"\r\x1b[K  held-out accuracy at step {record['step']}: {record['eval_accuracy']:.3f}\n")
-        elif "eval_reward" in record and "loss" not in record:
-            self.stream.write(f"\r\x1b[K  held-out mean reward at step {record['step']}: {record['eval_reward']:.3f}\n")
+        elif ACCURACY in record and "loss" not in record:
+            self.stream.write(f"\r\x1b[K  held-out accuracy at step {record['step']}: {record[ACCURACY]:.3f}\n")
+        elif REWARD in record and "loss" not in record:
+            self.stream.write(f"\r\x1b[K  held-out mean reward at step {record['step']}: {record[REWARD]:.3f}\n")
         else:
             done = record.get("step", 0)
             bar = "#" * int(30 * done / max(steps, 1))

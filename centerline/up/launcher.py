@@ -18,8 +18,8 @@ Held-out accuracy (exact match of one sample per prompt at the rollout temperatu
 ``--heldout-prompts`` prompts) is the
 trainer's own (docs/design.md section 9): ``up`` writes the held-out rows to ``RUN_DIR/heldout.jsonl``,
 the trainer's ``heldout_dataset``, and the trainer has the workers sample them before training,
-every ``--heldout-every`` steps and after the last, into ``RUN_DIR/eval.jsonl``, which ``up`` shows as
-it appears. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
+every ``--heldout-every`` steps and after the last, into ``RUN_DIR/heldout_metrics.jsonl``, which
+``up`` shows as it appears. At the end ``RUN_DIR/report.html`` and ``RUN_DIR/plots/*.png`` are written.
 
 Your own task (``centerline/up/prepare.py``, ``centerline/up/user_task.py``): ``--model DIR`` replaces the toy model,
 ``--dataset FILE`` the toy task (its rows without ``"split": "eval"`` become the trainer's
@@ -90,6 +90,7 @@ from centerline.up.prepare import prepare
 from centerline.up.processes import PYTHON, Supervisor, restart_dead_nats_nodes, sglang_argv, wait_http
 from centerline.up.run_spec import RunSpec
 from centerline.up.user_task import UserTaskError
+from shared import heldout_record
 from shared.streams import StreamLimits
 
 
@@ -281,11 +282,11 @@ def watch_run(
     stopping: list,
 ) -> None:
     """Until the trainer exits: restart what died, show each step and each held-out evaluation the
-    trainer writes (``metrics.jsonl``, ``eval.jsonl``). Raises ``Stopped`` once ``stopping`` gets an
+    trainer writes (``metrics.jsonl``, ``heldout_metrics.jsonl``). Raises ``Stopped`` once ``stopping`` gets an
     entry (a signal)."""
     from trainer_service.metrics import complete_lines  # here: it imports torch, which the launcher needs nowhere else
 
-    files = [spec.up.run_dir / "metrics.jsonl", spec.up.run_dir / "eval.jsonl"]
+    files = [spec.up.run_dir / "metrics.jsonl", spec.up.run_dir / heldout_record.FILE]
     seen = [0, 0]  # complete lines shown of each
     while True:
         if stopping:

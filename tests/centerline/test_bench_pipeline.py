@@ -8,16 +8,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from centerline.bench.pipeline import (
-    BENCH_DEFAULTS,
-    bench_pipeline,
-    concurrent_requests,
-    duty_cycle,
-    heldout_key,
-    mode_spec,
-    request_bodies,
-    token_staleness,
-)
+from centerline.bench.duty_cycle import duty_cycle
+from centerline.bench.pipeline import BENCH_DEFAULTS, bench_pipeline
+from centerline.bench.pipeline_modes import heldout_key, mode_spec, token_staleness
+from centerline.bench.sglang_alone import concurrent_requests, request_bodies
 from centerline.up.run_spec import parse
 from shared.config import Config
 
@@ -76,7 +70,7 @@ SETTING_KEYS = {
     "steps",
     "train_seconds",
     "warmup_steps",
-    "eval_prompts",
+    "heldout_prompts",
     "workers",
     "trainer_ranks",
     "prompts_per_step",
@@ -313,7 +307,7 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
     assert sum(s["step_s"] for s in steps[:-1]) < TRAIN_S
     assert m["steps_wall_s"] == round(sum(s["step_s"] for s in steps), 3)
     assert f"--train-seconds {TRAIN_S:g} have passed" in (run_dir / "logs" / "trainer.log").read_text()
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
+    evals = [orjson.loads(line) for line in (run_dir / "heldout_metrics.jsonl").read_bytes().splitlines()]
     assert [e["step"] for e in evals] == [0, m["steps_done"]]
     # in flight, a response's first tokens may be sampled before an update and trained two versions
     # later, which max_staleness (2) still admits
@@ -350,5 +344,5 @@ def test_bench_pipeline_reports_counts_rates_and_duty_cycles(tmp_path):
 
 
 def test_the_held_out_figure_is_the_accuracy_or_for_sessions_the_reward():
-    assert heldout_key({"step": 0, "eval_accuracy": 0.2}) == "eval_accuracy"
-    assert heldout_key({"step": 0, "eval_reward": 0.66}) == "eval_reward"
+    assert heldout_key({"step": 0, "heldout_accuracy": 0.2}) == "heldout_accuracy"
+    assert heldout_key({"step": 0, "heldout_reward": 0.66}) == "heldout_reward"

@@ -26,11 +26,14 @@ def step(n: int, **over) -> dict:
     return {**record, **over}
 
 
-def test_the_figures_of_a_run_are_its_metrics_summed_and_averaged_at_both_ends(tmp_path):
+# the held-out record as this release writes it, and as an earlier release did (read the same)
+@pytest.mark.parametrize(("heldout_file", "key"), [("heldout_metrics.jsonl", "heldout"), ("eval.jsonl", "eval")])
+def test_the_figures_of_a_run_are_its_metrics_summed_and_averaged_at_both_ends(tmp_path, heldout_file, key):
     steps = [step(n) for n in range(1, 41)]
     steps[5] = step(6, gate_rejected={"stale": 1}, gate_resampled=1, staleness_max=2, token_kv_unverified_share=0.5)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-    (tmp_path / "eval.jsonl").write_text('{"step": 0, "eval_accuracy": 0.125}\n{"step": 40, "eval_accuracy": 0.5}\n')
+    heldout = [{"step": 0, f"{key}_accuracy": 0.125, f"{key}_rows": 8}, {"step": 40, f"{key}_accuracy": 0.5}]
+    (tmp_path / heldout_file).write_text("".join(json.dumps(h) + "\n" for h in heldout))
     figures = run_figures(tmp_path)
     assert figures == {
         "steps": 40,

@@ -25,17 +25,17 @@ def test_up_runs_steps_and_writes_the_report(up_run):
     assert all(s["gate_accepted"] == 3 and s["gate_rejected"] == {} and s["samples"] == 6 for s in steps)
     # The trainer's held-out evaluation (docs/design.md section 9): before training, every --heldout-every 2
     # steps and after the last, one sample of each of the 8 held-out rows, sampled by the workers
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
+    evals = [orjson.loads(line) for line in (run_dir / "heldout_metrics.jsonl").read_bytes().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 3]
-    assert all(e["eval_rows"] == 8 and e["eval_accuracy"] in {i / 8 for i in range(9)} for e in evals)
-    assert [e["version"] for e in evals] == [0, 2, 3] and all(e["eval_version_min"] >= e["version"] for e in evals)
+    assert all(e["heldout_rows"] == 8 and e["heldout_accuracy"] in {i / 8 for i in range(9)} for e in evals)
+    assert [e["version"] for e in evals] == [0, 2, 3] and all(e["heldout_version_min"] >= e["version"] for e in evals)
     heldout = (run_dir / "heldout.jsonl").read_bytes().splitlines()
     assert len(heldout) == 8 and {orjson.loads(row)["reward"] for row in heldout} == {"exact"}
     assert not any("/heldout/" in batch for s in steps for batch in s["batch_ids"])  # never trained
     # Non-TTY progress: one JSON line per step and per evaluation on stdout.
     printed = [orjson.loads(line) for line in up_run.stdout.splitlines() if line.startswith("{")]
     assert [r["step"] for r in printed if "loss" in r] == [1, 2, 3]
-    assert sorted(r["step"] for r in printed if "eval_accuracy" in r) == [0, 2, 3]
+    assert sorted(r["step"] for r in printed if "heldout_accuracy" in r) == [0, 2, 3]
 
     page = (run_dir / "report.html").read_text()
     plots = {"reward", "accuracy", "sc_correction", "head_mass", "tail_ratio", "kl", "staleness", "gate"}

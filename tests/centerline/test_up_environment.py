@@ -87,8 +87,8 @@ def test_up_trains_an_environment_of_ones_own_and_its_stream_reads_back_as_sessi
     for s in steps:
         assert s["turns_mean"] == 2.0 and s["injected_tokens"] > 0 and s["gate_rejected"] == {}
         assert sum(s["finish"].values()) == s["samples"] == PROMPTS * N
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
-    assert [e["step"] for e in evals] == [0, STEPS] and all("eval_reward" in e for e in evals)
+    evals = [orjson.loads(line) for line in (run_dir / "heldout_metrics.jsonl").read_bytes().splitlines()]
+    assert [e["step"] for e in evals] == [0, STEPS] and all("heldout_reward" in e for e in evals)
     conversations = [orjson.loads(line) for line in (tmp_path / "conversations.jsonl").read_bytes().splitlines()]
     held_out = [c for c in conversations if "/heldout/" in c["task_id"]]  # the trainer's held-out tasks
     assert len(held_out) == 3 * 2  # every held-out row played by the environment, at each evaluation

@@ -78,7 +78,7 @@ def steps() -> list[dict]:
 
 def evaluations() -> list[dict]:
     """The trainer's held-out figures so far (docs/design.md section 9), one per evaluated step."""
-    text = exec_in("trainer", "sh", "-c", "cat /runs/main/eval.jsonl 2>/dev/null || true")
+    text = exec_in("trainer", "sh", "-c", "cat /runs/main/heldout_metrics.jsonl 2>/dev/null || true")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
@@ -128,18 +128,17 @@ def test_the_trainer_trains_on_what_the_engines_sampled(stack):
 
 def test_the_trainer_records_a_heldout_curve_never_trained(stack):
     """docker-compose.yml's trainer evaluates its 64 held-out rows (heldout_init) before training
-    and every 5 steps through the same workers, proxy and router: eval.jsonl and /metrics."""
+    and every 5 steps through the same workers, proxy and router: heldout_metrics.jsonl and /metrics."""
     records = wait_for("held-out figures of steps 0 and 5", lambda: (r := evaluations()) and len(r) >= 2 and r, 900)
-    print(
-        f"\ncompose-test: held-out curve {[(r['step'], r['eval_accuracy'], r['eval_s']) for r in records]}", flush=True
-    )
+    curve = [(r["step"], r["heldout_accuracy"], r["heldout_s"]) for r in records]
+    print(f"\ncompose-test: held-out curve {curve}", flush=True)
     assert [r["step"] for r in records[:2]] == [0, 5]
-    assert all(r["eval_rows"] == 64 and 0.0 <= r["eval_accuracy"] <= 1.0 for r in records)
-    assert all(r["eval_version_min"] >= r["version"] for r in records)  # sampled by the step's weights or later
+    assert all(r["heldout_rows"] == 64 and 0.0 <= r["heldout_accuracy"] <= 1.0 for r in records)
+    assert all(r["heldout_version_min"] >= r["version"] for r in records)  # sampled by the step's weights or later
     assert not any("/heldout/" in batch for r in steps() for batch in r["batch_ids"])
     exposition = http_get("trainer", "http://127.0.0.1:9300/metrics")
-    assert counter(exposition, "centerline_trainer_eval_step") >= 5
-    assert counter(exposition, "centerline_trainer_eval_rows") == 64
+    assert counter(exposition, "centerline_trainer_heldout_step") >= 5
+    assert counter(exposition, "centerline_trainer_heldout_rows") == 64
 
 
 def test_the_proxy_is_ready_and_learned_the_vocabulary(stack):

@@ -75,9 +75,9 @@ def test_up_trains_a_real_model_on_a_users_dataset_and_reward(real_model, tmp_pa
     assert all(s["gate_accepted"] == 2 and s["gate_rejected"] == {} and s["samples"] == 8 for s in steps)
     assert [s["version"] for s in steps] == [1, 2, 3]
     assert any(s["grad_norm"] > 0 for s in steps)  # the real model was trained, not only sampled
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
-    assert [e["step"] for e in evals] == [0, 3] and all(e["eval_rows"] == 1 for e in evals)
-    assert all(e["eval_reward"] in (0.0, 1.0) for e in evals)  # one held-out row, a 0/1 reward
+    evals = [orjson.loads(line) for line in (run_dir / "heldout_metrics.jsonl").read_bytes().splitlines()]
+    assert [e["step"] for e in evals] == [0, 3] and all(e["heldout_rows"] == 1 for e in evals)
+    assert all(e["heldout_reward"] in (0.0, 1.0) for e in evals)  # one held-out row, a 0/1 reward
     heldout = [orjson.loads(line) for line in (run_dir / "heldout.jsonl").read_bytes().splitlines()]
     assert heldout == [{"prompt": "What is the capital of France?", "answer": "Paris", "reward": REWARD}]
 

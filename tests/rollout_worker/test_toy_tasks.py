@@ -204,3 +204,18 @@ def test_the_chat_form_is_part_of_the_cached_models_settings():
         "weight_decay": 0.0,
     }
     assert resolved(SftSettings(task="upper")).form == "completion"
+
+
+def test_init_model_eval_is_the_old_name_of_heldout_read_with_a_warning(tmp_path, capsys):
+    from centerline.toy.model_init import main as init_main
+
+    flags = ["--sft", "--task", "copy", "--sft-steps", "3"]
+    assert init_main([*flags, "--out", str(tmp_path / "new"), "--heldout"]) == 0
+    new = capsys.readouterr()
+    assert init_main([*flags, "--out", str(tmp_path / "old"), "--eval"]) == 0
+    old = capsys.readouterr()
+    figure = new.out.splitlines()[-1]
+    assert json.loads(figure)["task"] == "copy" and "heldout_exact_match_t1" in json.loads(figure)
+    assert old.out.splitlines()[-1] == figure  # the same settings, the same model and figure
+    warning = "centerline init-model: warning: --eval is deprecated; use --heldout\n"
+    assert old.err.startswith(warning) and warning not in new.err  # then transformers' progress bars

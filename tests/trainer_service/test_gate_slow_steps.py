@@ -19,7 +19,7 @@ from tests.trainer_service.test_gate import CFG, VOCAB, Msg, Recorder, attempt_p
 from tests.trainer_service.test_heldout import ROWS, heldout_batch
 from trainer_service.admission import REJECT, GateSettings, admission
 from trainer_service.gate import Gate, max_ack_pending
-from trainer_service.heldout import Evaluator
+from trainer_service.heldout import HeldoutRounds
 from trainer_service.ledger import GroupLedger
 from trainer_service.tasks import Example, attempts_base
 
@@ -185,8 +185,8 @@ def test_a_dead_letter_nats_does_not_answer_naks_the_part_at_once():
     assert rec.naked == [msg] and rec.delays == [None] and g.take_counts() == {"rejected_unstored": 1}
 
 
-def evaluator(tmp_path, recorded, rows):
-    return Evaluator(
+def heldout_rounds(tmp_path, recorded, rows):
+    return HeldoutRounds(
         rows, run_id="r1", attempts_before=0, every=2, timeout=60.0, record=recorded.append, rows_dir=tmp_path
     )
 
@@ -194,10 +194,10 @@ def evaluator(tmp_path, recorded, rows):
 def test_a_heldout_set_of_2000_rows_completes_its_round_each_row_acked_once_written(tmp_path):
     rows = [Example(f"q{i}=", "a", "exact", {}) for i in range(2000)]
     recorded = []
-    ev = evaluator(tmp_path, recorded, rows)
+    heldout = heldout_rounds(tmp_path, recorded, rows)
     rec = Recorder()
-    g = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, heldout=ev, run_id="r1")
-    asyncio.run(ev.schedule(rec, 0, version=0))
+    g = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, heldout=heldout, run_id="r1")
+    asyncio.run(heldout.schedule(rec, 0, version=0))
     msgs = [Msg(encode_batch(heldout_batch(0, row, float(row % 2))), seq=row + 1) for row in range(2000)]
     for msg in msgs[:1000]:
         asyncio.run(g.admit(msg, 0))
@@ -205,25 +205,25 @@ def test_a_heldout_set_of_2000_rows_completes_its_round_each_row_acked_once_writ
     assert rec.acked == msgs[:1000] and recorded == []  # acked as written: never 1,000 unacked at once
     assert len((tmp_path / "0.jsonl").read_bytes().splitlines()) == 1000
     # the trainer restarts: the rows written count, the rest come
-    ev2 = evaluator(tmp_path, recorded, rows)
-    g2 = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, heldout=ev2, run_id="r1")
-    asyncio.run(ev2.schedule(rec, 0, version=0))
+    heldout2 = heldout_rounds(tmp_path, recorded, rows)
+    g2 = Gate(rec, rec, vocab_size=VOCAB, cfg=CFG, ledger={}, heldout=heldout2, run_id="r1")
+    asyncio.run(heldout2.schedule(rec, 0, version=0))
     for msg in msgs[1000:]:
         asyncio.run(g2.admit(msg, 0))
     asyncio.run(g2.evaluated())
     [record] = recorded
-    assert (record["step"], record["eval_rows"], record["eval_accuracy"]) == (0, 2000, 0.5)
+    assert (record["step"], record["heldout_rows"], record["heldout_accuracy"]) == (0, 2000, 0.5)
     assert rec.acked == msgs and not (tmp_path / "0.jsonl").exists()
 
 
 def test_finish_heldout_parks_training_batches_and_gives_each_back_once(tmp_path):
     recorded = []
-    ev = Evaluator(ROWS[:1], run_id="r1", attempts_before=0, every=2, timeout=60.0, record=recorded.append)
+    heldout = HeldoutRounds(ROWS[:1], run_id="r1", attempts_before=0, every=2, timeout=60.0, record=recorded.append)
     train = Msg(encode_batch(replace(batch("r1/5/0"), task_id="r1/5/0")), seq=1)
     row = Msg(encode_batch(heldout_batch(3, 0, 1.0)), seq=2)
     feed = Feed([train, row])
-    g = Gate(feed, feed, vocab_size=VOCAB, cfg=CFG, ledger={}, heldout=ev, run_id="r1")
-    asyncio.run(ev.schedule(feed, 3, version=3))
+    g = Gate(feed, feed, vocab_size=VOCAB, cfg=CFG, ledger={}, heldout=heldout, run_id="r1")
+    asyncio.run(heldout.schedule(feed, 3, version=3))
     asyncio.run(asyncio.wait_for(g.finish_heldout(asyncio.Event()), 30))
     assert [r["step"] for r in recorded] == [3] and feed.acked == [row]
     assert feed.naked == [train] and g.parked == []  # one delivery spent, not max_deliver of them
@@ -254,6 +254,6 @@ def test_rows_written_before_a_crash_are_read_back_and_a_line_cut_short_is_left_
     (tmp_path / "2.jsonl").write_bytes(
         orjson.dumps({"task_id": "r1/heldout/2/0", "reward": 1.0, "version": 2}) + b'\n{"task_id": "r1/held'
     )
-    ev = evaluator(tmp_path, [], ROWS)
-    asyncio.run(ev.schedule(Recorder(), 2, version=2))
-    assert ev.rounds[2].results == {"r1/heldout/2/0": (1.0, 2)}
+    heldout = heldout_rounds(tmp_path, [], ROWS)
+    asyncio.run(heldout.schedule(Recorder(), 2, version=2))
+    assert heldout.rounds[2].results == {"r1/heldout/2/0": (1.0, 2)}

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import orjson
 import pytest
+from prometheus_client import generate_latest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from shared.config import ConfigError
@@ -65,6 +67,39 @@ def test_a_resumed_trainer_replaces_the_events_of_the_steps_it_trains_again(tmp_
     assert tensorboard_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 20.0), (3, 30.0)]
 
 
+def test_a_heldout_record_goes_to_heldout_metrics_jsonl_tensorboard_and_gauges_by_its_heldout_names(tmp_path):
+    metrics = Metrics(TrainerSettings(run_dir=tmp_path))
+    line = {
+        "step": 4,
+        "heldout_accuracy": 0.5,
+        "heldout_rows": 2,
+        "version": 4,
+        "heldout_version_min": 4,
+        "heldout_version_max": 5,
+        "heldout_s": 1.25,
+    }
+    metrics.heldout(line)
+    metrics.close()
+    assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == ["heldout_metrics.jsonl"]
+    assert [orjson.loads(x) for x in (tmp_path / "heldout_metrics.jsonl").read_bytes().splitlines()] == [line]
+    assert tensorboard_scalars(tmp_path) == {
+        "heldout_accuracy": [(4, 0.5)],
+        "heldout_rows": [(4, 2.0)],
+        "heldout_version_min": [(4, 4.0)],
+        "heldout_version_max": [(4, 5.0)],
+        "heldout_s": [(4, 1.25)],
+    }
+    exposition = generate_latest(metrics.registry).decode().splitlines()
+    assert {x.split()[0]: float(x.split()[1]) for x in exposition if x.startswith("centerline_trainer_heldout")} == {
+        "centerline_trainer_heldout_step": 4.0,
+        "centerline_trainer_heldout_accuracy": 0.5,
+        "centerline_trainer_heldout_reward": 0.0,  # never set: this run's figure is the accuracy
+        "centerline_trainer_heldout_rows": 2.0,
+        "centerline_trainer_heldout_version_min": 4.0,
+        "centerline_trainer_heldout_version_max": 5.0,
+    }
+
+
 def test_tensorboard_off_writes_no_event_file(tmp_path):
     metrics = Metrics(TrainerSettings(run_dir=tmp_path, tensorboard=False))
     metrics.step(record(1, 0.5))
@@ -106,10 +141,14 @@ def test_complete_lines_of_a_growing_file_leave_out_the_line_being_written(data,
 
 def test_recover_drops_a_line_a_crash_cut_short_and_keeps_the_complete_ones(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "lo')
+    (tmp_path / "heldout_metrics.jsonl").write_bytes(b'{"step": 0}\n{"step": 2, "he')
+    (tmp_path / "eval.jsonl").write_bytes(b'{"step": 0}\n{"st')  # an earlier release's held-out record
     metrics = Metrics(TrainerSettings(run_dir=tmp_path, tensorboard=False))
     metrics.recover({"step": 1})
     metrics.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'
+    assert (tmp_path / "heldout_metrics.jsonl").read_bytes() == b'{"step": 0}\n'
+    assert (tmp_path / "eval.jsonl").read_bytes() == b'{"step": 0}\n'
 
 
 def test_the_runs_whole_configuration_is_wandbs_config_and_tensorboards_hparams(tmp_path):

@@ -94,10 +94,12 @@ def test_the_paired_differences_get_their_own_plot_when_reinforce_ran():
     }
 
 
-def test_a_run_of_sessions_is_summarised_by_its_held_out_reward(tmp_path):
+# the held-out record as this release writes it, and as an earlier release did (read the same)
+@pytest.mark.parametrize(("heldout_file", "key"), [("heldout_metrics.jsonl", "heldout"), ("eval.jsonl", "eval")])
+def test_a_run_of_sessions_is_summarised_by_its_held_out_reward(tmp_path, heldout_file, key):
     step = {"staleness_mean": 1.0, "staleness_max": 1, "reward_mean": 0.5, "train_rollout_kl": 0.01, "loss": 0.1}
     (tmp_path / "metrics.jsonl").write_text("".join(orjson.dumps({"step": s, **step}).decode() + "\n" for s in (1, 2)))
-    evals = [{"step": 0, "eval_reward": 0.66}, {"step": 2, "eval_reward": 0.71}]
-    (tmp_path / "eval.jsonl").write_text("".join(orjson.dumps(e).decode() + "\n" for e in evals))
+    evals = [{"step": 0, f"{key}_reward": 0.66}, {"step": 2, f"{key}_reward": 0.71}]
+    (tmp_path / heldout_file).write_text("".join(orjson.dumps(e).decode() + "\n" for e in evals))
     summary = summarise({"name": "chain"}, tmp_path, None)
     assert (summary["accuracy_before"], summary["accuracy_after"]) == (0.66, 0.71)

@@ -199,5 +199,5 @@ def test_up_trains_a_parquet_of_chat_rows_with_an_async_reward_of_ones_own(tmp_p
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["gate_rejected"] == {} for s in steps)
     assert all(4.0 <= s["reward_mean"] <= 5.0 for s in steps)  # four messages: the async reward's 4, +1 if right
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
-    assert [e["step"] for e in evals] == [0, 2] and all(2.0 <= e["eval_reward"] <= 3.0 for e in evals)
+    evals = [orjson.loads(line) for line in (run_dir / "heldout_metrics.jsonl").read_bytes().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and all(2.0 <= e["heldout_reward"] <= 3.0 for e in evals)

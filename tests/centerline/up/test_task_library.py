@@ -72,8 +72,8 @@ def test_up_trains_a_reasoning_gym_task_scored_by_its_own_scorer(tmp_path, toy_m
     assert orjson.loads((run_dir / "heldout.json").read_bytes())["rows"] == 3
     steps = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["gate_rejected"] == {} for s in steps)
-    evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
-    assert [(e["step"], e["eval_rows"]) for e in evals] == [(0, 3), (2, 3)]
-    assert all(0.0 <= e["eval_reward"] <= 1.0 for e in evals)
+    evals = [orjson.loads(line) for line in (run_dir / "heldout_metrics.jsonl").read_bytes().splitlines()]
+    assert [(e["step"], e["heldout_rows"]) for e in evals] == [(0, 3), (2, 3)]
+    assert all(0.0 <= e["heldout_reward"] <= 1.0 for e in evals)
     worker_logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker*"))
     assert "task rejected" not in worker_logs and "task done" in worker_logs
