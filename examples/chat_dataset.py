@@ -18,7 +18,7 @@ rows = [
         "answer": "Rome",
         "split": "train",
     },
-    {"messages": [SYSTEM, {"role": "user", "content": "Capital of Germany?"}], "answer": "Berlin", "split": "eval"},
+    {"messages": [SYSTEM, {"role": "user", "content": "Capital of Germany?"}], "answer": "Berlin", "split": "heldout"},
 ]
 out = Path(__file__).with_name("chat_capitals.parquet")
 datasets.Dataset.from_list(rows).to_parquet(str(out))

@@ -43,14 +43,14 @@ class UpSettings(Section):
         None,
         description="Your own dataset: a JSONL file, a parquet/arrow/CSV/JSON file or a datasets save_to_disk "
         'directory (read with the datasets library), rows {"prompt" or "messages", "answer", optional "meta": {...}, '
-        'optional "split": "train" | "eval"} (centerline/up/user_task.py); or reasoning-gym:NAME, a task of that '
+        'optional "split": "train" | "heldout"} (centerline/up/user_task.py); or reasoning-gym:NAME, a task of that '
         "library generated (--dataset-size, --heldout-prompts, --seed) and scored by its own score_answer "
         "(centerline/up/task_library.py); unset: the toy task --task.",
     )
     heldout_dataset: Path | None = Field(
         None,
         description="Held-out rows (same format, every row used) for --dataset; unset: the rows --dataset marks "
-        '"split": "eval", else none. The held-out figure is the mean reward of one sample per row.',
+        '"split": "heldout" (or "eval"), else none. The held-out figure is the mean reward of one sample per row.',
     )
     dataset_prompt_key: str = Field(
         "prompt", min_length=1, description="The column of --dataset (and --heldout-dataset) holding the prompt text."

@@ -4,7 +4,7 @@ A dataset is JSONL, one object per line, or a table the ``datasets`` library rea
 arrow, CSV, a ``save_to_disk`` directory: ``centerline/up/dataset_files.py``), one row each:
 
     {"prompt": "What is 2+3?", "answer": "5"}
-    {"prompt": "What is 7+1?", "answer": "8", "meta": {"source": "drill"}, "split": "eval"}
+    {"prompt": "What is 7+1?", "answer": "8", "meta": {"source": "drill"}, "split": "heldout"}
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": "4"}
 
 ``prompt`` and ``answer`` are strings (the prompt not empty; in a table, a column typed as numbers is read as its text);
@@ -14,12 +14,12 @@ chat template with the generation prompt (the row's ``prompt`` is then its last 
 content, and ``task.meta["messages"]`` the list); the columns are renamed by
 ``--dataset-prompt-key``, ``--dataset-answer-key`` and ``--dataset-messages-key``; ``meta`` is an optional object handed
 to the reward function as ``task.meta``, and any other key of the row (an ``id``, say) joins it
-there; ``split`` is optional, ``"train"`` (the default) or ``"eval"``: a row marked ``eval`` is
-held out, never trained on; ``environment`` is optional, ``"module:function"``: the row is a
+there; ``split`` is optional, ``"train"`` (the default) or ``"heldout"`` (``"eval"``, the older word, means
+the same): a row marked held out is never trained on; ``environment`` is optional, ``"module:function"``: the row is a
 multi-turn session of that environment (``--environment`` is the default of rows that name
 none). ``reward`` is not a row's: ``--reward`` scores every row. The held-out rows are
 ``--heldout-dataset``'s (every row of that file) when it is given, else the rows the dataset marks
-``eval``, else a ``DatasetDict``'s ``test`` or ``validation`` split, else none; the held-out
+held out, else a ``DatasetDict``'s ``test`` or ``validation`` split, else none; the held-out
 figure is the mean reward of one sample per held-out row (a row with an environment: of one
 session of it, the reward it returns).
 
@@ -43,7 +43,8 @@ import orjson
 from centerline.up.dataset_files import HELDOUT_SPLITS, DatasetFileError, is_jsonl, read_records
 
 FIELDS = ("prompt", "answer", "meta", "split", "environment", "messages")
-SPLITS = ("train", "eval")
+HELDOUT_MARKS = ("heldout", "eval")  # a row's "split" that holds it out; "eval" is the older word
+SPLITS = ("train", *HELDOUT_MARKS)
 TRAINER_KEYS = ("prompt", "answer", "reward", "messages")  # a trainer dataset row's own keys; meta keys beside them
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -135,7 +136,7 @@ def _row(doc: object, where: str, keys: Keys = Keys(), typed: bool = False) -> R
     meta = {**meta, **extra}
     split = doc.get("split", "train")
     if split not in SPLITS:
-        raise UserTaskError(f"{where}: field 'split' is {split!r}, expected 'train' or 'eval' (or leave it out)")
+        raise UserTaskError(f"{where}: field 'split' is {split!r}, expected 'train' or 'heldout' (or leave it out)")
     environment = doc.get("environment", "")
     if not isinstance(environment, str):
         raise UserTaskError(
@@ -200,16 +201,19 @@ def load_task(dataset: Path, heldout_file: Path | None, keys: Keys = Keys()) -> 
     rows, split = _load(dataset, keys)
     train = [r for r in rows if r.split == "train"]
     if not train:
-        raise UserTaskError(f"dataset {dataset}: every row is marked split 'eval'; leave some rows to train on")
-    marked = [r for r in rows if r.split == "eval"]
+        raise UserTaskError(f"dataset {dataset}: every row is marked split 'heldout'; leave some rows to train on")
+    marked = [r for r in rows if r.split in HELDOUT_MARKS]
     if heldout_file is not None:
         heldout, source = load_rows(heldout_file, keys), f"every row of --heldout-dataset {heldout_file}"
     elif marked:
-        heldout, source = marked, f'the rows of {dataset} marked "split": "eval"'
+        heldout, source = marked, f'the rows of {dataset} marked "split": "heldout" (or "eval")'
     elif split:
         heldout, source = split, f"the held-out split of {dataset} ({' or '.join(HELDOUT_SPLITS)}, the first there)"
     else:
-        heldout, source = [], f'none: {dataset} marks no row "split": "eval" and --heldout-dataset is unset'
+        heldout, source = (
+            [],
+            f'none: {dataset} marks no row "split": "heldout" (or "eval") and --heldout-dataset is unset',
+        )
     return UserTask(train, heldout, source)
 
 

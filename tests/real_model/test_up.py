@@ -38,7 +38,7 @@ ROWS = [
         "meta": {"continent": "Europe"},
         "environment": ENVIRONMENT,
     },
-    {"prompt": "What is the capital of France?", "answer": "Paris", "split": "eval"},
+    {"prompt": "What is the capital of France?", "answer": "Paris", "split": "heldout"},
 ]
 REWARD = "tests.real_model.rewards:contains_answer"
 
@@ -97,7 +97,7 @@ def test_up_trains_a_real_model_on_a_users_dataset_and_reward(real_model, tmp_pa
     assert f'model = "{real_model}"' in config
     page = (run_dir / "report.html").read_text()
     assert "batches accepted / rejected</td><td>6 / 0" in page
-    source = f'the rows of {dataset} marked "split": "eval"'
+    source = f'the rows of {dataset} marked "split": "heldout" (or "eval")'
     assert f"held-out rows</td><td>1: {source} (reward {REWARD})".replace('"', "&quot;") in page
     assert (run_dir / "plots" / "heldout_reward.png").exists()
 

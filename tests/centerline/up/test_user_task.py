@@ -97,7 +97,7 @@ def test_rows_keep_prompt_answer_meta_and_split_and_other_keys_join_meta(tmp_pat
         ),
         (
             '{"prompt": "p", "answer": "a", "split": "test"}',
-            "d.jsonl:2: field 'split' is 'test', expected 'train' or 'eval'",
+            "d.jsonl:2: field 'split' is 'test', expected 'train' or 'heldout'",
         ),
     ],
 )
@@ -118,21 +118,30 @@ def test_an_empty_or_missing_dataset_is_refused(tmp_path):
 def test_held_out_rows_are_the_heldout_dataset_else_the_marked_rows_else_none(tmp_path):
     plain = write(tmp_path / "plain.jsonl", {"prompt": "a", "answer": "1"})
     marked = write(
-        tmp_path / "marked.jsonl", {"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2", "split": "eval"}
+        tmp_path / "marked.jsonl",
+        {"prompt": "a", "answer": "1"},
+        {"prompt": "b", "answer": "2", "split": "heldout"},
+        {"prompt": "d", "answer": "4", "split": "eval"},  # the older word, read the same
     )
     other = write(tmp_path / "other.jsonl", {"prompt": "c", "answer": "3", "split": "train"})
     task = load_task(marked, None)
-    assert (task.train, task.heldout) == ([Row("a", "1")], [Row("b", "2", split="eval")])
-    assert task.heldout_source == f'the rows of {marked} marked "split": "eval"'
+    assert (task.train, task.heldout) == (
+        [Row("a", "1")],
+        [Row("b", "2", split="heldout"), Row("d", "4", split="eval")],
+    )
+    assert task.heldout_source == f'the rows of {marked} marked "split": "heldout" (or "eval")'
     task = load_task(marked, other)
     assert (task.train, task.heldout) == ([Row("a", "1")], [Row("c", "3")])  # the marked row is never trained on
     assert task.heldout_source == f"every row of --heldout-dataset {other}"
     task = load_task(plain, None)
     assert task.heldout == []
-    assert task.heldout_source == f'none: {plain} marks no row "split": "eval" and --heldout-dataset is unset'
-    only_eval = write(tmp_path / "only.jsonl", {"prompt": "a", "answer": "1", "split": "eval"})
-    with pytest.raises(UserTaskError, match="every row is marked split 'eval'; leave some rows to train on"):
-        load_task(only_eval, None)
+    assert (
+        task.heldout_source
+        == f'none: {plain} marks no row "split": "heldout" (or "eval") and --heldout-dataset is unset'
+    )
+    only_heldout = write(tmp_path / "only.jsonl", {"prompt": "a", "answer": "1", "split": "heldout"})
+    with pytest.raises(UserTaskError, match="every row is marked split 'heldout'; leave some rows to train on"):
+        load_task(only_heldout, None)
 
 
 def test_the_trainer_reads_the_training_rows_with_the_reward_and_meta(tmp_path):
