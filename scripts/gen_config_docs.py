@@ -116,7 +116,7 @@ def table(model, flag_text) -> list[str]:
         bounds = [f"{word} {getattr(m, attr)}" for m in info.metadata for attr, word in BOUNDS if hasattr(m, attr)]
         meaning = info.description + (f" Must be {' and '.join(bounds)}." if bounds else "")
         old = [o for o, n in getattr(model, "renamed", {}).items() if n == name]
-        if old:  # Section.renamed: the old flag, key and variable still set it, with a deprecation note
+        if old:  # CommandSettings.renamed: the old flag, key and variable still set it, with a deprecation note
             names = f"`{flag(old[0])}` (`{model.name}.{old[0]}`, `{env_name(old[0], model)}`)"
             meaning += f" Old name {names}, read for one release."
         default_text = "unset" if default is None else f"`{str(default) if isinstance(default, Path) else default!r}`"

@@ -43,7 +43,7 @@ from shared.settings import (
     ImportanceWeight,
     LossName,
 )
-from shared.settings_base import REFUSED, Section, Settings
+from shared.settings_base import REFUSED, CommandSettings, Settings
 
 # The interface: how settings are read, and Config with the loss names (shared/settings.py) beside it.
 __all__ = [
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "CENTERLINE_"
-S = TypeVar("S", bound=Section)
+S = TypeVar("S", bound=CommandSettings)
 M = TypeVar("M", bound=Settings)
 
 
@@ -86,19 +86,19 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def env_name(name: str, section: type[Section] | None = None) -> str:
+def env_name(name: str, section: type[CommandSettings] | None = None) -> str:
     """``CENTERLINE_<KEY>`` for a shared field, ``CENTERLINE_<TABLE>_<KEY>`` for a command's."""
     return ENV_PREFIX + (f"{section.name}_" if section else "").upper() + name.upper()
 
 
-def key_name(name: str, section: type[Section] | None = None) -> str:
+def key_name(name: str, section: type[CommandSettings] | None = None) -> str:
     """The TOML key as a person writes it: ``loss``, ``trainer.max_grad_norm``."""
     return f"{section.name}.{name}" if section else name
 
 
 def add_arguments(
     parser: argparse.ArgumentParser,
-    section: type[Section] | None = None,
+    section: type[CommandSettings] | None = None,
     *,
     only: tuple[str, ...] | None = None,
     shared: bool = True,
@@ -125,7 +125,7 @@ def add_arguments(
 
 
 class _OldFlag(argparse.Action):
-    """The old flag of a renamed setting (``Section.renamed``): sets the setting, with a note."""
+    """The old flag of a renamed setting (``CommandSettings.renamed``): sets the setting, with a note."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         sys.stderr.write(f"{parser.prog}: warning: {option_string} is deprecated; use {flag(self.dest)}\n")
@@ -242,7 +242,7 @@ class _Environment(EnvSettingsSource):
         return value.split(",")  # engine_urls: a list is the only setting that is not one value
 
 
-def invalid_setting(exc: ValidationError, section: type[Section] | None = None) -> ConfigError:
+def invalid_setting(exc: ValidationError, section: type[CommandSettings] | None = None) -> ConfigError:
     """A model's refusal of a value, in the words of a flag: the flag, the value, the fix."""
     err = exc.errors()[0]
     if err["type"] == REFUSED:  # a validator's rule: the value as the rule saw it
@@ -295,7 +295,7 @@ def load_toml(path: str) -> dict:
     return data
 
 
-def to_toml(cfg: Config, *sections: Section, tables: typing.Mapping[str, dict] | None = None) -> str:
+def to_toml(cfg: Config, *sections: CommandSettings, tables: typing.Mapping[str, dict] | None = None) -> str:
     """The resolved configuration as TOML: shared keys, then a table per command's settings (unset
     ones left out, shared ones too), then ``tables`` (other commands' tables, as read from a file) unchanged."""
     lines = [f"{name} = {_toml_value(value)}" for name, value in cfg.model_dump().items() if value is not None]

@@ -1,5 +1,5 @@
 """Every setting, typed: the shared ``Config`` here, read by every service, and each command's
-``Section`` (one module per role), registered by table in ``SECTIONS``.
+``CommandSettings`` (one module per role), registered by table in ``SECTIONS``.
 
 Field ``rollout_top_logprobs_num`` of ``Config`` is the flag ``--rollout-top-logprobs-num``, the
 TOML key ``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``. A
@@ -29,7 +29,7 @@ from shared.proxy_settings import (
     ProxySettings,
 )
 from shared.sampling import Sampling
-from shared.settings_base import LAUNCHED, Section, Settings, refuse_if
+from shared.settings_base import LAUNCHED, CommandSettings, Settings, refuse_if
 from shared.streams import sample_max_bytes
 from shared.trainer_settings import LOSS_CHUNK_TOKENS, MICRO_BATCH_TOKENS, TrainerSettings
 from shared.up_settings import ReplaySettings, UpSettings
@@ -55,7 +55,7 @@ __all__ = [
     "ProbeSettings",
     "ProxySettings",
     "ReplaySettings",
-    "Section",
+    "CommandSettings",
     "TrainerSettings",
     "UpSettings",
     "WorkerSettings",
@@ -267,6 +267,6 @@ class Config(Settings):
         return self
 
 
-SECTIONS: dict[str, type[Section]] = {
+SECTIONS: dict[str, type[CommandSettings]] = {
     cls.name: cls for cls in (TrainerSettings, WorkerSettings, ProxySettings, ProbeSettings, UpSettings, ReplaySettings)
 }

@@ -1,10 +1,10 @@
-"""The base of every settings model: ``Settings``, a command's ``Section``, and ``refuse_if``.
+"""The base of every settings model: ``Settings``, ``CommandSettings`` (one command's), and ``refuse_if``.
 
 A model is typed fields with a description each; simple bounds are field constraints, a rule
-across fields the model's validator, a rule across a section and the shared settings its
+across fields the model's validator, a rule across a command's settings and the shared ones its
 ``check_with(cfg)``; each rule is one ``refuse_if``, whose refusal ``shared.config`` words as
 ``--<flag> <value>: <fix>``. The models: the shared ``Config`` (``shared/settings.py``) and one
-``Section`` per command (``shared/trainer_settings.py``, ``worker_settings.py``,
+``CommandSettings`` per command (``shared/trainer_settings.py``, ``worker_settings.py``,
 ``proxy_settings.py``, ``up_settings.py``); how they are read: ``shared/config.py``.
 """
 
@@ -24,7 +24,7 @@ REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.con
 
 
 def refuse_if(failed: bool, name: str, value: object, fix: str) -> None:
-    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``Section.check_with``);
+    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``CommandSettings.check_with``);
     ``shared.config`` words the error as ``--<flag> <value>: <fix>``."""
     if failed:
         raise PydanticCustomError(REFUSED, fix.replace("{", "{{").replace("}", "}}"), {"setting": name, "value": value})
@@ -45,7 +45,7 @@ class Settings(BaseSettings):
         return (init_settings,)
 
 
-class Section(Settings):
+class CommandSettings(Settings):
     """The settings of one command: flags of ``command``, TOML table ``[name]``, ``CENTERLINE_<NAME>_<KEY>``."""
 
     name: ClassVar[str]

@@ -7,13 +7,13 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.settings_base import LAUNCHED, UP_FLAG, Section, check_max_deliver, refuse_if
+from shared.settings_base import LAUNCHED, UP_FLAG, CommandSettings, check_max_deliver, refuse_if
 
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
 
 
-class TrainerSettings(Section):
+class TrainerSettings(CommandSettings):
     """``centerline trainer``: the training loop of trainer_service/service.py."""
 
     name: ClassVar[str] = "trainer"

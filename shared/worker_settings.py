@@ -7,12 +7,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.settings_base import LAUNCHED, Section, check_max_deliver
+from shared.settings_base import LAUNCHED, CommandSettings, check_max_deliver
 
 ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
 
 
-class WorkerSettings(Section):
+class WorkerSettings(CommandSettings):
     """``centerline worker``: a rollout worker (rollout_worker/main.py)."""
 
     name: ClassVar[str] = "worker"

@@ -49,7 +49,7 @@ from pathlib import Path
 from shared import config as shared_config
 from shared import logs
 from shared.contract import k_above_vocab
-from shared.settings import SECTIONS, Section, TrainerSettings
+from shared.settings import SECTIONS, CommandSettings, TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
 # what a held-out round's tasks refused by a full store cost (trainer_service/store.py)
@@ -351,7 +351,9 @@ def run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def write_run_config(path: Path, args: argparse.Namespace, cfg: shared_config.Config, *sections: Section) -> None:
+def write_run_config(
+    path: Path, args: argparse.Namespace, cfg: shared_config.Config, *sections: CommandSettings
+) -> None:
     """Write the run's ``config.toml`` (atomically: other services may be reading it): the
     resolved settings, and the other commands' tables of the file this command read. A file
     that says exactly that already is left alone: the run spec `centerline up` wrote, which

@@ -46,7 +46,7 @@ from shared.config import (
     resolve_section,
     to_toml,
 )
-from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, UpSettings, WorkerSettings
+from shared.settings import SECTIONS, CommandSettings, ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.settings_base import LAUNCHED, UP_FLAG
 
 if typing.TYPE_CHECKING:
@@ -76,7 +76,7 @@ class RunSpec:
     tables: typing.Mapping[str, dict] = field(default_factory=dict)
 
     @property
-    def sections(self) -> tuple[Section, ...]:
+    def sections(self) -> tuple[CommandSettings, ...]:
         return tuple(getattr(self, f.name) for f in fields(self) if f.name in SECTIONS)
 
     def derive(self, **updates: dict) -> RunSpec:
@@ -100,7 +100,7 @@ class RunSpec:
         os.replace(tmp, path)
 
 
-def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Section] | None = None) -> M:
+def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[CommandSettings] | None = None) -> M:
     try:
         return type(model)(**{**model.model_dump(), **update})
     except ValidationError as exc:

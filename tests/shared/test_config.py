@@ -496,7 +496,7 @@ def test_a_rule_across_a_command_s_own_settings_names_the_flag_the_value_and_the
     assert str(info.value) == "--max-deliver -2: must be at least 1, or -1 for no limit"
 
 
-# ------------------------------------------------------------------ renamed settings (Section.renamed)
+# ------------------------------------------------------------------ renamed settings (CommandSettings.renamed)
 
 
 def test_an_old_flag_sets_the_renamed_setting_with_a_note(capsys):
