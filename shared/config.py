@@ -5,8 +5,10 @@ Sources, highest precedence first (docs/design.md section 2): command-line flags
 environment variables, a TOML file (``--config FILE``), then the defaults: the environment
 beats a file, as in Docker and twelve-factor apps, so a deployment overrides one value of a mounted
 file with a variable. pydantic-settings merges them (``_build``); this module says where each is.
-Field ``rollout_top_logprobs_num`` is the flag ``--rollout-top-logprobs-num``, the TOML key
-``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``.
+Setting ``rollout_top_logprobs_num`` (``cfg.rollout.top_logprobs_num``) is the flag
+``--rollout-top-logprobs-num``, the TOML key ``rollout_top_logprobs_num`` and the variable
+``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``: every source speaks the settings' public names
+(``Settings.public_fields``), which ``Config`` groups.
 
 Services add their own flags (``--port``, ``--upstream``...) to their parser and call
 ``add_arguments`` / ``resolve`` for the shared ones. ``Config`` and the loss names are imported
@@ -29,16 +31,13 @@ from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
-from pydantic_settings import EnvSettingsSource, InitSettingsSource
+from pydantic_settings import InitSettingsSource, PydanticBaseSettingsSource
 
 from shared.settings import (
     IMPORTANCE_WEIGHTS,
     LOSS_NAMES,
     MAX_SAMPLE_BYTES,
-    MIS_HIGH,
-    MIS_LOW,
     SECTIONS,
-    TIS_CLIP,
     Config,
     ImportanceWeight,
     LossName,
@@ -51,9 +50,6 @@ __all__ = [
     "IMPORTANCE_WEIGHTS",
     "LOSS_NAMES",
     "MAX_SAMPLE_BYTES",
-    "MIS_HIGH",
-    "MIS_LOW",
-    "TIS_CLIP",
     "Config",
     "ConfigError",
     "ImportanceWeight",
@@ -110,17 +106,17 @@ def add_arguments(
         parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings")
     if section is not None:
         group = parser.add_argument_group(title or f"{section.command} settings (see docs/config.md)")
-        for name, info in section.model_fields.items():
+        for name, info in section.public_fields().items():
             if only is None or name in only:
                 group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=False))
         for old, name in section.renamed.items():
             if only is None or name in only:
-                kwargs = _flag_kwargs(name, section.model_fields[name], metavar=False)
+                kwargs = _flag_kwargs(name, section.public_fields()[name], metavar=False)
                 kwargs.update(action=_OldFlag, help=f"the old name of {flag(name)}, read for one release")
                 group.add_argument(flag(old), **kwargs)
     if shared:
         group = parser.add_argument_group("centerline configuration (see docs/config.md)")
-        for name, info in Config.model_fields.items():
+        for name, info in Config.public_fields().items():
             group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=True))
 
 
@@ -206,7 +202,7 @@ def _build(model: type[M], args, env, only: tuple[str, ...] | None = None, defau
     given = vars(args) if args is not None else {}
     read = load_toml(given["config"]) if "config" in given else {}
     table = read.get(section.name, {}) if section else {k: v for k, v in read.items() if k not in SECTIONS}
-    flags = {k: v for k, v in given.items() if k in model.model_fields and (only is None or k in only)}
+    flags = {k: v for k, v in given.items() if k in model.public_fields() and (only is None or k in only)}
     sources = (
         InitSettingsSource(model, flags),
         _Environment(model, os.environ if env is None else env, env_name("", section)),
@@ -219,27 +215,31 @@ def _build(model: type[M], args, env, only: tuple[str, ...] | None = None, defau
         raise invalid_setting(exc, section) from None
 
 
-class _Environment(EnvSettingsSource):
+class _Environment(PydanticBaseSettingsSource):
     """``env``'s variables as ``env_name`` spells them, in capitals exactly (the names the launcher
-    strips from a service's environment); a list comma-separated."""
+    strips from a service's environment), by each setting's public name; a list comma-separated.
+    The values stay text, which the model validates as it would a file's."""
 
     def __init__(self, model: type[Settings], env: typing.Mapping[str, str], prefix: str):
-        self.given = env
-        self.renamed = {
-            prefix + old.upper(): prefix + new.upper() for old, new in getattr(model, "renamed", {}).items()
-        }
-        super().__init__(model, case_sensitive=False, env_prefix=prefix)
+        super().__init__(model)
+        given = dict(env)
+        for old, new in getattr(model, "renamed", {}).items():
+            if prefix + old.upper() in given:
+                deprecated(prefix + old.upper(), prefix + new.upper())
+                given.setdefault(
+                    prefix + new.upper(), given[prefix + old.upper()]
+                )  # the new name wins where both are set
+        self.values = {}
+        for name, info in model.public_fields().items():
+            if (value := given.get(prefix + name.upper())) is not None:
+                # engine_urls, reward: a list is the only setting that is not one value
+                self.values[name] = value.split(",") if _base_type(info.annotation) is list else value
 
-    def _load_env_vars(self) -> dict[str, str]:
-        given = {name: value for name, value in self.given.items() if name.isupper()}
-        for old, new in self.renamed.items():
-            if old in given:
-                deprecated(old, new)
-                given.setdefault(new, given[old])  # the new name wins where both are set
-        return {name.lower(): value for name, value in given.items()}
+    def get_field_value(self, field, field_name: str) -> tuple[object, str, bool]:
+        return None, field_name, False  # __call__ reads every setting at once
 
-    def decode_complex_value(self, field_name: str, field, value: str) -> list[str]:
-        return value.split(",")  # engine_urls: a list is the only setting that is not one value
+    def __call__(self) -> dict[str, object]:
+        return self.values
 
 
 def invalid_setting(exc: ValidationError, section: type[CommandSettings] | None = None) -> ConfigError:
@@ -247,11 +247,19 @@ def invalid_setting(exc: ValidationError, section: type[CommandSettings] | None 
     err = exc.errors()[0]
     if err["type"] == REFUSED:  # a validator's rule: the value as the rule saw it
         return _refused(err["ctx"], err["msg"])
-    name = str(err["loc"][0]) if err["loc"] else "?"
+    name = _setting_of(err["loc"], section)
     return ConfigError(
         f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
         f"{key_name(name, section)} in the TOML file)"
     )
+
+
+def _setting_of(loc: tuple, section: type[CommandSettings] | None) -> str:
+    """The public name of the setting at ``loc``: ``("services", "engine_urls", 0)`` is ``engine_urls``
+    of ``Config``'s group ``services``; a command's ``("reward", 0)`` is ``reward``."""
+    if section is None and len(loc) > 1 and loc[0] in Config.model_fields:
+        return str(loc[1])
+    return str(loc[0]) if loc else "?"
 
 
 def _refused(context: dict, fix: str) -> ConfigError:
@@ -278,7 +286,7 @@ def load_toml(path: str) -> dict:
         raise ConfigError(f"--config {path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-    unknown = sorted(set(data) - set(Config.model_fields) - set(SECTIONS))
+    unknown = sorted(set(data) - set(Config.public_fields()) - set(SECTIONS))
     for table, cls in SECTIONS.items():
         if table in data:
             if not isinstance(data[table], dict):
@@ -289,7 +297,7 @@ def load_toml(path: str) -> dict:
                         raise ConfigError(f"--config {path}: {table}.{old} is the old name of {table}.{new}; keep one")
                     deprecated(f"{table}.{old} in {path}", f"{table}.{new}")
                     data[table][new] = data[table].pop(old)
-            unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.model_fields))
+            unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.public_fields()))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {unknown}; see docs/config.md for the settings")
     return data

@@ -47,14 +47,15 @@ class ProxySettings(CommandSettings):
     )
 
     def check_with(self, cfg) -> None:
-        k = cfg.rollout_top_logprobs_num
+        rollout = cfg.rollout
+        k = rollout.top_logprobs_num
         # one request's n answers of the longest reply, each token's K + 1 entries of ~30 JSON bytes
-        answer = cfg.rollout_n * cfg.rollout_max_new_tokens * 30 * (k + 1)
+        answer = rollout.n * rollout.max_new_tokens * 30 * (k + 1)
         refuse_if(
             answer > self.max_upstream_response_bytes,
             "max_upstream_response_bytes",
             self.max_upstream_response_bytes,
-            f"an answer of --rollout-n {cfg.rollout_n} x --rollout-max-new-tokens {cfg.rollout_max_new_tokens} "
+            f"an answer of --rollout-n {rollout.n} x --rollout-max-new-tokens {rollout.max_new_tokens} "
             f"tokens at K={k} is about {answer} bytes and would be cut off every time; raise it, or lower them",
         )
         refuse_if(

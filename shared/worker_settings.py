@@ -82,5 +82,5 @@ class WorkerSettings(CommandSettings):
         token budget of the shared ``cfg`` (docs/design.md section 12)."""
         if self.environment_timeout is not None:
             return self.environment_timeout
-        turns = math.ceil(cfg.rollout_session_max_tokens / cfg.rollout_max_new_tokens)
+        turns = math.ceil(cfg.rollout.session_max_tokens / cfg.rollout.max_new_tokens)
         return min(self.request_timeout * turns, ENVIRONMENT_DEADLINE_MAX)

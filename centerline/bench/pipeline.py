@@ -241,11 +241,11 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
         while not config.exists():
             _poll(up, log, args.poll)
         ran = run_spec.load(config)
-        if len(ran.cfg.engine_urls) != 1:
+        if len(ran.cfg.services.engine_urls) != 1:
             raise RuntimeError(
-                f"the bench measures one SGLang server; the run has {len(ran.cfg.engine_urls)} (--engines)"
+                f"the bench measures one SGLang server; the run has {len(ran.cfg.services.engine_urls)} (--engines)"
             )
-        engine = ran.cfg.engine_urls[0]
+        engine = ran.cfg.services.engine_urls[0]
         wait_http(f"{engine}/health", "the run's SGLang server", up, log, 600)
         with urllib.request.urlopen(f"{engine}/get_model_info", timeout=10) as resp:
             model = orjson.loads(resp.read())["model_path"]  # asked before the first weight update renames it
@@ -281,7 +281,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
     evals = [orjson.loads(line) for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
     figures = {
-        "max_inflight_steps": spec.cfg.max_inflight_steps,
+        "max_inflight_steps": spec.cfg.training.max_inflight_steps,
         "weight_update": spec.trainer.weight_update,
         "weight_transport": spec.trainer.weight_transport,
         "weight_fallbacks": steps[-1]["weight_fallbacks"],  # so far: the run's own count
@@ -386,7 +386,7 @@ def request_bodies(config: Config, model: str, dataset: Path, count: int = 256) 
     contract = Contract.from_config(config)
     return [
         rewrite_body(
-            orjson.dumps(training_body(config, list(tok(p)["input_ids"]), config.rollout_n)), "generate", contract
+            orjson.dumps(training_body(config, list(tok(p)["input_ids"]), config.rollout.n)), "generate", contract
         )
         for p in prompts
     ]
@@ -566,10 +566,10 @@ def bench_pipeline(argv: list[str]) -> int:
         "trainer_ranks": spec.up.trainer_ranks,
         "prompts_per_step": spec.trainer.prompts_per_step,
         "eval_prompts": spec.up.heldout_prompts,
-        "rollout_n": spec.cfg.rollout_n,
-        "rollout_max_new_tokens": spec.cfg.rollout_max_new_tokens,
-        "rollout_top_logprobs_num": spec.cfg.rollout_top_logprobs_num,
-        "rollout_temperature": spec.cfg.rollout_temperature,
+        "rollout_n": spec.cfg.rollout.n,
+        "rollout_max_new_tokens": spec.cfg.rollout.max_new_tokens,
+        "rollout_top_logprobs_num": spec.cfg.rollout.top_logprobs_num,
+        "rollout_temperature": spec.cfg.rollout.temperature,
         "concurrent_requests": concurrent_requests(spec),  # what SGLang alone was driven at
         "cpus": os.cpu_count(),
         "run_dir": str(run_dir),

@@ -58,8 +58,8 @@ M = typing.TypeVar("M", bound=BaseModel)
 def setting_variables() -> frozenset[str]:
     """Every ``CENTERLINE_*`` variable that sets a setting, shared or a command's (not the
     credentials' and keys' variables, which are no settings)."""
-    names = {env_name(name) for name in Config.model_fields}
-    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in (*cls.model_fields, *cls.renamed)}
+    names = {env_name(name) for name in Config.public_fields()}
+    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in (*cls.public_fields(), *cls.renamed)}
     return frozenset(names)
 
 
@@ -112,7 +112,7 @@ def marked(model: type[BaseModel], mark: dict[str, str]) -> tuple[str, ...]:
     shared/settings_base.py), in the model's order."""
     return tuple(
         name
-        for name, info in model.model_fields.items()
+        for name, info in model.public_fields().items()
         if isinstance(info.json_schema_extra, dict) and mark.items() <= info.json_schema_extra.items()
     )
 
