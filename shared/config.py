@@ -11,7 +11,11 @@ Setting ``rollout_top_logprobs_num`` (``cfg.rollout.top_logprobs_num``) is the f
 (``Settings.public_fields``), which ``Config`` groups.
 
 Services add their own flags (``--port``, ``--upstream``...) to their parser and call
-``add_arguments`` / ``resolve`` for the shared ones. ``Config`` and the loss names are imported
+``add_arguments`` / ``resolve`` for the shared ones. ``add_arguments`` makes each flag from its
+field (type, choices, description) rather than through pydantic-settings' ``CliSettingsSource``,
+which would spell a grouped setting ``--rollout.rollout-top-logprobs-num``, a list as a repeated
+flag, and change every flag's metavar and help (it appends the default), and has no subset of a
+command's flags (``only``) nor an old name that warns. ``Config`` and the loss names are imported
 from here with the functions that read them. The reference in ``docs/config.md`` is generated
 from the models by ``scripts/gen_config_docs.py``.
 """
