@@ -40,7 +40,7 @@ class ChatTemplate:
         ``--rollout-tool-call-parser`` and ``--rollout-reasoning-parser`` name (``auto`` resolved from
         the template, once per worker); ``Rejected`` naming the setting where there is none to use."""
         return _for_run(
-            tokenizer, cfg.rollout_chat_template, cfg.rollout_tool_call_parser, cfg.rollout_reasoning_parser
+            tokenizer, cfg.rollout.chat_template, cfg.rollout.tool_call_parser, cfg.rollout.reasoning_parser
         )
 
     def _source(self) -> dict:

@@ -77,7 +77,7 @@ async def proxy_generate(http: aiohttp.ClientSession, proxy_url: str, body: dict
 
 class ProxyTurn:
     """A session's engine call: each turn one native /generate of the run's sampling through the proxy
-    at ``cfg.proxy_url``, on the session's routing key, so a router that routes by key keeps the
+    at ``cfg.services.proxy_url``, on the session's routing key, so a router that routes by key keeps the
     session on one engine (``Session.generate`` is its ``generate``)."""
 
     def __init__(self, cfg: Config, http: aiohttp.ClientSession, routing_key: str):
@@ -85,7 +85,7 @@ class ProxyTurn:
 
     async def generate(self, input_ids: list[int], max_new_tokens: int, stop: list[str] | None) -> ResponseArrays:
         body = generate_body(self.cfg, input_ids, max_new_tokens=max_new_tokens, stop=stop)
-        return await proxy_generate(self.http, self.cfg.proxy_url, body, routing_key=self.routing_key)
+        return await proxy_generate(self.http, self.cfg.services.proxy_url, body, routing_key=self.routing_key)
 
 
 def finite_reward(result) -> float | None:
@@ -113,7 +113,7 @@ async def play_sessions(
     """``n`` sessions of the task's environment at once, each with its own OpenAI client over
     ``transport`` (``rollout_worker/session_transport.py``: in process, or a loopback endpoint),
     rendered with ``tokenizer``'s chat template (an HF tokenizer) and turned through the proxy at
-    ``cfg.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected`` as
+    ``cfg.services.proxy_url``; each session with its reward. Raises ``Transient`` or ``Rejected`` as
     ``Worker.process`` does, ``Rejected`` too when the sessions are not all back within ``deadline``
     seconds (they are cancelled). The worker plays them for training and held-out tasks alike
     (``Worker.sample_sessions``, which passes its failpoint as ``between_turns``: see ``Session``;
@@ -131,8 +131,8 @@ async def play_sessions(
             sid,
             template,
             ProxyTurn(cfg, http, sid).generate,
-            k=cfg.rollout_top_logprobs_num,
-            budget=cfg.rollout_session_max_tokens,
+            k=cfg.rollout.top_logprobs_num,
+            budget=cfg.rollout.session_max_tokens,
             between_turns=between_turns,
         )
 

@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
     _, cfg, settings = parse_args(parser, argv, section=WorkerSettings)
     logs.setup("worker")
 
-    info = {} if settings.tokenizer and settings.vocab_size else model_info(cfg.proxy_url)
+    info = {} if settings.tokenizer and settings.vocab_size else model_info(cfg.services.proxy_url)
     tokenizer_path = settings.tokenizer or info.get("tokenizer_path") or info.get("model_path")
     if not tokenizer_path:
         print(
@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
         print(f"centerline worker: {exc}", file=sys.stderr)
         return 2
     vocab = settings.vocab_size or vocab_size_of(info, tokenizer_path) or len(hf_tok)
-    too_many = k_above_vocab(cfg.rollout_top_logprobs_num, vocab, cfg.rollout_logprobs_mode)
+    too_many = k_above_vocab(cfg.rollout.top_logprobs_num, vocab, cfg.rollout.logprobs_mode)
     if too_many:
         print(f"centerline worker: --rollout-top-logprobs-num: {too_many}", file=sys.stderr)
         return 2

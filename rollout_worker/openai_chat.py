@@ -144,7 +144,7 @@ def parse_request(raw: bytes, cfg: Config) -> TurnRequest:
     return TurnRequest(
         messages=body["messages"],
         model=model if isinstance(model, str) and model else "default",
-        max_new_tokens=min(limit or cfg.rollout_max_new_tokens, cfg.rollout_max_new_tokens),
+        max_new_tokens=min(limit or cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens),
         stop=stop,
         tools=tools,
         call_tools=_called(body.get("tool_choice"), call_tools),
@@ -182,7 +182,7 @@ def refuse_settings(body: dict, cfg: Config) -> None:
         if value is None or name in HONOURED or name in NO_EFFECT:
             continue
         if name in RUN_SETTINGS:
-            _check_run_setting(name, value, cfg.sampling)
+            _check_run_setting(name, value, cfg.rollout.sampling)
         elif name in NEUTRAL_ONLY:
             accepted, why = NEUTRAL_ONLY[name]
             if not any(_same(value, a) for a in accepted):

@@ -12,7 +12,7 @@ from shared.config import Config
 
 def sampling(cfg: Config) -> dict:
     """The sampling settings of every training request: temperature, top-p and, when set, top-k."""
-    run = cfg.sampling
+    run = cfg.rollout.sampling
     out = {"temperature": run.temperature, "top_p": run.top_p}
     if run.top_k > 0:
         out["top_k"] = run.top_k
@@ -24,7 +24,7 @@ def training_body(cfg: Config, prompt_ids: list[int], n: int) -> dict:
     the log-prob fields of the contract."""
     return {
         "input_ids": prompt_ids,
-        "sampling_params": {"n": n, "max_new_tokens": cfg.rollout_max_new_tokens, **sampling(cfg)},
+        "sampling_params": {"n": n, "max_new_tokens": cfg.rollout.max_new_tokens, **sampling(cfg)},
     }
 
 
@@ -35,7 +35,7 @@ def chat_training_body(cfg: Config, prompt: str | list[dict], n: int) -> dict:
         "model": "default",
         "messages": prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
         "n": n,
-        "max_tokens": cfg.rollout_max_new_tokens,
+        "max_tokens": cfg.rollout.max_new_tokens,
         **sampling(cfg),
     }
 
@@ -43,7 +43,7 @@ def chat_training_body(cfg: Config, prompt: str | list[dict], n: int) -> dict:
 def logprob_fields(cfg: Config) -> dict:
     """What the contract asks SGLang to return: the sampled log-probs and the top-``K`` rows
     (``selected``) or the realized support (``support``). The proxy sets the same again."""
-    run = cfg.sampling
+    run = cfg.rollout.sampling
     if run.mode == "selected":
         return {"return_logprob": True, "top_logprobs_num": run.k}
     return {"return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}

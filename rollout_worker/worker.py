@@ -105,7 +105,7 @@ class Worker:
         if settings.worker_id is None or settings.vocab_size is None:
             raise ValueError("Worker needs settings with worker_id and vocab_size resolved (rollout_worker/main.py)")
         self.cfg, self.settings, self.tok, self.metrics = cfg, settings, tokenizer, metrics
-        self.sampling = cfg.sampling  # what every batch records
+        self.sampling = cfg.rollout.sampling  # what every batch records
         self.stopping = asyncio.Event()
         self.scorer = Scorer(settings.reward_threads, settings.reward_timeout)  # rewards off the event loop
         self.session: aiohttp.ClientSession | None = None
@@ -115,7 +115,7 @@ class Worker:
 
     async def run(self) -> None:
         """Consume until ``stopping`` is set, then finish (or NAK) what is in flight and close."""
-        self.nc = await connect(self.cfg.nats_url, name=f"centerline-worker-{self.settings.worker_id}")
+        self.nc = await connect(self.cfg.services.nats_url, name=f"centerline-worker-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
         self.consumer: PullConsumer = await pull_consumer(
@@ -135,8 +135,8 @@ class Worker:
             extra={
                 "fields": {
                     "producer": self.settings.worker_id,
-                    "proxy": self.cfg.proxy_url,
-                    "nats": redact(self.cfg.nats_url),
+                    "proxy": self.cfg.services.proxy_url,
+                    "nats": redact(self.cfg.services.nats_url),
                 }
             },
         )
@@ -205,7 +205,7 @@ class Worker:
                     batch,
                     max_payload=self.nc.max_payload,
                     between=between,
-                    max_sample_bytes=self.cfg.max_sample_bytes,
+                    max_sample_bytes=self.cfg.rollout.max_sample_bytes,
                 )
             acked = await self._ack(msg, task, outcome)
         except asyncio.CancelledError:
@@ -334,7 +334,7 @@ class Worker:
             trajectories, rewards, cache = await self.sample_sessions(task)
         else:
             trajectories, rewards, components = await self.sample_responses(task)
-        advantages = group_advantages(rewards, std_norm=self.cfg.advantage_std_norm)
+        advantages = group_advantages(rewards, std_norm=self.cfg.loss.advantage_std_norm)
         producer = self.settings.worker_id
         batch = pack_trajectories(
             task, trajectories, rewards, advantages, attempt=attempt, producer=producer, sampling=self.sampling
@@ -351,14 +351,14 @@ class Worker:
     async def sample_responses(self, task: PromptTask) -> tuple[list[Trajectory], np.ndarray, dict[str, list[float]]]:
         """``task.n`` responses to the prompt, one request through the proxy, each scored by the task's reward
         (off the event loop: ``rollout_worker/rewards.py``); and each reward component's values."""
-        chat = self.cfg.rollout_endpoint == "chat"
+        chat = self.cfg.rollout.endpoint == "chat"
         messages = task.meta.get("messages")  # a chat row's (centerline/up/user_task.py): its template renders them
         if messages:
             prompt_ids = self.tok.encode_chat(messages)
         else:
             prompt_ids = self.tok.encode_chat(task.prompt) if chat else self.tok.encode(task.prompt)
         path = "/v1/chat/completions" if chat else "/generate"
-        url = self.cfg.proxy_url.rstrip("/") + path
+        url = self.cfg.services.proxy_url.rstrip("/") + path
         arrays = await post(self.session, url, self.request_body(task, prompt_ids))
         if chat:  # SGLang renders the chat template itself: train on what it sampled on
             prompt_ids = served_prompt_ids(arrays)
@@ -392,6 +392,6 @@ class Worker:
 
     def request_body(self, task: PromptTask, prompt_ids: list[int]) -> dict:
         """The training request; the proxy adds the log-prob fields of the contract."""
-        if self.cfg.rollout_endpoint == "chat":
+        if self.cfg.rollout.endpoint == "chat":
             return chat_training_body(self.cfg, task.meta.get("messages") or task.prompt, task.n)
         return training_body(self.cfg, prompt_ids, task.n)

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     add_arguments(parser, ProxySettings)
     args, cfg, settings = parse_args(parser, argv, section=ProxySettings)
     logs.setup("proxy")
-    nats_url = cfg.nats_url if _nats_configured(args) else None
+    nats_url = cfg.services.nats_url if _nats_configured(args) else None
     try:
         api_key = upstream_key_from_env()
     except admin_key.AdminKeyError as exc:

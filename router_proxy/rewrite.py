@@ -57,7 +57,7 @@ class Contract(Sampling):
 
     @classmethod
     def from_config(cls, cfg: Config) -> Contract:
-        return cls(**asdict(cfg.sampling), endpoint=cfg.rollout_endpoint)
+        return cls(**asdict(cfg.rollout.sampling), endpoint=cfg.rollout.endpoint)
 
 
 def rewrite_body(

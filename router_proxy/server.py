@@ -288,7 +288,7 @@ class Proxy:
         added_s = time.perf_counter() - started - upstream_s
         self.metrics.observe_added(added_s)
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
-        blocked = violation is not None and self.cfg.proxy_audit_mode == "enforce"
+        blocked = violation is not None and self.cfg.services.proxy_audit_mode == "enforce"
         if self.publisher.enabled:
             self.publisher.enqueue(
                 {
@@ -296,7 +296,7 @@ class Proxy:
                     "path": req.path.decode("latin-1"),
                     "mode": self.contract.mode,
                     "k": self.contract.k,
-                    "audit_mode": self.cfg.proxy_audit_mode,
+                    "audit_mode": self.cfg.services.proxy_audit_mode,
                     "verdict": "fail" if violation else "ok",
                     "action": "blocked" if blocked else "passed",
                     "error": violation.to_dict() if violation else None,

@@ -42,6 +42,10 @@ def render() -> str:
         "",
         "Read by every service. TOML key: the field name at the top of the file (`rollout_n = 4`);",
         f"variable: `{ENV_PREFIX}<KEY>` (`{ENV_PREFIX}ROLLOUT_N`); a list is comma-separated there.",
+        "In code they are the groups of `Config` (`shared/settings.py`), each taken whole by its users,",
+        "a setting there by its field's name (its public one in brackets where that differs): "
+        + "; ".join(f"`cfg.{field}`: {_in_code(info.annotation)}" for field, info in Config.model_fields.items())
+        + ".",
         "",
         *table(Config, lambda name: f"`{flag(name)}`"),
     ]
@@ -109,14 +113,22 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _in_code(group) -> str:
+    """A group's fields as code reads them, each with its public name where that differs."""
+    return ", ".join(
+        f"`{name}`" if info.alias in (None, name) else f"`{name}` (`{info.alias}`)"
+        for name, info in group.model_fields.items()
+    )
+
+
 def table(model, flag_text) -> list[str]:
     rows = ["| flag | type | default | meaning |", "|---|---|---|---|"]
-    for name, info in model.model_fields.items():
+    for name, info in model.public_fields().items():
         default = info.default_factory() if info.default_factory else info.default
         bounds = [f"{word} {getattr(m, attr)}" for m in info.metadata for attr, word in BOUNDS if hasattr(m, attr)]
         meaning = info.description + (f" Must be {' and '.join(bounds)}." if bounds else "")
         old = [o for o, n in getattr(model, "renamed", {}).items() if n == name]
-        if old:  # Section.renamed: the old flag, key and variable still set it, with a deprecation note
+        if old:  # CommandSettings.renamed: the old flag, key and variable still set it, with a deprecation note
             names = f"`{flag(old[0])}` (`{model.name}.{old[0]}`, `{env_name(old[0], model)}`)"
             meaning += f" Old name {names}, read for one release."
         default_text = "unset" if default is None else f"`{str(default) if isinstance(default, Path) else default!r}`"

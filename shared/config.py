@@ -5,11 +5,17 @@ Sources, highest precedence first (docs/design.md section 2): command-line flags
 environment variables, a TOML file (``--config FILE``), then the defaults: the environment
 beats a file, as in Docker and twelve-factor apps, so a deployment overrides one value of a mounted
 file with a variable. pydantic-settings merges them (``_build``); this module says where each is.
-Field ``rollout_top_logprobs_num`` is the flag ``--rollout-top-logprobs-num``, the TOML key
-``rollout_top_logprobs_num`` and the variable ``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``.
+Setting ``rollout_top_logprobs_num`` (``cfg.rollout.top_logprobs_num``) is the flag
+``--rollout-top-logprobs-num``, the TOML key ``rollout_top_logprobs_num`` and the variable
+``CENTERLINE_ROLLOUT_TOP_LOGPROBS_NUM``: every source speaks the settings' public names
+(``Settings.public_fields``), which ``Config`` groups.
 
 Services add their own flags (``--port``, ``--upstream``...) to their parser and call
-``add_arguments`` / ``resolve`` for the shared ones. ``Config`` and the loss names are imported
+``add_arguments`` / ``resolve`` for the shared ones. ``add_arguments`` makes each flag from its
+field (type, choices, description) rather than through pydantic-settings' ``CliSettingsSource``,
+which would spell a grouped setting ``--rollout.rollout-top-logprobs-num``, a list as a repeated
+flag, and change every flag's metavar and help (it appends the default), and has no subset of a
+command's flags (``only``) nor an old name that warns. ``Config`` and the loss names are imported
 from here with the functions that read them. The reference in ``docs/config.md`` is generated
 from the models by ``scripts/gen_config_docs.py``.
 """
@@ -29,21 +35,18 @@ from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
-from pydantic_settings import EnvSettingsSource, InitSettingsSource
+from pydantic_settings import InitSettingsSource, PydanticBaseSettingsSource
 
 from shared.settings import (
     IMPORTANCE_WEIGHTS,
     LOSS_NAMES,
     MAX_SAMPLE_BYTES,
-    MIS_HIGH,
-    MIS_LOW,
     SECTIONS,
-    TIS_CLIP,
     Config,
     ImportanceWeight,
     LossName,
 )
-from shared.settings_base import REFUSED, Section, Settings
+from shared.settings_base import REFUSED, CommandSettings, Settings
 
 # The interface: how settings are read, and Config with the loss names (shared/settings.py) beside it.
 __all__ = [
@@ -51,9 +54,6 @@ __all__ = [
     "IMPORTANCE_WEIGHTS",
     "LOSS_NAMES",
     "MAX_SAMPLE_BYTES",
-    "MIS_HIGH",
-    "MIS_LOW",
-    "TIS_CLIP",
     "Config",
     "ConfigError",
     "ImportanceWeight",
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "CENTERLINE_"
-S = TypeVar("S", bound=Section)
+S = TypeVar("S", bound=CommandSettings)
 M = TypeVar("M", bound=Settings)
 
 
@@ -86,19 +86,19 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def env_name(name: str, section: type[Section] | None = None) -> str:
+def env_name(name: str, section: type[CommandSettings] | None = None) -> str:
     """``CENTERLINE_<KEY>`` for a shared field, ``CENTERLINE_<TABLE>_<KEY>`` for a command's."""
     return ENV_PREFIX + (f"{section.name}_" if section else "").upper() + name.upper()
 
 
-def key_name(name: str, section: type[Section] | None = None) -> str:
+def key_name(name: str, section: type[CommandSettings] | None = None) -> str:
     """The TOML key as a person writes it: ``loss``, ``trainer.max_grad_norm``."""
     return f"{section.name}.{name}" if section else name
 
 
 def add_arguments(
     parser: argparse.ArgumentParser,
-    section: type[Section] | None = None,
+    section: type[CommandSettings] | None = None,
     *,
     only: tuple[str, ...] | None = None,
     shared: bool = True,
@@ -110,22 +110,22 @@ def add_arguments(
         parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings")
     if section is not None:
         group = parser.add_argument_group(title or f"{section.command} settings (see docs/config.md)")
-        for name, info in section.model_fields.items():
+        for name, info in section.public_fields().items():
             if only is None or name in only:
                 group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=False))
         for old, name in section.renamed.items():
             if only is None or name in only:
-                kwargs = _flag_kwargs(name, section.model_fields[name], metavar=False)
+                kwargs = _flag_kwargs(name, section.public_fields()[name], metavar=False)
                 kwargs.update(action=_OldFlag, help=f"the old name of {flag(name)}, read for one release")
                 group.add_argument(flag(old), **kwargs)
     if shared:
         group = parser.add_argument_group("centerline configuration (see docs/config.md)")
-        for name, info in Config.model_fields.items():
+        for name, info in Config.public_fields().items():
             group.add_argument(flag(name), **_flag_kwargs(name, info, metavar=True))
 
 
 class _OldFlag(argparse.Action):
-    """The old flag of a renamed setting (``Section.renamed``): sets the setting, with a note."""
+    """The old flag of a renamed setting (``CommandSettings.renamed``): sets the setting, with a note."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         sys.stderr.write(f"{parser.prog}: warning: {option_string} is deprecated; use {flag(self.dest)}\n")
@@ -206,7 +206,7 @@ def _build(model: type[M], args, env, only: tuple[str, ...] | None = None, defau
     given = vars(args) if args is not None else {}
     read = load_toml(given["config"]) if "config" in given else {}
     table = read.get(section.name, {}) if section else {k: v for k, v in read.items() if k not in SECTIONS}
-    flags = {k: v for k, v in given.items() if k in model.model_fields and (only is None or k in only)}
+    flags = {k: v for k, v in given.items() if k in model.public_fields() and (only is None or k in only)}
     sources = (
         InitSettingsSource(model, flags),
         _Environment(model, os.environ if env is None else env, env_name("", section)),
@@ -219,39 +219,51 @@ def _build(model: type[M], args, env, only: tuple[str, ...] | None = None, defau
         raise invalid_setting(exc, section) from None
 
 
-class _Environment(EnvSettingsSource):
+class _Environment(PydanticBaseSettingsSource):
     """``env``'s variables as ``env_name`` spells them, in capitals exactly (the names the launcher
-    strips from a service's environment); a list comma-separated."""
+    strips from a service's environment), by each setting's public name; a list comma-separated.
+    The values stay text, which the model validates as it would a file's."""
 
     def __init__(self, model: type[Settings], env: typing.Mapping[str, str], prefix: str):
-        self.given = env
-        self.renamed = {
-            prefix + old.upper(): prefix + new.upper() for old, new in getattr(model, "renamed", {}).items()
-        }
-        super().__init__(model, case_sensitive=False, env_prefix=prefix)
+        super().__init__(model)
+        given = dict(env)
+        for old, new in getattr(model, "renamed", {}).items():
+            if prefix + old.upper() in given:
+                deprecated(prefix + old.upper(), prefix + new.upper())
+                given.setdefault(
+                    prefix + new.upper(), given[prefix + old.upper()]
+                )  # the new name wins where both are set
+        self.values = {}
+        for name, info in model.public_fields().items():
+            if (value := given.get(prefix + name.upper())) is not None:
+                # engine_urls, reward: a list is the only setting that is not one value
+                self.values[name] = value.split(",") if _base_type(info.annotation) is list else value
 
-    def _load_env_vars(self) -> dict[str, str]:
-        given = {name: value for name, value in self.given.items() if name.isupper()}
-        for old, new in self.renamed.items():
-            if old in given:
-                deprecated(old, new)
-                given.setdefault(new, given[old])  # the new name wins where both are set
-        return {name.lower(): value for name, value in given.items()}
+    def get_field_value(self, field, field_name: str) -> tuple[object, str, bool]:
+        return None, field_name, False  # __call__ reads every setting at once
 
-    def decode_complex_value(self, field_name: str, field, value: str) -> list[str]:
-        return value.split(",")  # engine_urls: a list is the only setting that is not one value
+    def __call__(self) -> dict[str, object]:
+        return self.values
 
 
-def invalid_setting(exc: ValidationError, section: type[Section] | None = None) -> ConfigError:
+def invalid_setting(exc: ValidationError, section: type[CommandSettings] | None = None) -> ConfigError:
     """A model's refusal of a value, in the words of a flag: the flag, the value, the fix."""
     err = exc.errors()[0]
     if err["type"] == REFUSED:  # a validator's rule: the value as the rule saw it
         return _refused(err["ctx"], err["msg"])
-    name = str(err["loc"][0]) if err["loc"] else "?"
+    name = _setting_of(err["loc"], section)
     return ConfigError(
         f"{flag(name)} {err.get('input')!r}: {_fix(err)} (also settable as {env_name(name, section)} or "
         f"{key_name(name, section)} in the TOML file)"
     )
+
+
+def _setting_of(loc: tuple, section: type[CommandSettings] | None) -> str:
+    """The public name of the setting at ``loc``: ``("services", "engine_urls", 0)`` is ``engine_urls``
+    of ``Config``'s group ``services``; a command's ``("reward", 0)`` is ``reward``."""
+    if section is None and len(loc) > 1 and loc[0] in Config.model_fields:
+        return str(loc[1])
+    return str(loc[0]) if loc else "?"
 
 
 def _refused(context: dict, fix: str) -> ConfigError:
@@ -278,7 +290,7 @@ def load_toml(path: str) -> dict:
         raise ConfigError(f"--config {path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-    unknown = sorted(set(data) - set(Config.model_fields) - set(SECTIONS))
+    unknown = sorted(set(data) - set(Config.public_fields()) - set(SECTIONS))
     for table, cls in SECTIONS.items():
         if table in data:
             if not isinstance(data[table], dict):
@@ -289,13 +301,13 @@ def load_toml(path: str) -> dict:
                         raise ConfigError(f"--config {path}: {table}.{old} is the old name of {table}.{new}; keep one")
                     deprecated(f"{table}.{old} in {path}", f"{table}.{new}")
                     data[table][new] = data[table].pop(old)
-            unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.model_fields))
+            unknown += sorted(f"{table}.{k}" for k in set(data[table]) - set(cls.public_fields()))
     if unknown:
         raise ConfigError(f"--config {path}: unknown key(s) {unknown}; see docs/config.md for the settings")
     return data
 
 
-def to_toml(cfg: Config, *sections: Section, tables: typing.Mapping[str, dict] | None = None) -> str:
+def to_toml(cfg: Config, *sections: CommandSettings, tables: typing.Mapping[str, dict] | None = None) -> str:
     """The resolved configuration as TOML: shared keys, then a table per command's settings (unset
     ones left out, shared ones too), then ``tables`` (other commands' tables, as read from a file) unchanged."""
     lines = [f"{name} = {_toml_value(value)}" for name, value in cfg.model_dump().items() if value is not None]

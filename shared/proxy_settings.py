@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from shared.settings_base import LAUNCHED, Section, refuse_if
+from shared.settings_base import LAUNCHED, CommandSettings, refuse_if
 
 # Proxy limits, defaults of the proxy's flags and of the classes in router_proxy that enforce them.
 MAX_REQUEST_BODY_BYTES = 32 << 20  # a training request is prompts and settings: 32 MiB is ~4M tokens as input_ids
@@ -16,7 +16,7 @@ MAX_UPSTREAM_RESPONSE_BYTES = 256 << 20  # K=128 rows of 30-byte entries: ~4 KB 
 MAX_TOP_LOGPROBS_NUM = 1024  # K a request may ask for; the contract's default is 128
 
 
-class ProxySettings(Section):
+class ProxySettings(CommandSettings):
     """``centerline proxy``: the contract-enforcing proxy (router_proxy/server.py)."""
 
     name: ClassVar[str] = "proxy"
@@ -47,14 +47,15 @@ class ProxySettings(Section):
     )
 
     def check_with(self, cfg) -> None:
-        k = cfg.rollout_top_logprobs_num
+        rollout = cfg.rollout
+        k = rollout.top_logprobs_num
         # one request's n answers of the longest reply, each token's K + 1 entries of ~30 JSON bytes
-        answer = cfg.rollout_n * cfg.rollout_max_new_tokens * 30 * (k + 1)
+        answer = rollout.n * rollout.max_new_tokens * 30 * (k + 1)
         refuse_if(
             answer > self.max_upstream_response_bytes,
             "max_upstream_response_bytes",
             self.max_upstream_response_bytes,
-            f"an answer of --rollout-n {cfg.rollout_n} x --rollout-max-new-tokens {cfg.rollout_max_new_tokens} "
+            f"an answer of --rollout-n {rollout.n} x --rollout-max-new-tokens {rollout.max_new_tokens} "
             f"tokens at K={k} is about {answer} bytes and would be cut off every time; raise it, or lower them",
         )
         refuse_if(
@@ -68,7 +69,7 @@ class ProxySettings(Section):
 warnings.filterwarnings("ignore", 'Field name "json" in "ProbeSettings" shadows', UserWarning)  # the flag --json
 
 
-class ProbeSettings(Section):
+class ProbeSettings(CommandSettings):
     """``centerline probe``: one check of an upstream against a contract (router_proxy/probe.py)."""
 
     name: ClassVar[str] = "probe"

@@ -18,7 +18,7 @@ NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "rep
 
 @dataclass(frozen=True)
 class Sampling:
-    """The run's sampling, as ``--rollout-*`` sets it: ``shared.config.Config.sampling``."""
+    """The run's sampling, as ``--rollout-*`` sets it: ``cfg.rollout.sampling`` (shared/settings.py)."""
 
     k: int  # candidates recorded per token (--rollout-top-logprobs-num)
     temperature: float  # the trainer divides its logits by it (--rollout-temperature)

@@ -1,10 +1,11 @@
-"""The base of every settings model: ``Settings``, a command's ``Section``, and ``refuse_if``.
+"""The base of every settings model: ``Settings``, ``CommandSettings`` (one command's), a
+``SettingsGroup`` of the shared ``Config``, and ``refuse_if``.
 
 A model is typed fields with a description each; simple bounds are field constraints, a rule
-across fields the model's validator, a rule across a section and the shared settings its
+across fields the model's validator, a rule across a command's settings and the shared ones its
 ``check_with(cfg)``; each rule is one ``refuse_if``, whose refusal ``shared.config`` words as
-``--<flag> <value>: <fix>``. The models: the shared ``Config`` (``shared/settings.py``) and one
-``Section`` per command (``shared/trainer_settings.py``, ``worker_settings.py``,
+``--<flag> <value>: <fix>``. The models: the shared ``Config`` of four groups (``shared/settings.py``) and one
+``CommandSettings`` per command (``shared/trainer_settings.py``, ``worker_settings.py``,
 ``proxy_settings.py``, ``up_settings.py``); how they are read: ``shared/config.py``.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pydantic import BaseModel, ConfigDict
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -24,7 +27,7 @@ REFUSED = "setting_refused"  # the error type of ``refuse_if``, which shared.con
 
 
 def refuse_if(failed: bool, name: str, value: object, fix: str) -> None:
-    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``Section.check_with``);
+    """Refuse ``value`` of field ``name`` when ``failed`` (in a validator, or ``CommandSettings.check_with``);
     ``shared.config`` words the error as ``--<flag> <value>: <fix>``."""
     if failed:
         raise PydanticCustomError(REFUSED, fix.replace("{", "{{").replace("}", "}}"), {"setting": name, "value": value})
@@ -39,13 +42,34 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", frozen=True, case_sensitive=True)
 
     @classmethod
+    def public_fields(cls) -> dict[str, FieldInfo]:
+        """Each setting by its public name (its flag's, TOML key's and variable's), in order."""
+        return dict(cls.model_fields)
+
+    @classmethod
     def settings_customise_sources(
         cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **others
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,)
 
 
-class Section(Settings):
+class SettingsGroup(BaseModel):
+    """A group of the shared ``Config`` (``cfg.rollout``, ``cfg.loss``...), taken whole by the code
+    that uses it. A field's alias is its public name, flat as users write it (``top_logprobs_num`` of
+    ``rollout`` is ``rollout_top_logprobs_num``); a field without one is public by its own name. Built
+    in code, a group takes either name."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
+    @classmethod
+    def public_fields(cls) -> dict[str, FieldInfo]:
+        """Each setting by its public name (its flag's, TOML key's and variable's), in order."""
+        return {info.alias or name: info for name, info in cls.model_fields.items()}
+
+
+class CommandSettings(Settings):
     """The settings of one command: flags of ``command``, TOML table ``[name]``, ``CENTERLINE_<NAME>_<KEY>``."""
 
     name: ClassVar[str]

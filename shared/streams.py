@@ -89,18 +89,18 @@ def stream_configs(limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
     ]
 
 
-def sample_max_bytes(cfg) -> int:
-    """Wire bytes of the longest sample the settings allow: a session's whole token budget
-    (``rollout_session_max_tokens``, its prompt included), each token with its id, log-probability,
-    mask, version and K candidates (13 + 8K bytes, ``rollout_worker/publish.py``)."""
-    return cfg.rollout_session_max_tokens * (13 + 8 * cfg.rollout_top_logprobs_num) + 4096
+def sample_max_bytes(rollout) -> int:
+    """Wire bytes of the longest sample the ``rollout`` settings (``Config.rollout``) allow: a
+    session's whole token budget (``session_max_tokens``, its prompt included), each token with its
+    id, log-probability, mask, version and K candidates (13 + 8K bytes, ``rollout_worker/publish.py``)."""
+    return rollout.session_max_tokens * (13 + 8 * rollout.top_logprobs_num) + 4096
 
 
-def store_caps(cfg, prompts_per_step: int, retention_steps: int, rollouts: int | None, dlq: int | None):
+def store_caps(rollout, prompts_per_step: int, retention_steps: int, rollouts: int | None, dlq: int | None):
     """``(rollouts_max_bytes, dlq_max_bytes)``: the caps given, or where unset: ``retention_steps``
     steps of samples at their largest (``sample_max_bytes``) for ROLLOUTS, a quarter of that for the DLQ
     (docs/design.md section 3)."""
-    step = prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
+    step = prompts_per_step * rollout.n * sample_max_bytes(rollout)
     rollouts = rollouts if rollouts is not None else retention_steps * step
     return rollouts, dlq if dlq is not None else max(step, rollouts // 4)
 

@@ -7,13 +7,13 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.settings_base import LAUNCHED, UP_FLAG, Section, check_max_deliver, refuse_if
+from shared.settings_base import LAUNCHED, UP_FLAG, CommandSettings, check_max_deliver, refuse_if
 
 MICRO_BATCH_TOKENS = 4096  # the toy default run's whole shard in one forward; a real model's activations bound
 LOSS_CHUNK_TOKENS = 1024  # rows per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
 
 
-class TrainerSettings(Section):
+class TrainerSettings(CommandSettings):
     """``centerline trainer``: the training loop of trainer_service/service.py."""
 
     name: ClassVar[str] = "trainer"
@@ -203,18 +203,19 @@ class TrainerSettings(Section):
         from shared.streams import store_caps
 
         return store_caps(
-            cfg, self.prompts_per_step, self.store_retention_steps, self.rollouts_max_bytes, self.dlq_max_bytes
+            cfg.rollout, self.prompts_per_step, self.store_retention_steps, self.rollouts_max_bytes, self.dlq_max_bytes
         )
 
     def check_with(self, cfg) -> None:
         from shared.streams import sample_max_bytes
 
-        needed = (cfg.max_inflight_steps + 1) * self.prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
+        inflight, n, most = cfg.training.max_inflight_steps, cfg.rollout.n, sample_max_bytes(cfg.rollout)
+        needed = (inflight + 1) * self.prompts_per_step * n * most
         refuse_if(
             self.rollouts_max_bytes is not None and self.rollouts_max_bytes < needed,
             "rollouts_max_bytes",
             self.rollouts_max_bytes,
-            f"must hold the steps in flight, --max-inflight-steps + 1 = {cfg.max_inflight_steps + 1} steps of "
-            f"{self.prompts_per_step} x {cfg.rollout_n} samples of up to {sample_max_bytes(cfg)} bytes: at least "
+            f"must hold the steps in flight, --max-inflight-steps + 1 = {inflight + 1} steps of "
+            f"{self.prompts_per_step} x {n} samples of up to {most} bytes: at least "
             f"{needed}; raise it, or lower --rollout-session-max-tokens or K",
         )

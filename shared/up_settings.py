@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shared.rewards import REWARDS
-from shared.settings_base import Section, refuse_if
+from shared.settings_base import CommandSettings, refuse_if
 from shared.toy_tasks import ENVIRONMENTS
 
 
@@ -25,7 +25,7 @@ def _reward_component(spec: str) -> bool:
     return finite and (ref in REWARDS or bool(colon and module and function))
 
 
-class UpSettings(Section):
+class UpSettings(CommandSettings):
     """``centerline up``: the whole system on one machine (centerline/up/launcher.py). What is ``up``'s own:
     the processes it starts, the task it prepares; the trainer's steps and held-out schedule are the
     trainer's settings, which ``up`` takes as flags too (below)."""
@@ -160,7 +160,7 @@ class UpSettings(Section):
         return self
 
 
-class ReplaySettings(Section):
+class ReplaySettings(CommandSettings):
     """``centerline replay``: a record file back into NATS or into the trainer's steps (centerline/runs/replay.py).
     With ``--train`` it also restores every setting of the run's ``[trainer]`` table (but its model, run
     directory and metrics port)."""

@@ -7,12 +7,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from shared.settings_base import LAUNCHED, Section, check_max_deliver
+from shared.settings_base import LAUNCHED, CommandSettings, check_max_deliver
 
 ENVIRONMENT_DEADLINE_MAX = 1800.0  # seconds: the default environment deadline's bound (30 minutes)
 
 
-class WorkerSettings(Section):
+class WorkerSettings(CommandSettings):
     """``centerline worker``: a rollout worker (rollout_worker/main.py)."""
 
     name: ClassVar[str] = "worker"
@@ -82,5 +82,5 @@ class WorkerSettings(Section):
         token budget of the shared ``cfg`` (docs/design.md section 12)."""
         if self.environment_timeout is not None:
             return self.environment_timeout
-        turns = math.ceil(cfg.rollout_session_max_tokens / cfg.rollout_max_new_tokens)
+        turns = math.ceil(cfg.rollout.session_max_tokens / cfg.rollout.max_new_tokens)
         return min(self.request_timeout * turns, ENVIRONMENT_DEADLINE_MAX)

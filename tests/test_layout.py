@@ -139,6 +139,8 @@ ONE_USER_NAMES = {
     ("config", "main"): "`centerline config` prints the resolution as every command sees it (config's own _build)",
     ("batch_algebra", "concat_batches"): "the trainer's step batch; batch algebra is one module, the worker selects",
     ("batch_algebra", "assign_shards"): "the trainer's shards; batch algebra is one module, the worker selects",
+    ("settings", "LOSS_NAMES"): "the losses beside their type, one place; the trainer has them by LossSettings",
+    ("settings", "IMPORTANCE_WEIGHTS"): "as LOSS_NAMES: the experiment's grid and the loss bench list them",
 }
 
 
@@ -273,7 +275,6 @@ import orjson
 MAX_LINES = 400
 LONG_MODULES = {
     "shared/contract.py": "the completeness contract, one check per named rule, in one file (docs/design.md section 4)",
-    "trainer_service/loss.py": "the score-centering loss and its closed-form gradient, read together (section 6)",
     "trainer_service/gate.py": "the gate's NATS side: fetch, hold, settle, dead-letter; the decision is admission.py",
 }
 

@@ -160,9 +160,9 @@ def admission(
             f"{known.batch.batch_id!r} says {known.batch.parts}; one attempt's parts come from one split"
         )
         return Admission(REJECT, bid, batch, "shape", reason)
-    if batch.parts > 1 and (reason := conflict(batch, list(held.values()), settings.cfg.rollout_n)):
+    if batch.parts > 1 and (reason := conflict(batch, list(held.values()), settings.cfg.rollout.n)):
         return Admission(REJECT, bid, batch, SPLIT_CONFLICT, reason)
-    n, distinct = settings.cfg.rollout_n, len(set(batch.sample_ids))
+    n, distinct = settings.cfg.rollout.n, len(set(batch.sample_ids))
     if batch.parts == 1 and not (batch.num_samples == distinct == n):
         reason = (
             f"{bid!r} is the whole group of attempt {attempt} of task {task!r} with {batch.num_samples} samples, "
@@ -206,7 +206,7 @@ def check(batch: Batch, version: int, *, settings: GateSettings) -> None:
         batch,
         vocab_size=settings.vocab_size,
         current_version=version,
-        max_staleness=settings.cfg.max_staleness,
+        max_staleness=settings.cfg.training.max_staleness,
     )
     check_settings(batch, settings.cfg)
 
@@ -214,11 +214,11 @@ def check(batch: Batch, version: int, *, settings: GateSettings) -> None:
 def check_settings(batch: Batch, cfg) -> None:
     """The trainer-only rule ``settings``: the batch was sampled as this trainer is configured."""
     want = {
-        "mode": (cfg.rollout_logprobs_mode, "--rollout-logprobs-mode"),
-        "k": (cfg.rollout_top_logprobs_num, "--rollout-top-logprobs-num"),
-        "temperature": (cfg.rollout_temperature, "--rollout-temperature"),
-        "top_p": (cfg.rollout_top_p, "--rollout-top-p"),
-        "top_k": (cfg.rollout_top_k, "--rollout-top-k"),
+        "mode": (cfg.rollout.logprobs_mode, "--rollout-logprobs-mode"),
+        "k": (cfg.rollout.top_logprobs_num, "--rollout-top-logprobs-num"),
+        "temperature": (cfg.rollout.temperature, "--rollout-temperature"),
+        "top_p": (cfg.rollout.top_p, "--rollout-top-p"),
+        "top_k": (cfg.rollout.top_k, "--rollout-top-k"),
     }
     for name, (value, flag) in want.items():
         found = getattr(batch, name)

@@ -114,7 +114,7 @@ class Gate:
         self.given_up = 0  # groups given up at republish_cap since ``gather`` last took them off its target
         self.settings = GateSettings(vocab_size, cfg, run_id)
         self.groups = GroupLedger(ledger, first_task_step)
-        self.pieces = Pieces(cfg.max_sample_bytes)  # parts larger than a message, being put together
+        self.pieces = Pieces(cfg.rollout.max_sample_bytes)  # parts larger than a message, being put together
         self.ack_wait, self.expire_after = ack_wait, EXPIRE_ACK_WAITS * ack_wait
         self.waited = 0.0  # seconds spent fetching: the clock an incomplete attempt expires by
         self.parked: list = []  # training batches fetched by finish_heldout: held unacked, given back at its end
@@ -169,7 +169,7 @@ class Gate:
                 if starved is not None:
                     await starved()
                 deadline = time.monotonic() + timeout
-            want = max(1, math.ceil((target - self.held_samples) / max(1, self.cfg.rollout_n)))
+            want = max(1, math.ceil((target - self.held_samples) / max(1, self.cfg.rollout.n)))
             for msg in await self.fetch(want):
                 await self.admit(msg, version)
             await self.expire()
@@ -182,7 +182,7 @@ class Gate:
         """The step's target once ``given_up`` groups will never come: that many groups' samples less;
         where then nothing more is awaited and fewer than ``min_samples`` are held, ``starved()`` publishes
         the next step's tasks (the step wants ``full`` again)."""
-        lost, self.given_up = self.given_up * self.cfg.rollout_n, 0
+        lost, self.given_up = self.given_up * self.cfg.rollout.n, 0
         target -= lost
         if target <= self.held_samples < min_samples and starved is not None:
             log.warning("task groups given up (republish_cap) and none held: the next step's tasks are published now")

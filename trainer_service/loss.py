@@ -28,12 +28,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.config import IMPORTANCE_WEIGHTS, LOSS_NAMES, MIS_HIGH, MIS_LOW, TIS_CLIP, ImportanceWeight, LossName
+from shared.settings import LossName, LossSettings
 from trainer_service.head import attach
 
 EPS = 1e-6  # tail-mass floor of docs/design.md section 6
 MODES = ("selected", "support")
-IS_MODES = IMPORTANCE_WEIGHTS  # --score-centering-is
 KL_LOG_RATIO_CLAMP = 20.0  # |log p_a/q_a| bound of the train_rollout_kl metric, as miles clamps it
 _CHUNK_ELEMENTS = 1 << 22  # default chunk: ~16 MiB of float32 temporaries per chunk
 
@@ -65,40 +64,15 @@ class TokenRows:
     token_count: int | None = None
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """The loss chosen and its options (the trainer's settings; the rows bring mode and temperature)."""
-
-    loss: LossName = "score_centering"  # --loss: a key of LOSSES
-    is_mode: ImportanceWeight = "none"  # --score-centering-is (score_centering only)
-    tis_clip: float = TIS_CLIP  # --score-centering-tis-clip
-    mis_low: float = MIS_LOW  # --score-centering-mis-low
-    mis_high: float = MIS_HIGH  # --score-centering-mis-high
-    chunk_size: int | None = None  # rows per [rows, V] pass; None: about 4M logits per chunk
-
-    def __post_init__(self):
-        if self.loss not in LOSS_NAMES:
-            raise ValueError(f"loss={self.loss!r}; expected one of {LOSS_NAMES} (--loss)")
-
-    @classmethod
-    def from_config(cls, cfg) -> LossSettings:
-        """The loss settings of a ``shared.config.Config``."""
-        return cls(
-            loss=cfg.loss,
-            is_mode=cfg.score_centering_is,
-            tis_clip=cfg.score_centering_tis_clip,
-            mis_low=cfg.score_centering_mis_low,
-            mis_high=cfg.score_centering_mis_high,
-        )
-
-
-def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
+def score_centering_loss(logits, rows: TokenRows, settings: LossSettings, chunk_size: int | None = None):
     """Score-centering loss (6.1) and its metrics.
 
     ``logits`` [N, V] (float32/bfloat16/float64, requires grad) are the trainer's at the N
     ``rows`` (``TokenRows``), or a ``trainer_service.head.HeadLogits`` that computes them chunk
-    by chunk from the final hidden states and never holds them whole; ``settings.is_mode``
-    picks ``f``. Computation is in float32 (float64 for float64 logits).
+    by chunk from the final hidden states and never holds them whole. ``settings`` is the run's
+    ``Config.loss``, its options' bounds checked as it was built (shared/settings.py);
+    ``settings.is_mode`` picks ``f``. ``chunk_size``: rows per ``[rows, V]`` pass, None: about 4M
+    logits per chunk. Computation is in float32 (float64 for float64 logits).
 
     Returns ``(loss, metrics)``; metrics are plain floats, means over the trained tokens of
     this call (0.0 when there are none):
@@ -114,15 +88,15 @@ def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     ``train_rollout_logprob_abs_diff``: mean ``|log p_a - log q_a|``.
 
     Raises ``NonFiniteInput`` for a NaN/inf advantage, log-prob or logit of a trained row
-    (``-inf`` in an empty candidate slot is allowed) and ``ValueError`` for bad options,
-    shapes or ids (in support mode the sampled token must be in the support; in selected mode a
+    (``-inf`` in an empty candidate slot is allowed) and ``ValueError`` for a bad mode,
+    temperature, shapes or ids (in support mode the sampled token must be in the support; in selected mode a
     trained row must hold exactly ``min(K, V)`` candidates, as the contract's ``short_row``).
     """
     mode = rows.mode
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
     f = _weight_fn(settings.is_mode, settings)
-    g = _prepare(logits, rows, settings.chunk_size, with_candidates=True)
+    g = _prepare(logits, rows, chunk_size, with_candidates=True)
     mask, valid = g.mask, g.valid
     if (
         mode == "selected"
@@ -198,20 +172,20 @@ def score_centering_loss(logits, rows: TokenRows, settings: LossSettings):
     return loss, metrics
 
 
-def reinforce_loss(logits, rows: TokenRows, settings: LossSettings):
+def reinforce_loss(logits, rows: TokenRows, settings: LossSettings, chunk_size: int | None = None):
     """Plain policy gradient ``l = -A * log p_a``, same arguments, checks and reduction as
     ``score_centering_loss``; ``mode``, ``is_mode`` and candidates are unused (candidates are
     still checked). Metrics: the sampled-token ones (``sc_importance_weight`` is 1.0)."""
-    return _sampled_token_loss(logits, rows, settings.chunk_size, _weight_fn("none", settings))
+    return _sampled_token_loss(logits, rows, chunk_size, _weight_fn("none", settings))
 
 
-def tis_loss(logits, rows: TokenRows, settings: LossSettings):
+def tis_loss(logits, rows: TokenRows, settings: LossSettings, chunk_size: int | None = None):
     """REINFORCE with a truncated importance weight: ``l = -A * min(p_a/q_a, tis_clip) * log p_a``
     (weight detached). Same arguments, checks and reduction as ``score_centering_loss``."""
-    return _sampled_token_loss(logits, rows, settings.chunk_size, _weight_fn("tis", settings))
+    return _sampled_token_loss(logits, rows, chunk_size, _weight_fn("tis", settings))
 
 
-# every name of shared.config.LossName, and no other (tests/trainer_service/test_loss.py)
+# every name of shared.settings.LossName, and no other (tests/trainer_service/test_loss.py)
 LOSSES: dict[LossName, object] = {"score_centering": score_centering_loss, "reinforce": reinforce_loss, "tis": tis_loss}
 
 
@@ -228,21 +202,13 @@ def _sampled_token_loss(logits, rows: TokenRows, chunk_size, f):
 
 
 def _weight_fn(is_mode, settings: LossSettings):
-    """``f`` of (6.1) on a detached ratio tensor."""
+    """``f`` of (6.1) on a detached ratio tensor; ``LossSettings`` bounds the clip and the mask."""
     tis_clip, mis_low, mis_high = settings.tis_clip, settings.mis_low, settings.mis_high
     if is_mode == "none":
         return torch.ones_like
     if is_mode == "tis":
-        if not tis_clip > 0:
-            raise ValueError(f"tis_clip={tis_clip}; it must be > 0 (--score-centering-tis-clip)")
         return lambda r: r.clamp_max(tis_clip)
-    if is_mode == "mis":
-        if not 0 <= mis_low <= mis_high:
-            raise ValueError(
-                f"mis_low={mis_low}, mis_high={mis_high}; need 0 <= low <= high (--score-centering-mis-low/-high)"
-            )
-        return lambda r: torch.where((r >= mis_low) & (r <= mis_high), r, 0.0)
-    raise ValueError(f"is_mode={is_mode!r}; expected one of {IS_MODES} (--score-centering-is)")
+    return lambda r: torch.where((r >= mis_low) & (r <= mis_high), r, 0.0)  # mis
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from shared.settings import TrainerSettings
 from shared.wire import decode_batch
 from trainer_service import checkpoint
 from trainer_service.distributed import device, is_main, rank_and_world, scatter_shards
-from trainer_service.loss import LossSettings
 from trainer_service.model import build_model, unwrap
 from trainer_service.schedule import lr_factor, set_lr
 from trainer_service.step import Memory, make_optimizer, prepare_model, train_step
@@ -47,7 +46,7 @@ class Policy:
         checkpoints go; the step's ``strategy``, ``max_grad_norm``, ``micro_batch_tokens``,
         ``keep_checkpoints``) and the shared ``cfg``; ``resume``: a checkpoint to start from."""
         self.settings, self.initial, self.run_dir = settings, settings.model, settings.run_dir
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.training.seed)
         start = resume / "model" if resume else settings.model
         self.memory = Memory.from_settings(settings)
         self.model = build_model(
@@ -55,11 +54,11 @@ class Policy:
         )
         rank, world = rank_and_world()
         log.info("rank %d of %d trains on %s", rank, world, next(self.model.parameters()).device)
-        self.base_lr = cfg.learning_rate  # each step's rate: trainer_service/schedule.py
-        self.optimizer = make_optimizer(self.model, "adamw", cfg.learning_rate)
+        self.base_lr = cfg.training.learning_rate  # each step's rate: trainer_service/schedule.py
+        self.optimizer = make_optimizer(self.model, "adamw", cfg.training.learning_rate)
         if resume is not None:
             checkpoint.load_training_state(resume, self.model, self.optimizer)
-        self.loss = LossSettings.from_config(cfg)
+        self.loss = cfg.loss  # the loss and its options, whole (shared/settings.py)
 
     @property
     def world_size(self) -> int:

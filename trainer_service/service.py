@@ -49,7 +49,7 @@ from pathlib import Path
 from shared import config as shared_config
 from shared import logs
 from shared.contract import k_above_vocab
-from shared.settings import SECTIONS, Section, TrainerSettings
+from shared.settings import SECTIONS, CommandSettings, Config, TrainerSettings
 
 log = logging.getLogger("centerline.trainer")
 # what a held-out round's tasks refused by a full store cost (trainer_service/store.py)
@@ -89,7 +89,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     metrics.recover(saved or state.to_dict())  # the line of a step checkpointed just before a crash
     # The steps trained since the last checkpoint, trained again from their journal records.
     # the ledger keeps the tasks of the last `kept` task steps (trainer_service/ledger.py)
-    kept = kept_task_steps(cfg.max_inflight_steps, cfg.max_staleness, settings.weight_sync_interval)
+    kept = kept_task_steps(cfg.training.max_inflight_steps, cfg.training.max_staleness, settings.weight_sync_interval)
     state, replayed = await retrain_journal(settings, policy, state, metrics, kept)
     stopping = stop_event()
     heldout_rows = load_dataset(settings.heldout_dataset) if settings.heldout_dataset is not None else []
@@ -97,9 +97,9 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     tasks = TaskPublisher(
         load_dataset(settings.dataset),
         run_id=state.run_id,
-        seed=cfg.seed,
+        seed=cfg.training.seed,
         prompts_per_step=settings.prompts_per_step,
-        n=cfg.rollout_n,
+        n=cfg.rollout.n,
         # a run directory of an older release: its trainers sampled in block 0
         blocks=AttemptBlocks(settings.run_dir / "attempt_blocks", first=1 if saved or replayed else 0),
         next_step=state.next_task_step,
@@ -130,7 +130,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     )
     engines = weights.WeightPublisher(
         js,
-        cfg.engine_urls,
+        cfg.services.engine_urls,
         mode=settings.weight_update,
         transport=settings.weight_transport,
         master_address=settings.weight_master_address,
@@ -145,7 +145,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
     catching_up = asyncio.create_task(
         engines.watch(proof_interval=settings.weight_proof_interval)
     )  # an engine that restarted gets the latest weights
-    target = settings.prompts_per_step * cfg.rollout_n
+    target = settings.prompts_per_step * cfg.rollout.n
     log.info("run %s resumes at step %d, version %d", state.run_id, state.step, state.version)
     deadline = time.monotonic() + settings.train_seconds if settings.train_seconds else float("inf")
 
@@ -157,7 +157,7 @@ async def drive(settings: TrainerSettings, cfg, policy, resume: Path | None) -> 
         # A stop while NATS does not answer must not wait out the publish's retries (and its
         # error): tasks not stored are published again, under the same ids, by the next start.
         # A full store refuses them by name (StoreFull): the step trains what is stored, which frees room.
-        publish = tasks.publish_until(js, state.step, cfg.max_inflight_steps, settings.steps)
+        publish = tasks.publish_until(js, state.step, cfg.training.max_inflight_steps, settings.steps)
         if not await unless_stopped(
             store.unless_full(publish, "tasks (published at the next step)", gate.counts), stopping
         ):
@@ -263,7 +263,7 @@ async def retrain_journal(settings: TrainerSettings, policy, state, metrics, kep
 
 def candidates_fit(cfg, vocab_size: int) -> bool:
     """Whether the configured K may be asked of SGLang (``shared.contract.k_above_vocab``); logs why not."""
-    too_many = k_above_vocab(cfg.rollout_top_logprobs_num, vocab_size, cfg.rollout_logprobs_mode)
+    too_many = k_above_vocab(cfg.rollout.top_logprobs_num, vocab_size, cfg.rollout.logprobs_mode)
     if too_many:
         log.error("--rollout-top-logprobs-num: %s", too_many)
     return too_many is None
@@ -316,10 +316,10 @@ async def open_streams(cfg, settings: TrainerSettings, heldout_rows: int = 0):
     from shared.streams import StreamLimits, ensure_streams, sample_max_bytes
     from trainer_service.gate import max_ack_pending
 
-    nc = await connect(cfg.nats_url, name="centerline-trainer")
+    nc = await connect(cfg.services.nats_url, name="centerline-trainer")
     js = nc.jetstream()
-    rollouts_bytes, dlq_bytes = settings.store_caps(cfg)
-    limits = StreamLimits(replicas=cfg.nats_stream_replicas, rollouts_max_bytes=rollouts_bytes, dlq_max_bytes=dlq_bytes)
+    rollouts, dlq = settings.store_caps(cfg)
+    limits = StreamLimits(replicas=cfg.services.nats_stream_replicas, rollouts_max_bytes=rollouts, dlq_max_bytes=dlq)
     await ensure_streams(js, limits)
     consumer = await pull_consumer(
         js,
@@ -330,10 +330,10 @@ async def open_streams(cfg, settings: TrainerSettings, heldout_rows: int = 0):
         max_deliver=settings.max_deliver,
         max_ack_pending=max_ack_pending(
             settings.prompts_per_step,
-            cfg.rollout_n,
-            cfg.max_inflight_steps,
+            cfg.rollout.n,
+            cfg.training.max_inflight_steps,
             heldout_rows,
-            pieces_per_part(sample_max_bytes(cfg), nc.max_payload),
+            pieces_per_part(sample_max_bytes(cfg.rollout), nc.max_payload),
         ),
     )
     return nc, js, consumer
@@ -351,7 +351,7 @@ def run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def write_run_config(path: Path, args: argparse.Namespace, cfg: shared_config.Config, *sections: Section) -> None:
+def write_run_config(path: Path, args: argparse.Namespace, cfg: Config, *sections: CommandSettings) -> None:
     """Write the run's ``config.toml`` (atomically: other services may be reading it): the
     resolved settings, and the other commands' tables of the file this command read. A file
     that says exactly that already is left alone: the run spec `centerline up` wrote, which

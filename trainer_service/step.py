@@ -268,13 +268,12 @@ def train_step(
     """
     rank, world = rank_and_world()
     device = next(model.parameters()).device
-    loss_fn = LOSSES[settings.loss]
+    loss_fn = LOSSES[settings.name]
     if not local and world > 1:
         batch = select_samples(batch, assign_shards(batch, world)[rank])
     mine = range(batch.num_samples)
     runs = micro_batches(batch, mine, micro_batch_tokens, memory.packed)
     inputs = [micro_batch_inputs(batch, run, device, memory.packed) for run in runs]
-    settings = replace(settings, chunk_size=memory.loss_chunk_tokens)
     # Every collective's tensor lives on the rank's device, the model's (docs/design.md section 6).
     rewards = np.asarray(batch.rewards, dtype=np.float64)
     local_counts = [float(sum(x.trained_tokens for x in inputs)), float(batch.num_samples), float(rewards.sum())]
@@ -297,7 +296,7 @@ def train_step(
             rows = replace(x.rows, token_count=global_count)
             with _autocast(device, memory):  # the model only: the loss computes in float32 itself
                 head = response_head(model, x)
-            loss, metrics = loss_fn(head, rows, settings)
+            loss, metrics = loss_fn(head, rows, settings, chunk_size=memory.loss_chunk_tokens)
             (loss * world).backward()  # DDP/FSDP2 divide the summed gradient by world
         n = inputs[j].trained_tokens
         sums[0] += float(loss.detach())
@@ -320,7 +319,7 @@ def train_step(
         "reward_mean": reward_sum / global_samples if global_samples else 0.0,
     }
     for k, name in enumerate(METRICS):
-        if settings.loss == "score_centering" or not name.startswith("sc_") or name == "sc_importance_weight":
+        if settings.name == "score_centering" or not name.startswith("sc_") or name == "sc_importance_weight":
             out[name] = float(sums[1 + k]) / global_count if global_count else 0.0
     return out
 

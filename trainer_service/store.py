@@ -27,7 +27,7 @@ log = logging.getLogger("centerline.trainer.store")
 def room(cfg, prompts_per_step: int) -> int:
     """Bytes ``trim`` keeps free: the steps in flight (``max_inflight_steps`` + 1) at their largest
     (``shared.streams.sample_max_bytes``), what a trainer that stopped leaves the workers to publish."""
-    return (cfg.max_inflight_steps + 1) * prompts_per_step * cfg.rollout_n * sample_max_bytes(cfg)
+    return (cfg.training.max_inflight_steps + 1) * prompts_per_step * cfg.rollout.n * sample_max_bytes(cfg.rollout)
 
 
 async def trim(js, cap: int, room: int) -> int:

@@ -94,7 +94,7 @@ def group(t: Trajectory, step: int, index: int, cfg: Config) -> Batch:
     task_id = f"bench/{step}/{index}"
     task = PromptTask(task_id=task_id, group_id=task_id, prompt="", answer="", reward="exact", n=1, step=step)
     one = np.ones(1, np.float32)
-    return pack_trajectories(task, [t], one, 0 * one, producer="bench", sampling=cfg.sampling)
+    return pack_trajectories(task, [t], one, 0 * one, producer="bench", sampling=cfg.rollout.sampling)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,9 +134,9 @@ def _fitting(parser: argparse.ArgumentParser, args, samples: dict[str, Trajector
     limit = args.max_payload - pieces.HEADER_ROOM
     for name, flag, value in (("long", "--tokens", args.tokens), ("fits", "--fits-tokens", args.fits_tokens)):
         size = len(split_batch(group(samples[name], 0, 0, cfg), limit)[0].data)
-        if size > cfg.max_sample_bytes:
+        if size > cfg.rollout.max_sample_bytes:
             parser.error(
-                f"{flag} {value} makes a sample of {size} bytes, above the {cfg.max_sample_bytes} bytes of "
+                f"{flag} {value} makes a sample of {size} bytes, above the {cfg.rollout.max_sample_bytes} bytes of "
                 "--max-sample-bytes the worker sends and the trainer takes at most: lower it"
             )
         if (size > limit) != (name == "long"):
@@ -179,7 +179,7 @@ async def _measure(args, samples: dict[str, Trajectory], cfg: Config, store: Pat
                     stored = (await js.stream_info(names.ROLLOUTS_STREAM)).state.bytes
                     t0 = time.perf_counter()
                     acks = await publish_batch(
-                        js, batch, max_payload=nc.max_payload, max_sample_bytes=cfg.max_sample_bytes
+                        js, batch, max_payload=nc.max_payload, max_sample_bytes=cfg.rollout.max_sample_bytes
                     )
                     figures["publish_s"].append(time.perf_counter() - t0)
                     figures["stream_bytes"] = (await js.stream_info(names.ROLLOUTS_STREAM)).state.bytes - stored

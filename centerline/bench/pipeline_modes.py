@@ -96,11 +96,11 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
         while not config.exists():
             _poll(up, log, args.poll)
         ran = run_spec.load(config)
-        if len(ran.cfg.engine_urls) != 1:
+        if len(ran.cfg.services.engine_urls) != 1:
             raise RuntimeError(
-                f"the bench measures one SGLang server; the run has {len(ran.cfg.engine_urls)} (--engines)"
+                f"the bench measures one SGLang server; the run has {len(ran.cfg.services.engine_urls)} (--engines)"
             )
-        engine = ran.cfg.engine_urls[0]
+        engine = ran.cfg.services.engine_urls[0]
         wait_http(f"{engine}/health", "the run's SGLang server", up, log, 600)
         with urllib.request.urlopen(f"{engine}/get_model_info", timeout=10) as resp:
             model = orjson.loads(resp.read())["model_path"]  # asked before the first weight update renames it
@@ -136,7 +136,7 @@ def run_pipeline(args, spec: RunSpec, mode: str) -> tuple[dict, RunSpec, str]:
     samples, tokens = sum(s["samples"] for s in window), sum(s["trained_tokens"] for s in window)
     evals = load_heldout(run_dir)
     figures = {
-        "max_inflight_steps": spec.cfg.max_inflight_steps,
+        "max_inflight_steps": spec.cfg.training.max_inflight_steps,
         "weight_update": spec.trainer.weight_update,
         "weight_transport": spec.trainer.weight_transport,
         "weight_fallbacks": steps[-1]["weight_fallbacks"],  # so far: the run's own count

@@ -40,7 +40,7 @@ def request_bodies(config: Config, model: str, dataset: Path, count: int = 256) 
     contract = Contract.from_config(config)
     return [
         rewrite_body(
-            orjson.dumps(training_body(config, list(tok(p)["input_ids"]), config.rollout_n)), "generate", contract
+            orjson.dumps(training_body(config, list(tok(p)["input_ids"]), config.rollout.n)), "generate", contract
         )
         for p in prompts
     ]

@@ -133,7 +133,7 @@ def child(case: dict) -> dict:
     if dense:  # f6a6570's step: logits held whole, then the loss on them
         x = micro_batch_inputs(batch, range(1), "cpu")
         rows = replace(x.rows, token_count=x.trained_tokens)
-        loss, _ = LOSSES["score_centering"](response_logits(model, x), rows, LossSettings(chunk_size=None))
+        loss, _ = LOSSES["score_centering"](response_logits(model, x), rows, LossSettings())
         loss.backward()
         del loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -284,7 +284,7 @@ def replay_steps(
     except LedgerFormatError as exc:
         raise ReplayError(str(exc)) from None
     settings = GateSettings(policy.vocab_size, cfg)
-    kept = kept_task_steps(cfg.max_inflight_steps, cfg.max_staleness, trainer.weight_sync_interval)
+    kept = kept_task_steps(cfg.training.max_inflight_steps, cfg.training.max_staleness, trainer.weight_sync_interval)
     groups, counts = GroupLedger(dict(state.ledger), first_kept_step(state.next_task_step, kept)), Counter()
     metrics = Metrics(trainer)
     stream = iter(messages)

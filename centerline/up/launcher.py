@@ -107,7 +107,7 @@ def session_flags(spec: RunSpec, model: Path) -> list[str]:
     ``UserTaskError`` where the engine could not take a session of the whole token budget."""
     extra = shlex.split(spec.up.sglang_args)
     flags = engine_context.engine_flags(
-        model, spec.up.model is None, spec.cfg.rollout_session_max_tokens, extra, spec.up.engine_device
+        model, spec.up.model is None, spec.cfg.rollout.session_max_tokens, extra, spec.up.engine_device
     )
     return flags + extra
 
@@ -191,7 +191,7 @@ def run(spec: RunSpec, supervisor: Supervisor, nats: EmbeddedNats | NatsCluster,
         engine_context.check_weight_transport("distributed", up.engine_device, torch.cuda.is_available())
     task = prepare(up, spec.cfg, run_dir, log)
     session_flags(spec, task.model)  # a session budget the engines cannot take stops the run here
-    replicas = start_nats(nats, spec.cfg.nats_stream_replicas, up.nats_nodes)
+    replicas = start_nats(nats, spec.cfg.services.nats_stream_replicas, up.nats_nodes)
     addresses = Addresses.pick(up.engines)
     spec = run_spec.with_launch_settings(
         spec,

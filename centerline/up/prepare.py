@@ -69,7 +69,9 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
     user = None
     if up.dataset is not None:
         if library:
-            user = load_library_task(up.dataset, up.dataset_size, up.heldout_prompts, cfg.seed, up.heldout_dataset)
+            user = load_library_task(
+                up.dataset, up.dataset_size, up.heldout_prompts, cfg.training.seed, up.heldout_dataset
+            )
         else:
             user = load_task(up.dataset, up.heldout_dataset, Keys.of(up))
         log(f"dataset {up.dataset}: {len(user.train)} training rows; held-out rows: {user.heldout_source}")
@@ -85,7 +87,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
             )
         log(f"run directory {run_dir}; model {model}")
     else:
-        model = up.model_dir / f"sft-{up.task}-seed{cfg.seed}"
+        model = up.model_dir / f"sft-{up.task}-seed{cfg.training.seed}"
         log(f"run directory {run_dir}; model {model} (made once, then cached)")
         subprocess.run(
             [
@@ -97,7 +99,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
                 "--task",
                 up.task,
                 "--seed",
-                str(cfg.seed),
+                str(cfg.training.seed),
                 "--sft-steps",
                 str(up.sft_steps),
                 "--out",
@@ -128,7 +130,7 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
             "--n",
             str(up.dataset_size),
             "--seed",
-            str(cfg.seed),
+            str(cfg.training.seed),
             "--reward",
             reward,
             "--environment",
@@ -139,7 +141,9 @@ def prepare(up: UpSettings, cfg, run_dir: Path, log) -> Prepared:
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    rows = [Row(prompt, answer) for prompt, answer in examples(up.task, up.heldout_prompts, cfg.seed, "heldout")]
+    rows = [
+        Row(prompt, answer) for prompt, answer in examples(up.task, up.heldout_prompts, cfg.training.seed, "heldout")
+    ]
     # a session's reward is its environment's; a single-turn toy task's held-out figure is exact match
     write_trainer_dataset(rows, reward if environment else "exact", heldout, environment)
     return Prepared(model, dataset, chat, heldout, environment=environment)

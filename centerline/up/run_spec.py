@@ -46,7 +46,7 @@ from shared.config import (
     resolve_section,
     to_toml,
 )
-from shared.settings import SECTIONS, ProxySettings, Section, TrainerSettings, UpSettings, WorkerSettings
+from shared.settings import SECTIONS, CommandSettings, ProxySettings, TrainerSettings, UpSettings, WorkerSettings
 from shared.settings_base import LAUNCHED, UP_FLAG
 
 if typing.TYPE_CHECKING:
@@ -58,8 +58,8 @@ M = typing.TypeVar("M", bound=BaseModel)
 def setting_variables() -> frozenset[str]:
     """Every ``CENTERLINE_*`` variable that sets a setting, shared or a command's (not the
     credentials' and keys' variables, which are no settings)."""
-    names = {env_name(name) for name in Config.model_fields}
-    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in (*cls.model_fields, *cls.renamed)}
+    names = {env_name(name) for name in Config.public_fields()}
+    names |= {env_name(name, cls) for cls in SECTIONS.values() for name in (*cls.public_fields(), *cls.renamed)}
     return frozenset(names)
 
 
@@ -76,7 +76,7 @@ class RunSpec:
     tables: typing.Mapping[str, dict] = field(default_factory=dict)
 
     @property
-    def sections(self) -> tuple[Section, ...]:
+    def sections(self) -> tuple[CommandSettings, ...]:
         return tuple(getattr(self, f.name) for f in fields(self) if f.name in SECTIONS)
 
     def derive(self, **updates: dict) -> RunSpec:
@@ -100,7 +100,7 @@ class RunSpec:
         os.replace(tmp, path)
 
 
-def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[Section] | None = None) -> M:
+def _rebuilt(model: M, update: typing.Mapping[str, object], section: type[CommandSettings] | None = None) -> M:
     try:
         return type(model)(**{**model.model_dump(), **update})
     except ValidationError as exc:
@@ -112,7 +112,7 @@ def marked(model: type[BaseModel], mark: dict[str, str]) -> tuple[str, ...]:
     shared/settings_base.py), in the model's order."""
     return tuple(
         name
-        for name, info in model.model_fields.items()
+        for name, info in model.public_fields().items()
         if isinstance(info.json_schema_extra, dict) and mark.items() <= info.json_schema_extra.items()
     )
 

@@ -130,7 +130,7 @@ def test_each_mode_is_a_variant_of_ups_spec_and_reports_the_workers_resolved_con
         50,
     )
     assert up.sglang_args == "--log-level debug --enable-metrics"
-    assert (spec.cfg.max_inflight_steps, spec.cfg.rollout_n) == (1, 2)
+    assert (spec.cfg.training.max_inflight_steps, spec.cfg.rollout.n) == (1, 2)
     assert concurrent_requests(spec) == 2 * 3  # the workers' concurrency as they resolve it, not its default 8
     # `centerline up --config FILE` of the variant's file runs exactly the variant.
     spec.write(tmp_path / "on-policy.toml")
@@ -138,7 +138,7 @@ def test_each_mode_is_a_variant_of_ups_spec_and_reports_the_workers_resolved_con
     assert parse(["--config", str(tmp_path / "on-policy.toml")]) == spec
     # drain and in-flight: both asynchronous, one trainer setting apart
     variants = {mode: mode_spec(base, mode, tmp_path / mode) for mode in ("drain", "in-flight")}
-    assert {m: (v.cfg.max_inflight_steps, v.trainer.weight_update) for m, v in variants.items()} == {
+    assert {m: (v.cfg.training.max_inflight_steps, v.trainer.weight_update) for m, v in variants.items()} == {
         "drain": (2, "drain"),
         "in-flight": (2, "retract"),
     }

@@ -327,7 +327,7 @@ def test_replay_train_takes_every_setting_from_the_runs_config_toml(tmp_path):
     )
     argv = ["seg.clrec", "--train", "--checkpoint", str(tmp_path / "checkpoints" / "step-000002")]
     cfg, trainer = replay.run_settings(replay.parse(argv)[0])
-    assert (cfg.loss, cfg.learning_rate) == ("tis", 0.001)
+    assert (cfg.loss.name, cfg.training.learning_rate) == ("tis", 0.001)
     assert (trainer.strategy, trainer.max_grad_norm, trainer.threads, trainer.weight_sync_interval) == (
         "fsdp2",
         0.5,

@@ -1590,8 +1590,8 @@ def assert_stream_replicas(cfg, env: dict, nodes: int) -> None:
 
     replicas = int(env[STREAM_REPLICAS_ENV])
     assert replicas == 3 and replicas <= nodes
-    assert "nats_stream_replicas" in Config.model_fields
-    assert cfg.nats_stream_replicas == 3  # nothing of higher precedence sets it otherwise
+    assert "nats_stream_replicas" in Config.public_fields()
+    assert cfg.services.nats_stream_replicas == 3  # nothing of higher precedence sets it otherwise
 
 
 @pytest.mark.parametrize("files", COMPOSE_FILES)
@@ -1608,7 +1608,7 @@ def test_compose_services_connect_to_every_nats_node(files, tmp_path):
         argv = centerline_argv(svc["command"])[1:]
         cfg = resolved_config(argv, as_mapping(svc["environment"]), toml, tmp_path)
         urls = [f"nats://{node}:{port}" for node in nodes]
-        assert servers(cfg.nats_url) == (urls if len(urls) > 1 else urls[0]), name
+        assert servers(cfg.services.nats_url) == (urls if len(urls) > 1 else urls[0]), name
         assert {node: svc["depends_on"][node] for node in nodes} == {n: {"condition": "service_healthy"} for n in nodes}
         if name == "trainer" and len(nodes) > 1:
             assert_stream_replicas(cfg, as_mapping(svc["environment"]), len(nodes))
@@ -1954,7 +1954,7 @@ def test_k8s_nats_cluster_services_connect_to_every_node_with_their_own_credenti
         (before,) = base[key]["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         cfg = resolved_config(centerline_argv(container["command"])[1:], env, toml, tmp_path)
-        assert servers(cfg.nats_url) == urls, name
+        assert servers(cfg.services.nats_url) == urls, name
         assert container["command"] == [*before["command"], "--nats-url", ",".join(urls)]
         # The NATS user and its password from the Secret, as in the base; one variable added to the trainer.
         added = [e for e in container["env"] if e not in before["env"]]

@@ -48,7 +48,7 @@ def handle_one(tmp_path, tokens: int, max_sample_bytes: int, terminated: int = 0
         with EmbeddedNats(tmp_path / "nats", max_payload=MAX_PAYLOAD) as server:
             # a session budget the start-up check lets through (shared/settings.py): the sample of
             # ``tokens`` tokens goes past it only at run time, where the worker must catch it
-            budget = min(Config().rollout_session_max_tokens, (max_sample_bytes - 4096) // (13 + 8 * K))
+            budget = min(Config().rollout.session_max_tokens, (max_sample_bytes - 4096) // (13 + 8 * K))
             cfg = Config(
                 nats_url=server.url,
                 rollout_top_logprobs_num=K,

@@ -480,7 +480,7 @@ def test_a_session_budget_that_leaves_no_room_for_a_turn_is_refused_naming_both_
 
     with pytest.raises(ConfigError, match=r"^--rollout-session-max-tokens 16: .* above --rollout-max-new-tokens$"):
         built(rollout_session_max_tokens=16, rollout_max_new_tokens=16)
-    assert built().rollout_session_max_tokens == 1024
+    assert built().rollout.session_max_tokens == 1024
 
 
 def test_an_engine_failure_after_a_complete_turn_still_fails_the_task_whole(template, monkeypatch):

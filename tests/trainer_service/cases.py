@@ -20,18 +20,18 @@ _ROW_FIELDS = tuple(f.name for f in fields(TokenRows))
 
 
 def by_name(loss):
-    """``loss(logits, rows, settings)``, also callable as ``loss(logits, **fields)`` with the fields
-    of ``TokenRows`` and ``LossSettings`` by name, as the cases here are keyword arguments."""
+    """``loss(logits, rows, settings, chunk_size)``, also callable as ``loss(logits, **fields)`` with
+    the fields of ``TokenRows`` and ``LossSettings`` by name, as the cases here are keyword arguments."""
 
     @functools.wraps(loss)
-    def call(logits, rows: TokenRows | None = None, settings: LossSettings | None = None, **named):
+    def call(logits, rows: TokenRows | None = None, settings: LossSettings | None = None, chunk_size=None, **named):
         if rows is None:
             rows = TokenRows(**{name: named.pop(name) for name in _ROW_FIELDS if name in named})
         if settings is None:
             settings = LossSettings(**named)
         elif named:
             raise TypeError(f"{loss.__name__}: {sorted(named)} given by name beside a LossSettings")
-        return loss(logits, rows, settings)
+        return loss(logits, rows, settings, chunk_size=chunk_size)
 
     return call
 

@@ -415,7 +415,7 @@ def test_two_samplings_of_one_attempt_split_differently_train_one_group_in_every
     g, rec = gate()
     for seq, (copy, i) in enumerate(order, 1):
         admit(g, Msg(COPIES[copy][i], seq=seq))
-        assert samples_held(g, "T") <= CFG.rollout_n
+        assert samples_held(g, "T") <= CFG.rollout.n
     winner = order[0][0]  # the sampling whose part came first
     seqs = {(copy, i): seq for seq, (copy, i) in enumerate(order, 1)}
     ids = {copy: [decode_batch(data).batch_id for data in parts] for copy, parts in COPIES.items()}
@@ -488,7 +488,7 @@ def test_a_group_given_up_at_the_republish_cap_has_new_tasks_published_at_once_n
         return True
 
     g = Gate(feed, feed, vocab_size=VOCAB, cfg=CFG, ledger={}, resample=resample, max_republishes=2)
-    gathering = g.gather(CFG.rollout_n, 3, timeout=600.0, stopping=asyncio.Event(), starved=starved)
+    gathering = g.gather(CFG.rollout.n, 3, timeout=600.0, stopping=asyncio.Event(), starved=starved)
     held = asyncio.run(asyncio.wait_for(gathering, timeout=30))  # the step timeout is 600 s
     assert published == ["next step"] and [h.batch.batch_id for h in held] == ["U"]
     assert [h["rule"] for _, _, h in feed.published] == ["republish_cap"] and g.given_up == 0

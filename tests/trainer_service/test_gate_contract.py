@@ -111,7 +111,7 @@ def test_a_batch_the_forward_cannot_take_is_dead_lettered_by_rule_and_the_next_g
 
 def test_replaying_a_recorded_poison_rejects_it_by_rule_and_trains_the_good_batch_after_it(tmp_path, tiny_model_dir):
     bad, good = poison("prompt id = vocab"), valid("good")
-    replay, _ = replay_recorded(tmp_path, tiny_model_dir, [bad, good], k=K, learning_rate=CFG.learning_rate)
+    replay, _ = replay_recorded(tmp_path, tiny_model_dir, [bad, good], k=K, learning_rate=CFG.training.learning_rate)
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert "batch poison (seq 1) rejected (bad_prompt_token): sample 1 ('poison:s1') prompt position 2" in replay.stderr
     [line] = [orjson.loads(s) for s in (tmp_path / "replayed" / "metrics.jsonl").read_bytes().splitlines()]

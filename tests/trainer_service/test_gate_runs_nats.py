@@ -128,7 +128,7 @@ def test_two_runs_one_after_the_other_on_one_nats_the_second_trains_none_of_the_
 def test_stream_byte_caps_come_from_the_settings_and_a_workers_call_keeps_them(tmp_path):
     settings = TrainerSettings(prompts_per_step=2, store_retention_steps=3)
     rollouts, dlq = settings.store_caps(CFG)
-    per_sample = CFG.rollout_session_max_tokens * (13 + 8 * K) + 4096
+    per_sample = CFG.rollout.session_max_tokens * (13 + 8 * K) + 4096
     assert (rollouts, dlq) == (3 * 2 * N * per_sample, 2 * N * per_sample)
 
     async def main():

@@ -117,7 +117,7 @@ def test_a_group_given_up_at_the_republish_cap_shrinks_its_step_and_publishes_no
         return True
 
     g = Gate(feed, feed, vocab_size=VOCAB, cfg=CFG, ledger={}, resample=resample, max_republishes=2)
-    gathering = g.gather(2 * CFG.rollout_n, 3, timeout=600.0, stopping=asyncio.Event(), starved=starved)
+    gathering = g.gather(2 * CFG.rollout.n, 3, timeout=600.0, stopping=asyncio.Event(), starved=starved)
     held = asyncio.run(asyncio.wait_for(gathering, timeout=30))  # the step timeout is 600 s
     assert published == [] and [h.batch.batch_id for h in held] == ["U"]
     assert [h["rule"] for _, _, h in feed.published] == ["republish_cap"]

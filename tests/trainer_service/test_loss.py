@@ -277,7 +277,7 @@ def test_selected_mode_refuses_a_short_trained_row_even_without_the_gate():
     "kw, message",
     [
         ({"mode": "tail"}, "mode='tail'"),
-        ({"is_mode": "clip"}, "--score-centering-is"),
+        ({"is_mode": "clip"}, "is_mode\n  Input should be 'none', 'tis' or 'mis'"),
         ({"temperature": 0.0}, "--rollout-temperature"),
         ({"is_mode": "mis", "mis_low": 2.0, "mis_high": 1.0}, "--score-centering-mis-low"),
     ],

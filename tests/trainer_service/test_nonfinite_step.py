@@ -78,7 +78,9 @@ def test_a_nonfinite_step_leaves_the_weights_bit_identical_and_the_next_batch_tr
 @pytest.mark.integration
 def test_replaying_a_recorded_batch_of_huge_advantages_skips_its_step_and_trains_the_next(tmp_path, tiny_model_dir):
     bad, good = huge(valid("poison"), 3e38), valid("good")
-    replay, start = replay_recorded(tmp_path, tiny_model_dir, [bad, good], k=K, learning_rate=CFG.learning_rate)
+    replay, start = replay_recorded(
+        tmp_path, tiny_model_dir, [bad, good], k=K, learning_rate=CFG.training.learning_rate
+    )
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert "step 1 skipped: its loss (nan) or total gradient norm (nan) is not finite" in replay.stderr
     assert "batches ['poison']" in replay.stderr

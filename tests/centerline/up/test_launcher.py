@@ -154,7 +154,7 @@ def test_up_writes_one_config_toml_with_every_table_and_starts_each_service_with
 
 def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_source_overrides_it(tmp_path, monkeypatch):
     monkeypatch.delenv("CENTERLINE_LEARNING_RATE", raising=False)
-    rate = lambda *argv: parse(list(argv)).cfg.learning_rate  # noqa: E731
+    rate = lambda *argv: parse(list(argv)).cfg.training.learning_rate  # noqa: E731
     assert rate() == rate("--task", "copy") == 3e-4
     assert (
         rate("--task", "chain")
@@ -171,7 +171,7 @@ def test_a_run_of_sessions_defaults_to_a_third_of_the_learning_rate_and_any_sour
 
 def test_the_tool_task_calc_defaults_to_turns_long_enough_for_a_call_and_any_source_overrides_it(monkeypatch):
     monkeypatch.delenv("CENTERLINE_ROLLOUT_MAX_NEW_TOKENS", raising=False)
-    limit = lambda *argv: parse(list(argv)).cfg.rollout_max_new_tokens  # noqa: E731
+    limit = lambda *argv: parse(list(argv)).cfg.rollout.max_new_tokens  # noqa: E731
     assert limit("--task", "calc") == 80 and limit("--task", "chain") == limit("--task", "copy") == 8
     assert limit("--task", "calc", "--rollout-max-new-tokens", "96") == 96
     monkeypatch.setenv("CENTERLINE_ROLLOUT_MAX_NEW_TOKENS", "90")
