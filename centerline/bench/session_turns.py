@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from centerline.bench.cpu import CpuClock, engines_ms_per_token
 from centerline.bench.turn_stages import mean_ms, session_stages
 
 
@@ -20,9 +21,10 @@ def words(rng: np.random.Generator, n: int) -> str:
     return "".join(rng.choice(letters, n)).strip() or "a"
 
 
-async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: str) -> dict:
+async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: str, cpu: CpuClock) -> dict:
     """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns, each driven by its
-    OpenAI client over ``transport`` as a worker makes it; their turns' figures."""
+    OpenAI client over ``transport`` as a worker makes it; their turns' figures, and the CPU seconds
+    the turns took (``cpu``, started as the first turn and stopped as the last ends)."""
     import importlib
 
     import aiohttp
@@ -88,12 +90,14 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: s
         # done before the clock starts, so the first turns measured are turns, not the import
         importlib.import_module("openai.resources.chat")
         async with SessionClients(SessionChat(cfg), transport, 600, sessions=args.concurrency) as clients:
+            cpu.start()
             started = time.perf_counter()
             await asyncio.gather(*(one(clients, i) for i in range(args.sessions)))
             wall = time.perf_counter() - started
+            cpu_s = cpu.stop()
             if clients.failures:
                 raise RuntimeError(f"a session's turn failed ({transport}): {clients.failures[0]}")
-    return {"turns": turns, "wall_s": wall, "transform_s": await client_transform(kept[0], args)}
+    return {"turns": turns, "wall_s": wall, "cpu_s": cpu_s, "transform_s": await client_transform(kept[0], args)}
 
 
 async def client_transform(messages: list, args) -> list[float | None]:
@@ -143,4 +147,7 @@ def session_figures(played: dict, per_engine: list[int], before: dict, after: di
         "requests_per_engine": per_engine,
         "wall_s": round(played["wall_s"], 3),
         "stages_ms": session_stages(turns, before, after),
+        "cpu_s": played["cpu_s"],
+        "bench_process_cpu_ms_per_turn": round(1000 * played["cpu_s"]["bench_process"] / len(turns), 3),
+        "engines_cpu_ms_per_sampled_token": engines_ms_per_token(played["cpu_s"], tokens),
     }

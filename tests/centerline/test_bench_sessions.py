@@ -40,6 +40,10 @@ FIGURES = {
     "later_to_first_vs_single",
     "worker_ms_first_turn",
     "worker_ms_last_turn",
+    "cpu_s",
+    "bench_process_cpu_ms_per_turn",
+    "bench_process_cpu_ms_over_single",
+    "engines_cpu_ms_per_sampled_token",
 }
 WORKER = ["client", "endpoint", "history", "render", "tokenize", "reply"]
 PAST_THE_WORKER = ["proxy", "router_and_hops", "engine_queue", "engine"]
@@ -104,6 +108,20 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     assert single["cached_tokens"] <= SESSIONS * TURNS  # random prompts: nothing cached but a shared first id
     for figures in (manual, single):
         assert figures["tokens_per_s"] > 0 and figures["wall_s"] > 0
+    # CPU by whom: the engines were not started by the bench (--engine-urls), its router and proxy were
+    for figures in (loopback, manual, single):
+        cpu = figures["cpu_s"]
+        assert set(cpu["servers"]) == {"router", "proxy"} and all(v >= 0 for v in cpu["servers"].values())
+        assert cpu["bench_process"] > 0 and cpu["machine"] > 0 and figures["engines_cpu_ms_per_sampled_token"] is None
+    assert manual["bench_process_cpu_ms_per_turn"] == round(
+        1000 * manual["cpu_s"]["bench_process"] / (SESSIONS * TURNS), 3
+    )
+    assert single["bench_process_cpu_ms_per_request"] == round(
+        1000 * single["cpu_s"]["bench_process"] / (SESSIONS * TURNS), 3
+    )
+    assert manual["bench_process_cpu_ms_over_single"] == round(
+        manual["bench_process_cpu_ms_per_turn"] - single["bench_process_cpu_ms_per_request"], 3
+    )
     assert manual["turn_ms_mean"] > 0 and single["request_ms_mean"] > 0
     assert manual["overhead_ms_per_turn"] == round(manual["turn_ms_mean"] - single["request_ms_mean"], 3)
     # the code's commit as the bench started: HEAD then, so HEAD now or an ancestor of it

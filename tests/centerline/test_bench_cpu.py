@@ -1,0 +1,54 @@
+"""`centerline/bench/cpu.py`: the CPU seconds of a phase, by whom, read from a real child process that
+burns a known amount of CPU between the two looks."""
+
+import subprocess
+import sys
+
+from centerline.bench.cpu import CpuClock, engines_ms_per_token, tree_cpu
+
+BURN = 0.3  # CPU seconds the child spends between the looks
+CHILD = f"""
+import sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.process_time()
+while time.process_time() - start < {BURN}:
+    pass
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_phase_counts_the_cpu_a_server_spent_in_it_and_not_before():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"  # its start-up, before the clock
+        clock = CpuClock({"server": child.pid, "engine-0": child.pid})
+        clock.start()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        cpu = clock.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert BURN <= cpu["servers"]["server"] < BURN + 0.1
+    assert cpu["servers"]["engine-0"] == cpu["servers"]["server"]
+    assert 0 <= cpu["bench_process"] < 0.1
+    assert cpu["machine"] >= BURN - 0.02  # the machine's clock ticks at 10 ms
+    others = cpu["machine"] - cpu["bench_process"] - 2 * cpu["servers"]["server"]  # of rounded figures
+    assert abs(cpu["others"] - others) <= 0.003
+    assert cpu["wall"] > 0 and cpu["machine_busy_share"] > 0
+    assert engines_ms_per_token(cpu, 100) == round(10 * cpu["servers"]["engine-0"], 3)
+
+
+def test_a_server_that_is_gone_counts_as_unknown():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert tree_cpu(child.pid) is None
+    clock = CpuClock({"engine-0": child.pid})
+    clock.start()
+    cpu = clock.stop()
+    assert cpu["servers"] == {"engine-0": None} and cpu["others"] is None
+    assert engines_ms_per_token(cpu, 100) is None
+    assert engines_ms_per_token({"servers": {"router": 1.0}}, 100) is None  # no engine started here
