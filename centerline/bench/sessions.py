@@ -74,7 +74,11 @@ it started (``servers``: ``engine-<i>``, ``router``, ``proxy``; null each for ``
 ``wall``, and ``machine_busy_share`` (1.0: every core busy the whole phase). From them,
 ``bench_process_cpu_ms_per_turn`` (phase 1), ``bench_process_cpu_ms_per_request`` (phase 2),
 ``bench_process_cpu_ms_over_single`` (their difference: what a session turn costs the worker's
-Python beyond sending a request) and ``engines_cpu_ms_per_sampled_token``: where the engines compute
+Python beyond sending a request), ``client_cpu_ms_per_turn`` (the environment's OpenAI client's own
+CPU per turn, the mean of ``by_turn``'s ``client_cpu_ms``: one session's requests replayed after the
+phase through the client over a transport that answers each with its recorded answer at once),
+``session_path_cpu_ms_per_turn`` (the rest of a turn's: the transport, the endpoint, the session, the
+proxy call) and ``engines_cpu_ms_per_sampled_token``: where the engines compute
 on the cores the worker runs on (SGLang's CPU recipe), the bench process's CPU and ``others`` are
 taken from the engines, and a phase's ``tokens_per_s`` follows.
 
@@ -305,11 +309,16 @@ def run(
     single = result["single"]
     for figures in {id(f): f for f in [*result["transports"].values(), *result["policies"].values()]}.values():
         played = played_by_run[id(figures)]
-        figures.update(growth(played["turns"], played["transform_s"], single["request_ms_by_turn"]))
+        figures.update(
+            growth(played["turns"], played["transform_s"], played["client_cpu_s"], single["request_ms_by_turn"])
+        )
         figures["overhead_ms_per_turn"] = round(figures["turn_ms_mean"] - single["request_ms_mean"], 3)
         figures["tokens_per_s_ratio"] = round(figures["tokens_per_s"] / single["tokens_per_s"], 4)
         figures["bench_process_cpu_ms_over_single"] = round(
             figures["bench_process_cpu_ms_per_turn"] - single["bench_process_cpu_ms_per_request"], 3
+        )
+        figures["session_path_cpu_ms_per_turn"] = round(
+            figures["bench_process_cpu_ms_per_turn"] - figures["client_cpu_ms_per_turn"], 3
         )
     return result
 

@@ -44,6 +44,8 @@ FIGURES = {
     "bench_process_cpu_ms_per_turn",
     "bench_process_cpu_ms_over_single",
     "engines_cpu_ms_per_sampled_token",
+    "client_cpu_ms_per_turn",
+    "session_path_cpu_ms_per_turn",
 }
 WORKER = ["client", "endpoint", "history", "render", "tokenize", "reply"]
 PAST_THE_WORKER = ["proxy", "router_and_hops", "engine_queue", "engine"]
@@ -152,8 +154,13 @@ def test_bench_sessions_times_each_stage_of_a_turn_and_each_turn_of_a_session(
     by_turn = figures["by_turn"]
     assert [t["turn"] for t in by_turn] == [1, 2, 3, 4, 5] and by_turn[0]["held_tokens"] == 0
     keys = ["turn", "turn_ms", "worker_ms", "held_tokens", "ms_per_sampled_token", "client_transform_ms"]
-    keys += ["single_ms", "turn_to_single"]
-    assert all(list(t) == keys and t["client_transform_ms"] > 0 for t in by_turn)
+    keys += ["client_cpu_ms", "single_ms", "turn_to_single"]
+    assert all(list(t) == keys and t["client_cpu_ms"] > 0 and t["client_transform_ms"] > 0 for t in by_turn)
+    client = round(sum(t["client_cpu_ms"] for t in by_turn) / 5, 3)
+    assert abs(figures["client_cpu_ms_per_turn"] - client) <= 0.001
+    assert figures["session_path_cpu_ms_per_turn"] == round(
+        figures["bench_process_cpu_ms_per_turn"] - figures["client_cpu_ms_per_turn"], 3
+    )
     # each turn beside the single requests that replayed it: the same turn index, the same token counts
     assert [t["single_ms"] for t in by_turn] == single["request_ms_by_turn"] and len(by_turn) == 5
     assert all(t["turn_to_single"] == round(t["turn_ms"] / t["single_ms"], 4) for t in by_turn)
