@@ -90,3 +90,20 @@ def engines_ms_per_token(cpu_s: dict, tokens: int) -> float | None:
     if not engines or None in engines or not tokens:
         return None
     return round(1000 * sum(engines) / tokens, 3)
+
+
+def cpu_bound_ratio(phase: dict, tokens: int, single: dict, single_tokens: int) -> float | None:
+    """The tokens/s ratio of a phase to the single requests' that the CPU allows on a machine the
+    bench's processes have to themselves, every core busy: each phase's CPU seconds per sampled token
+    (the engines' at the single requests' rate, plus the bench process's, the router's and the
+    proxy's own) compared, so what other processes took in either phase counts in neither. None where
+    the engines' CPU is unknown (``--engine-urls``)."""
+    engines = engines_ms_per_token(single, single_tokens)
+    if engines is None or not tokens:
+        return None
+
+    def rest_ms(cpu: dict, n: int) -> float:
+        servers = sum(v for name, v in cpu["servers"].items() if not name.startswith("engine-"))
+        return 1000 * (cpu["bench_process"] + servers) / n
+
+    return round((engines + rest_ms(single, single_tokens)) / (engines + rest_ms(phase, tokens)), 4)

@@ -80,7 +80,10 @@ phase through the client over a transport that answers each with its recorded an
 ``session_path_cpu_ms_per_turn`` (the rest of a turn's: the transport, the endpoint, the session, the
 proxy call) and ``engines_cpu_ms_per_sampled_token``: where the engines compute
 on the cores the worker runs on (SGLang's CPU recipe), the bench process's CPU and ``others`` are
-taken from the engines, and a phase's ``tokens_per_s`` follows.
+taken from the engines, and a phase's ``tokens_per_s`` follows. ``cpu_bound_tokens_per_s_ratio``:
+the ratio the CPU allows with the machine to the bench alone, every core busy (each phase's CPU per
+sampled token compared, the engines' at the single requests' rate, ``others`` left out of both);
+null for ``--engine-urls``.
 
 ``--turns 2``, ``8``, ``32`` measure sessions of those lengths (the toy model's context is 1,024
 tokens: ``--turns 32 --user-tokens 2 --max-tokens 4`` fits; ``--max-total-tokens`` sizes the engines'
@@ -113,7 +116,7 @@ from pathlib import Path
 
 from centerline import sglang
 from centerline.bench import add_out_flag
-from centerline.bench.cpu import CpuClock, engines_ms_per_token
+from centerline.bench.cpu import CpuClock, cpu_bound_ratio, engines_ms_per_token
 from centerline.bench.session_turns import run_sessions, session_figures
 from centerline.bench.single_requests import run_single, single_by_turn
 from centerline.bench.turn_stages import growth, mean_ms, stage_table, timings
@@ -319,6 +322,9 @@ def run(
         )
         figures["session_path_cpu_ms_per_turn"] = round(
             figures["bench_process_cpu_ms_per_turn"] - figures["client_cpu_ms_per_turn"], 3
+        )
+        figures["cpu_bound_tokens_per_s_ratio"] = cpu_bound_ratio(
+            figures["cpu_s"], figures["sampled_tokens"], single["cpu_s"], single["sampled_tokens"]
         )
     return result
 

@@ -46,6 +46,7 @@ FIGURES = {
     "engines_cpu_ms_per_sampled_token",
     "client_cpu_ms_per_turn",
     "session_path_cpu_ms_per_turn",
+    "cpu_bound_tokens_per_s_ratio",
 }
 WORKER = ["client", "endpoint", "history", "render", "tokenize", "reply"]
 PAST_THE_WORKER = ["proxy", "router_and_hops", "engine_queue", "engine"]
@@ -115,6 +116,7 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
         cpu = figures["cpu_s"]
         assert set(cpu["servers"]) == {"router", "proxy"} and all(v >= 0 for v in cpu["servers"].values())
         assert cpu["bench_process"] > 0 and cpu["machine"] > 0 and figures["engines_cpu_ms_per_sampled_token"] is None
+    assert manual["cpu_bound_tokens_per_s_ratio"] is None and loopback["cpu_bound_tokens_per_s_ratio"] is None
     assert manual["bench_process_cpu_ms_per_turn"] == round(
         1000 * manual["cpu_s"]["bench_process"] / (SESSIONS * TURNS), 3
     )
