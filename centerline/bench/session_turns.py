@@ -9,8 +9,11 @@ import statistics
 import string
 import time
 
+import httpx
 import numpy as np
+import orjson
 
+from centerline.bench.cpu import CpuClock, engines_ms_per_token
 from centerline.bench.turn_stages import mean_ms, session_stages
 
 
@@ -20,9 +23,10 @@ def words(rng: np.random.Generator, n: int) -> str:
     return "".join(rng.choice(letters, n)).strip() or "a"
 
 
-async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: str) -> dict:
+async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: str, cpu: CpuClock) -> dict:
     """Phase 1 at one proxy: ``args.sessions`` sessions of ``args.turns`` turns, each driven by its
-    OpenAI client over ``transport`` as a worker makes it; their turns' figures."""
+    OpenAI client over ``transport`` as a worker makes it; their turns' figures, and the CPU seconds
+    the turns took (``cpu``, started as the first turn and stopped as the last ends)."""
     import importlib
 
     import aiohttp
@@ -44,7 +48,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: s
     rng = np.random.default_rng(seed)
     texts = [[words(rng, args.user_tokens) for _ in range(args.turns)] for _ in range(args.sessions)]
     turns: list[dict] = []
-    kept: dict[int, list] = {}  # each session's messages, as its client last sent them and the reply
+    kept: dict[int, tuple] = {}  # each session's messages (as its client last sent them, the reply) and answers
     gate = asyncio.Semaphore(args.concurrency)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -56,7 +60,7 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: s
                     sid, template, ProxyTurn(cfg, http, sid).generate, k=args.k, budget=args.session_max_tokens
                 )
                 client = clients.client(session)
-                messages, held = [], 0  # held: the session's tokens before the turn
+                messages, held, answers = [], 0, []  # held: the session's tokens before the turn
                 try:
                     for t in range(args.turns):
                         messages.append({"role": "user", "content": texts[i][t]})
@@ -80,20 +84,30 @@ async def run_sessions(args, proxy_url: str, model: str, seed: int, transport: s
                         )
                         held = usage.prompt_tokens + usage.completion_tokens
                         messages.append(reply.choices[0].message.model_dump())
+                        answers.append(orjson.dumps(reply.model_dump(mode="json")))
                 finally:
                     await client.close()
-                kept[i] = messages
+                kept[i] = messages, answers
 
         # the client imports its chat resource on first use (about half a second here, once a process):
         # done before the clock starts, so the first turns measured are turns, not the import
         importlib.import_module("openai.resources.chat")
         async with SessionClients(SessionChat(cfg), transport, 600, sessions=args.concurrency) as clients:
+            cpu.start()
             started = time.perf_counter()
             await asyncio.gather(*(one(clients, i) for i in range(args.sessions)))
             wall = time.perf_counter() - started
+            cpu_s = cpu.stop()
             if clients.failures:
                 raise RuntimeError(f"a session's turn failed ({transport}): {clients.failures[0]}")
-    return {"turns": turns, "wall_s": wall, "transform_s": await client_transform(kept[0], args)}
+    messages, answers = kept[0]
+    return {
+        "turns": turns,
+        "wall_s": wall,
+        "cpu_s": cpu_s,
+        "transform_s": await client_transform(messages, args),
+        "client_cpu_s": await client_cpu(messages, answers, args),
+    }
 
 
 async def client_transform(messages: list, args) -> list[float | None]:
@@ -113,6 +127,42 @@ async def client_transform(messages: list, args) -> list[float | None]:
         for _ in range(5):
             await async_maybe_transform(body, CompletionCreateParamsNonStreaming)
         out.append((time.perf_counter() - started) / 5)
+    return out
+
+
+class Canned(httpx.AsyncBaseTransport):
+    """Answers every request at once with ``body``: an OpenAI client with nothing behind it."""
+
+    def __init__(self):
+        self.body = b""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        return httpx.Response(200, headers=[(b"content-type", b"application/json")], content=self.body, request=request)
+
+
+async def client_cpu(messages: list, answers: list[bytes], args) -> list[float]:
+    """CPU seconds the environment's ``openai.AsyncOpenAI`` itself spends on each turn's request of one
+    session (building and transforming the request, its ``httpx`` round, parsing the answer), replayed
+    after the phase over a transport that answers the turn's own answer at once (mean of 5): the part
+    of a turn's CPU that is the client's, not the session path's."""
+    import openai
+
+    canned = Canned()
+    http = httpx.AsyncClient(transport=canned)
+    client = openai.AsyncOpenAI(base_url="http://canned/v1", api_key="unused", max_retries=0, http_client=http)
+    out = []
+    try:
+        for t in range(args.turns):
+            canned.body = answers[t]
+            request = {"model": "default", "messages": messages[: 2 * t + 1], "max_tokens": args.max_tokens}
+            await client.chat.completions.create(**request)  # the first of a shape builds the client's caches
+            started = time.process_time()
+            for _ in range(5):
+                await client.chat.completions.create(**request)
+            out.append((time.process_time() - started) / 5)
+    finally:
+        await client.close()
     return out
 
 
@@ -143,4 +193,7 @@ def session_figures(played: dict, per_engine: list[int], before: dict, after: di
         "requests_per_engine": per_engine,
         "wall_s": round(played["wall_s"], 3),
         "stages_ms": session_stages(turns, before, after),
+        "cpu_s": played["cpu_s"],
+        "bench_process_cpu_ms_per_turn": round(1000 * played["cpu_s"]["bench_process"] / len(turns), 3),
+        "engines_cpu_ms_per_sampled_token": engines_ms_per_token(played["cpu_s"], tokens),
     }

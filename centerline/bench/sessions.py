@@ -66,6 +66,25 @@ counts, cold) and ``turn_to_single`` (``turn_ms / single_ms``); ``first_turn_ms_
 ``later_to_first_vs_single``, the later turns' mean ``turn_to_single`` over the first turn's: above 1
 when a later turn costs more beside a request of its tokens than the first turn does, which the
 engine's longer context alone does not explain (single requests attend over the same lengths).
+Where the machine's CPU goes (``centerline/bench/cpu.py``), per phase, ``cpu_s``: CPU seconds of the
+bench's own process (``bench_process``: phase 1 runs the sessions in it as a worker does, the
+environment's OpenAI client included; phase 2 only sends the requests), of each server process tree
+it started (``servers``: ``engine-<i>``, ``router``, ``proxy``; null each for ``--engine-urls``),
+``others`` (the machine's busy time less those: processes the bench did not start), ``machine`` and
+``wall``, and ``machine_busy_share`` (1.0: every core busy the whole phase). From them,
+``bench_process_cpu_ms_per_turn`` (phase 1), ``bench_process_cpu_ms_per_request`` (phase 2),
+``bench_process_cpu_ms_over_single`` (their difference: what a session turn costs the worker's
+Python beyond sending a request), ``client_cpu_ms_per_turn`` (the environment's OpenAI client's own
+CPU per turn, the mean of ``by_turn``'s ``client_cpu_ms``: one session's requests replayed after the
+phase through the client over a transport that answers each with its recorded answer at once),
+``session_path_cpu_ms_per_turn`` (the rest of a turn's: the transport, the endpoint, the session, the
+proxy call) and ``engines_cpu_ms_per_sampled_token``: where the engines compute
+on the cores the worker runs on (SGLang's CPU recipe), the bench process's CPU and ``others`` are
+taken from the engines, and a phase's ``tokens_per_s`` follows. ``cpu_bound_tokens_per_s_ratio``:
+the ratio the CPU allows with the machine to the bench alone, every core busy (each phase's CPU per
+sampled token compared, the engines' at the single requests' rate, ``others`` left out of both);
+null for ``--engine-urls``.
+
 ``--turns 2``, ``8``, ``32`` measure sessions of those lengths (the toy model's context is 1,024
 tokens: ``--turns 32 --user-tokens 2 --max-tokens 4`` fits; ``--max-total-tokens`` sizes the engines'
 KV for longer histories in flight).
@@ -97,6 +116,7 @@ from pathlib import Path
 
 from centerline import sglang
 from centerline.bench import add_out_flag
+from centerline.bench.cpu import CpuClock, cpu_bound_ratio, engines_ms_per_token
 from centerline.bench.session_turns import run_sessions, session_figures
 from centerline.bench.single_requests import run_single, single_by_turn
 from centerline.bench.turn_stages import growth, mean_ms, stage_table, timings
@@ -249,11 +269,13 @@ def run(
         "policies": {},
     }
     played_by_run, seeds = {}, iter(range(1 << 20))
+    engine_pids = {f"engine-{i}": proc.pid for i, (_, proc) in enumerate(engines)}
     for n, policy in enumerate(policies):
-        proxy_url = start_router_and_proxy(supervisor, logs, urls, policy, vocab, args.k)
+        proxy_url, stack_pids = start_router_and_proxy(supervisor, logs, urls, policy, vocab, args.k)
+        cpu = CpuClock({**engine_pids, **stack_pids})
         for transport in transports if n == 0 else transports[-1:]:
             before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
-            played = asyncio.run(run_sessions(args, proxy_url, model, next(seeds), transport))
+            played = asyncio.run(run_sessions(args, proxy_url, model, next(seeds), transport, cpu))
             after = [engine_requests(u) for u in urls]
             figures = {"transport": transport}
             figures.update(session_figures(played, counted(before, after), timed, timings(urls, proxy_url)))
@@ -265,7 +287,7 @@ def run(
         if n == 0:
             shapes = [{k: t[k] for k in ("turn", "prompt_tokens", "completion_tokens")} for t in played["turns"]]
             before, timed = [engine_requests(u) for u in urls], timings(urls, proxy_url)
-            single = asyncio.run(run_single(args, proxy_url, shapes, vocab))
+            single = asyncio.run(run_single(args, proxy_url, shapes, vocab, cpu))
             after = [engine_requests(u) for u in urls]
             seconds = [r["seconds"] for r in single["requests"]]
             tokens = sum(r["tokens"] for r in single["requests"])
@@ -282,21 +304,36 @@ def run(
                 "wall_s": round(single["wall_s"], 3),
                 "stages_ms": stage_table(timed, timings(urls, proxy_url), statistics.fmean(seconds), None),
                 "request_ms_by_turn": single_by_turn(single["requests"]),
+                "cpu_s": single["cpu_s"],
+                "bench_process_cpu_ms_per_request": round(1000 * single["cpu_s"]["bench_process"] / len(seconds), 3),
+                "engines_cpu_ms_per_sampled_token": engines_ms_per_token(single["cpu_s"], tokens),
             }
             progress("single", **result["single"])
     single = result["single"]
     for figures in {id(f): f for f in [*result["transports"].values(), *result["policies"].values()]}.values():
         played = played_by_run[id(figures)]
-        figures.update(growth(played["turns"], played["transform_s"], single["request_ms_by_turn"]))
+        figures.update(
+            growth(played["turns"], played["transform_s"], played["client_cpu_s"], single["request_ms_by_turn"])
+        )
         figures["overhead_ms_per_turn"] = round(figures["turn_ms_mean"] - single["request_ms_mean"], 3)
         figures["tokens_per_s_ratio"] = round(figures["tokens_per_s"] / single["tokens_per_s"], 4)
+        figures["bench_process_cpu_ms_over_single"] = round(
+            figures["bench_process_cpu_ms_per_turn"] - single["bench_process_cpu_ms_per_request"], 3
+        )
+        figures["session_path_cpu_ms_per_turn"] = round(
+            figures["bench_process_cpu_ms_per_turn"] - figures["client_cpu_ms_per_turn"], 3
+        )
+        figures["cpu_bound_tokens_per_s_ratio"] = cpu_bound_ratio(
+            figures["cpu_s"], figures["sampled_tokens"], single["cpu_s"], single["sampled_tokens"]
+        )
     return result
 
 
 def start_router_and_proxy(
     supervisor: Supervisor, logs: Path, engines: list[str], policy: str, vocab: int, k: int
-) -> str:
-    """smg with ``policy`` in front of ``engines``, a proxy at K = ``k`` in front of it; the proxy's URL once ready."""
+) -> tuple[str, dict[str, int]]:
+    """smg with ``policy`` in front of ``engines``, a proxy at K = ``k`` in front of it; the proxy's URL
+    once ready, and the two processes' ids (``router``, ``proxy``)."""
     port, proxy_port = free_port(), free_port()
     name, _, assignment = policy.partition(":")  # manual:MODE, smg's --assignment-mode for new keys
     argv = sglang.router_argv(
@@ -312,4 +349,4 @@ def start_router_and_proxy(
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     wait_http(f"{proxy_url}/ready", f"proxy ({policy})", proxy, logs / f"proxy-{log}.log", 120)
     progress("stack_ready", policy=policy, router=router_url, proxy=proxy_url)
-    return proxy_url
+    return proxy_url, {"router": router.pid, "proxy": proxy.pid}

@@ -10,12 +10,14 @@ import time
 import numpy as np
 import orjson
 
+from centerline.bench.cpu import CpuClock
 from centerline.bench.turn_stages import mean_ms
 
 
-async def run_single(args, proxy_url: str, shapes: list[dict], vocab: int) -> dict:
+async def run_single(args, proxy_url: str, shapes: list[dict], vocab: int, cpu: CpuClock) -> dict:
     """Phase 2: one native /generate per turn of ``shapes`` (``turn``, ``prompt_tokens``,
-    ``completion_tokens``), random prompt ids, no routing key; each request's figures with its turn."""
+    ``completion_tokens``), random prompt ids, no routing key; each request's figures with its turn,
+    and the CPU seconds the requests took (``cpu``)."""
     import aiohttp
 
     from shared import response_arrays
@@ -53,10 +55,12 @@ async def run_single(args, proxy_url: str, shapes: list[dict], vocab: int) -> di
                 tokens, cached = int(decoded.response_ids.shape[0]), (decoded.cached_tokens or [0])[0] or 0
                 requests.append({"turn": turn, "seconds": seconds, "tokens": tokens, "cached": cached})
 
+        cpu.start()
         started = time.perf_counter()
         await asyncio.gather(*(one(turn, body) for turn, body in bodies))
         wall = time.perf_counter() - started
-    return {"requests": requests, "wall_s": wall}
+        cpu_s = cpu.stop()
+    return {"requests": requests, "wall_s": wall, "cpu_s": cpu_s}
 
 
 def single_by_turn(requests: list[dict]) -> list[float]:

@@ -84,10 +84,13 @@ def session_stages(turns: list[dict], before: dict, after: dict) -> dict:
     return {"client": ms(client), **{name: ms(worker[name]) for name in WORKER_STAGES}, **past}
 
 
-def growth(turns: list[dict], transform_s: list[float | None], single_ms: list[float]) -> dict:
+def growth(
+    turns: list[dict], transform_s: list[float | None], client_cpu_s: list[float], single_ms: list[float]
+) -> dict:
     """How a turn's cost grows with the history: per turn of the sessions (the ``turn``-th of each), its
     mean time, the worker's Python in it, the tokens held before it, milliseconds per sampled token,
-    the OpenAI client's request transform of its request (``transform_s``, one session's), the mean
+    the OpenAI client's request transform of its request (``transform_s``, one session's) and the CPU
+    the whole client spends on it (``client_cpu_s``, the same session's), the mean
     time of the single requests of the same token counts (``single_ms``, by turn) and the turn's time
     over theirs; the first turn's and the later turns' milliseconds per sampled token, and the later
     turns' mean time-over-single against the first turn's."""
@@ -104,6 +107,7 @@ def growth(turns: list[dict], transform_s: list[float | None], single_ms: list[f
                 "held_tokens": round(statistics.fmean(x["held_tokens"] for x in these), 1),
                 "ms_per_sampled_token": round(1000 * sum(x["seconds"] for x in these) / max(sampled, 1), 3),
                 "client_transform_ms": ms(transform_s[t]),
+                "client_cpu_ms": ms(client_cpu_s[t]),
                 "single_ms": single_ms[t],
                 "turn_to_single": round(turn_ms / single_ms[t], 4),
             }
@@ -124,4 +128,5 @@ def growth(turns: list[dict], transform_s: list[float | None], single_ms: list[f
         "later_to_first_vs_single": round(later_vs_single / by_turn[0]["turn_to_single"], 4) if later else None,
         "worker_ms_first_turn": by_turn[0]["worker_ms"],
         "worker_ms_last_turn": by_turn[-1]["worker_ms"],
+        "client_cpu_ms_per_turn": round(statistics.fmean(t["client_cpu_ms"] for t in by_turn), 3),
     }

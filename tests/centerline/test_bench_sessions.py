@@ -40,6 +40,13 @@ FIGURES = {
     "later_to_first_vs_single",
     "worker_ms_first_turn",
     "worker_ms_last_turn",
+    "cpu_s",
+    "bench_process_cpu_ms_per_turn",
+    "bench_process_cpu_ms_over_single",
+    "engines_cpu_ms_per_sampled_token",
+    "client_cpu_ms_per_turn",
+    "session_path_cpu_ms_per_turn",
+    "cpu_bound_tokens_per_s_ratio",
 }
 WORKER = ["client", "endpoint", "history", "render", "tokenize", "reply"]
 PAST_THE_WORKER = ["proxy", "router_and_hops", "engine_queue", "engine"]
@@ -104,6 +111,21 @@ def test_bench_sessions_prints_session_turns_beside_single_requests_of_the_same_
     assert single["cached_tokens"] <= SESSIONS * TURNS  # random prompts: nothing cached but a shared first id
     for figures in (manual, single):
         assert figures["tokens_per_s"] > 0 and figures["wall_s"] > 0
+    # CPU by whom: the engines were not started by the bench (--engine-urls), its router and proxy were
+    for figures in (loopback, manual, single):
+        cpu = figures["cpu_s"]
+        assert set(cpu["servers"]) == {"router", "proxy"} and all(v >= 0 for v in cpu["servers"].values())
+        assert cpu["bench_process"] > 0 and cpu["machine"] > 0 and figures["engines_cpu_ms_per_sampled_token"] is None
+    assert manual["cpu_bound_tokens_per_s_ratio"] is None and loopback["cpu_bound_tokens_per_s_ratio"] is None
+    assert manual["bench_process_cpu_ms_per_turn"] == round(
+        1000 * manual["cpu_s"]["bench_process"] / (SESSIONS * TURNS), 3
+    )
+    assert single["bench_process_cpu_ms_per_request"] == round(
+        1000 * single["cpu_s"]["bench_process"] / (SESSIONS * TURNS), 3
+    )
+    assert manual["bench_process_cpu_ms_over_single"] == round(
+        manual["bench_process_cpu_ms_per_turn"] - single["bench_process_cpu_ms_per_request"], 3
+    )
     assert manual["turn_ms_mean"] > 0 and single["request_ms_mean"] > 0
     assert manual["overhead_ms_per_turn"] == round(manual["turn_ms_mean"] - single["request_ms_mean"], 3)
     # the code's commit as the bench started: HEAD then, so HEAD now or an ancestor of it
@@ -134,8 +156,13 @@ def test_bench_sessions_times_each_stage_of_a_turn_and_each_turn_of_a_session(
     by_turn = figures["by_turn"]
     assert [t["turn"] for t in by_turn] == [1, 2, 3, 4, 5] and by_turn[0]["held_tokens"] == 0
     keys = ["turn", "turn_ms", "worker_ms", "held_tokens", "ms_per_sampled_token", "client_transform_ms"]
-    keys += ["single_ms", "turn_to_single"]
-    assert all(list(t) == keys and t["client_transform_ms"] > 0 for t in by_turn)
+    keys += ["client_cpu_ms", "single_ms", "turn_to_single"]
+    assert all(list(t) == keys and t["client_cpu_ms"] > 0 and t["client_transform_ms"] > 0 for t in by_turn)
+    client = round(sum(t["client_cpu_ms"] for t in by_turn) / 5, 3)
+    assert abs(figures["client_cpu_ms_per_turn"] - client) <= 0.001
+    assert figures["session_path_cpu_ms_per_turn"] == round(
+        figures["bench_process_cpu_ms_per_turn"] - figures["client_cpu_ms_per_turn"], 3
+    )
     # each turn beside the single requests that replayed it: the same turn index, the same token counts
     assert [t["single_ms"] for t in by_turn] == single["request_ms_by_turn"] and len(by_turn) == 5
     assert all(t["turn_to_single"] == round(t["turn_ms"] / t["single_ms"], 4) for t in by_turn)
