@@ -18,6 +18,8 @@ from shared.msgpack_arrays import WireError
 from shared.response_arrays import ResponseArrays
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # smg 0.3.2's session affinity key (docs/sglang.md)
+# The proxy's rules for an answer cut short by the engine's context length or KV pool (router_proxy/audit.py).
+ENGINE_LIMITS = ("length_clipped", "prompt_over_engine_limit")
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict, routing_key: str | None = None) -> ResponseArrays:
@@ -25,7 +27,8 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict, routing_key: s
     router that routes by key keeps the session on one engine. Raises ``Transient`` for what another
     attempt may not meet (the proxy or upstream unreachable, HTTP 5xx including the proxy's 502 audit
     verdict, an answer that is not arrays) and ``Rejected`` for a request refused as such (400, 413,
-    422) or an answer above the proxy's cap (502 ``upstream_too_large``): asking again cannot help."""
+    422), an answer above the proxy's cap (502 ``upstream_too_large``) or cut short by the engine's
+    context length or KV pool (502 ``ENGINE_LIMITS``): asking again cannot help."""
     headers = {"Content-Type": "application/json", "Accept": response_arrays.MEDIA_TYPE}
     if routing_key is not None:
         headers[ROUTING_KEY_HEADER] = routing_key
@@ -37,12 +40,15 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict, routing_key: s
         raise Transient(f"{url}: {exc!r}") from None
     if status in (400, 413, 422):
         raise Rejected(f"the proxy refused the request with {status}: {answer[:1000].decode(errors='replace')}")
-    if status == 502 and _rule(answer) == "upstream_too_large":  # the same request makes the same answer again
+    rule = _rule(answer) if status == 502 else ""
+    if rule == "upstream_too_large":  # the same request makes the same answer again
         raise Rejected(
             f"the proxy cut off an upstream answer above its --max-upstream-response-bytes: "
             f"{answer[:1000].decode(errors='replace')}; raise it on the proxy, or lower --rollout-max-new-tokens, "
             "--rollout-n or K"
         )
+    if rule in ENGINE_LIMITS:  # the engine cannot hold this prompt and its budget: every attempt meets the same
+        raise Rejected(f"the proxy refused the engine's answer: {answer[:1000].decode(errors='replace')}")
     if status != 200:
         raise Transient(f"{url} answered {status}: {answer[:500].decode(errors='replace')}")
     if ctype != response_arrays.MEDIA_TYPE:  # an observe-mode proxy passing a response it could not read

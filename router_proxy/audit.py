@@ -37,6 +37,7 @@ from router_proxy import answer
 from router_proxy.answer import to_wire_dtypes
 from router_proxy.sglang_response import (
     check_not_aborted,
+    check_not_clipped,
     finish_reasons,
     malformed,
     parse_body,
@@ -55,6 +56,10 @@ PROXY_RULES = {
     "refused again",
     "upstream_status": "the upstream answered a training request with an error status",
     "sample_aborted": "the upstream aborted a sample (finish_reason abort): its output is cut off",
+    "prompt_over_engine_limit": "the upstream aborted a sample whose prompt its context length or KV pool cannot "
+    "hold: the same request would be aborted again",
+    "length_clipped": "a sample finished 'length' below the request's max_new_tokens: the upstream lowered the "
+    "budget to fit its context length or KV pool, and cut the response short",
     "upstream_too_large": "the upstream's answer exceeded --max-upstream-response-bytes and was cut off",
     "upstream_unreachable": "the upstream could not be reached, broke off its answer, or did not speak HTTP/1.1",
     "vocab_unknown": "the vocabulary size is unknown (no vocab_size from the upstream, no --vocab-size)",
@@ -94,12 +99,15 @@ def audit_body(
     vocab_size: int,
     content_type: bytes | None = None,
     arrays: bool = False,
+    max_new_tokens: int | None = None,
 ) -> AuditResult:
     """Raise ``ContractViolation`` for the first defect of an upstream response body; else say what was checked
     and, with ``arrays``, return the response as the binary answer (``shared/response_arrays.py``;
     a weight version that is not one, or ``meta_info.weight_versions`` spans that do not cover the
     sample's tokens, raise ``malformed_response`` then: they cannot be put in it).
 
+    ``max_new_tokens``, the request's length budget when it stated one: a length finish below it was
+    cut short by the upstream (``length_clipped``).
     ``content_type``, when given, must be JSON: SGLang answers ``application/json``, and a
     client must not be handed another media type as a training response.
     The cyclic GC is paused meanwhile: a long response parses into ~N*K small lists (none
@@ -111,18 +119,21 @@ def audit_body(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _audit(body, endpoint, mode, k, vocab_size, arrays)
+        return _audit(body, endpoint, mode, k, vocab_size, arrays, max_new_tokens)
     finally:
         if enabled:
             gc.enable()
 
 
-def _audit(body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, arrays: bool) -> AuditResult:
+def _audit(
+    body: bytes, endpoint: str, mode: str, k: int, vocab_size: int, arrays: bool, max_new_tokens: int | None
+) -> AuditResult:
     try:
         doc, metas = parse_body(body, endpoint, mode=mode, k=k)
     except orjson.JSONDecodeError as exc:
         raise malformed(f"the upstream body is not valid JSON ({exc})") from None
     check_not_aborted(metas)
+    check_not_clipped(metas, max_new_tokens)
     response_texts(doc, endpoint)  # what the binary answer carries besides the arrays, judged for both answers
     finish_reasons(metas)
     tokens = quick_accept(metas, mode=mode, k=k, vocab_size=vocab_size)

@@ -60,12 +60,28 @@ class Contract(Sampling):
         return cls(**asdict(cfg.rollout.sampling), endpoint=cfg.rollout.endpoint)
 
 
+@dataclass(frozen=True)
+class Rewritten:
+    """A training request as the proxy sends it, and the length budget it asked for (None: unset), which
+    the audit holds the answer's length finishes to (``sglang_response.check_not_clipped``)."""
+
+    body: bytes
+    max_new_tokens: int | None
+
+
 def rewrite_body(
     raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None, vocab_size: int | None = None
 ) -> bytes:
     """The request body ``raw`` for ``endpoint`` ("generate" | "chat") rewritten to ``contract``;
     a client's K above ``max_k`` is refused even though the contract's K replaces it
     (``vocab_size``, when ``max_k`` is the vocabulary, names it in the refusal)."""
+    return rewrite_request(raw, endpoint, contract, max_k=max_k, vocab_size=vocab_size).body
+
+
+def rewrite_request(
+    raw: bytes, endpoint: str, contract: Contract, *, max_k: int | None = None, vocab_size: int | None = None
+) -> Rewritten:
+    """``rewrite_body``'s request, with the length budget it asks for."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -76,9 +92,11 @@ def rewrite_body(
         check_k(body, endpoint, max_k, vocab_size)
     if endpoint == "generate":
         rewrite_generate(body, contract)
+        budget = body["sampling_params"].get("max_new_tokens")
     else:
         rewrite_chat(body, contract)
-    return orjson.dumps(body)
+        budget = body.get("max_completion_tokens", body.get("max_tokens"))
+    return Rewritten(orjson.dumps(body), budget if type(budget) is int else None)
 
 
 def check_k(body: dict, endpoint: str, max_k: int, vocab_size: int | None = None) -> None:

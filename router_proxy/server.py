@@ -38,7 +38,7 @@ from router_proxy.audit import audit_body
 from router_proxy.events import AuditPublisher, ProxyMetrics
 from router_proxy.front import Reply, Request
 from router_proxy.probe import ProbeReport, learn_vocab_size, probe
-from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_body
+from router_proxy.rewrite import Contract, RequestRejected, check_eval_body, rewrite_request
 from router_proxy.upstream import UpstreamPool, UpstreamTooLarge
 from shared import response_arrays
 from shared.config import Config
@@ -270,7 +270,7 @@ class Proxy:
                 [],
             )
         try:
-            sent = rewrite_body(req.body, endpoint, self.contract, max_k=limit, vocab_size=vocab)
+            sent = rewrite_request(req.body, endpoint, self.contract, max_k=limit, vocab_size=vocab)
         except RequestRejected as exc:
             self.metrics.count(self.metrics.requests, endpoint, "rejected")
             return 400, orjson.dumps(exc.to_dict()), JSON, []
@@ -279,12 +279,12 @@ class Proxy:
         status, body, ctype = 0, b"", JSON
         violation, result = None, None
         try:
-            status, body, ctype = await self.pool.request(b"POST", req.target, sent, _sent_headers(req.headers))
+            status, body, ctype = await self.pool.request(b"POST", req.target, sent.body, _sent_headers(req.headers))
         except OSError as exc:
             violation = self._unreachable(req.target, exc)
         upstream_s = time.perf_counter() - sent_at
         if violation is None:
-            violation, result = self._audit(endpoint, status, body, ctype, binary)
+            violation, result = self._audit(endpoint, status, body, ctype, binary, sent.max_new_tokens)
         added_s = time.perf_counter() - started - upstream_s
         self.metrics.observe_added(added_s)
         self.metrics.count(self.metrics.verdicts, violation.rule if violation else "ok")
@@ -327,7 +327,7 @@ class Proxy:
         except Exception:  # noqa: BLE001 - unreadable as arrays: the client gets the JSON and the verdict header
             return None
 
-    def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes, binary: bool):
+    def _audit(self, endpoint: str, status: int, body: bytes, ctype: bytes, binary: bool, max_new_tokens: int | None):
         if status in REFUSED:
             text = body[:1000].decode(errors="replace")
             return ContractViolation(
@@ -354,6 +354,7 @@ class Proxy:
                 vocab_size=self.vocab_size,
                 content_type=ctype,
                 arrays=binary,
+                max_new_tokens=max_new_tokens,
             )
         except ContractViolation as exc:
             return exc, None

@@ -155,11 +155,51 @@ def check_not_aborted(metas: list[dict]) -> None:
     for i, meta in enumerate(metas):
         reason = meta.get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort":
+            message = reason.get("message")
+            if isinstance(message, str) and any(m in message for m in ENGINE_LIMIT_ABORTS):
+                raise ContractViolation(
+                    "prompt_over_engine_limit",
+                    f"sample {i} was aborted by the upstream ({message!r}): the prompt does not fit the engine's "
+                    "context length or KV pool, and never will; start SGLang with a larger --context-length or KV "
+                    "pool (--mem-fraction-static, --max-total-tokens), or lower --rollout-session-max-tokens",
+                    sample=i,
+                )
             raise ContractViolation(
                 "sample_aborted",
                 f"sample {i} was aborted by the upstream ({reason.get('message')!r}), its output "
                 "cut off; the request may be retried",
                 sample=i,
+            )
+
+
+# SGLang's abort messages for a prompt its server cannot hold at all (scheduler.py, managers/utils.py): the
+# same request is aborted again on every attempt.
+ENGINE_LIMIT_ABORTS = ("exceeds the KV memory budget", "exceeds the maximum allowed length")
+
+
+def check_not_clipped(metas: list[dict], max_new_tokens: int | None) -> None:
+    """A sample that finished ``length`` ended at the budget the request asked for. SGLang lowers a
+    request's ``max_new_tokens`` without a word where the prompt leaves less room in its context length
+    or KV pool (``--allow-auto-truncate``, ``SGLANG_MAX_NEW_TOKENS_LIMIT`` too), and its length finish
+    then states the lowered budget: a response cut short by the engine, not by the run's settings."""
+    if max_new_tokens is None:
+        return
+    for i, meta in enumerate(metas):
+        reason = meta.get("finish_reason")
+        if not isinstance(reason, dict) or reason.get("type") != "length":
+            continue
+        length = reason.get("length")
+        if type(length) is int and length < max_new_tokens:
+            raise ContractViolation(
+                "length_clipped",
+                f"sample {i} finished 'length' at {length} tokens, below the request's max_new_tokens "
+                f"{max_new_tokens}: the engine lowered the budget to what its context length or KV pool leaves "
+                "after the prompt; start SGLang with a larger --context-length or KV pool "
+                "(--mem-fraction-static, --max-total-tokens), or lower --rollout-max-new-tokens / "
+                "--rollout-session-max-tokens",
+                sample=i,
+                expected=max_new_tokens,
+                found=length,
             )
 
 

@@ -408,6 +408,58 @@ def test_sglangs_finish_reasons_pass_and_travel_as_their_type(reason, travels):
     assert response_arrays.decode(result.reply).finish_reasons == [travels]
 
 
+@pytest.mark.parametrize(
+    "reason, max_new_tokens, rule",
+    [
+        ({"type": "length", "length": 8}, 8, "ok"),  # the run's own budget: a length finish it asked for
+        ({"type": "length", "length": 8}, None, "ok"),  # no budget stated: nothing to hold it to
+        ({"type": "stop", "matched": 2}, 20, "ok"),  # stopped early by itself
+        ({"type": "length", "length": 8}, 10, "length_clipped"),  # the engine lowered the budget
+    ],
+)
+def test_a_length_finish_below_the_requests_budget_is_clipped_in_both_answers(reason, max_new_tokens, rule):
+    doc = orjson.loads(native_response(1, 8, VOCAB))
+    doc["meta_info"]["finish_reason"] = reason
+    found = []
+    for arrays in (False, True):
+        try:
+            audit_body(
+                orjson.dumps(doc),
+                endpoint="generate",
+                mode="selected",
+                k=8,
+                vocab_size=VOCAB,
+                arrays=arrays,
+                max_new_tokens=max_new_tokens,
+            )
+            found.append("ok")
+        except ContractViolation as v:
+            found.append(v.rule)
+            assert (v.sample, v.expected, v.found) == (0, 10, 8)
+            assert str(v).startswith("sample 0 finished 'length' at 8 tokens, below the request's max_new_tokens 10")
+            assert "--context-length" in str(v) and "--rollout-max-new-tokens" in str(v)
+    assert found == [rule, rule]
+
+
+@pytest.mark.parametrize(
+    "message, rule",
+    [
+        ("Request prompt exceeds the KV memory budget: input_len=3000.", "prompt_over_engine_limit"),
+        (
+            "Input length (3000 tokens) exceeds the maximum allowed length (2042 tokens). Use a shorter input or "
+            "enable --allow-auto-truncate.",
+            "prompt_over_engine_limit",
+        ),
+        ("Abort in waiting queue", "sample_aborted"),
+        (None, "sample_aborted"),
+    ],
+)
+def test_an_abort_for_a_prompt_the_engine_cannot_hold_is_told_from_a_retryable_one(message, rule):
+    doc = orjson.loads(native_response(1, 8, VOCAB))
+    doc["meta_info"]["finish_reason"] = {"type": "abort", "message": message}
+    assert [r for r, _ in both_answers(doc)] == [rule, rule]
+
+
 def test_a_log_prob_below_float32s_range_is_malformed_in_both_answers():
     # found by fuzz/fuzz_proxy_audit.py: it passed, and travelled as -inf, an empty slot beside a real id
     doc = orjson.loads(native_response(2, 8, VOCAB, seed=1))

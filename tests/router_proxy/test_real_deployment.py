@@ -230,6 +230,22 @@ def test_a_request_sglang_refuses_keeps_its_400_and_sglangs_message(sglang, prox
     assert "1100" in out["error"]["message"] and "context length" in out["error"]["message"].lower(), out
 
 
+def test_a_response_the_engine_cut_below_its_budget_is_never_passed(sglang, proxy_to):
+    """SGLang lowers max_new_tokens to what its context leaves after the prompt (its scheduler keeps a
+    token more than its tokenizer manager checks), answers 200 and a length finish at the lowered
+    budget: a response cut short by the engine, which the proxy blocks, naming both budgets."""
+    body = {"input_ids": [104] * 1000, "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+    status, direct = http("POST", sglang.url + "/generate", body)
+    assert status == 200 and direct["meta_info"]["finish_reason"] == {"type": "length", "length": 22}, direct
+    assert direct["meta_info"]["completion_tokens"] == 22
+    status, out = http("POST", proxy_to(sglang.url) + "/generate", body)
+    assert status == 502, out
+    assert (out["error"]["rule"], out["error"]["expected"], out["error"]["found"]) == ("length_clipped", 24, 22)
+    fits = {"input_ids": [104] * 1000, "sampling_params": {"max_new_tokens": 22, "ignore_eos": True}}
+    status, out = http("POST", proxy_to(sglang.url) + "/generate", fits)
+    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 22}, out
+
+
 def test_an_aborted_sample_is_never_passed_as_a_training_response(sglang, proxy_to):
     """SGLang answers an aborted request with 200 and the output so far; the proxy blocks it."""
     import threading
