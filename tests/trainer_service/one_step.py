@@ -6,7 +6,8 @@ JSON list. The harness of test_distributed.py, which compares 1 and 2 ranks.
 trainer does (``trainer_service.distributed.scatter_shards``). ``--probe DIR``: each rank writes
 ``DIR/rank-R.json``, what it did towards devices and collectives (``tests.trainer_service.probe``):
 the device it bound, the backend it asked for, the device of every tensor of every collective,
-and the sample ids it trained.
+and the sample ids it trained. ``--save-each``: the model after each step is also saved, under
+``OUT/step-N`` (N from 1), so one launch shows the model at every step.
 
     torchrun --nproc-per-node 2 -m tests.trainer_service.one_step --model DIR --batch batch.bin --out DIR2
 """
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="the model's parameters")
     parser.add_argument("--scatter", action="store_true", help="rank 0 sends each rank its shard only")
     parser.add_argument("--probe", help="directory for each rank's record of devices and collectives")
+    parser.add_argument("--save-each", action="store_true", help="also save the model after each step, OUT/step-N")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     probe = None
     if args.probe:
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             local = {"local": True} if args.scatter else {}  # a shard already
             metrics.append(train_step(model, optimizer, batch, LossSettings(), max_grad_norm=1.0, **local))
+            if args.save_each:
+                save_model(model, str(Path(args.out) / f"step-{len(metrics)}"))
         save_model(model, args.out)
         if args.metrics and is_main():
             with open(args.metrics, "w") as fh:
