@@ -24,7 +24,7 @@ file and its mode ``--to``/``--jsonl``/``--train``), and secrets (docs/config.md
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_serializer, model_validator
 from pydantic.fields import FieldInfo
@@ -345,6 +345,20 @@ class Config(Settings):
             if given:
                 data[field] = given
         return data
+
+    def __getattr__(self, item: str) -> Any:
+        """A setting read by its flat public name is named where it lives (``cfg.rollout.n``)."""
+        try:
+            return super().__getattr__(item)
+        except AttributeError:
+            for field, group in zip(type(self).model_fields, _groups(type(self)), strict=True):
+                for attribute, info in group.model_fields.items():
+                    if item in (attribute, info.alias):
+                        raise AttributeError(
+                            f"Config has no attribute {item!r}: the setting lives in a group, read it as "
+                            f"cfg.{field}.{attribute}"
+                        ) from None
+            raise
 
     @model_serializer(mode="wrap")
     def _public(self, dump) -> dict:

@@ -32,7 +32,7 @@ def test_a_phase_counts_the_cpu_a_server_spent_in_it_and_not_before():
     finally:
         child.kill()
         child.wait()
-    assert BURN <= cpu["servers"]["server"] < BURN + 0.1
+    assert BURN - 0.02 <= cpu["servers"]["server"] < BURN + 0.1  # /proc counts whole 10 ms ticks
     assert cpu["servers"]["engine-0"] == cpu["servers"]["server"]
     assert 0 <= cpu["bench_process"] < 0.1
     assert cpu["machine"] >= BURN - 0.02  # the machine's clock ticks at 10 ms

@@ -138,7 +138,7 @@ async def within(event: asyncio.Event, what: str, seconds: float = 60.0) -> None
 
 def test_a_full_store_refuses_by_name_loses_nothing_and_trains_each_task_once(tmp_path):
     SETTINGS.check_with(CFG)  # a cap the trainer starts with
-    assert CAP == ROOM == 3 * N * sample_max_bytes(CFG)
+    assert CAP == ROOM == 3 * N * sample_max_bytes(CFG.rollout)
     lines = Lines()
     for name in ("centerline.worker", "centerline.trainer"):
         logging.getLogger(name).addHandler(lines)

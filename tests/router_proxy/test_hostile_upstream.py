@@ -118,8 +118,10 @@ def valid_doc(chat: bool, tokens: int) -> dict:
 
 
 @st.composite
-def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
-    """``(kind, body)``: a body no audit may accept; ``kind`` "valid" is the one exception."""
+def hostile_body(draw, chat: bool) -> tuple[str, bytes, int]:
+    """``(kind, body, budget)``: a body no audit may accept for a request of ``budget`` new tokens;
+    ``kind`` "valid" is the one exception. "clipped" is a valid body whose length finish falls short of
+    the budget (an engine that cut the answer at its context limit)."""
     tokens = draw(st.integers(1, 3))
     doc = valid_doc(chat, tokens)
     meta = doc["choices"][0]["meta_info"] if chat else doc["meta_info"]
@@ -127,6 +129,7 @@ def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
         st.sampled_from(
             [
                 "valid",
+                "clipped",
                 "entry",
                 "row",
                 "field",
@@ -141,8 +144,12 @@ def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
             ]
         )
     )
-    if kind == "valid":
-        return kind, orjson.dumps(doc)
+    if kind in ("valid", "clipped"):
+        return kind, orjson.dumps(doc), tokens + (draw(st.integers(1, 2)) if kind == "clipped" else 0)
+    return (*hostile_error(draw, kind, doc, meta, tokens), tokens)
+
+
+def hostile_error(draw, kind: str, doc: dict, meta: dict, tokens: int) -> tuple[str, bytes]:
     if kind == "huge":
         return kind, huge()
     if kind == "empty":
@@ -182,14 +189,15 @@ def hostile_body(draw, chat: bool) -> tuple[str, bytes]:
     elif kind == "field":
         meta[draw(st.sampled_from(["output_token_logprobs", "output_top_logprobs"]))] = junk
     elif kind == "meta":
-        (doc["choices"][0] if chat else doc)["meta_info"] = junk
+        (doc["choices"][0] if "choices" in doc else doc)["meta_info"] = junk
     else:  # "top": the whole document
         doc = draw(st.sampled_from([junk, {"choices": junk}, {"meta_info": junk}]))
     return kind, orjson.dumps(doc)
 
 
 class Answer(dict):
-    """A drawn answer: ``path``, ``raw`` (the bytes sent), ``status``, ``body``, ``ctype``, ``framing``, ``kind``.
+    """A drawn answer: ``path``, ``raw`` (the bytes sent), ``status``, ``body``, ``ctype``, ``framing``, ``kind``,
+    ``budget`` (the new tokens the request asks for).
     Its repr is short: a failing example must not print a 50 MiB body."""
 
     def __repr__(self) -> str:
@@ -203,7 +211,7 @@ class Answer(dict):
 @st.composite
 def hostile_answer(draw) -> Answer:
     chat = draw(st.booleans())
-    kind, body = draw(hostile_body(chat))
+    kind, body, budget = draw(hostile_body(chat))
     status = draw(st.sampled_from([200] * 6 + [404, 429, 500, 503]))
     ctype = draw(
         st.sampled_from(
@@ -231,7 +239,7 @@ def hostile_answer(draw) -> Answer:
     else:
         raw = head + b"content-length: %d\r\n\r\n" % (len(body) + 10) + body
     path = "/v1/chat/completions" if chat else "/generate"
-    return Answer(path=path, raw=raw, status=status, body=body, ctype=ctype, framing=framing, kind=kind)
+    return Answer(path=path, raw=raw, status=status, body=body, ctype=ctype, framing=framing, kind=kind, budget=budget)
 
 
 def post(
@@ -274,11 +282,15 @@ def passes(answer: dict) -> bool:
     )
 
 
-def ask(stack, mode: str, path: str, raw: bytes):
+def ask(stack, mode: str, path: str, raw: bytes, budget: int = 3):
     upstream, proxies = stack
     rid = f"fuzz-{next(ids)}"
     upstream.answers[rid.encode()] = raw
-    request = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3} if path.startswith("/v1") else None
+    request = (
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": budget}
+        if path.startswith("/v1")
+        else {"text": "a", "sampling_params": {"max_new_tokens": budget}}
+    )
     try:
         return post(proxies[mode].url, path, rid, request)
     finally:
@@ -296,13 +308,15 @@ def expected_rule(answer: dict) -> str | None:
         return "upstream_unreachable"
     if answer["status"] != 200:
         return "upstream_status"
-    return None if is_json(answer["ctype"]) else "malformed_response"
+    if not is_json(answer["ctype"]):
+        return "malformed_response"
+    return "length_clipped" if answer["kind"] == "clipped" else None
 
 
 @settings(FUZZ, max_examples=300)
 @given(answer=hostile_answer())
 def test_enforce_mode_answers_every_hostile_upstream_answer_with_502_and_a_rule(stack, answer):
-    status, body, headers = ask(stack, "enforce", answer["path"], answer["raw"])
+    status, body, headers = ask(stack, "enforce", answer["path"], answer["raw"], answer["budget"])
     if passes(answer):
         assert (status, headers["x-centerline-audit"]) == (200, "ok") and body == answer["body"]
         return
@@ -322,7 +336,7 @@ def test_enforce_mode_answers_every_hostile_upstream_answer_with_502_and_a_rule(
 @settings(FUZZ, max_examples=150)
 @given(answer=hostile_answer())
 def test_observe_mode_passes_what_the_upstream_answered_with_a_verdict(stack, answer):
-    status, body, headers = ask(stack, "observe", answer["path"], answer["raw"])
+    status, body, headers = ask(stack, "observe", answer["path"], answer["raw"], answer["budget"])
     verdict = headers["x-centerline-audit"]
     rule = expected_rule(answer)
     if rule in ("upstream_too_large", "upstream_unreachable"):  # no whole answer to pass on

@@ -95,3 +95,16 @@ def test_a_bad_item_of_a_grouped_list_names_the_list_s_flag():
 def test_a_rule_of_the_loss_group_names_its_flag():
     with pytest.raises(ConfigError, match=r"^--score-centering-mis-low 6.0: needs 0 <= --score-centering-mis-low <"):
         resolve(env={"CENTERLINE_SCORE_CENTERING_MIS_LOW": "6"})
+
+
+def test_a_setting_read_by_its_flat_name_says_which_group_holds_it():
+    cfg = Config(rollout_n=8)
+    with pytest.raises(AttributeError) as info:
+        cfg.rollout_n  # noqa: B018
+    assert (
+        str(info.value) == "Config has no attribute 'rollout_n': the setting lives in a group, read it as cfg.rollout.n"
+    )
+    with pytest.raises(AttributeError, match=r"read it as cfg\.rollout\.session_max_tokens$"):
+        cfg.session_max_tokens  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^'Config' object has no attribute 'no_such_setting'$"):
+        cfg.no_such_setting  # noqa: B018
