@@ -3,8 +3,8 @@ sessions (the toy task ``chain`` with its built-in environment: 2-4 turns a sess
 as a session's turn 2 arrives (failpoint ``worker.between_turns@2=kill``, one task at a time), one
 turn answered and nothing published. The task comes back after ``ack_wait`` to the other worker,
 started with it, as attempt 2 in new sessions, and the trainer (asynchronous default) trains every
-group once, whole: nothing lost, nothing dropped, no group twice. Prints one ``RELIABILITY`` line
-(``pytest -s``)."""
+group once, whole: nothing lost, nothing dropped but a late second attempt, no group twice.
+Prints one ``RELIABILITY`` line (``pytest -s``)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,17 @@ def test_a_worker_killed_between_two_turns_of_a_session_leaves_every_group_train
     print("\n" + figures.summary("session-between-turns"))
 
     assert '"task done"' not in dying.log()  # the dying worker published nothing
-    assert {b.producer for b in stored} == {"w1"} and len(stored) == STEPS * PROMPTS_PER_STEP
+    # Stored beyond the trained groups: only another attempt of a trained task, which the gate drops
+    # as duplicate_attempt. With a 3 s ack_wait on two cores a whole suite loads, a task's heartbeat
+    # can come late and the task go to w1 twice (one such run: published 6, trained 4).
+    extra = len(stored) - STEPS * PROMPTS_PER_STEP
+    assert {b.producer for b in stored} == {"w1"} and extra >= 0
+    assert figures.dropped == ({"duplicate_attempt": extra} if extra else {})
     [task] = [t for t, attempts in run["attempts"].items() if attempts != {1}]
     assert run["attempts"][task] == {2} and run["state"]["ledger"][task]["attempt"] == 2
-    assert [(b.batch_id, b.parts) for b in stored if b.task_id == task] == [(f"{task}#2", 1)]  # attempt 2, once
-    assert figures.trained == figures.published == figures.acked == STEPS * PROMPTS_PER_STEP
+    assert [(b.batch_id, b.parts) for b in stored if b.task_id == task][0] == (f"{task}#2", 1)  # attempt 2 first
+    assert figures.trained == STEPS * PROMPTS_PER_STEP and figures.published == figures.acked == len(stored)
     assert (figures.lost, figures.duplicated, figures.dead_lettered, figures.groups_twice) == (0, 0, 0, 0)
-    assert figures.dropped == {}
     assert run["ledger_matches_stream"] and set(run["trained"]) == run["expected"]
     assert all(n == 1 for n in run["trained"].values()) and len(run["trained"]) == STEPS * PROMPTS_PER_STEP * ROLLOUT_N
     tokenizer = AutoTokenizer.from_pretrained(str(topology.model))
